@@ -1,0 +1,101 @@
+"""Sessions that compose the packages.
+
+    nox -s bench          the main job (today: the block-table prepare benchmark)
+    nox -s block_tables   block-tables tests with numpy only (proves it needs no torch)
+    nox -s tests          every CPU suite of every package + tests-integration
+    nox -s gpu            the GPU suites; needs RUN_H2D_GPU_TESTS=1 and CUDA, else fails
+    nox -s lint           ruff + mypy
+
+Packages are discovered from ``packages/*/pyproject.toml``; a new package needs no edit
+here. Local packages are installed with ``--no-deps`` after the pinned third-party
+requirements, so no resolver ever pulls an unpinned (multi-GB CUDA) torch.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
+# The CPU build of torch 2.13.0 lies on disk on CI machines; an unpinned torch would
+# download a CUDA build of several GB.
+TORCH = "torch==2.13.0"
+TRITON = "triton==3.6.0"
+TEST_DEPS = ["numpy", "pytest", "hypothesis"]
+
+nox.options.sessions = ["block_tables", "tests"]
+nox.options.default_venv_backend = "venv"
+
+
+def _install_local(session: nox.Session, packages: list[Path]) -> None:
+    session.install("hatchling")
+    session.install("--no-deps", "--no-build-isolation", *[str(p) for p in packages])
+
+
+def _test_dirs() -> list[str]:
+    dirs = [str(p / "tests") for p in PACKAGES if (p / "tests").is_dir()]
+    integration = ROOT / "tests-integration"
+    if any(integration.glob("test_*.py")):
+        dirs.append(str(integration))
+    return dirs
+
+
+@nox.session
+def block_tables(session: nox.Session) -> None:
+    """block-tables with numpy, pytest and hypothesis only: no torch anywhere."""
+    session.install(*TEST_DEPS)
+    _install_local(session, [ROOT / "packages" / "block-tables"])
+    session.run(
+        "python", "-c",
+        "import importlib.util, sys; "
+        "sys.exit('torch is installed in the block_tables session' "
+        "if importlib.util.find_spec('torch') else 0)",
+    )
+    session.run("python", "-m", "pytest", "packages/block-tables/tests", *session.posargs)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every CPU suite; Triton kernels run through the interpreter on CPU tensors."""
+    session.install(TORCH, TRITON, *TEST_DEPS)
+    _install_local(session, PACKAGES)
+    session.run(
+        "python", "-m", "pytest", *_test_dirs(), *session.posargs,
+        env={"TRITON_INTERPRET": "1"},
+    )
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """GPU suites in the current environment (its CUDA torch), sources on PYTHONPATH."""
+    if os.environ.get("RUN_H2D_GPU_TESTS") != "1":
+        session.error("RUN_H2D_GPU_TESTS=1 is not set: GPU suites were not run")
+    session.run(
+        "python", "-c",
+        "import sys, torch; sys.exit(0 if torch.cuda.is_available() else "
+        "'CUDA is not available: GPU suites were not run')",
+    )
+    src = os.pathsep.join(str(p / "src") for p in PACKAGES)
+    session.run(
+        "python", "-m", "pytest", *_test_dirs(), *session.posargs,
+        env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1"},
+    )
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """The main job: see README.md for what it runs and where results go."""
+    session.install(TORCH, TRITON, "numpy", "matplotlib")
+    _install_local(session, PACKAGES)
+    session.run("python", "benchmarks/main.py", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the workspace, mypy over every package's sources."""
+    session.install("ruff", "mypy", "numpy", TORCH, TRITON, "pytest", "hypothesis", "nox")
+    session.run("ruff", "check", ".")
+    session.run("mypy", *[str(p / "src") for p in PACKAGES])
