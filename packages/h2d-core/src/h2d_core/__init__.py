@@ -1,0 +1,66 @@
+"""h2d-core: publish a runner's per-step metadata with one DMA + one scatter per group.
+
+Public API::
+
+    state = H2DRunnerState("cuda", num_slots=1, backend=None)   # ATOM_H2D_BACKEND read once
+    buf = state.buffer("slot_mapping", (N,), torch.int64, group="mha_decode", unit="elements")
+    state.combine("decode", ["token_inputs", "mha_decode"])     # optional
+    state.bind()
+    state.begin(); buf.np[:n] = ...; state.set_count(buf, n)
+    state.publish("decode"); state.finish()
+
+    @h2d_producer("mha_decode")
+    def prepare_decode(adapter, batch): ...     # adapter.h2d_state is the owner
+"""
+
+from .buffer import BufferSpec, CountUnit, H2DBuffer
+from .config import ENV_VAR, Backend, resolve_backend
+from .errors import (
+    BackendError,
+    BindingError,
+    CountError,
+    DeclarationError,
+    DeviceMismatchError,
+    DuplicatePublicationError,
+    EpochError,
+    H2DError,
+    MembershipError,
+    NotBoundError,
+    OwnerInvalidatedError,
+    OwnerThreadError,
+    ReentryError,
+    StreamMismatchError,
+    UnknownGroupError,
+)
+from .group import GroupCounters, GroupPlan
+from .producer import h2d_producer
+from .state import H2DRunnerState, PublicationEnqueueError
+
+__all__ = [
+    "ENV_VAR",
+    "Backend",
+    "BackendError",
+    "BindingError",
+    "BufferSpec",
+    "CountError",
+    "CountUnit",
+    "DeclarationError",
+    "DeviceMismatchError",
+    "DuplicatePublicationError",
+    "EpochError",
+    "GroupCounters",
+    "GroupPlan",
+    "H2DBuffer",
+    "H2DError",
+    "H2DRunnerState",
+    "MembershipError",
+    "NotBoundError",
+    "OwnerInvalidatedError",
+    "OwnerThreadError",
+    "PublicationEnqueueError",
+    "ReentryError",
+    "StreamMismatchError",
+    "UnknownGroupError",
+    "h2d_producer",
+    "resolve_backend",
+]

@@ -1,0 +1,185 @@
+"""Declared metadata buffers: a pinned CPU source per slot and one fixed GPU destination."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .errors import CountError, DeclarationError, NotBoundError
+
+if TYPE_CHECKING:
+    from .state import H2DRunnerState
+
+
+class CountUnit(str, enum.Enum):
+    """What ``set_count(buffer, n)`` counts: rows along dim 0, elements, or bytes."""
+
+    ROWS = "rows"
+    ELEMENTS = "elements"
+    BYTES = "bytes"
+
+
+# numpy cannot view these dtypes; their buffers have no ``.np``.
+_NO_NUMPY = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """Everything fixed at declaration: name, shape, dtype, producer group and count unit."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    group: str
+    unit: CountUnit
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes per counted unit."""
+        if self.unit is CountUnit.ROWS:
+            return math.prod(self.shape[1:]) * self.itemsize
+        if self.unit is CountUnit.ELEMENTS:
+            return self.itemsize
+        return 1
+
+    @property
+    def capacity(self) -> int:
+        """The largest count, in the buffer's unit."""
+        if self.unit is CountUnit.ROWS:
+            return self.shape[0]
+        if self.unit is CountUnit.ELEMENTS:
+            return math.prod(self.shape)
+        return self.nbytes
+
+    @property
+    def has_numpy_view(self) -> bool:
+        return self.dtype not in _NO_NUMPY
+
+
+def make_spec(
+    name: str, shape: tuple[int, ...] | int, dtype: torch.dtype, group: str, unit: CountUnit | str
+) -> BufferSpec:
+    """Validate a declaration and freeze it."""
+    if not name or not isinstance(name, str):
+        raise DeclarationError(f"buffer name must be a non-empty str, got {name!r}")
+    if not group or not isinstance(group, str):
+        raise DeclarationError(f"buffer {name!r}: group must be a non-empty str, got {group!r}")
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if not dims or any((not isinstance(d, int)) or isinstance(d, bool) or d <= 0 for d in dims):
+        raise DeclarationError(
+            f"buffer {name!r}: shape must be positive ints, got {shape!r}"
+        )
+    try:
+        count_unit = CountUnit(unit)
+    except ValueError:
+        valid = ", ".join(repr(u.value) for u in CountUnit)
+        raise DeclarationError(
+            f"buffer {name!r}: unknown count unit {unit!r}; use one of {valid}"
+        ) from None
+    if not isinstance(dtype, torch.dtype):
+        raise DeclarationError(f"buffer {name!r}: dtype must be a torch.dtype, got {dtype!r}")
+    return BufferSpec(name, dims, dtype, group, count_unit)
+
+
+class H2DBuffer:
+    """A ``CpuGpuBuffer``-shaped metadata buffer owned by an :class:`H2DRunnerState`.
+
+    ``.cpu`` / ``.np`` are the *current slot's* pinned source (after ``bind()``), ``.gpu``
+    the fixed destination. Producers write the source in place, then call
+    ``state.set_count(buffer, n)``; the group publication moves the bytes. Keep no
+    ``.cpu``/``.np`` reference across steps: each slot has its own source.
+    """
+
+    def __init__(self, spec: BufferSpec, gpu: torch.Tensor, state: H2DRunnerState) -> None:
+        self.spec = spec
+        self.gpu = gpu
+        self._state = state
+        self._sources: list[torch.Tensor] = []
+        self._numpy: list[np.ndarray | None] = []
+        # Filled by the state at bind time: where this member sits in its publication group.
+        self.publication_group = ""
+        self.member_index = -1
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def group(self) -> str:
+        return self.spec.group
+
+    def _attach_sources(self, sources: list[torch.Tensor]) -> None:
+        self._sources = sources
+        self._numpy = [s.numpy() if self.spec.has_numpy_view else None for s in sources]
+
+    def source(self, slot: int) -> torch.Tensor:
+        """The pinned CPU source of ``slot``."""
+        if not self._sources:
+            raise NotBoundError(f"buffer {self.name!r}: call state.bind() before using sources")
+        return self._sources[slot]
+
+    @property
+    def cpu(self) -> torch.Tensor:
+        """The current slot's pinned CPU source."""
+        return self.source(self._state.current_slot)
+
+    @property
+    def np(self) -> np.ndarray:
+        """A numpy view of the current slot's source (not available for bf16/fp8)."""
+        if not self._sources:
+            raise NotBoundError(f"buffer {self.name!r}: call state.bind() before using sources")
+        view = self._numpy[self._state.current_slot]
+        if view is None:
+            raise DeclarationError(
+                f"buffer {self.name!r} has dtype {self.spec.dtype} which numpy cannot view; "
+                "write through .cpu instead"
+            )
+        return view
+
+    def check_count(self, count: object) -> int:
+        """Return ``count`` as an int if it is a valid count for this buffer, else raise."""
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)):
+            raise CountError(
+                f"buffer {self.name!r}: count must be an int in {self.spec.unit.value}, "
+                f"got {type(count).__name__} {count!r}"
+            )
+        n = int(count)
+        if n < 0 or n > self.spec.capacity:
+            raise CountError(
+                f"buffer {self.name!r}: count {n} {self.spec.unit.value} is outside "
+                f"[0, {self.spec.capacity}] (capacity of shape {self.spec.shape})"
+            )
+        if self.spec.unit is CountUnit.BYTES and n % self.spec.itemsize:
+            raise CountError(
+                f"buffer {self.name!r}: byte count {n} is not a multiple of its element size "
+                f"{self.spec.itemsize}; publish whole elements"
+            )
+        return n
+
+    def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
+        """Checked direct copy of the first ``n`` units (all when None) for standalone callers.
+
+        Returns the destination view. Same rules as a published member: owner thread, a valid
+        owner, an open epoch (the source is only protected inside one), a valid count.
+        """
+        return self._state.copy_member_direct(self, n)
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (
+            f"H2DBuffer({s.name!r}, shape={s.shape}, dtype={s.dtype}, group={s.group!r}, "
+            f"unit={s.unit.value!r})"
+        )

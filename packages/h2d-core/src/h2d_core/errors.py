@@ -1,0 +1,66 @@
+"""Exceptions raised by h2d-core. Every message names the buffer/group and the rule broken."""
+
+from __future__ import annotations
+
+
+class H2DError(RuntimeError):
+    """Base class of every h2d-core error."""
+
+
+class DeclarationError(H2DError):
+    """A buffer or group declaration is invalid (duplicate name, bad unit, overlap...)."""
+
+
+class BindingError(H2DError):
+    """Storage cannot be bound: overlapping CPU/GPU bytes, bad destination, wrong device."""
+
+
+class NotBoundError(H2DError):
+    """The state was used before ``bind()`` fixed its storage."""
+
+
+class CountError(H2DError, ValueError):
+    """A count is not an int, is negative, or exceeds the buffer's capacity."""
+
+
+class UnknownGroupError(H2DError, KeyError):
+    """A group name that no buffer declared."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+class MembershipError(H2DError):
+    """A buffer was used with a group it does not belong to."""
+
+
+class EpochError(H2DError):
+    """begin/finish/resume out of order, or work outside an open epoch."""
+
+
+class OwnerThreadError(H2DError):
+    """A call from a thread other than the one that owns the runner state."""
+
+
+class DeviceMismatchError(H2DError):
+    """The current device is not the runner state's device."""
+
+
+class StreamMismatchError(H2DError):
+    """Publication on a stream other than the epoch's consumer stream."""
+
+
+class DuplicatePublicationError(H2DError):
+    """A group was published (or produced) twice in one epoch without a reason."""
+
+
+class ReentryError(DuplicatePublicationError):
+    """A producer was entered again in the same epoch without a reason."""
+
+
+class OwnerInvalidatedError(H2DError):
+    """An earlier enqueue failed; the owner refuses work until ``reset()``."""
+
+
+class BackendError(H2DError, ValueError):
+    """An unknown ``ATOM_H2D_BACKEND`` value or backend argument."""

@@ -1,0 +1,694 @@
+"""The runner's publication owner: declarations, binding, slots, epochs, counts, publication.
+
+One :class:`H2DRunnerState` per model runner (per device). Its life:
+
+    state = H2DRunnerState("cuda", num_slots=1)          # reads ATOM_H2D_BACKEND once
+    ids = state.buffer("input_ids", (N,), torch.int32, group="token_inputs")
+    ...
+    state.combine("decode", ["token_inputs", "mha_decode"])   # optional combined group
+    state.bind()                                          # storage fixed from here on
+
+    slot = state.begin()          # waits until this slot's previous DMA read its sources
+    ids.np[:n] = ...; state.set_count(ids, n)             # producers write in place
+    state.publish("decode")       # validate, then 1 DMA + 1 scatter (or direct copies)
+    state.finish()                # records completion; never waits for the GPU
+
+Every rejected call raises before anything is enqueued or changed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from .buffer import BufferSpec, CountUnit, H2DBuffer, make_spec
+from .config import Backend, resolve_backend
+from .errors import (
+    BindingError,
+    DeclarationError,
+    DeviceMismatchError,
+    DuplicatePublicationError,
+    EpochError,
+    H2DError,
+    MembershipError,
+    NotBoundError,
+    OwnerInvalidatedError,
+    OwnerThreadError,
+    ReentryError,
+    StreamMismatchError,
+    UnknownGroupError,
+)
+from .group import GroupCounters, GroupPlan, SlotGroup, byte_span, find_overlap, unit_view
+
+
+class PublicationEnqueueError(H2DError):
+    """Enqueueing a copy or the scatter failed; the owner is now invalidated."""
+
+
+def _omit(rec: SlotGroup, i: int) -> None:
+    if rec.counts[i] is not None:
+        rec.counts[i] = None
+        rec.active -= 1
+        if rec.header_nbytes is not None:
+            rec.header_nbytes[i] = 0
+
+
+def _profiler_enabled() -> bool:
+    return bool(torch._C._autograd._profiler_enabled())
+
+
+class H2DRunnerState:
+    """Owner of a runner's metadata buffers, publication groups and slots.
+
+    Args:
+        device: where destinations live (``"cuda"``, ``"cuda:1"`` or ``"cpu"``). CPU mode
+            keeps the whole contract with plain tensors (no pinning, no streams/events).
+        num_slots: runner slots; each owns its pinned sources, packed arenas and
+            completion event. Pipeline parallelism rotates them.
+        backend: ``"packed"`` or ``"direct"``; None reads ``ATOM_H2D_BACKEND`` now, once.
+        scatter: how packed arenas scatter (passed to ``h2d_kernels.PackedArena``).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        num_slots: int = 1,
+        backend: Backend | str | None = None,
+        scatter: str = "auto",
+    ) -> None:
+        dev = torch.device(device) if device is not None else torch.device(
+            "cuda" if torch.cuda.is_available() else "cpu"
+        )
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        if dev.type not in ("cuda", "cpu"):
+            raise DeclarationError(f"device {dev} is not supported; use a CUDA device or cpu")
+        if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
+            raise DeclarationError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        self.device = dev
+        self.backend = resolve_backend(backend)
+        self.num_slots = num_slots
+        self._cuda = dev.type == "cuda"
+        self._scatter = scatter
+        self._owner = threading.get_ident()
+
+        self._buffers: dict[str, H2DBuffer] = {}
+        self._producer_groups: dict[str, list[H2DBuffer]] = {}
+        self._combined: dict[str, tuple[str, ...]] = {}
+        self._bound = False
+
+        self._plans: dict[str, GroupPlan] = {}
+        self._publication_group_of: dict[str, str] = {}
+        self._slot_groups: list[list[SlotGroup]] = []
+        self._counters: dict[str, GroupCounters] = {}
+        self._events: list[Any] = []
+        self._event_recorded: list[bool] = [False] * num_slots
+
+        self.current_slot = 0
+        self.epoch = 0
+        self._epoch_open = False
+        self._resumable = False
+        self._stream: Any = None
+        self._stream_id = 0
+        self._published: set[str] = set()
+        self._produced: set[str] = set()
+        self._invalid: str | None = None
+
+    # ------------------------------------------------------------------ declaration
+    def buffer(
+        self,
+        name: str,
+        shape: tuple[int, ...] | int,
+        dtype: torch.dtype,
+        *,
+        group: str,
+        unit: CountUnit | str = CountUnit.ELEMENTS,
+        gpu: torch.Tensor | None = None,
+    ) -> H2DBuffer:
+        """Declare a buffer of producer ``group`` counted in ``unit``.
+
+        The destination is allocated now (zeroed) unless ``gpu`` supplies an existing one
+        (same shape/dtype, on this state's device; a noncontiguous one makes its group
+        publish with direct copies). Sources are allocated by :meth:`bind`.
+        """
+        self._check_thread()
+        if self._bound:
+            raise DeclarationError(
+                f"buffer {name!r}: the state is already bound; declare every buffer before bind()"
+            )
+        spec = make_spec(name, shape, dtype, group, unit)
+        if name in self._buffers:
+            raise DeclarationError(f"buffer {name!r} is already declared")
+        if group in self._combined:
+            raise DeclarationError(
+                f"buffer {name!r}: {group!r} is a combined group; declare buffers with their "
+                "producer group"
+            )
+        if gpu is None:
+            gpu = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
+        else:
+            self._check_destination(spec, gpu)
+        buf = H2DBuffer(spec, gpu, self)
+        self._buffers[name] = buf
+        self._producer_groups.setdefault(group, []).append(buf)
+        return buf
+
+    def _check_destination(self, spec: BufferSpec, gpu: torch.Tensor) -> None:
+        if tuple(gpu.shape) != spec.shape or gpu.dtype != spec.dtype:
+            raise BindingError(
+                f"buffer {spec.name!r}: destination has shape {tuple(gpu.shape)} dtype "
+                f"{gpu.dtype}, declared {spec.shape} {spec.dtype}"
+            )
+        if gpu.device != self.device:
+            raise BindingError(
+                f"buffer {spec.name!r}: destination is on {gpu.device}, the state on {self.device}"
+            )
+
+    def combine(self, name: str, groups: Sequence[str]) -> None:
+        """Declare a combined group publishing several producer groups with one DMA.
+
+        The covered producer groups get no packed arena of their own; publishing one of them
+        alone (a standalone caller) uses checked direct copies.
+        """
+        self._check_thread()
+        if self._bound:
+            raise DeclarationError(f"combined group {name!r}: declare it before bind()")
+        if name in self._combined or name in self._producer_groups:
+            raise DeclarationError(f"group name {name!r} is already used")
+        if len(groups) < 2:
+            raise DeclarationError(f"combined group {name!r} needs at least two producer groups")
+        for g in groups:
+            if g not in self._producer_groups:
+                raise UnknownGroupError(
+                    f"combined group {name!r}: producer group {g!r} has no declared buffer"
+                )
+            for other, covered in self._combined.items():
+                if g in covered:
+                    raise DeclarationError(
+                        f"combined group {name!r}: producer group {g!r} is already covered by "
+                        f"{other!r}; a group can be covered once"
+                    )
+        self._combined[name] = tuple(groups)
+
+    # ------------------------------------------------------------------ binding
+    def bind(self) -> None:
+        """Fix all storage: plan groups, allocate per-slot sources/arenas, check overlaps."""
+        self._check_thread()
+        if self._bound:
+            raise DeclarationError("bind() was already called; bound storage stays fixed")
+        overlap = find_overlap([(*byte_span(b.gpu), b.name) for b in self._buffers.values()])
+        if overlap:
+            raise BindingError(
+                f"buffers {overlap[0]!r} and {overlap[1]!r} share GPU bytes; give each member "
+                "its own destination"
+            )
+        covered = {g: c for c, gs in self._combined.items() for g in gs}
+        publication: list[tuple[str, tuple[str, ...]]] = [
+            (c, gs) for c, gs in self._combined.items()
+        ]
+        publication += [(g, (g,)) for g in self._producer_groups if g not in covered]
+
+        plans: dict[str, GroupPlan] = {}
+        for index, (name, groups) in enumerate(publication):
+            members = [b for g in groups for b in self._producer_groups[g]]
+            why = ""
+            if self.backend is Backend.DIRECT:
+                why = "direct backend"
+            else:
+                bad = [b.name for b in members if not b.gpu.is_contiguous()]
+                if bad:
+                    why = f"noncontiguous destination(s) {bad}"
+            packed = not why
+            if packed:
+                members.sort(key=lambda b: b.spec.nbytes)
+            plans[name] = GroupPlan(name, index, tuple(members), groups, packed, why)
+
+        slot_groups: list[list[SlotGroup]] = [[] for _ in range(self.num_slots)]
+        sources: dict[str, list[torch.Tensor]] = {b: [] for b in self._buffers}
+        try:
+            for name, plan in list(plans.items()):
+                for slot in range(self.num_slots):
+                    rec, plan = self._bind_group(plan, sources)
+                    plans[name] = plan
+                    slot_groups[slot].append(rec)
+        except ValueError as exc:  # layout/destination rejections from h2d_kernels
+            raise BindingError(f"cannot bind packed storage: {exc}") from exc
+
+        for buf in self._buffers.values():
+            buf._attach_sources(sources[buf.name])
+            buf._dst_units = unit_view(buf.gpu, buf.spec.unit)
+            buf._src_units = [unit_view(s, buf.spec.unit) for s in sources[buf.name]]
+        for name, plan in plans.items():
+            for i, buf in enumerate(plan.members):
+                buf.publication_group = name
+                buf.member_index = i
+                self._publication_group_of[buf.group] = name
+            self._counters[name] = GroupCounters()
+        for g in self._producer_groups:
+            self._counters.setdefault(g, GroupCounters())
+        self._plans = plans
+        self._slot_groups = slot_groups
+        for recs in slot_groups:
+            for rec in recs:
+                rec.clear_counts()
+        if self._cuda:
+            self._events = [torch.cuda.Event() for _ in range(self.num_slots)]
+            self._acquire_event = torch.cuda.Event()
+        self._bound = True
+
+    def _bind_group(
+        self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]]
+    ) -> tuple[SlotGroup, GroupPlan]:
+        if not plan.packed:
+            for buf in plan.members:
+                sources[buf.name].append(
+                    torch.zeros(buf.spec.shape, dtype=buf.spec.dtype, pin_memory=self._cuda)
+                )
+            return SlotGroup(plan, None, None), plan
+        from h2d_kernels import ArenaMember, PackedArena, plan_arena
+
+        layout = plan_arena(
+            [ArenaMember(b.name, b.spec.nbytes, b.spec.itemsize) for b in plan.members]
+        )
+        arena = PackedArena(
+            layout, [b.gpu for b in plan.members], device=self.device, scatter=self._scatter
+        )
+        offsets = tuple(layout.payload_offset(i) for i in range(len(plan.members)))
+        header = arena.header_np
+        header[:] = 0
+        for i, off in enumerate(offsets):
+            header[i, 0] = off
+            header[i, 2] = i
+        for i, buf in enumerate(plan.members):
+            region = arena.payload_host(i)[: buf.spec.nbytes]
+            sources[buf.name].append(region.view(buf.spec.dtype).view(buf.spec.shape))
+        if not plan.payload_offsets:
+            plan = GroupPlan(
+                plan.name, plan.index, plan.members, plan.producer_groups, True, "",
+                offsets, layout.header_bytes,
+            )
+        return SlotGroup(plan, arena, header[:, 1]), plan
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def bound(self) -> bool:
+        return self._bound
+
+    @property
+    def invalidated(self) -> str | None:
+        """Why the owner refuses work (None while valid)."""
+        return self._invalid
+
+    @property
+    def epoch_open(self) -> bool:
+        return self._epoch_open
+
+    def buffers(self) -> Mapping[str, H2DBuffer]:
+        return dict(self._buffers)
+
+    def plan(self, group: str) -> GroupPlan:
+        """The bound plan of a publication group (a combined or uncovered producer group)."""
+        self._check_bound()
+        if group not in self._plans:
+            raise UnknownGroupError(self._unknown_group(group))
+        return self._plans[group]
+
+    def counters(self, group: str) -> GroupCounters:
+        """Counters of a publication or producer group."""
+        self._check_bound()
+        if group not in self._counters:
+            raise UnknownGroupError(self._unknown_group(group))
+        return self._counters[group]
+
+    def count(self, buffer: H2DBuffer) -> int | None:
+        """The count set for ``buffer`` in the current epoch (None: omitted)."""
+        self._check_member(buffer)
+        rec = self._slot_groups[self.current_slot][self._plans[buffer.publication_group].index]
+        return rec.counts[buffer.member_index]
+
+    def is_published(self, group: str) -> bool:
+        """Whether ``group`` was published in the current (or last) epoch."""
+        return group in self._published
+
+    def _unknown_group(self, group: str) -> str:
+        known = sorted(set(self._producer_groups) | set(self._combined))
+        return f"unknown group {group!r}; declared groups are {known}"
+
+    # ------------------------------------------------------------------ checks
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise OwnerThreadError(
+                "this H2DRunnerState belongs to another thread; call it from the thread that "
+                "created it"
+            )
+
+    def _check_bound(self) -> None:
+        if not self._bound:
+            raise NotBoundError("call bind() after declaring buffers and before using the state")
+
+    def _check_valid(self) -> None:
+        if self._invalid is not None:
+            raise OwnerInvalidatedError(
+                f"the H2D owner was invalidated by an earlier enqueue failure ({self._invalid}); "
+                "call reset() before further work"
+            )
+
+    def _check_ready(self, what: str) -> None:
+        """Owner thread, bound, valid, inside an epoch."""
+        if threading.get_ident() != self._owner:
+            self._check_thread()
+        if not self._bound:
+            self._check_bound()
+        if self._invalid is not None:
+            self._check_valid()
+        if not self._epoch_open:
+            raise EpochError(f"{what} outside an epoch: call begin() (or resume()) first")
+
+    def _check_device(self) -> None:
+        if self._cuda and torch.cuda.current_device() != self.device.index:
+            raise DeviceMismatchError(
+                f"current device is cuda:{torch.cuda.current_device()} but this state owns "
+                f"{self.device}; switch with torch.cuda.device({self.device.index})"
+            )
+
+    def _check_stream(self, stream: Any) -> Any:
+        if not self._cuda:
+            return None
+        current = torch.cuda.current_stream(self.device) if stream is None else stream
+        if current.cuda_stream != self._stream_id:
+            raise StreamMismatchError(
+                f"publication on stream {current.cuda_stream:#x} but the epoch's consumer "
+                f"stream is {self._stream_id:#x}; publish on the stream current at begin()"
+            )
+        return current
+
+    def _check_member(self, buffer: H2DBuffer) -> None:
+        if not isinstance(buffer, H2DBuffer) or self._buffers.get(buffer.name) is not buffer:
+            raise MembershipError(f"{buffer!r} is not a buffer of this state")
+        self._check_bound()
+
+    # ------------------------------------------------------------------ epochs
+    def begin(self, slot: int | None = None, *, stream: Any = None) -> int:
+        """Start one forward epoch on ``slot`` (default: the next slot, rotating).
+
+        Waits until this slot's previous completion event (its DMAs read the sources),
+        then producers may write. The current stream (or ``stream``) becomes the epoch's
+        consumer stream: every publication of the epoch must be enqueued on it.
+        """
+        self._check_thread()
+        self._check_bound()
+        self._check_valid()
+        if self._epoch_open:
+            raise EpochError(f"epoch {self.epoch} on slot {self.current_slot} is still open; "
+                             "call finish() first")
+        if slot is None:
+            slot = (self.current_slot + 1) % self.num_slots if self.epoch else 0
+        elif isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
+            raise EpochError(f"slot {slot!r} is not in [0, {self.num_slots})")
+        self._check_device()
+        if self._cuda:
+            s = torch.cuda.current_stream(self.device) if stream is None else stream
+            if s.device != self.device:
+                raise DeviceMismatchError(f"stream is on {s.device}, the state on {self.device}")
+        if self._event_recorded[slot]:
+            self._events[slot].synchronize()
+        self.current_slot = slot
+        self.epoch += 1
+        if self._cuda:
+            self._stream = s
+            self._stream_id = s.cuda_stream
+        for rec in self._slot_groups[slot]:
+            rec.clear_counts()
+        self._published.clear()
+        self._produced.clear()
+        self._epoch_open = True
+        self._resumable = False
+        return slot
+
+    def finish(self) -> None:
+        """Record this slot's completion after the epoch's uploads; never waits for the GPU."""
+        self._check_thread()
+        self._check_valid()
+        if not self._epoch_open:
+            raise EpochError("finish() without an open epoch: call begin() first")
+        if self._cuda:
+            self._events[self.current_slot].record(self._stream)
+            self._event_recorded[self.current_slot] = True
+        self._epoch_open = False
+        self._resumable = True
+
+    def resume(self) -> int:
+        """Reopen the epoch just finished (late two-batch-overlap preparation).
+
+        Groups published earlier in the epoch stay published; ``finish()`` records the
+        completion again after the late uploads.
+        """
+        self._check_thread()
+        self._check_valid()
+        if self._epoch_open:
+            raise EpochError(f"epoch {self.epoch} is open; resume() follows finish()")
+        if not self._resumable:
+            raise EpochError("nothing to resume: resume() must follow finish() of this epoch")
+        self._check_device()
+        self._epoch_open = True
+        self._resumable = False
+        return self.current_slot
+
+    # ------------------------------------------------------------------ counts
+    def set_count(self, buffer: H2DBuffer, count: int | None) -> None:
+        """Publish the first ``count`` units of ``buffer`` (padding included) this epoch.
+
+        ``None`` omits the member; ``0`` is an explicit empty publication. The count is
+        checked now (type, range, capacity); a rejected count changes nothing.
+        """
+        self._check_ready("set_count")
+        if self._buffers.get(buffer.name) is not buffer:
+            self._check_member(buffer)
+        if buffer.group in self._published:
+            raise DuplicatePublicationError(
+                f"buffer {buffer.name!r}: group {buffer.group!r} was already published in "
+                "this epoch; a second publication needs a reason (reopen())"
+            )
+        rec = self._slot_groups[self.current_slot][self._plans[buffer.publication_group].index]
+        i = buffer.member_index
+        if count is None:
+            if rec.counts[i] is not None:
+                rec.active -= 1
+                rec.counts[i] = None
+                if rec.header_nbytes is not None:
+                    rec.header_nbytes[i] = 0
+            return
+        n = buffer.check_count(count)
+        if rec.counts[i] is None:
+            rec.active += 1
+        rec.counts[i] = n
+        if rec.header_nbytes is not None:
+            nbytes = n * buffer.spec.unit_bytes
+            rec.header_nbytes[i] = nbytes
+            end = rec.plan.payload_offsets[i] + nbytes
+            if end > rec.dma_end:
+                rec.dma_end = end
+
+    def set_counts(
+        self,
+        counts: Mapping[H2DBuffer, int | None] | Iterable[tuple[H2DBuffer, int | None]],
+    ) -> None:
+        """Set several counts; all are validated before any is stored."""
+        items = list(counts.items() if isinstance(counts, Mapping) else counts)
+        self._check_ready("set_counts")
+        for buf, c in items:
+            self._check_member(buf)
+            if c is not None:
+                buf.check_count(c)
+            if buf.group in self._published:
+                raise DuplicatePublicationError(
+                    f"buffer {buf.name!r}: group {buf.group!r} was already published in this "
+                    "epoch; a second publication needs a reason (reopen())"
+                )
+        for buf, c in items:
+            self.set_count(buf, c)
+
+    # ------------------------------------------------------------------ publication
+    def publish(self, group: str, *, stream: Any = None) -> None:
+        """Publish ``group`` on the epoch's consumer stream.
+
+        A packed group with two or more active members: one DMA of the arena's header and
+        used payload, then one scatter. One active member, the direct backend, an ineligible
+        group, or a producer group covered by a combined group: one direct copy per active
+        member. Validation happens first; a rejected publication enqueues nothing.
+        """
+        self._check_ready(f"publish({group!r})")
+        plan = self._plans.get(group)
+        covered_members: Sequence[H2DBuffer] = ()
+        if plan is None:
+            if group not in self._producer_groups:
+                raise UnknownGroupError(self._unknown_group(group))
+            plan = self._plans[self._publication_group_of[group]]
+            covered_members = self._producer_groups[group]
+            producers: tuple[str, ...] = (group,)
+        else:
+            producers = plan.producer_groups
+        self._check_device()
+        s = self._check_stream(stream)
+        already = [g for g in (group, *producers) if g in self._published]
+        if already:
+            raise DuplicatePublicationError(
+                f"group {group!r}: {already} already published in epoch {self.epoch}; "
+                "supply a reason (reopen(group, reason)) for a deliberate second publication"
+            )
+        rec = self._slot_groups[self.current_slot][plan.index]
+        ctx = (
+            torch.autograd.profiler.record_function(f"h2d.publish/{group}")
+            if _profiler_enabled()
+            else nullcontext()
+        )
+        counters = self._counters[group]
+        try:
+            with ctx:
+                if covered_members:
+                    nbytes = self._copy_direct(rec, [b.member_index for b in covered_members])
+                elif plan.packed and rec.active > 1:
+                    rec.arena.publish(rec.dma_end, s)  # type: ignore[attr-defined]
+                    nbytes = int(rec.header_nbytes.sum())  # type: ignore[union-attr]
+                    counters.dmas += 1
+                    counters.scatters += 1
+                else:
+                    nbytes = self._copy_direct(rec, range(len(plan.members)))
+                    if plan.packed:
+                        counters.direct_fallbacks += 1
+        except H2DError:
+            raise
+        except Exception as exc:
+            self._invalid = f"publish({group!r}) failed: {type(exc).__name__}: {exc}"
+            raise PublicationEnqueueError(
+                f"enqueueing publication of group {group!r} failed; the owner is invalidated "
+                "and its storage retained; call reset() to recover"
+            ) from exc
+        counters.publications += 1
+        counters.bytes += nbytes
+        self._published.add(group)
+        self._published.update(producers)
+
+    def _copy_direct(self, rec: SlotGroup, indices: Iterable[int]) -> int:
+        members = rec.plan.members
+        slot = self.current_slot
+        counters = self._counters[rec.plan.name]
+        total = 0
+        for i in indices:
+            n = rec.counts[i]
+            if n is None:
+                continue
+            buf = members[i]
+            if n:
+                buf._dst_units[:n].copy_(buf._src_units[slot][:n], non_blocking=True)
+            counters.direct_copies += 1
+            total += n * buf.spec.unit_bytes
+        return total
+
+    def copy_member_direct(self, buffer: H2DBuffer, n: int | None) -> torch.Tensor:
+        """Checked direct copy of one buffer's first ``n`` units; returns the destination view."""
+        self._check_ready(f"copy_to_gpu of {buffer.name!r}")
+        self._check_member(buffer)
+        count = buffer.spec.capacity if n is None else buffer.check_count(n)
+        self._check_device()
+        self._check_stream(None)
+        dst = buffer._dst_units[:count]
+        try:
+            if count:
+                dst.copy_(buffer._src_units[self.current_slot][:count], non_blocking=True)
+        except Exception as exc:
+            self._invalid = f"copy_to_gpu({buffer.name!r}) failed: {type(exc).__name__}: {exc}"
+            raise PublicationEnqueueError(
+                f"enqueueing the direct copy of {buffer.name!r} failed; the owner is "
+                "invalidated; call reset() to recover"
+            ) from exc
+        c = self._counters[buffer.group]
+        c.direct_copies += 1
+        c.bytes += count * buffer.spec.unit_bytes
+        if buffer.spec.unit is CountUnit.ROWS:
+            return dst
+        return buffer.gpu.reshape(-1)[: count * buffer.spec.unit_bytes // buffer.spec.itemsize]
+
+    def reopen(self, group: str, reason: str) -> None:
+        """Allow a deliberate second publication of ``group`` in this epoch.
+
+        Acquires the sources first: waits until every DMA already enqueued on the consumer
+        stream (the earlier publication included) has completed, so rewriting them is safe.
+        The group's counts are cleared; producers set them again before publishing.
+        """
+        self._check_ready(f"reopen({group!r})")
+        if not isinstance(reason, str) or not reason.strip():
+            raise DuplicatePublicationError(
+                f"reopen({group!r}): a second publication needs a non-empty reason string"
+            )
+        if group not in self._plans and group not in self._producer_groups:
+            raise UnknownGroupError(self._unknown_group(group))
+        self._acquire_sources()
+        if group in self._plans:
+            pub = self._plans[group]
+            groups = pub.producer_groups
+        else:
+            pub = self._plans[self._publication_group_of[group]]
+            groups = pub.producer_groups if pub.name in self._published else (group,)
+        rec = self._slot_groups[self.current_slot][pub.index]
+        if set(groups) == set(pub.producer_groups):
+            rec.clear_counts()
+            self._published.discard(pub.name)
+        else:
+            for g in groups:
+                for b in self._producer_groups[g]:
+                    _omit(rec, b.member_index)
+        for g in groups:
+            self._published.discard(g)
+            self._produced.discard(g)
+        self._counters[group].second_publications += 1
+
+    def _acquire_sources(self) -> None:
+        if self._cuda:
+            self._acquire_event.record(self._stream)
+            self._acquire_event.synchronize()
+
+    # ------------------------------------------------------------------ producers
+    def enter_producer(self, groups: Sequence[str], reason: str | None) -> None:
+        """The check ``@h2d_producer`` runs before entering a producer of ``groups``."""
+        self._check_ready(f"producer of {list(groups)}")
+        for g in groups:
+            if g not in self._producer_groups:
+                raise UnknownGroupError(
+                    f"producer declares {g!r}, which is not a producer group with buffers; "
+                    + self._unknown_group(g)
+                )
+        repeated = [g for g in groups if g in self._produced or g in self._published]
+        if repeated and reason is None:
+            raise ReentryError(
+                f"producer of {list(groups)} entered again in epoch {self.epoch} on slot "
+                f"{self.current_slot} ({repeated} already produced/published); pass "
+                "h2d_reason='...' for a deliberate second publication"
+            )
+        for g in repeated:
+            if g in self._published:
+                self.reopen(g, reason or "")
+            else:
+                self._counters[g].second_publications += 1
+        self._produced.update(groups)
+
+    # ------------------------------------------------------------------ recovery
+    def reset(self) -> None:
+        """Recover an invalidated owner: wait for all enqueued work, then accept work again.
+
+        Storage is never freed or rebound; it is reused only after the device drained.
+        """
+        self._check_thread()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._invalid = None
+        self._epoch_open = False
+        self._resumable = False
+        self._published.clear()
+        self._produced.clear()
+        self._event_recorded = [False] * self.num_slots
