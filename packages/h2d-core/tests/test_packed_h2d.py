@@ -1,0 +1,261 @@
+"""Packed publication through the core: arena reuse, direct fallbacks, combined groups,
+packed == direct byte for byte, delayed source reuse, profiler counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from h2d_core import H2DRunnerState
+
+
+def _step(setup: Any, h: Any, rng: np.random.Generator, counts: dict[str, int | None],
+          group: str = "decode") -> dict[str, torch.Tensor]:
+    """Fill every source randomly, set counts, publish; return the expected destinations."""
+    st = setup.state
+    expected = {}
+    for name, b in setup.buffers.items():
+        h.fill_random(b, rng)
+        before = h.dest_bytes(b)
+        st.set_count(b, counts.get(name))
+        expected[name] = h.expected_bytes(b, b.cpu, counts.get(name), before)
+    st.publish(group)
+    return expected
+
+
+def _random_counts(setup: Any, rng: np.random.Generator) -> dict[str, int | None]:
+    out: dict[str, int | None] = {}
+    for name, b in setup.buffers.items():
+        r = rng.random()
+        out[name] = None if r < 0.15 else 0 if r < 0.25 else int(
+            rng.integers(1, b.spec.capacity + 1))
+    return out
+
+
+def test_arena_reuse_across_epochs(device: str, h: Any) -> None:
+    setup = h.build_state(device, num_slots=2)
+    st = setup.state
+    rng = np.random.default_rng(10)
+    arenas = [id(st._slot_groups[s][0].arena) for s in range(2)]
+    for step in range(12):
+        st.begin()
+        counts = _random_counts(setup, rng)
+        # at least two active members so the packed path runs
+        counts["input_ids"], counts["positions"] = 65 - step, step
+        expected = _step(setup, h, rng, counts)
+        st.finish()
+        h.sync(device)
+        for name, b in setup.buffers.items():
+            assert torch.equal(h.dest_bytes(b), expected[name]), f"step {step} member {name}"
+    assert [id(st._slot_groups[s][0].arena) for s in range(2)] == arenas
+    c = st.counters("decode")
+    assert (c.dmas, c.scatters, c.publications, c.direct_fallbacks) == (12, 12, 12, 0)
+
+
+def test_single_active_member_uses_direct_copy(device: str, h: Any) -> None:
+    setup = h.build_state(device)
+    st = setup.state
+    rng = np.random.default_rng(11)
+    st.begin()
+    expected = _step(setup, h, rng, {"block_tables": 5})
+    st.finish()
+    h.sync(device)
+    for name, b in setup.buffers.items():
+        assert torch.equal(h.dest_bytes(b), expected[name]), name
+    c = st.counters("decode")
+    assert (c.dmas, c.direct_copies, c.direct_fallbacks) == (0, 1, 1)
+    assert c.bytes == 5 * 24 * 4
+
+
+def test_empty_publication(device: str, h: Any) -> None:
+    setup = h.build_state(device)
+    st = setup.state
+    st.begin()
+    before = {n: h.dest_bytes(b) for n, b in setup.buffers.items()}
+    for b in setup.buffers.values():
+        st.set_count(b, 0)
+    st.publish("decode")
+    st.finish()
+    h.sync(device)
+    for name, b in setup.buffers.items():
+        assert torch.equal(h.dest_bytes(b), before[name])
+    assert st.counters("decode").bytes == 0
+
+
+def test_noncontiguous_binding_uses_direct_copies(device: str, h: Any) -> None:
+    state = H2DRunnerState(device, backend="packed", scatter=h.scatter_mode(device))
+    wide = torch.zeros((8, 2), dtype=torch.int32, device=device)
+    a = state.buffer("strided", (8,), torch.int32, group="g", gpu=wide[:, 0])
+    b = state.buffer("plain", (8,), torch.int32, group="g")
+    state.bind()
+    plan = state.plan("g")
+    assert not plan.packed and "noncontiguous" in plan.why_direct and "strided" in plan.why_direct
+    state.begin()
+    a.np[:] = np.arange(8)
+    b.np[:] = np.arange(8) * 3
+    state.set_count(a, 6)
+    state.set_count(b, 8)
+    state.publish("g")
+    state.finish()
+    h.sync(device)
+    assert wide[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 0, 0]
+    assert wide[:, 1].tolist() == [0] * 8
+    assert b.gpu.tolist() == [0, 3, 6, 9, 12, 15, 18, 21]
+    assert state.counters("g").dmas == 0 and state.counters("g").direct_copies == 2
+
+
+def test_combined_group_has_one_arena_and_standalone_direct(device: str, h: Any) -> None:
+    setup = h.build_state(device)
+    st = setup.state
+    # One packed arena per slot for the combined group; none for the covered groups.
+    assert [r.plan.name for r in st._slot_groups[0]] == ["decode"]
+    with pytest.raises(Exception, match="unknown group 'token_inputs'"):
+        st.plan("token_inputs")
+    rng = np.random.default_rng(12)
+    st.begin()
+    counts = {"input_ids": 9, "temperatures": 3, "cu_seqlens_q": 4}
+    expected = _step(setup, h, rng, counts, group="token_inputs")
+    # the other covered group can still be published standalone in the same epoch
+    st.set_count(setup.buffers["positions"], 7)
+    st.publish("mha_decode")
+    st.finish()
+    h.sync(device)
+    for name in counts:
+        assert torch.equal(h.dest_bytes(setup.buffers[name]), expected[name]), name
+    assert st.counters("token_inputs").direct_copies == 3
+    assert st.counters("decode").dmas == 0
+    st.begin()
+    with pytest.raises(Exception, match="already published"):
+        st.publish("token_inputs")
+        st.publish("decode")
+    st.finish()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_equals_direct_byte_for_byte(device: str, h: Any, seed: int) -> None:
+    packed = h.build_state(device, backend="packed", num_slots=2)
+    direct = h.build_state(device, backend="direct", num_slots=2)
+    assert packed.state.plan("decode").packed and not direct.state.plan("decode").packed
+    rng_p, rng_d, rng_c = (np.random.default_rng(seed) for _ in range(3))
+    for _ in range(8):
+        counts = _random_counts(packed, rng_c)
+        for setup, rng in ((packed, rng_p), (direct, rng_d)):
+            setup.state.begin()
+            _step(setup, h, rng, counts)
+            setup.state.finish()
+        h.sync(device)
+        for name in packed.buffers:
+            assert torch.equal(h.dest_bytes(packed.buffers[name]),
+                               h.dest_bytes(direct.buffers[name])), name
+
+
+def test_special_dtypes_round_trip(device: str, h: Any) -> None:
+    members = [
+        ("bf16", torch.bfloat16, (33,), "g", "elements"),
+        ("f64", torch.float64, (9,), "g", "elements"),
+        ("raw", torch.uint8, (37,), "g", "bytes"),
+        ("i16", torch.int16, (5, 3), "g", "rows"),
+    ]
+    setup = h.build_state(device, members=members, combined=False)
+    st = setup.state
+    st.begin()
+    bf = setup.buffers["bf16"]
+    bf.cpu.view(torch.int16).copy_(torch.tensor(
+        [0x7FC1, -0x7FFF - 1, 0x0001, 0x7F80, -0x0080] * 6 + [1, 2, 3], dtype=torch.int16))
+    f64 = setup.buffers["f64"]
+    f64.np[:] = [np.nan, -0.0, np.inf, -np.inf, 5e-324, 1.0, 2.0, 3.0, 4.0]
+    f64.np.view(np.uint64)[0] = 0x7FF800000000BEEF  # NaN payload
+    setup.buffers["raw"].np[:] = np.arange(37, dtype=np.uint8)
+    setup.buffers["i16"].np[:] = np.arange(15, dtype=np.int16).reshape(5, 3) - 7
+    before = {n: h.dest_bytes(b) for n, b in setup.buffers.items()}
+    counts = {"bf16": 33, "f64": 9, "raw": 29, "i16": 4}
+    for n, c in counts.items():
+        st.set_count(setup.buffers[n], c)
+    st.publish("g")
+    st.finish()
+    h.sync(device)
+    for n, b in setup.buffers.items():
+        assert torch.equal(h.dest_bytes(b), h.expected_bytes(b, b.cpu, counts[n], before[n])), n
+
+
+def test_raw_byte_count_must_be_whole_elements(device: str, h: Any) -> None:
+    state = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    b = state.buffer("plan", (8,), torch.int32, group="g", unit="bytes")
+    state.bind()
+    state.begin()
+    with pytest.raises(Exception, match="byte count 6 is not a multiple of its element size 4"):
+        state.set_count(b, 6)
+    assert state.count(b) is None
+
+
+def test_copy_to_gpu_is_a_checked_direct_copy(device: str, h: Any) -> None:
+    setup = h.build_state(device)
+    st = setup.state
+    ids = setup.buffers["input_ids"]
+    with pytest.raises(Exception, match="outside an epoch"):
+        ids.copy_to_gpu(3)
+    st.begin()
+    ids.np[:] = np.arange(65)
+    view = ids.copy_to_gpu(5)
+    with pytest.raises(Exception, match="count 66 elements is outside"):
+        ids.copy_to_gpu(66)
+    st.finish()
+    h.sync(device)
+    assert view.tolist() == [0, 1, 2, 3, 4]
+    assert view.data_ptr() == ids.gpu.data_ptr()
+    assert st.counters("token_inputs").direct_copies == 1
+
+
+# ---------------------------------------------------------------------------- GPU only
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_delayed_source_reuse(h: Any, backend: str) -> None:
+    """A slow GPU before the DMA: begin() of the same slot must wait before producers write."""
+    setup = h.build_state("cuda", backend=backend)
+    st = setup.state
+    ids, pos = setup.buffers["input_ids"], setup.buffers["positions"]
+    for step in range(3):
+        st.begin()
+        ids.np[:] = step * 100 + np.arange(65)
+        pos.np[:] = step * 1000 + np.arange(64)
+        torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU work ahead of the DMA
+        st.set_count(ids, 65)
+        st.set_count(pos, 64)
+        st.publish("decode")
+        st.finish()
+        st.begin()  # must block until the DMA above read the sources
+        ids.np[:] = -1
+        pos.np[:] = -1
+        st.finish()
+        torch.cuda.synchronize()
+        assert ids.gpu.tolist() == (step * 100 + np.arange(65)).tolist(), f"step {step}"
+        assert pos.gpu.tolist() == (step * 1000 + np.arange(64)).tolist(), f"step {step}"
+
+
+@pytest.mark.gpu
+def test_one_copy_and_one_kernel_per_group_in_profiler_trace(h: Any) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    setup = h.build_state("cuda")
+    st = setup.state
+    rng = np.random.default_rng(13)
+    for _ in range(3):  # warm up (compilation, graph capture)
+        st.begin()
+        _step(setup, h, rng, {n: 1 for n in setup.buffers})
+        st.finish()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        st.begin()
+        _step(setup, h, rng, {n: b.spec.capacity for n, b in setup.buffers.items()})
+        st.finish()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    memcpy = [n for n in names if "Memcpy" in n or "memcpy" in n]
+    kernels = [n for n in names if n not in memcpy and "Memset" not in n]
+    assert len(memcpy) == 1, names
+    assert len(kernels) == 1, names
+    assert any(e.name == "h2d.publish/decode" for e in prof.events())
