@@ -30,8 +30,8 @@ DECODE_MEMBERS: list[tuple[str, torch.dtype, tuple[int, ...], str, str]] = [
 
 def scatter_mode(device: str) -> str:
     """CPU runs exercise the Triton kernel when the interpreter is on, else the reference."""
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "reference"
+    if device == "cpu":
+        return "triton" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
     return "auto"
 
 

@@ -551,14 +551,14 @@ class H2DRunnerState:
         try:
             with ctx:
                 if covered_members:
-                    nbytes = self._copy_direct(rec, [b.member_index for b in covered_members])
+                    nbytes = self._copy_direct(rec, [b.member_index for b in covered_members], counters)
                 elif plan.packed and rec.active > 1:
                     rec.arena.publish(rec.dma_end, s)  # type: ignore[attr-defined]
                     nbytes = int(rec.header_nbytes.sum())  # type: ignore[union-attr]
                     counters.dmas += 1
                     counters.scatters += 1
                 else:
-                    nbytes = self._copy_direct(rec, range(len(plan.members)))
+                    nbytes = self._copy_direct(rec, range(len(plan.members)), counters)
                     if plan.packed:
                         counters.direct_fallbacks += 1
         except H2DError:
@@ -574,10 +574,9 @@ class H2DRunnerState:
         self._published.add(group)
         self._published.update(producers)
 
-    def _copy_direct(self, rec: SlotGroup, indices: Iterable[int]) -> int:
+    def _copy_direct(self, rec: SlotGroup, indices: Iterable[int], counters: GroupCounters) -> int:
         members = rec.plan.members
         slot = self.current_slot
-        counters = self._counters[rec.plan.name]
         total = 0
         for i in indices:
             n = rec.counts[i]
