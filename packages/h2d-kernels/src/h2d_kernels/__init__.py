@@ -1,0 +1,63 @@
+"""h2d_kernels: packed host-to-device publication for small per-step metadata.
+
+One pinned host arena holds a header of range descriptors and every member's
+payload; ``PackedArena.publish`` moves it with one H2D copy and one Triton
+scatter that writes exactly the described byte ranges to fixed destination
+addresses. This package knows arenas, layouts and addresses only.
+"""
+
+from h2d_kernels.arena import DEFAULT_LAUNCH, PackedArena, bind_destinations
+from h2d_kernels.errors import (
+    ArenaLayoutError,
+    DescriptorError,
+    DestinationAlignmentError,
+    DestinationBoundsError,
+    DestinationCountError,
+    DestinationDeviceError,
+    DestinationError,
+    DestinationLayoutError,
+    DestinationOverlapError,
+    H2DKernelsError,
+    PublishError,
+    ScatterBackendError,
+)
+from h2d_kernels.layout import (
+    DESCRIPTOR_BYTES,
+    DESCRIPTOR_FIELDS,
+    PAYLOAD_ALIGN,
+    ArenaLayout,
+    ArenaMember,
+    MemberRegion,
+    plan_arena,
+)
+from h2d_kernels.reference import scatter_reference, validate_descriptors
+from h2d_kernels.scatter import ScatterConfig, interpreter_enabled
+
+__all__ = [
+    "DEFAULT_LAUNCH",
+    "DESCRIPTOR_BYTES",
+    "DESCRIPTOR_FIELDS",
+    "PAYLOAD_ALIGN",
+    "ArenaLayout",
+    "ArenaLayoutError",
+    "ArenaMember",
+    "DescriptorError",
+    "DestinationAlignmentError",
+    "DestinationBoundsError",
+    "DestinationCountError",
+    "DestinationDeviceError",
+    "DestinationError",
+    "DestinationLayoutError",
+    "DestinationOverlapError",
+    "H2DKernelsError",
+    "MemberRegion",
+    "PackedArena",
+    "PublishError",
+    "ScatterBackendError",
+    "ScatterConfig",
+    "bind_destinations",
+    "interpreter_enabled",
+    "plan_arena",
+    "scatter_reference",
+    "validate_descriptors",
+]

@@ -1,0 +1,391 @@
+"""The packed arena: fixed host and device storage, bound destinations, one publish call.
+
+Everything that can be done once happens in the constructor: destination
+checks, allocation of the pinned host arena, the device arena and the
+destination table, numpy views, kernel compilation and (for the graph path)
+capture. ``publish`` then enqueues one H2D copy and one scatter.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import numpy as np
+import torch
+
+from h2d_kernels.driver import CudaDriver, context_not_current, cuda_driver
+from h2d_kernels.errors import (
+    DestinationAlignmentError,
+    DestinationBoundsError,
+    DestinationCountError,
+    DestinationDeviceError,
+    DestinationLayoutError,
+    DestinationOverlapError,
+    PublishError,
+    ScatterBackendError,
+)
+from h2d_kernels.graphs import GraphPublisher, bucket_index, bucket_sizes
+from h2d_kernels.layout import ArenaLayout
+from h2d_kernels.reference import byte_view, scatter_bytes, validate_descriptors
+from h2d_kernels.scatter import (
+    CompiledScatter,
+    ScatterConfig,
+    default_config,
+    interpreter_enabled,
+    launch_jit,
+)
+
+ScatterChoice = Literal["auto", "triton", "reference"]
+LaunchChoice = Literal["auto", "compiled", "graph", "jit"]
+DmaChoice = Literal["auto", "driver", "torch"]
+
+DEFAULT_LAUNCH: Literal["compiled", "graph", "jit"] = "compiled"
+"""Launch path used by ``launch="auto"`` on CUDA (see docs/benchmarks.md for the figures)."""
+
+
+def _resolve_device(
+    destinations: Sequence[torch.Tensor], device: torch.device | str | None
+) -> torch.device:
+    if device is None:
+        if not destinations or not isinstance(destinations[0], torch.Tensor):
+            raise DestinationDeviceError(
+                "cannot infer the arena's device: pass device= or tensor destinations"
+            )
+        resolved = destinations[0].device
+    else:
+        resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    if resolved.type not in ("cuda", "cpu"):
+        raise DestinationDeviceError(
+            f"device {resolved} is not supported: publish to a CUDA device or the CPU"
+        )
+    return resolved
+
+
+def bind_destinations(
+    layout: ArenaLayout, destinations: Sequence[torch.Tensor], device: torch.device
+) -> list[tuple[int, int]]:
+    """Check each destination against its member; return ``(address, nbytes)`` per member.
+
+    Rules, each failure naming the member: one contiguous tensor per member,
+    all on ``device``, capacity within the destination, address aligned to the
+    member's itemsize, no two destinations sharing a byte.
+    """
+    members = layout.members
+    if len(destinations) != len(members):
+        raise DestinationCountError(
+            f"{len(destinations)} destinations for {len(members)} members: bind exactly one "
+            "destination per member, in the layout's member order"
+        )
+    spans: list[tuple[int, int]] = []
+    for member, dest in zip(members, destinations, strict=True):
+        if not isinstance(dest, torch.Tensor):
+            raise DestinationLayoutError(
+                f"member {member.name!r}: destination is a {type(dest).__name__}, "
+                "not a torch.Tensor: bind the tensor the consumer reads"
+            )
+        if dest.device != device:
+            raise DestinationDeviceError(
+                f"member {member.name!r}: destination is on {dest.device}, the arena on "
+                f"{device}: all destinations of one arena must live on one device"
+            )
+        if not dest.is_contiguous():
+            raise DestinationLayoutError(
+                f"member {member.name!r}: destination is not contiguous: bind one contiguous "
+                "tensor per member (publish a strided view through a direct copy instead)"
+            )
+        address = dest.data_ptr()
+        nbytes = dest.numel() * dest.element_size()
+        if member.capacity_bytes > nbytes:
+            raise DestinationBoundsError(
+                f"member {member.name!r}: range past a destination's end: capacity "
+                f"{member.capacity_bytes} bytes but the destination holds {nbytes}: "
+                "shrink the capacity or bind a larger destination"
+            )
+        if address % member.itemsize:
+            raise DestinationAlignmentError(
+                f"member {member.name!r}: misaligned member for its dtype: destination "
+                f"address {address:#x} is not a multiple of itemsize {member.itemsize}"
+            )
+        spans.append((address, nbytes))
+    order = sorted((s for s in enumerate(spans) if s[1][1] > 0), key=lambda s: s[1][0])
+    for (i, (addr_a, size_a)), (j, (addr_b, _)) in itertools.pairwise(order):
+        if addr_b < addr_a + size_a:
+            raise DestinationOverlapError(
+                f"members {members[i].name!r} and {members[j].name!r}: destinations overlap "
+                f"(bytes from {addr_b:#x} to {addr_a + size_a:#x}): bind disjoint tensors"
+            )
+    return spans
+
+
+class PackedArena:
+    """One pinned host arena, one device arena and a fixed destination table.
+
+    The caller writes descriptors into :attr:`header_np` (zeroing unused
+    ones) and payload bytes into :meth:`payload_np` / :meth:`payload_host`,
+    then calls :meth:`publish`. The host arena may be rewritten only after an
+    event recorded after ``publish`` has completed.
+
+    ``scatter``: ``"auto"`` (Triton on CUDA, the reference on CPU),
+    ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``) or
+    ``"reference"`` (CPU only). ``launch`` (CUDA): ``"compiled"`` (the
+    compiled kernel's own launcher), ``"graph"`` (DMA + scatter replayed
+    from a CUDA graph per size bucket), ``"jit"`` (Triton's dispatcher) or
+    ``"auto"``. ``dma`` (CUDA): ``"driver"`` (``cuMemcpyHtoDAsync``) or
+    ``"torch"`` (``Tensor.copy_``).
+    """
+
+    def __init__(
+        self,
+        layout: ArenaLayout,
+        destinations: Sequence[torch.Tensor],
+        *,
+        device: torch.device | str | None = None,
+        scatter: ScatterChoice = "auto",
+        launch: LaunchChoice = "auto",
+        dma: DmaChoice = "auto",
+        config: ScatterConfig | None = None,
+    ) -> None:
+        dev = _resolve_device(destinations, device)
+        scatter_kind, launch_kind, dma_kind = _choose_paths(dev, scatter, launch, dma)
+        spans = bind_destinations(layout, destinations, dev)
+
+        self.layout = layout
+        self.device = dev
+        self.scatter = scatter_kind
+        self.launch = launch_kind
+        self.dma = dma_kind
+        self.config = config if config is not None else default_config(dev)
+        self.destinations = tuple(destinations)
+        self.num_ranges = layout.num_ranges
+        self.header_bytes = layout.header_bytes
+        self.total_bytes = layout.total_bytes
+
+        cuda = dev.type == "cuda"
+        # Zeroed so every descriptor starts as a no-op and no stale byte is ever published.
+        self.host = torch.zeros(layout.total_bytes, dtype=torch.uint8, pin_memory=cuda)
+        self.host_np: np.ndarray = self.host.numpy()
+        self.device_arena = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=dev)
+        self.dest_table = torch.tensor([a for a, _ in spans], dtype=torch.int64, device=dev)
+        self.header_np: np.ndarray = (
+            self.host_np[: layout.header_bytes].view(np.int64).reshape(layout.num_ranges, 4)
+        )
+        self._payload_np = tuple(self.host_np[r.offset : r.end] for r in layout.regions)
+        self._payload_host = tuple(self.host[r.offset : r.end] for r in layout.regions)
+        self._dest_nbytes = tuple(n for _, n in spans)
+        self._grid = {
+            index: self.config.grid(nbytes, layout.num_ranges)
+            for index, nbytes in bucket_sizes(layout.header_bytes, layout.total_bytes).items()
+        }
+        self._publish: Callable[[int, torch.cuda.Stream | None], None]
+        if cuda:
+            self._init_cuda()
+        else:
+            self._init_cpu()
+
+    # -- views -------------------------------------------------------------------------------
+
+    def payload_np(self, index: int) -> np.ndarray:
+        """Member ``index``'s payload region of the host arena (fixed uint8 numpy view)."""
+        return self._payload_np[index]
+
+    def payload_host(self, index: int) -> torch.Tensor:
+        """Member ``index``'s payload region of the host arena (fixed uint8 pinned tensor view)."""
+        return self._payload_host[index]
+
+    # -- publication -------------------------------------------------------------------------
+
+    def publish(self, dma_bytes: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Enqueue one H2D copy of ``host[:dma_bytes]`` and one scatter on ``stream``.
+
+        ``stream`` defaults to the current stream. ``dma_bytes`` must cover the
+        header and every active descriptor's source bytes. No synchronization,
+        allocation or compilation happens here; works while the stream is
+        being captured into a CUDA graph.
+        """
+        if not self.header_bytes <= dma_bytes <= self.total_bytes:
+            raise PublishError(
+                f"dma_bytes={dma_bytes}: a publication moves at least the {self.header_bytes}-byte "
+                f"header and at most the arena's {self.total_bytes} bytes"
+            )
+        self._publish(dma_bytes, stream)
+
+    def validate(self, dma_bytes: int | None = None) -> int:
+        """Debug check of the current host header (see ``validate_descriptors``)."""
+        return validate_descriptors(
+            self.header_np,
+            arena_nbytes=self.total_bytes,
+            destination_nbytes=self._dest_nbytes,
+            member_names=[m.name for m in self.layout.members],
+            header_bytes=self.header_bytes,
+            dma_bytes=dma_bytes,
+        )
+
+    # -- CPU ---------------------------------------------------------------------------------
+
+    def _init_cpu(self) -> None:
+        self._device_np: np.ndarray = self.device_arena.numpy()
+        self._device_header_np = (
+            self._device_np[: self.header_bytes].view(np.int64).reshape(self.num_ranges, 4)
+        )
+        self._dest_views = tuple(
+            byte_view(d, f"member {m.name!r}")
+            for m, d in zip(self.layout.members, self.destinations, strict=True)
+        )
+        self._publish = (
+            self._publish_cpu_reference if self.scatter == "reference" else self._publish_cpu_triton
+        )
+
+    def _publish_cpu_reference(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
+        self._device_np[:dma_bytes] = self.host_np[:dma_bytes]
+        scatter_bytes(self._device_np, self._device_header_np, self._dest_views)
+
+    def _publish_cpu_triton(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
+        self._device_np[:dma_bytes] = self.host_np[:dma_bytes]
+        grid = self._grid[bucket_index(dma_bytes)]
+        launch_jit(self.device_arena, self.dest_table, self.num_ranges, grid, self.config)
+
+    # -- CUDA --------------------------------------------------------------------------------
+
+    def _init_cuda(self) -> None:
+        self._index = self.device.index if self.device.index is not None else 0
+        self._host_addr = self.host.data_ptr()
+        self._device_addr = self.device_arena.data_ptr()
+        driver = cuda_driver()
+        if self.dma == "driver" and driver is None:
+            raise ScatterBackendError(
+                "dma='driver' needs libcuda.so.1, which could not be loaded: use dma='torch'"
+            )
+        self._driver: CudaDriver | None = driver
+        # torch DMA path: one prebuilt (device, host) view pair per size bucket.
+        self._dma_views = {
+            index: (self.device_arena[:nbytes], self.host[:nbytes])
+            for index, nbytes in bucket_sizes(self.header_bytes, self.total_bytes).items()
+        }
+        self._compiled: CompiledScatter | None = None
+        if self.launch in ("compiled", "graph"):
+            self._compiled = CompiledScatter(
+                self.device_arena, self.dest_table, self.num_ranges, self.config
+            )
+        if self.launch == "graph":
+            self._graphs = GraphPublisher(
+                self.device,
+                bucket_sizes(self.header_bytes, self.total_bytes),
+                self._enqueue_compiled,
+            )
+            self._publish = self._publish_graph
+        elif self.launch == "compiled":
+            self._publish = self._publish_compiled
+        else:
+            self._publish = self._publish_jit
+
+    def _raw_stream(self, stream: torch.cuda.Stream | None) -> int:
+        if torch._C._cuda_getDevice() != self._index:
+            raise PublishError(
+                f"publish on {self.device} while cuda:{torch.cuda.current_device()} is current: "
+                f"make {self.device} current (torch.cuda.device) before publishing"
+            )
+        if stream is None:
+            return int(torch._C._cuda_getCurrentRawStream(self._index))
+        if stream.device != self.device:
+            raise PublishError(
+                f"stream on {stream.device} for an arena on {self.device}: publish on a stream "
+                "of the arena's device"
+            )
+        return int(stream.cuda_stream)
+
+    def _enqueue_dma(self, nbytes: int, stream: int) -> None:
+        driver = self._driver
+        if self.dma == "driver" and driver is not None:
+            rc = driver.memcpy_htod_async(self._device_addr, self._host_addr, nbytes, stream)
+            if rc and context_not_current(rc):
+                # A thread that has not touched CUDA yet has no current context.
+                torch.cuda.set_device(self.device)
+                rc = driver.memcpy_htod_async(self._device_addr, self._host_addr, nbytes, stream)
+            if rc:
+                raise ScatterBackendError(
+                    f"cuMemcpyHtoDAsync of {nbytes} bytes failed with CUDA error {rc}"
+                )
+            return
+        dev_view, host_view = self._dma_views[bucket_index(nbytes)]
+        if stream == torch._C._cuda_getCurrentRawStream(self._index):
+            dev_view.copy_(host_view, non_blocking=True)
+        else:
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+                dev_view.copy_(host_view, non_blocking=True)
+
+    def _enqueue_compiled(self, nbytes: int, stream: int) -> None:
+        self._enqueue_dma(nbytes, stream)
+        assert self._compiled is not None
+        self._compiled(self._grid[bucket_index(nbytes)], stream)
+
+    def _publish_compiled(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
+        self._enqueue_compiled(dma_bytes, self._raw_stream(stream))
+
+    def _publish_graph(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
+        handle = self._raw_stream(stream)
+        driver = self._driver
+        if driver is not None and driver.stream_is_capturing(handle):
+            # A graph cannot be launched into a capture; the plain launch is capturable.
+            self._enqueue_compiled(dma_bytes, handle)
+        elif stream is None:
+            self._graphs.replay(dma_bytes)
+        else:
+            with torch.cuda.stream(stream):
+                self._graphs.replay(dma_bytes)
+
+    def _publish_jit(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
+        handle = self._raw_stream(stream)
+        grid = self._grid[bucket_index(dma_bytes)]
+        self._enqueue_dma(dma_bytes, handle)
+        if stream is None:
+            launch_jit(self.device_arena, self.dest_table, self.num_ranges, grid, self.config)
+        else:
+            with torch.cuda.stream(stream):
+                launch_jit(self.device_arena, self.dest_table, self.num_ranges, grid, self.config)
+
+
+def _choose_paths(
+    device: torch.device, scatter: str, launch: str, dma: str
+) -> tuple[str, str, str]:
+    """Resolve the ``auto`` choices and reject combinations this device cannot run."""
+    for value, allowed, what in (
+        (scatter, ("auto", "triton", "reference"), "scatter"),
+        (launch, ("auto", "compiled", "graph", "jit"), "launch"),
+        (dma, ("auto", "driver", "torch"), "dma"),
+    ):
+        if value not in allowed:
+            raise ScatterBackendError(f"{what}={value!r}: choose one of {allowed}")
+    interpreted = interpreter_enabled()
+    if device.type == "cpu":
+        if scatter == "triton" and not interpreted:
+            raise ScatterBackendError(
+                "scatter='triton' on a CPU device runs the kernel in Triton's interpreter: set "
+                "TRITON_INTERPRET=1 before triton is imported, or use scatter='reference'"
+            )
+        if launch not in ("auto", "jit"):
+            raise ScatterBackendError(
+                f"launch={launch!r} needs a CUDA device: CPU publications use launch='auto'"
+            )
+        kind = "triton" if scatter == "triton" else "reference"
+        return kind, ("jit" if kind == "triton" else "none"), "memcpy"
+    if scatter == "reference":
+        raise ScatterBackendError(
+            "scatter='reference' runs on CPU devices only: use scatter='triton' on CUDA"
+        )
+    if interpreted:
+        if launch not in ("auto", "jit"):
+            raise ScatterBackendError(
+                f"launch={launch!r} needs compiled Triton, but TRITON_INTERPRET=1 is set: "
+                "use launch='jit' or unset the variable"
+            )
+        launch_kind = "jit"
+    else:
+        launch_kind = DEFAULT_LAUNCH if launch == "auto" else launch
+    dma_kind = dma
+    if dma == "auto":
+        dma_kind = "driver" if cuda_driver() is not None else "torch"
+    return "triton", launch_kind, dma_kind

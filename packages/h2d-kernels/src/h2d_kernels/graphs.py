@@ -1,0 +1,68 @@
+"""Publication captured as CUDA graphs, one per DMA-size bucket.
+
+Each graph holds one H2D copy of ``host[:bucket]`` and one scatter launch.
+Buckets are powers of two (the last one is the whole arena), so a
+publication copies at most twice its bytes; extra arena bytes are harmless
+because only the descriptors decide what is written. All graphs are captured
+at construction: capturing later would synchronize the device mid-run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from h2d_kernels.errors import PublishError
+
+
+def bucket_index(nbytes: int) -> int:
+    """Index of the smallest power of two >= ``nbytes`` (0 for 1 byte)."""
+    return (nbytes - 1).bit_length()
+
+
+def bucket_sizes(min_bytes: int, total_bytes: int) -> dict[int, int]:
+    """Bucket index -> bytes copied, for every DMA size in ``[min_bytes, total_bytes]``."""
+    sizes: dict[int, int] = {}
+    for index in range(bucket_index(max(min_bytes, 1)), bucket_index(total_bytes) + 1):
+        sizes[index] = min(1 << index, total_bytes)
+    return sizes
+
+
+class GraphPublisher:
+    """Replays the captured (DMA + scatter) graph of a publication's bucket."""
+
+    def __init__(
+        self,
+        device: torch.device,
+        sizes: dict[int, int],
+        enqueue: Callable[[int, int], None],
+    ) -> None:
+        """Capture ``enqueue(bucket_bytes, raw_stream)`` once per bucket on a side stream."""
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        side = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            # One eager run first: module loads and lazy init must not happen under capture.
+            enqueue(min(sizes.values()), side.cuda_stream)
+            for index, nbytes in sizes.items():
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    enqueue(nbytes, side.cuda_stream)
+                finally:
+                    graph.capture_end()
+                self._graphs[index] = graph
+        current.wait_stream(side)
+        self._replay = {index: graph.replay for index, graph in self._graphs.items()}
+
+    def replay(self, dma_bytes: int) -> None:
+        """Launch the bucket graph for ``dma_bytes`` on the current stream."""
+        try:
+            self._replay[bucket_index(dma_bytes)]()
+        except KeyError:
+            raise PublishError(
+                f"no captured graph covers dma_bytes={dma_bytes}: pass a size between the "
+                "header and the arena's total_bytes"
+            ) from None
