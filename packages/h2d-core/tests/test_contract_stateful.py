@@ -169,9 +169,9 @@ class ContractMachine(RuleBasedStateMachine):
         def boom(*a: Any, **k: Any) -> None:
             raise RuntimeError("injected")
 
-        if rec.arena is not None:
-            originals.append((rec.arena, "publish", rec.arena.publish))
-            rec.arena.publish = boom
+        if rec.packed is not None:
+            originals.append((rec.packed.arena, "publish", rec.packed.arena.publish))
+            rec.packed.arena.publish = boom
         for b in self.s.buffers.values():
             originals.append((b, "_dst_units", b._dst_units))
             b._dst_units = _Exploding()

@@ -39,7 +39,7 @@ def test_arena_reuse_across_epochs(device: str, h: Any) -> None:
     setup = h.build_state(device, num_slots=2)
     st = setup.state
     rng = np.random.default_rng(10)
-    arenas = [id(st._slot_groups[s][0].arena) for s in range(2)]
+    arenas = [id(st._slot_groups[s][0].packed.arena) for s in range(2)]
     for step in range(12):
         st.begin()
         counts = _random_counts(setup, rng)
@@ -50,7 +50,7 @@ def test_arena_reuse_across_epochs(device: str, h: Any) -> None:
         h.sync(device)
         for name, b in setup.buffers.items():
             assert torch.equal(h.dest_bytes(b), expected[name]), f"step {step} member {name}"
-    assert [id(st._slot_groups[s][0].arena) for s in range(2)] == arenas
+    assert [id(st._slot_groups[s][0].packed.arena) for s in range(2)] == arenas
     c = st.counters("decode")
     assert (c.dmas, c.scatters, c.publications, c.direct_fallbacks) == (12, 12, 12, 0)
 
@@ -259,3 +259,159 @@ def test_one_copy_and_one_kernel_per_group_in_profiler_trace(h: Any) -> None:
     assert len(memcpy) == 1, names
     assert len(kernels) == 1, names
     assert any(e.name == "h2d.publish/decode" for e in prof.events())
+
+
+# ---------------------------------------------------------------------------- placements
+
+BIG_MEMBERS = [
+    ("temperatures", torch.float32, (64,), "g", "elements"),
+    ("context_lens", torch.int32, (64,), "g", "elements"),
+    ("input_ids", torch.int32, (20_000,), "g", "elements"),      # staged (80 KB)
+    ("positions", torch.int64, (20_000,), "g", "elements"),      # staged (160 KB)
+    ("block_tables", torch.int32, (64, 256), "g", "rows"),       # tail (64 KB)
+]
+
+
+def _capture_dma(monkeypatch: pytest.MonkeyPatch, arena: Any) -> list[int]:
+    seen: list[int] = []
+    real = arena.publish
+
+    def spy(dma_bytes: int, stream: Any = None) -> None:
+        seen.append(dma_bytes)
+        real(dma_bytes, stream)
+
+    monkeypatch.setattr(arena, "publish", spy)
+    return seen
+
+
+def test_large_members_are_staged_or_tail_and_unused_capacity_stays_home(
+        device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from h2d_core.packing import Placement, placement_of
+
+    setup = h.build_state(device, members=BIG_MEMBERS, combined=False)
+    st = setup.state
+    b = setup.buffers
+    assert [placement_of(b[n]) for n in ("temperatures", "input_ids", "block_tables")] == [
+        Placement.INPLACE, Placement.STAGED, Placement.TAIL]
+    assert [m.name for m in st.plan("g").members] == [
+        "temperatures", "context_lens", "input_ids", "positions", "block_tables"]
+    slot = st._slot_groups[0][0].packed
+    seen = _capture_dma(monkeypatch, slot.arena)
+    rng = np.random.default_rng(20)
+    for step, (ids, rows) in enumerate([(8, None), (300, 5), (20_000, 64), (1, 0)]):
+        st.begin()
+        counts = {"temperatures": 8, "context_lens": 8, "input_ids": ids, "positions": ids,
+                  "block_tables": rows}
+        expected = _step(setup, h, rng, counts, group="g")
+        st.finish()
+        h.sync(device)
+        for name, buf in b.items():
+            assert torch.equal(h.dest_bytes(buf), expected[name]), (step, name)
+        # the DMA ends at the staged bytes unless the table (tail) travels
+        if rows:
+            assert seen[-1] == slot.offsets[4] + rows * 256 * 4
+        else:
+            used = slot.staging_offset + 2 * 16 + ((ids * 4 + 15) // 16 + (ids * 8 + 15) // 16) * 16
+            assert seen[-1] <= used, (step, seen[-1], used)
+
+
+def _ranged_state(device: str, h: Any, backend: str = "packed") -> Any:
+    members = [
+        ("context_lens", torch.int32, (64,), "g", "elements"),
+        ("slot_mapping", torch.int64, (64,), "g", "elements"),
+    ]
+    setup = h.build_state(device, members=members, combined=False, backend=backend,
+                          )
+    return setup
+
+
+def _build_ranged(device: str, h: Any, backend: str = "packed") -> Any:
+    st = H2DRunnerState(device, backend=backend, scatter=h.scatter_mode(device))
+    bufs = {
+        "context_lens": st.buffer("context_lens", (64,), torch.int32, group="g"),
+        "block_tables": st.buffer("block_tables", (64, 128), torch.int32, group="g",
+                                  unit="rows", max_ranges=8),
+    }
+    st.bind()
+    for b in bufs.values():
+        b.gpu.view(torch.uint8).fill_(h.POISON)
+
+    class S:
+        state = st
+        buffers = bufs
+
+    return S
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_ranges_publish_only_those_bytes(device: str, h: Any, backend: str) -> None:
+    setup = _build_ranged(device, h, backend)
+    st, bt, cl = setup.state, setup.buffers["block_tables"], setup.buffers["context_lens"]
+    rng = np.random.default_rng(21)
+    row = 128 * 4
+    ranges = [(0, 16), (3 * row + 40, 3 * row + 48), (10 * row, 12 * row)]
+    st.begin()
+    h.fill_random(bt, rng)
+    h.fill_random(cl, rng)
+    before = h.dest_bytes(bt)
+    st.set_ranges(bt, ranges)
+    st.set_count(cl, 9)
+    st.publish("g")
+    st.finish()
+    h.sync(device)
+    expect = before.clone()
+    src = bt.cpu.reshape(-1).view(torch.uint8)
+    for a, z in ranges:
+        expect[a:z] = src[a:z]
+    assert torch.equal(h.dest_bytes(bt), expect)
+    assert torch.equal(cl.gpu[:9].cpu(), cl.cpu[:9])
+    c = st.counters("g")
+    assert c.bytes == 16 + 8 + 2 * row + 9 * 4
+    if backend == "packed":
+        assert (c.dmas, c.direct_copies) == (1, 0)
+    # a single member with a single range: one direct copy
+    st.begin()
+    st.set_ranges(bt, [(row, 2 * row)])
+    st.publish("g")
+    st.finish()
+    assert c.direct_copies == (1 if backend == "packed" else 5)
+
+
+@pytest.mark.parametrize(
+    ("ranges", "match"),
+    [
+        ([(0, 4)] * 9, "9 ranges exceed its max_ranges=8"),
+        ([(8, 16), (0, 4)], r"range 1 \[0, 4\) must be non-empty, sorted"),
+        ([(4, 4)], "must be non-empty"),
+        ([(0, 64 * 128 * 4 + 4)], "inside"),
+        ([(2, 8)], "splits a 4-byte element"),
+        ([(0, 20_000)], "exceed the group's staging room"),
+        ([(0.0, 4)], "must be two ints"),
+    ],
+)
+def test_bad_ranges_rejected_and_nothing_changes(device: str, h: Any, ranges: Any,
+                                                 match: str) -> None:
+    setup = _build_ranged(device, h)
+    st, bt = setup.state, setup.buffers["block_tables"]
+    st.begin()
+    st.set_count(bt, 2)
+    rec = st._slot_groups[0][0]
+    before = (list(rec.counts), list(rec.ranges), rec.active, rec.packed.header.copy())
+    with pytest.raises(Exception, match=match) as err:
+        st.set_ranges(bt, ranges)
+    assert "'block_tables'" in str(err.value)
+    assert (list(rec.counts), list(rec.ranges), rec.active) == before[:3]
+    assert np.array_equal(rec.packed.header, before[3])
+
+
+def test_count_after_ranges_is_rejected(device: str, h: Any) -> None:
+    setup = _build_ranged(device, h)
+    st, bt = setup.state, setup.buffers["block_tables"]
+    st.begin()
+    st.set_ranges(bt, [(0, 8)])
+    with pytest.raises(Exception, match="count or ranges, not both"):
+        st.set_count(bt, 3)
+    assert st._slot_groups[0][0].ranges == [(1, 0, 8)]
+    st.set_count(bt, None)  # None omits the member: its ranges go too
+    rec = st._slot_groups[0][0]
+    assert (rec.ranges, rec.active, rec.counts[1]) == ([], 0, None)

@@ -103,8 +103,12 @@ class H2DBuffer:
     ``.cpu``/``.np`` reference across steps: each slot has its own source.
     """
 
-    def __init__(self, spec: BufferSpec, gpu: torch.Tensor, state: H2DRunnerState) -> None:
+    def __init__(
+        self, spec: BufferSpec, gpu: torch.Tensor, state: H2DRunnerState, max_ranges: int = 0
+    ) -> None:
         self.spec = spec
+        #: how many byte ranges one publication may send (``set_ranges``); 0 = counts only
+        self.max_ranges = max_ranges
         self.gpu = gpu
         self._state = state
         self._sources: list[torch.Tensor] = []

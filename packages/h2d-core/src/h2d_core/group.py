@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .buffer import CountUnit, H2DBuffer
+from .packing import PackedSlot
 
 
 @dataclass
@@ -43,32 +44,37 @@ class GroupPlan:
     producer_groups: tuple[str, ...]
     packed: bool
     why_direct: str
-    #: byte offset of each member's payload in the arena (empty when not packed)
-    payload_offsets: tuple[int, ...] = ()
+    #: per member: fixed arena offset where its published bytes end up in the DMA, or -1
+    #: for staged members (their offset is decided per publication); empty when not packed
+    inplace_offsets: tuple[int, ...] = ()
     header_bytes: int = 0
 
 
 @dataclass(eq=False)
 class SlotGroup:
-    """One publication group's per-slot, per-epoch state: counts, header, arena."""
+    """One publication group's per-slot, per-epoch state: counts, ranges and the arena."""
 
     plan: GroupPlan
-    arena: object | None  # h2d_kernels.PackedArena when packed
-    #: int64 view of the arena header's byte-count column (None when not packed)
-    header_nbytes: np.ndarray | None
+    packed: PackedSlot | None
     counts: list[int | None] = field(default_factory=list)
+    #: pending byte ranges this epoch: (member index, destination byte offset, byte count)
+    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    #: members with ranges set (they count as active)
+    ranged: set[int] = field(default_factory=set)
+    range_bytes: int = 0
     active: int = 0
     dma_end: int = 0
-    published: bool = False
 
     def clear_counts(self) -> None:
-        """Forget every count (a new epoch or a reopened group)."""
+        """Forget every count and range (a new epoch or a reopened group)."""
         self.counts = [None] * len(self.plan.members)
+        self.ranges = []
+        self.ranged = set()
+        self.range_bytes = 0
         self.active = 0
         self.dma_end = self.plan.header_bytes
-        self.published = False
-        if self.header_nbytes is not None:
-            self.header_nbytes[:] = 0
+        if self.packed is not None:
+            self.packed.header_nbytes[:] = 0
 
 
 def unit_view(tensor: torch.Tensor, unit: CountUnit) -> torch.Tensor:

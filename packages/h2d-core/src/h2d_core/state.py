@@ -23,12 +23,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 
 from .buffer import BufferSpec, CountUnit, H2DBuffer, make_spec
 from .config import Backend, resolve_backend
 from .errors import (
     BindingError,
+    CountError,
     DeclarationError,
     DeviceMismatchError,
     DuplicatePublicationError,
@@ -43,6 +45,7 @@ from .errors import (
     UnknownGroupError,
 )
 from .group import GroupCounters, GroupPlan, SlotGroup, byte_span, find_overlap, unit_view
+from .packing import arena_order, bind_packed_slot, pack
 
 
 class PublicationEnqueueError(H2DError):
@@ -53,8 +56,13 @@ def _omit(rec: SlotGroup, i: int) -> None:
     if rec.counts[i] is not None:
         rec.counts[i] = None
         rec.active -= 1
-        if rec.header_nbytes is not None:
-            rec.header_nbytes[i] = 0
+        if rec.packed is not None:
+            rec.packed.header_nbytes[i] = 0
+    if i in rec.ranged:
+        rec.ranged.discard(i)
+        rec.active -= 1
+        rec.ranges = [r for r in rec.ranges if r[0] != i]
+        rec.range_bytes = sum(n for _, _, n in rec.ranges)
 
 
 def _profiler_enabled() -> bool:
@@ -129,12 +137,15 @@ class H2DRunnerState:
         group: str,
         unit: CountUnit | str = CountUnit.ELEMENTS,
         gpu: torch.Tensor | None = None,
+        max_ranges: int = 0,
     ) -> H2DBuffer:
         """Declare a buffer of producer ``group`` counted in ``unit``.
 
         The destination is allocated now (zeroed) unless ``gpu`` supplies an existing one
         (same shape/dtype, on this state's device; a noncontiguous one makes its group
         publish with direct copies). Sources are allocated by :meth:`bind`.
+        ``max_ranges`` > 0 lets one publication send up to that many byte ranges of this
+        buffer (:meth:`set_ranges`; block tables publish their changed rows this way).
         """
         self._check_thread()
         if self._bound:
@@ -142,6 +153,8 @@ class H2DRunnerState:
                 f"buffer {name!r}: the state is already bound; declare every buffer before bind()"
             )
         spec = make_spec(name, shape, dtype, group, unit)
+        if isinstance(max_ranges, bool) or not isinstance(max_ranges, int) or max_ranges < 0:
+            raise DeclarationError(f"buffer {name!r}: max_ranges must be an int >= 0")
         if name in self._buffers:
             raise DeclarationError(f"buffer {name!r} is already declared")
         if group in self._combined:
@@ -153,7 +166,12 @@ class H2DRunnerState:
             gpu = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
         else:
             self._check_destination(spec, gpu)
-        buf = H2DBuffer(spec, gpu, self)
+            if max_ranges and not gpu.is_contiguous():
+                raise BindingError(
+                    f"buffer {name!r}: ranged publication (max_ranges={max_ranges}) needs a "
+                    "contiguous destination"
+                )
+        buf = H2DBuffer(spec, gpu, self, max_ranges)
         self._buffers[name] = buf
         self._producer_groups.setdefault(group, []).append(buf)
         return buf
@@ -225,7 +243,7 @@ class H2DRunnerState:
                     why = f"noncontiguous destination(s) {bad}"
             packed = not why
             if packed:
-                members.sort(key=lambda b: b.spec.nbytes)
+                members = arena_order(members)
             plans[name] = GroupPlan(name, index, tuple(members), groups, packed, why)
 
         slot_groups: list[list[SlotGroup]] = [[] for _ in range(self.num_slots)]
@@ -243,6 +261,9 @@ class H2DRunnerState:
             buf._attach_sources(sources[buf.name])
             buf._dst_units = unit_view(buf.gpu, buf.spec.unit)
             buf._src_units = [unit_view(s, buf.spec.unit) for s in sources[buf.name]]
+            if buf.max_ranges:
+                buf._dst_bytes = unit_view(buf.gpu, CountUnit.BYTES)
+                buf._src_bytes = [unit_view(s, CountUnit.BYTES) for s in sources[buf.name]]
         for name, plan in plans.items():
             for i, buf in enumerate(plan.members):
                 buf.publication_group = name
@@ -269,30 +290,22 @@ class H2DRunnerState:
                 sources[buf.name].append(
                     torch.zeros(buf.spec.shape, dtype=buf.spec.dtype, pin_memory=self._cuda)
                 )
-            return SlotGroup(plan, None, None), plan
-        from h2d_kernels import ArenaMember, PackedArena, plan_arena
-
-        layout = plan_arena(
-            [ArenaMember(b.name, b.spec.nbytes, b.spec.itemsize) for b in plan.members]
+            return SlotGroup(plan, None), plan
+        slot, member_sources = bind_packed_slot(
+            plan.members, self.device, self._scatter, self._cuda
         )
-        arena = PackedArena(
-            layout, [b.gpu for b in plan.members], device=self.device, scatter=self._scatter
-        )
-        offsets = tuple(layout.payload_offset(i) for i in range(len(plan.members)))
-        header = arena.header_np
-        header[:] = 0
-        for i, off in enumerate(offsets):
-            header[i, 0] = off
-            header[i, 2] = i
-        for i, buf in enumerate(plan.members):
-            region = arena.payload_host(i)[: buf.spec.nbytes]
-            sources[buf.name].append(region.view(buf.spec.dtype).view(buf.spec.shape))
-        if not plan.payload_offsets:
+        for buf, src in zip(plan.members, member_sources, strict=True):
+            sources[buf.name].append(src)
+        if not plan.inplace_offsets:
+            staged = {i for i, _, _ in slot.staged}
+            inplace = tuple(
+                -1 if i in staged else off for i, off in enumerate(slot.offsets)
+            )
             plan = GroupPlan(
                 plan.name, plan.index, plan.members, plan.producer_groups, True, "",
-                offsets, layout.header_bytes,
+                inplace, slot.arena.layout.header_bytes,  # type: ignore[attr-defined]
             )
-        return SlotGroup(plan, arena, header[:, 1]), plan
+        return SlotGroup(plan, slot), plan
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -477,22 +490,92 @@ class H2DRunnerState:
         rec = self._slot_groups[self.current_slot][self._plans[buffer.publication_group].index]
         i = buffer.member_index
         if count is None:
-            if rec.counts[i] is not None:
-                rec.active -= 1
-                rec.counts[i] = None
-                if rec.header_nbytes is not None:
-                    rec.header_nbytes[i] = 0
+            _omit(rec, i)
             return
+        if i in rec.ranged:
+            raise CountError(
+                f"buffer {buffer.name!r}: ranges were already set this epoch; publish either a "
+                "count or ranges, not both"
+            )
+        packed = rec.packed
         n = buffer.check_count(count)
         if rec.counts[i] is None:
             rec.active += 1
         rec.counts[i] = n
-        if rec.header_nbytes is not None:
+        if packed is not None:
             nbytes = n * buffer.spec.unit_bytes
-            rec.header_nbytes[i] = nbytes
-            end = rec.plan.payload_offsets[i] + nbytes
-            if end > rec.dma_end:
-                rec.dma_end = end
+            packed.header_nbytes[i] = nbytes
+            off = rec.plan.inplace_offsets[i]
+            if nbytes and off >= 0 and off + nbytes > rec.dma_end:
+                rec.dma_end = off + nbytes
+
+    def set_ranges(self, buffer: H2DBuffer, ranges: Sequence[tuple[int, int]]) -> None:
+        """Publish only these byte ranges ``[start, stop)`` of ``buffer`` this epoch.
+
+        For buffers declared with ``max_ranges``: sorted, disjoint, whole elements, within
+        the buffer, at most ``max_ranges`` of them and within the group's staging room
+        (about a quarter of the buffer). A packed group copies just these bytes into its
+        staging region and scatters them (no extra transfer); the direct backend copies each
+        range. Replaces any count or earlier ranges of this buffer for the epoch.
+        """
+        self._check_ready("set_ranges")
+        if self._buffers.get(buffer.name) is not buffer:
+            self._check_member(buffer)
+        if buffer.group in self._published:
+            raise DuplicatePublicationError(
+                f"buffer {buffer.name!r}: group {buffer.group!r} was already published in "
+                "this epoch; a second publication needs a reason (reopen())"
+            )
+        name, item, cap = buffer.name, buffer.spec.itemsize, buffer.spec.nbytes
+        if len(ranges) > buffer.max_ranges:
+            raise CountError(
+                f"buffer {name!r}: {len(ranges)} ranges exceed its max_ranges="
+                f"{buffer.max_ranges}; publish a count (whole rows) instead"
+            )
+        rec = self._slot_groups[self.current_slot][self._plans[buffer.publication_group].index]
+        i = buffer.member_index
+        pending = [(j, o, n) for j, o, n in rec.ranges if j != i]
+        room = rec.packed.staging_capacity if rec.packed is not None else None
+        used = sum(n for _, _, n in pending)
+        prev = 0
+        new: list[tuple[int, int, int]] = []
+        for k, r in enumerate(ranges):
+            start, stop = r
+            if (isinstance(start, bool) or isinstance(stop, bool)
+                    or not isinstance(start, (int, np.integer))
+                    or not isinstance(stop, (int, np.integer))):
+                raise CountError(f"buffer {name!r}: range {k} {r!r} must be two ints")
+            if not prev <= start < stop <= cap:
+                raise CountError(
+                    f"buffer {name!r}: range {k} [{start}, {stop}) must be non-empty, sorted, "
+                    f"disjoint from the previous one and inside [0, {cap})"
+                )
+            if start % item or stop % item:
+                raise CountError(
+                    f"buffer {name!r}: range {k} [{start}, {stop}) splits a {item}-byte element"
+                )
+            new.append((i, int(start), int(stop - start)))
+            used += int(stop - start) + 16
+            prev = stop
+        staged_room = 0 if room is None else room - sum(
+            (rec.counts[j] or 0) * rec.plan.members[j].spec.unit_bytes + 16
+            for j, _, _ in rec.packed.staged  # type: ignore[union-attr]
+        )
+        if room is not None and used > staged_room:
+            raise CountError(
+                f"buffer {name!r}: {used} range bytes exceed the group's staging room "
+                f"({staged_room} bytes); publish a count (whole rows) instead"
+            )
+        if rec.counts[i] is not None:
+            rec.counts[i] = None
+            rec.active -= 1
+            if rec.packed is not None:
+                rec.packed.header_nbytes[i] = 0
+        if i not in rec.ranged:
+            rec.active += 1
+            rec.ranged.add(i)
+        rec.ranges = pending + new
+        rec.range_bytes = sum(n for _, _, n in rec.ranges)
 
     def set_counts(
         self,
@@ -552,9 +635,10 @@ class H2DRunnerState:
             with ctx:
                 if covered_members:
                     nbytes = self._copy_direct(rec, [b.member_index for b in covered_members], counters)
-                elif plan.packed and rec.active > 1:
-                    rec.arena.publish(rec.dma_end, s)  # type: ignore[attr-defined]
-                    nbytes = int(rec.header_nbytes.sum())  # type: ignore[union-attr]
+                elif rec.packed is not None and (rec.active > 1 or len(rec.ranges) > 1):
+                    end = pack(rec.packed, rec.counts, rec.ranges)
+                    rec.packed.arena.publish(max(end, rec.dma_end), s)  # type: ignore[attr-defined]
+                    nbytes = int(rec.packed.header_nbytes.sum())
                     counters.dmas += 1
                     counters.scatters += 1
                 else:
@@ -574,15 +658,26 @@ class H2DRunnerState:
         self._published.add(group)
         self._published.update(producers)
 
-    def _copy_direct(self, rec: SlotGroup, indices: Iterable[int], counters: GroupCounters) -> int:
+    def _copy_direct(
+        self, rec: SlotGroup, indices: Iterable[int], counters: GroupCounters
+    ) -> int:
         members = rec.plan.members
         slot = self.current_slot
         total = 0
         for i in indices:
+            buf = members[i]
+            if i in rec.ranged:
+                dst = buf._dst_bytes
+                src = buf._src_bytes[slot]
+                for j, off, nbytes in rec.ranges:
+                    if j == i:
+                        dst[off : off + nbytes].copy_(src[off : off + nbytes], non_blocking=True)
+                        counters.direct_copies += 1
+                        total += nbytes
+                continue
             n = rec.counts[i]
             if n is None:
                 continue
-            buf = members[i]
             if n:
                 buf._dst_units[:n].copy_(buf._src_units[slot][:n], non_blocking=True)
             counters.direct_copies += 1

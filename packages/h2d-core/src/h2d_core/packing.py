@@ -1,0 +1,181 @@
+"""Where a packed group's members live in its arena, and what one publication packs.
+
+Three placements, chosen once at bind time:
+
+* ``INPLACE``: small members (capacity <= ``INPLACE_LIMIT``). The buffer's pinned source
+  *is* its arena payload region: producers write in place and publication packs nothing.
+  The DMA carries the unused rest of each small region; that costs a little bus time and no
+  host time.
+* ``STAGED``: large element/byte members (token-sized arrays with N-element capacity). They
+  have their own pinned source; publication copies only their used bytes into the staging
+  region (one ``memmove`` each), so their unused capacity never travels.
+* ``TAIL``: large row members (block tables). In place at the end of the arena, so a whole
+  table publication copies nothing on the host and the DMA ends where the used rows end.
+  Partial publications (changed row ranges) copy just those ranges into the staging region,
+  which sits *before* the tail, so unchanged rows never travel.
+
+Arena order: header | in-place regions (ascending) | staging | tail regions (ascending).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .buffer import CountUnit, H2DBuffer
+
+#: members up to this many bytes are written in place in the arena
+INPLACE_LIMIT = 32 * 1024
+#: staging reserved for a ranged member's partial publications, as a fraction of its size;
+#: above it a whole-table publication is cheaper anyway (see docs/benchmarks.md)
+SPAN_STAGING_DIVISOR = 4
+_ALIGN = 16
+
+_memmove = ctypes.memmove
+
+
+class Placement(enum.IntEnum):
+    INPLACE = 0
+    STAGED = 1
+    TAIL = 2
+
+
+def placement_of(buf: H2DBuffer) -> Placement:
+    """The placement rule (see the module docstring)."""
+    if buf.max_ranges or (buf.spec.unit is CountUnit.ROWS and buf.spec.nbytes > INPLACE_LIMIT):
+        return Placement.TAIL
+    if buf.spec.nbytes <= INPLACE_LIMIT:
+        return Placement.INPLACE
+    return Placement.STAGED
+
+
+def arena_order(members: Sequence[H2DBuffer]) -> list[H2DBuffer]:
+    """Members in arena order: placement first, then ascending size."""
+    return sorted(members, key=lambda b: (placement_of(b), b.spec.nbytes))
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) & ~(_ALIGN - 1)
+
+
+def staging_bytes(members: Sequence[H2DBuffer]) -> int:
+    """Staging capacity: every staged member at full size plus each ranged member's share."""
+    total = 0
+    for b in members:
+        p = placement_of(b)
+        if p is Placement.STAGED:
+            total += _align(b.spec.nbytes)
+        if b.max_ranges:
+            total += _align(b.spec.nbytes // SPAN_STAGING_DIVISOR) + _ALIGN * b.max_ranges
+    return total
+
+
+@dataclass(eq=False)
+class PackedSlot:
+    """One slot's arena for one packed group, with everything publication needs precomputed."""
+
+    arena: object  # h2d_kernels.PackedArena
+    header: np.ndarray  # int64 [num_ranges, 4]
+    header_nbytes: np.ndarray  # header[:, 1]
+    host_base: int
+    #: fixed arena offset of each member's payload (in-place and tail members)
+    offsets: tuple[int, ...]
+    #: (member index, source address, bytes per unit) of each staged member
+    staged: tuple[tuple[int, int, int], ...]
+    #: source base address of every member (for copying ranges into staging)
+    src_base: tuple[int, ...]
+    staging_offset: int
+    staging_capacity: int
+    first_extra: int
+    num_extra: int
+
+
+def bind_packed_slot(
+    members: Sequence[H2DBuffer], device: torch.device, scatter: str, pin: bool
+) -> tuple[PackedSlot, list[torch.Tensor]]:
+    """Plan and allocate one slot's arena for ``members`` (already in arena order).
+
+    Returns the slot and each member's pinned source tensor (an arena view, or its own
+    allocation for staged members).
+    """
+    from h2d_kernels import ArenaMember, PackedArena, plan_arena
+
+    places = [placement_of(b) for b in members]
+    first_tail = next((i for i, p in enumerate(places) if p is Placement.TAIL), len(members))
+    extra = sum(b.max_ranges for b in members)
+    layout = plan_arena(
+        [
+            ArenaMember(b.name, 0 if p is Placement.STAGED else b.spec.nbytes, b.spec.itemsize)
+            for b, p in zip(members, places, strict=True)
+        ],
+        num_ranges=len(members) + extra,
+        staging_bytes=staging_bytes(members),
+        staging_before=first_tail,
+    )
+    arena = PackedArena(layout, [b.gpu for b in members], device=device, scatter=scatter)
+    header = arena.header_np
+    header[:] = 0
+    sources: list[torch.Tensor] = []
+    offsets = []
+    staged = []
+    for i, (b, p) in enumerate(zip(members, places, strict=True)):
+        off = layout.payload_offset(i)
+        header[i, 0] = off
+        header[i, 2] = i
+        offsets.append(off)
+        if p is Placement.STAGED:
+            src = torch.zeros(b.spec.shape, dtype=b.spec.dtype, pin_memory=pin)
+            staged.append((i, src.data_ptr(), b.spec.unit_bytes))
+        else:
+            src = arena.payload_host(i)[: b.spec.nbytes].view(b.spec.dtype).view(b.spec.shape)
+        sources.append(src)
+    slot = PackedSlot(
+        arena=arena,
+        header=header,
+        header_nbytes=header[:, 1],
+        host_base=arena.host.data_ptr(),
+        offsets=tuple(offsets),
+        staged=tuple(staged),
+        src_base=tuple(s.data_ptr() for s in sources),
+        staging_offset=layout.staging_offset,
+        staging_capacity=layout.staging_bytes,
+        first_extra=len(members),
+        num_extra=extra,
+    )
+    return slot, sources
+
+
+def pack(
+    slot: PackedSlot,
+    counts: Sequence[int | None],
+    ranges: Sequence[tuple[int, int, int]],
+) -> int:
+    """Copy staged members' used bytes and pending ranges into staging; return its end
+    (0 when nothing was staged).
+
+    ``ranges`` are (member index, byte offset in the destination, byte count), already
+    validated against capacity and staging room by the caller.
+    """
+    off = slot.staging_offset
+    base = slot.host_base
+    header = slot.header
+    for i, src, unit_bytes in slot.staged:
+        n = counts[i]
+        if not n:
+            continue
+        nbytes = n * unit_bytes
+        _memmove(base + off, src, nbytes)
+        header[i, 0] = off
+        off = _align(off + nbytes)
+    row = slot.first_extra
+    for i, dst_off, nbytes in ranges:
+        _memmove(base + off, slot.src_base[i] + dst_off, nbytes)
+        header[row] = (off, nbytes, i, dst_off)
+        row += 1
+        off = _align(off + nbytes)
+    return off if off > slot.staging_offset else 0
