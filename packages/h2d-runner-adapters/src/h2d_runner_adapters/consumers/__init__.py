@@ -1,0 +1,30 @@
+"""First-consumer GPU kernels of the runner groups, as pure functions on torch tensors.
+
+Each module holds one Triton kernel beside its launcher. Launchers check
+metadata only (no host sync), take host-side counts as Python ints, write in
+place (or into ``out=``) and never recompile for a new batch size.
+:mod:`~h2d_runner_adapters.consumers.reference` holds plain-torch oracles for tests.
+"""
+
+from h2d_runner_adapters.consumers.draft_gather import gather_draft_ids
+from h2d_runner_adapters.consumers.errors import ConsumerArgumentError, ConsumerDeviceError
+from h2d_runner_adapters.consumers.kv_indices import generate_kv_indices
+from h2d_runner_adapters.consumers.prefill_attention import prepare_prefill_attention
+from h2d_runner_adapters.consumers.sampler import (
+    GREEDY_TEMPERATURE,
+    fill_gumbel_noise_,
+    sample_tokens,
+)
+from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
+
+__all__ = [
+    "GREEDY_TEMPERATURE",
+    "ConsumerArgumentError",
+    "ConsumerDeviceError",
+    "assemble_token_ids",
+    "fill_gumbel_noise_",
+    "gather_draft_ids",
+    "generate_kv_indices",
+    "prepare_prefill_attention",
+    "sample_tokens",
+]
