@@ -13,6 +13,7 @@ Public API::
     def prepare_decode(adapter, batch): ...     # adapter.h2d_state is the owner
 """
 
+from .block_table_state import BlockTableState, PublishedTable, StageResult, block_table_state
 from .buffer import BufferSpec, CountUnit, H2DBuffer
 from .config import ENV_VAR, Backend, resolve_backend
 from .errors import (
@@ -41,6 +42,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "BindingError",
+    "BlockTableState",
     "BufferSpec",
     "CountError",
     "CountUnit",
@@ -58,9 +60,12 @@ __all__ = [
     "OwnerInvalidatedError",
     "OwnerThreadError",
     "PublicationEnqueueError",
+    "PublishedTable",
     "ReentryError",
+    "StageResult",
     "StreamMismatchError",
     "UnknownGroupError",
+    "block_table_state",
     "h2d_producer",
     "resolve_backend",
 ]

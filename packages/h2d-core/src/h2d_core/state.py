@@ -19,7 +19,7 @@ Every rejected call raises before anything is enqueued or changed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
 
@@ -126,6 +126,10 @@ class H2DRunnerState:
         self._published: set[str] = set()
         self._produced: set[str] = set()
         self._invalid: str | None = None
+        #: callbacks run once after a producer group's successful publication this epoch
+        self._on_publish: dict[str, list[Callable[[], None]]] = {}
+        #: called by reset(): attached state that must forget what the GPU holds
+        self._reset_hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ declaration
     def buffer(
@@ -439,6 +443,7 @@ class H2DRunnerState:
             rec.clear_counts()
         self._published.clear()
         self._produced.clear()
+        self._on_publish.clear()
         self._epoch_open = True
         self._resumable = False
         return slot
@@ -657,6 +662,16 @@ class H2DRunnerState:
         counters.bytes += nbytes
         self._published.add(group)
         self._published.update(producers)
+        for g in producers:
+            for fn in self._on_publish.pop(g, ()):
+                fn()
+
+    def on_publish(self, buffer: H2DBuffer, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once, right after ``buffer``'s group is published successfully
+        in this epoch. A failed, reopened or never-made publication never runs it."""
+        self._check_ready("on_publish")
+        self._check_member(buffer)
+        self._on_publish.setdefault(buffer.group, []).append(callback)
 
     def _copy_direct(
         self, rec: SlotGroup, indices: Iterable[int], counters: GroupCounters
@@ -740,6 +755,7 @@ class H2DRunnerState:
         for g in groups:
             self._published.discard(g)
             self._produced.discard(g)
+            self._on_publish.pop(g, None)
         self._counters[group].second_publications += 1
 
     def _acquire_sources(self) -> None:
@@ -785,4 +801,9 @@ class H2DRunnerState:
         self._resumable = False
         self._published.clear()
         self._produced.clear()
+        self._on_publish.clear()
         self._event_recorded = [False] * self.num_slots
+        # A failed enqueue may have left destinations half written: whatever tracked their
+        # contents must forget it, so the next publication sends them whole.
+        for hook in self._reset_hooks:
+            hook()

@@ -1,0 +1,86 @@
+"""Column-exact change spans between a remembered snapshot state and the current one.
+
+A publisher that uploaded rows ``[0, n)`` of a snapshot at some revision, and kept the
+row keys of that moment (:func:`row_keys`), can ask which columns of which rows differ
+now. An append in the same lineage differs only in its new columns; any other change
+(new version, reorder, unversioned or unknown content) differs at most over the columns
+either content occupied, because the snapshot keeps every column past a row's length
+at the fill value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .lineage import LENGTH_BITS, LENGTH_MASK
+from .snapshot import UNKNOWN, UNVERSIONED, PageTableSnapshot
+from .validation import Int64Array
+
+
+@dataclass(frozen=True)
+class ChangedSpans:
+    """``rows[k]`` changed in columns ``[starts[k], stops[k])``; rows ascending."""
+
+    rows: Int64Array
+    starts: Int64Array
+    stops: Int64Array
+
+    def __len__(self) -> int:
+        return int(self.rows.size)
+
+    @property
+    def num_ids(self) -> int:
+        """Page-ID cells covered."""
+        return int((self.stops - self.starts).sum())
+
+
+def row_keys(snapshot: PageTableSnapshot) -> Int64Array:
+    """A copy of the packed (version, length) keys of rows ``[0, num_rows)``: remember it
+    with the revision at upload time and pass it to :func:`changed_spans` later."""
+    return snapshot._row_keys[: snapshot.num_rows].copy()
+
+
+def changed_spans(
+    snapshot: PageTableSnapshot,
+    keys_then: Int64Array,
+    num_rows: int,
+    revision: int | None = None,
+) -> ChangedSpans | None:
+    """Spans of rows ``[0, min(num_rows, len(keys_then)))`` that differ from what a
+    publisher uploaded when the row keys were ``keys_then`` (:func:`row_keys`).
+
+    With ``revision`` (the snapshot's revision at that upload; the same snapshot), the
+    snapshot's history says exactly which rows changed. Without it (``keys_then`` came from
+    another snapshot, e.g. another pipeline slot's table uploaded to the same destination),
+    the keys alone decide: equal versioned keys mean equal bytes, and unversioned rows are
+    treated as changed. Returns None when the history no longer reaches ``revision``: the
+    caller then re-sends whole rows. Rows at or past ``len(keys_then)`` are not covered.
+    """
+    limit = min(num_rows, keys_then.size)
+    if revision is not None:
+        changed = snapshot.changed_rows_since(revision)
+        if changed.all_rows:
+            return None
+        rows = changed.rows()
+        rows = rows[rows < limit]
+    else:
+        now_all = snapshot._row_keys[:limit]
+        differs = (now_all != keys_then[:limit]) | ((now_all >> LENGTH_BITS) == UNVERSIONED)
+        rows = np.flatnonzero(differs).astype(np.int64)
+    then = keys_then[rows]
+    now = snapshot._row_keys[rows]
+    len_then = then & LENGTH_MASK
+    len_now = now & LENGTH_MASK
+    version = now >> LENGTH_BITS
+    append = (
+        ((then >> LENGTH_BITS) == version)
+        & (version != UNVERSIONED)
+        & (version != UNKNOWN)
+        & (len_now >= len_then)
+    )
+    starts = np.where(append, len_then, 0)
+    stops = np.where(append, len_now, np.maximum(len_then, len_now))
+    keep = stops > starts
+    return ChangedSpans(rows[keep], starts[keep], stops[keep])

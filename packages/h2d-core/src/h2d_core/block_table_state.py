@@ -1,0 +1,224 @@
+"""Page-map state attached to a block-table buffer: CPU preparation and GPU publication.
+
+``block_table_state(buffer)`` gives a block-table buffer (2-D int32, counted in rows) one
+:class:`block_tables.PageTableSnapshot` per slot over that slot's pinned source, plus a
+record of what its GPU destination holds. Two revisions stay separate:
+
+* the *prepared* revision (per slot's snapshot) changes exactly when CPU bytes change;
+* the *published* record says which snapshot, revision and row count the GPU table holds.
+  It is written only after the carrying group's publication succeeded, and forgotten when
+  the owner is reset after a failure.
+
+Each step the runner prepares rows (``prepare``) and then stages the table for its group
+(``stage``): the GPU table is reused (the member omitted) when destination, prepared
+revision and row count all match; otherwise only the changed column spans travel (extra
+ranges inside the group's one packed DMA) or, when most of the table changed or the group
+is not packed, rows ``[0, n)`` in one bulk publication.
+
+Writing the buffer's CPU or GPU table outside these entry points breaks this contract;
+call :meth:`BlockTableState.invalidate` afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from block_tables import PageTableSnapshot
+from block_tables.spans import changed_spans, row_keys
+
+from .buffer import CountUnit, H2DBuffer
+from .config import Backend
+from .errors import CountError, DeclarationError
+
+#: A partial publication is chosen while its bytes stay under this share of the whole
+#: table's bytes (the crossover measured in docs/benchmarks.md).
+PARTIAL_MAX_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class PublishedTable:
+    """What the GPU destination holds: slot's snapshot, its revision, rows, row keys."""
+
+    slot: int
+    revision: int
+    rows: int
+    keys: np.ndarray
+
+
+class StageResult:
+    """How ``stage`` published the table this epoch."""
+
+    REUSED = "reused"
+    PARTIAL = "partial"
+    WHOLE = "whole"
+
+
+class BlockTableState:
+    """Per-slot page-table snapshots of one block-table buffer and its GPU record."""
+
+    def __init__(
+        self,
+        buffer: H2DBuffer,
+        *,
+        pool_limit: int | None = None,
+        fill_value: int = 0,
+        partial_max_share: float = PARTIAL_MAX_SHARE,
+    ) -> None:
+        spec = buffer.spec
+        if spec.dtype != torch.int32 or len(spec.shape) != 2 or spec.unit is not CountUnit.ROWS:
+            raise DeclarationError(
+                f"buffer {buffer.name!r}: block_table_state needs a 2-D int32 buffer counted "
+                f"in rows, got shape {spec.shape} {spec.dtype} unit {spec.unit.value!r}"
+            )
+        state = buffer._state
+        state._check_thread()
+        state._check_bound()
+        self.buffer = buffer
+        self.state = state
+        self.snapshots = tuple(
+            PageTableSnapshot(buffer.source(slot).numpy(), pool_limit=pool_limit,
+                              fill_value=fill_value)
+            for slot in range(state.num_slots)
+        )
+        self.published: PublishedTable | None = None
+        self.partial_max_share = partial_max_share
+        self._row_bytes = spec.unit_bytes
+        self._width = spec.shape[1]
+        self._ranged = (
+            buffer.max_ranges > 0
+            and state.backend is Backend.PACKED
+            and state.plan(buffer.publication_group).packed
+        )
+        self.last_stage = ""
+        state._reset_hooks.append(self.forget_gpu)
+
+    # -- CPU side ---------------------------------------------------------------------------
+    @property
+    def snapshot(self) -> PageTableSnapshot:
+        """The current slot's snapshot."""
+        return self.snapshots[self.state.current_slot]
+
+    @property
+    def prepared_revision(self) -> int:
+        return self.snapshot.revision
+
+    def prepare(
+        self,
+        rows: Sequence[object],
+        *,
+        required_pages: Sequence[int] | np.ndarray | None = None,
+    ) -> int:
+        """Bring the current slot's CPU table to ``rows`` (padding rows included); return
+        the prepared revision. All rows are validated before any write; prefill may
+        prepare without publishing."""
+        self.state._check_ready(f"prepare of {self.buffer.name!r}")
+        return self.snapshot.prepare(rows, required_pages=required_pages)  # type: ignore[arg-type]
+
+    # -- GPU side ---------------------------------------------------------------------------
+    def stage(self, num_rows: int) -> str:
+        """Decide and set what this epoch publishes of the table for rows ``[0, num_rows)``.
+
+        Returns ``StageResult.REUSED`` (member omitted: the GPU already holds these rows at
+        this revision), ``PARTIAL`` (changed spans as ranges) or ``WHOLE`` (a row count).
+        The record is updated only when the group's publication succeeds.
+        """
+        state = self.state
+        state._check_ready(f"stage of {self.buffer.name!r}")
+        slot = state.current_slot
+        snap = self.snapshots[slot]
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
+            raise CountError(f"buffer {self.buffer.name!r}: num_rows must be an int")
+        if not 0 <= num_rows <= snap.num_rows:
+            raise CountError(
+                f"buffer {self.buffer.name!r}: {num_rows} rows requested but slot {slot}'s "
+                f"snapshot prepared {snap.num_rows}; prepare() the rows (padding included) first"
+            )
+        rev = snap.revision
+        rec = self.published
+        if rec is not None and rec.slot == slot and rec.revision == rev and rec.rows == num_rows:
+            state.set_count(self.buffer, None)
+            self.last_stage = StageResult.REUSED
+            return self.last_stage
+        ranges = self._partial_ranges(rec, slot, rev, num_rows) if self._ranged else None
+        if ranges is not None:
+            state.set_ranges(self.buffer, ranges) if ranges else state.set_count(self.buffer, None)
+            self.last_stage = StageResult.PARTIAL
+        else:
+            state.set_count(self.buffer, int(num_rows))
+            self.last_stage = StageResult.WHOLE
+        keys = row_keys(snap)[:num_rows]
+        n = int(num_rows)
+
+        def commit() -> None:
+            self.published = PublishedTable(slot, rev, n, keys)
+
+        if ranges == []:
+            commit()  # nothing to send: the GPU already holds these bytes
+        else:
+            state.on_publish(self.buffer, commit)
+        return self.last_stage
+
+    def _partial_ranges(
+        self, rec: PublishedTable | None, slot: int, rev: int, num_rows: int
+    ) -> list[tuple[int, int]] | None:
+        if rec is None:
+            return None
+        # Same slot: the snapshot's history is exact. Another slot's table on the same
+        # destination: compare row keys (versioned rows need no page-ID reads either way).
+        spans = changed_spans(self.snapshots[slot], rec.keys, num_rows,
+                              rec.revision if rec.slot == slot else None)
+        if spans is None:
+            return None
+        rb = self._row_bytes
+        ranges: list[tuple[int, int]] = []
+        for r, a, b in zip(spans.rows.tolist(), spans.starts.tolist(), spans.stops.tolist(),
+                           strict=True):
+            start, stop = r * rb + a * 4, r * rb + b * 4
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], stop)
+            else:
+                ranges.append((start, stop))
+        if num_rows > rec.rows:  # rows the GPU never received at this record
+            start, stop = rec.rows * rb, num_rows * rb
+            if ranges and ranges[-1][1] == start:
+                ranges[-1] = (ranges[-1][0], stop)
+            else:
+                ranges.append((start, stop))
+        total = sum(b - a for a, b in ranges)
+        if (len(ranges) > self.buffer.max_ranges
+                or total > self.partial_max_share * num_rows * rb):
+            return None
+        return ranges
+
+    def forget_gpu(self) -> None:
+        """Forget what the GPU table holds (after a failure); the next stage sends it whole."""
+        self.published = None
+
+    def invalidate(self) -> None:
+        """Recover after something wrote the CPU or GPU table outside this state."""
+        for snap in self.snapshots:
+            snap.invalidate()
+        self.published = None
+
+
+def block_table_state(
+    buffer: H2DBuffer,
+    *,
+    pool_limit: int | None = None,
+    fill_value: int = 0,
+    partial_max_share: float = PARTIAL_MAX_SHARE,
+) -> BlockTableState:
+    """Attach page-map state to a bound block-table buffer (one per buffer: each PP slot
+    has its own snapshot inside, each TBO buffer gets its own state)."""
+    existing = getattr(buffer, "_page_map", None)
+    if existing is not None:
+        raise DeclarationError(
+            f"buffer {buffer.name!r} already has block-table state; share that object"
+        )
+    state = BlockTableState(buffer, pool_limit=pool_limit, fill_value=fill_value,
+                            partial_max_share=partial_max_share)
+    buffer._page_map = state  # type: ignore[attr-defined]
+    return state

@@ -1,0 +1,194 @@
+"""Block-table state: prepared vs published revisions, reuse, partial and whole publication,
+failed publications, slots, and the GPU table == CPU snapshot invariant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from block_tables import BlockTable
+
+from h2d_core import (
+    CountError,
+    H2DRunnerState,
+    PublicationEnqueueError,
+    StageResult,
+    block_table_state,
+)
+
+ROWS, WIDTH = 32, 64
+
+
+def _setup(device: str, h: Any, backend: str = "packed", num_slots: int = 1,
+           max_ranges: int = 16) -> Any:
+    st = H2DRunnerState(device, backend=backend, num_slots=num_slots,
+                        scatter=h.scatter_mode(device))
+    lens = st.buffer("context_lens", (ROWS,), torch.int32, group="mha_decode")
+    bt = st.buffer("block_tables", (ROWS, WIDTH), torch.int32, group="mha_decode",
+                   unit="rows", max_ranges=max_ranges)
+    st.bind()
+    bt.gpu.fill_(-7)
+    return st, lens, bt, block_table_state(bt, pool_limit=10_000)
+
+
+def _publish(st: Any, lens: Any, bts: Any, rows: list[Any], n: int | None = None) -> str:
+    st.begin()
+    bts.prepare(rows)
+    n = len(rows) if n is None else n
+    lens.np[:n] = n
+    st.set_count(lens, n)
+    how = bts.stage(n)
+    st.publish("mha_decode")
+    st.finish()
+    return how
+
+
+def _check_gpu(device: str, h: Any, bts: Any, n: int) -> None:
+    h.sync(device)
+    snap = bts.snapshot
+    assert np.array_equal(bts.buffer.gpu[:n].cpu().numpy(), snap.storage[:n]), "GPU != snapshot"
+
+
+def test_reuse_partial_and_whole(device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    st, lens, bt, bts = _setup(device, h)
+    rng = np.random.default_rng(0)
+    tables = [BlockTable(rng.integers(0, 10_000, rng.integers(1, 20))) for _ in range(16)]
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    _check_gpu(device, h, bts, 16)
+    assert bts.published.rows == 16 and bts.published.revision == bts.prepared_revision
+
+    # Same rows, same revision: the member is omitted and the GPU view stays valid.
+    dmas = st.counters("mha_decode").bytes
+    assert _publish(st, lens, bts, tables) == StageResult.REUSED
+    assert st.counters("mha_decode").bytes - dmas == 16 * 4  # context_lens only
+    _check_gpu(device, h, bts, 16)
+
+    # One page appended on 1/16 of the rows: only those page IDs travel.
+    tables[3].append_one(77)
+    before = st.counters("mha_decode").bytes
+    assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
+    assert st.counters("mha_decode").bytes - before == 16 * 4 + 4
+    _check_gpu(device, h, bts, 16)
+
+    # A replaced (new-version, shorter) row clears its old columns on the GPU too.
+    tables[5] = BlockTable([1, 2])
+    assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
+    _check_gpu(device, h, bts, 16)
+
+    # Growing the batch sends the new rows whole; most rows new => whole table.
+    tables += [BlockTable([9] * 30) for _ in range(4)]
+    assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
+    _check_gpu(device, h, bts, 20)
+    fresh = [BlockTable(rng.integers(0, 10_000, 40)) for _ in range(20)]
+    assert _publish(st, lens, bts, fresh) == StageResult.WHOLE
+    _check_gpu(device, h, bts, 20)
+
+    # Fewer rows at the same revision: nothing to send, record follows the request.
+    assert _publish(st, lens, bts, fresh, n=12) == StageResult.PARTIAL
+    assert bts.published.rows == 12
+
+
+def test_direct_backend_publishes_whole_tables(device: str, h: Any) -> None:
+    st, lens, bt, bts = _setup(device, h, backend="direct")
+    tables = [BlockTable([i, i + 1]) for i in range(8)]
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    assert _publish(st, lens, bts, tables) == StageResult.REUSED
+    tables[0].append_one(5)
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    _check_gpu(device, h, bts, 8)
+
+
+def test_prefill_prepares_without_uploading(device: str, h: Any) -> None:
+    st, lens, bt, bts = _setup(device, h)
+    tables = [BlockTable([i]) for i in range(4)]
+    _publish(st, lens, bts, tables)
+    published = bts.published
+    st.begin()
+    tables[1].append([3, 4])
+    rev = bts.prepare(tables)
+    st.finish()
+    assert rev != published.revision and bts.published is published
+    assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
+    _check_gpu(device, h, bts, 4)
+
+
+def test_failed_publication_never_marks_published(device: str, h: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    st, lens, bt, bts = _setup(device, h)
+    tables = [BlockTable([i, 2 * i]) for i in range(6)]
+    _publish(st, lens, bts, tables)
+    good = bts.published
+    st.begin()
+    tables[2].append_one(99)
+    bts.prepare(tables)
+    st.set_count(lens, 6)
+    bts.stage(6)
+    rec = st._slot_groups[0][st.plan("mha_decode").index]
+    if rec.packed is not None:
+        monkeypatch.setattr(rec.packed.arena, "publish",
+                            lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+    else:
+        monkeypatch.setattr(bt, "_dst_units", None)
+    with pytest.raises(PublicationEnqueueError):
+        st.publish("mha_decode")
+    assert bts.published is good
+    monkeypatch.undo()
+    st.reset()
+    assert bts.published is None  # the GPU table may be half written: forget it
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    _check_gpu(device, h, bts, 6)
+
+
+def test_stage_errors_change_nothing(device: str, h: Any) -> None:
+    st, lens, bt, bts = _setup(device, h)
+    st.begin()
+    bts.prepare([BlockTable([1])] * 3)
+    with pytest.raises(CountError, match="'block_tables': 4 rows requested but slot 0's "
+                                         "snapshot prepared 3"):
+        bts.stage(4)
+    with pytest.raises(CountError, match="num_rows must be an int"):
+        bts.stage(True)
+    assert st.count(bt) is None and bts.published is None
+    with pytest.raises(Exception, match="2-D int32 buffer counted in rows"):
+        block_table_state(lens)
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+@pytest.mark.parametrize("num_slots", [1, 2])
+def test_random_steps_gpu_table_equals_snapshot(device: str, h: Any, backend: str,
+                                                num_slots: int) -> None:
+    st, lens, bt, bts = _setup(device, h, backend=backend, num_slots=num_slots, max_ranges=6)
+    rng = np.random.default_rng(7 + num_slots)
+    live = [BlockTable(rng.integers(0, 10_000, rng.integers(0, 10))) for _ in range(10)]
+    stages = set()
+    for step in range(40):
+        op = rng.integers(0, 6)
+        if op == 0 and live:
+            for t in live:
+                if rng.random() < 0.2 and len(t) < WIDTH:
+                    t.append_one(int(rng.integers(0, 10_000)))
+        elif op == 1 and len(live) > 2:
+            i, j = rng.choice(len(live), 2, replace=False)
+            live[i], live[j] = live[j], live[i]
+        elif op == 2 and len(live) < ROWS:
+            live.insert(int(rng.integers(0, len(live) + 1)),
+                        BlockTable(rng.integers(0, 10_000, rng.integers(0, 20))))
+        elif op == 3 and len(live) > 1:
+            live.pop(int(rng.integers(0, len(live))))
+        elif op == 4 and live:
+            k = int(rng.integers(0, len(live)))
+            live[k] = live[k].lineage_copy()
+            if len(live[k]) < WIDTH:
+                live[k].append_one(1)
+        rows: list[Any] = list(live)
+        if rng.random() < 0.3:
+            rows = [np.asarray(r.tolist(), dtype=np.int32) if rng.random() < 0.5 else r
+                    for r in rows]
+        n = len(rows) if rng.random() < 0.8 else int(rng.integers(0, len(rows) + 1))
+        stages.add(_publish(st, lens, bts, rows, n=n))
+        _check_gpu(device, h, bts, n)
+    assert StageResult.WHOLE in stages
+    if backend == "packed":
+        assert StageResult.PARTIAL in stages
