@@ -415,3 +415,50 @@ def test_count_after_ranges_is_rejected(device: str, h: Any) -> None:
     st.set_count(bt, None)  # None omits the member: its ranges go too
     rec = st._slot_groups[0][0]
     assert (rec.ranges, rec.active, rec.counts[1]) == ([], 0, None)
+
+
+def test_producer_group_carried_by_two_combined_groups(device: str, h: Any) -> None:
+    st = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    bufs = {
+        "temperatures": st.buffer("temperatures", (64,), torch.float32, group="tokens"),
+        "input_ids": st.buffer("input_ids", (20_000,), torch.int32, group="tokens"),
+        "slots": st.buffer("slots", (64,), torch.int64, group="mha_decode"),
+        "cu_k": st.buffer("cu_k", (65,), torch.int32, group="prefill_inputs"),
+    }
+    st.combine("decode", ["tokens", "mha_decode"])
+    st.combine("prefill", ["tokens", "prefill_inputs"])
+    st.bind()
+    for b in bufs.values():
+        b.gpu.view(torch.uint8).fill_(h.POISON)
+    assert st.plan("decode").borrowed == frozenset()
+    assert st.plan("prefill").borrowed == {"temperatures", "input_ids"}
+    # one source per buffer, living in its primary (first) group's arena
+    assert len(bufs["temperatures"].homes) == 2
+    rng = np.random.default_rng(30)
+
+    class Setup:
+        state = st
+        buffers = bufs
+
+    for group, counts in (("decode", {"temperatures": 5, "input_ids": 5, "slots": 5}),
+                          ("prefill", {"temperatures": 3, "input_ids": 900, "cu_k": 4}),
+                          ("decode", {"temperatures": 64, "input_ids": 1, "slots": 64})):
+        st.begin()
+        expected = _step(Setup, h, rng, counts, group=group)
+        st.finish()
+        h.sync(device)
+        for name, b in bufs.items():
+            assert torch.equal(h.dest_bytes(b), expected[name]), (group, name)
+    assert (st.counters("decode").dmas, st.counters("prefill").dmas) == (2, 1)
+    st.begin()
+    st.set_count(bufs["temperatures"], 1)
+    st.set_count(bufs["slots"], 1)
+    st.publish("decode")
+    with pytest.raises(Exception, match=r"\['tokens'\] already published"):
+        st.publish("prefill")
+    st.reopen("tokens", reason="prefill after decode in one epoch")
+    assert st.count(bufs["temperatures"]) is None
+    st.set_count(bufs["temperatures"], 2)
+    st.set_count(bufs["cu_k"], 2)
+    st.publish("prefill")
+    st.finish()

@@ -113,7 +113,10 @@ class H2DBuffer:
         self._state = state
         self._sources: list[torch.Tensor] = []
         self._numpy: list[np.ndarray | None] = []
-        # Filled by the state at bind time: where this member sits in its publication group.
+        # Filled by the state at bind time: where this member sits in each publication group
+        # that carries it, as (group index, member index); the first is its primary group,
+        # whose arena holds its source.
+        self.homes: list[tuple[int, int]] = []
         self.publication_group = ""
         self.member_index = -1
 

@@ -48,6 +48,8 @@ class GroupPlan:
     #: for staged members (their offset is decided per publication); empty when not packed
     inplace_offsets: tuple[int, ...] = ()
     header_bytes: int = 0
+    #: members whose sources live in another publication group's arena (staged here)
+    borrowed: frozenset[str] = frozenset()
 
 
 @dataclass(eq=False)

@@ -45,8 +45,12 @@ class Placement(enum.IntEnum):
     TAIL = 2
 
 
-def placement_of(buf: H2DBuffer) -> Placement:
-    """The placement rule (see the module docstring)."""
+def placement_of(buf: H2DBuffer, borrowed: bool = False) -> Placement:
+    """The placement rule (see the module docstring). A *borrowed* member (its source lives
+    in another group's arena: a producer group carried by several combined groups) is
+    always staged."""
+    if borrowed:
+        return Placement.STAGED
     if buf.max_ranges or (buf.spec.unit is CountUnit.ROWS and buf.spec.nbytes > INPLACE_LIMIT):
         return Placement.TAIL
     if buf.spec.nbytes <= INPLACE_LIMIT:
@@ -54,20 +58,22 @@ def placement_of(buf: H2DBuffer) -> Placement:
     return Placement.STAGED
 
 
-def arena_order(members: Sequence[H2DBuffer]) -> list[H2DBuffer]:
+def arena_order(
+    members: Sequence[H2DBuffer], borrowed: frozenset[str] = frozenset()
+) -> list[H2DBuffer]:
     """Members in arena order: placement first, then ascending size."""
-    return sorted(members, key=lambda b: (placement_of(b), b.spec.nbytes))
+    return sorted(members, key=lambda b: (placement_of(b, b.name in borrowed), b.spec.nbytes))
 
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
-def staging_bytes(members: Sequence[H2DBuffer]) -> int:
+def staging_bytes(members: Sequence[H2DBuffer], borrowed: frozenset[str] = frozenset()) -> int:
     """Staging capacity: every staged member at full size plus each ranged member's share."""
     total = 0
     for b in members:
-        p = placement_of(b)
+        p = placement_of(b, b.name in borrowed)
         if p is Placement.STAGED:
             total += _align(b.spec.nbytes)
         if b.max_ranges:
@@ -96,16 +102,23 @@ class PackedSlot:
 
 
 def bind_packed_slot(
-    members: Sequence[H2DBuffer], device: torch.device, scatter: str, pin: bool
+    members: Sequence[H2DBuffer],
+    device: torch.device,
+    scatter: str,
+    pin: bool,
+    borrowed: dict[str, torch.Tensor] | None = None,
 ) -> tuple[PackedSlot, list[torch.Tensor]]:
     """Plan and allocate one slot's arena for ``members`` (already in arena order).
 
-    Returns the slot and each member's pinned source tensor (an arena view, or its own
-    allocation for staged members).
+    ``borrowed`` maps members whose source lives elsewhere to that source. Returns the slot
+    and each member's pinned source tensor (an arena view, its own allocation for staged
+    members, or the borrowed source).
     """
     from h2d_kernels import ArenaMember, PackedArena, plan_arena
 
-    places = [placement_of(b) for b in members]
+    borrowed = borrowed or {}
+    names = frozenset(borrowed)
+    places = [placement_of(b, b.name in names) for b in members]
     first_tail = next((i for i, p in enumerate(places) if p is Placement.TAIL), len(members))
     extra = sum(b.max_ranges for b in members)
     layout = plan_arena(
@@ -114,7 +127,7 @@ def bind_packed_slot(
             for b, p in zip(members, places, strict=True)
         ],
         num_ranges=len(members) + extra,
-        staging_bytes=staging_bytes(members),
+        staging_bytes=staging_bytes(members, names),
         staging_before=first_tail,
     )
     arena = PackedArena(layout, [b.gpu for b in members], device=device, scatter=scatter)
@@ -128,7 +141,10 @@ def bind_packed_slot(
         header[i, 0] = off
         header[i, 2] = i
         offsets.append(off)
-        if p is Placement.STAGED:
+        if b.name in borrowed:
+            src = borrowed[b.name]
+            staged.append((i, src.data_ptr(), b.spec.unit_bytes))
+        elif p is Placement.STAGED:
             src = torch.zeros(b.spec.shape, dtype=b.spec.dtype, pin_memory=pin)
             staged.append((i, src.data_ptr(), b.spec.unit_bytes))
         else:

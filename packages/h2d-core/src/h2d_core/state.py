@@ -195,7 +195,10 @@ class H2DRunnerState:
         """Declare a combined group publishing several producer groups with one DMA.
 
         The covered producer groups get no packed arena of their own; publishing one of them
-        alone (a standalone caller) uses checked direct copies.
+        alone (a standalone caller) uses checked direct copies. A producer group may be
+        covered by several combined groups (e.g. token inputs in both a ``decode`` and a
+        ``prefill`` group): its sources live in the first such group's arena and the others
+        copy its used bytes into their staging region when they publish.
         """
         self._check_thread()
         if self._bound:
@@ -209,12 +212,8 @@ class H2DRunnerState:
                 raise UnknownGroupError(
                     f"combined group {name!r}: producer group {g!r} has no declared buffer"
                 )
-            for other, covered in self._combined.items():
-                if g in covered:
-                    raise DeclarationError(
-                        f"combined group {name!r}: producer group {g!r} is already covered by "
-                        f"{other!r}; a group can be covered once"
-                    )
+        if len(set(groups)) != len(groups):
+            raise DeclarationError(f"combined group {name!r} lists a producer group twice")
         self._combined[name] = tuple(groups)
 
     # ------------------------------------------------------------------ binding
@@ -229,15 +228,25 @@ class H2DRunnerState:
                 f"buffers {overlap[0]!r} and {overlap[1]!r} share GPU bytes; give each member "
                 "its own destination"
             )
-        covered = {g: c for c, gs in self._combined.items() for g in gs}
-        publication: list[tuple[str, tuple[str, ...]]] = [
-            (c, gs) for c, gs in self._combined.items()
-        ]
+        covered = {g for gs in self._combined.values() for g in gs}
+        publication: list[tuple[str, tuple[str, ...]]] = list(self._combined.items())
         publication += [(g, (g,)) for g in self._producer_groups if g not in covered]
+        primary: dict[str, str] = {}  # producer group -> publication group holding its sources
+        for name, groups in publication:
+            for g in groups:
+                primary.setdefault(g, name)
+        for b in self._buffers.values():
+            homes = sum(b.group in gs for _, gs in publication)
+            if b.max_ranges and homes > 1:
+                raise BindingError(
+                    f"buffer {b.name!r}: a ranged buffer (max_ranges) must be carried by one "
+                    f"publication group, but group {b.group!r} is covered by {homes}"
+                )
 
         plans: dict[str, GroupPlan] = {}
         for index, (name, groups) in enumerate(publication):
             members = [b for g in groups for b in self._producer_groups[g]]
+            borrowed = frozenset(b.name for b in members if primary[b.group] != name)
             why = ""
             if self.backend is Backend.DIRECT:
                 why = "direct backend"
@@ -247,15 +256,16 @@ class H2DRunnerState:
                     why = f"noncontiguous destination(s) {bad}"
             packed = not why
             if packed:
-                members = arena_order(members)
-            plans[name] = GroupPlan(name, index, tuple(members), groups, packed, why)
+                members = arena_order(members, borrowed)
+            plans[name] = GroupPlan(name, index, tuple(members), groups, packed, why,
+                                    borrowed=borrowed)
 
         slot_groups: list[list[SlotGroup]] = [[] for _ in range(self.num_slots)]
         sources: dict[str, list[torch.Tensor]] = {b: [] for b in self._buffers}
         try:
             for name, plan in list(plans.items()):
                 for slot in range(self.num_slots):
-                    rec, plan = self._bind_group(plan, sources)
+                    rec, plan = self._bind_group(plan, sources, slot)
                     plans[name] = plan
                     slot_groups[slot].append(rec)
         except ValueError as exc:  # layout/destination rejections from h2d_kernels
@@ -270,10 +280,12 @@ class H2DRunnerState:
                 buf._src_bytes = [unit_view(s, CountUnit.BYTES) for s in sources[buf.name]]
         for name, plan in plans.items():
             for i, buf in enumerate(plan.members):
-                buf.publication_group = name
-                buf.member_index = i
-                self._publication_group_of[buf.group] = name
+                buf.homes.append((plan.index, i))
+                if primary[buf.group] == name:
+                    buf.publication_group = name
+                    buf.member_index = i
             self._counters[name] = GroupCounters()
+        self._publication_group_of = dict(primary)
         for g in self._producer_groups:
             self._counters.setdefault(g, GroupCounters())
         self._plans = plans
@@ -287,29 +299,34 @@ class H2DRunnerState:
         self._bound = True
 
     def _bind_group(
-        self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]]
+        self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]], slot: int
     ) -> tuple[SlotGroup, GroupPlan]:
+        own = [b for b in plan.members if b.name not in plan.borrowed]
         if not plan.packed:
-            for buf in plan.members:
+            for buf in own:
                 sources[buf.name].append(
                     torch.zeros(buf.spec.shape, dtype=buf.spec.dtype, pin_memory=self._cuda)
                 )
             return SlotGroup(plan, None), plan
-        slot, member_sources = bind_packed_slot(
-            plan.members, self.device, self._scatter, self._cuda
+        # Primary groups are bound first (publication order), so borrowed sources exist.
+        borrowed = {n: sources[n][slot] for n in plan.borrowed}
+        packed, member_sources = bind_packed_slot(
+            plan.members, self.device, self._scatter, self._cuda, borrowed
         )
         for buf, src in zip(plan.members, member_sources, strict=True):
-            sources[buf.name].append(src)
+            if buf.name not in plan.borrowed:
+                sources[buf.name].append(src)
         if not plan.inplace_offsets:
-            staged = {i for i, _, _ in slot.staged}
+            staged = {i for i, _, _ in packed.staged}
             inplace = tuple(
-                -1 if i in staged else off for i, off in enumerate(slot.offsets)
+                -1 if i in staged else off for i, off in enumerate(packed.offsets)
             )
             plan = GroupPlan(
                 plan.name, plan.index, plan.members, plan.producer_groups, True, "",
-                inplace, slot.arena.layout.header_bytes,  # type: ignore[attr-defined]
+                inplace, packed.arena.layout.header_bytes,  # type: ignore[attr-defined]
+                plan.borrowed,
             )
-        return SlotGroup(plan, slot), plan
+        return SlotGroup(plan, packed), plan
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -345,8 +362,8 @@ class H2DRunnerState:
     def count(self, buffer: H2DBuffer) -> int | None:
         """The count set for ``buffer`` in the current epoch (None: omitted)."""
         self._check_member(buffer)
-        rec = self._slot_groups[self.current_slot][self._plans[buffer.publication_group].index]
-        return rec.counts[buffer.member_index]
+        gi, i = buffer.homes[0]
+        return self._slot_groups[self.current_slot][gi].counts[i]
 
     def is_published(self, group: str) -> bool:
         """Whether ``group`` was published in the current (or last) epoch."""
@@ -492,27 +509,29 @@ class H2DRunnerState:
                 f"buffer {buffer.name!r}: group {buffer.group!r} was already published in "
                 "this epoch; a second publication needs a reason (reopen())"
             )
-        rec = self._slot_groups[self.current_slot][self._plans[buffer.publication_group].index]
-        i = buffer.member_index
+        recs = self._slot_groups[self.current_slot]
         if count is None:
-            _omit(rec, i)
+            for gi, i in buffer.homes:
+                _omit(recs[gi], i)
             return
-        if i in rec.ranged:
+        n = buffer.check_count(count)
+        if buffer.max_ranges and buffer.member_index in recs[buffer.homes[0][0]].ranged:
             raise CountError(
                 f"buffer {buffer.name!r}: ranges were already set this epoch; publish either a "
                 "count or ranges, not both"
             )
-        packed = rec.packed
-        n = buffer.check_count(count)
-        if rec.counts[i] is None:
-            rec.active += 1
-        rec.counts[i] = n
-        if packed is not None:
-            nbytes = n * buffer.spec.unit_bytes
-            packed.header_nbytes[i] = nbytes
-            off = rec.plan.inplace_offsets[i]
-            if nbytes and off >= 0 and off + nbytes > rec.dma_end:
-                rec.dma_end = off + nbytes
+        nbytes = n * buffer.spec.unit_bytes
+        for gi, i in buffer.homes:
+            rec = recs[gi]
+            if rec.counts[i] is None:
+                rec.active += 1
+            rec.counts[i] = n
+            packed = rec.packed
+            if packed is not None:
+                packed.header_nbytes[i] = nbytes
+                off = rec.plan.inplace_offsets[i]
+                if nbytes and off >= 0 and off + nbytes > rec.dma_end:
+                    rec.dma_end = off + nbytes
 
     def set_ranges(self, buffer: H2DBuffer, ranges: Sequence[tuple[int, int]]) -> None:
         """Publish only these byte ranges ``[start, stop)`` of ``buffer`` this epoch.
@@ -537,8 +556,8 @@ class H2DRunnerState:
                 f"buffer {name!r}: {len(ranges)} ranges exceed its max_ranges="
                 f"{buffer.max_ranges}; publish a count (whole rows) instead"
             )
-        rec = self._slot_groups[self.current_slot][self._plans[buffer.publication_group].index]
-        i = buffer.member_index
+        gi, i = buffer.homes[0]
+        rec = self._slot_groups[self.current_slot][gi]
         pending = [(j, o, n) for j, o, n in rec.ranges if j != i]
         room = rec.packed.staging_capacity if rec.packed is not None else None
         used = sum(n for _, _, n in pending)
@@ -738,21 +757,20 @@ class H2DRunnerState:
         if group not in self._plans and group not in self._producer_groups:
             raise UnknownGroupError(self._unknown_group(group))
         self._acquire_sources()
+        recs = self._slot_groups[self.current_slot]
         if group in self._plans:
-            pub = self._plans[group]
-            groups = pub.producer_groups
-        else:
-            pub = self._plans[self._publication_group_of[group]]
-            groups = pub.producer_groups if pub.name in self._published else (group,)
-        rec = self._slot_groups[self.current_slot][pub.index]
-        if set(groups) == set(pub.producer_groups):
-            rec.clear_counts()
-            self._published.discard(pub.name)
-        else:
-            for g in groups:
-                for b in self._producer_groups[g]:
-                    _omit(rec, b.member_index)
+            pubs = [self._plans[group]]
+        else:  # a producer group: reopen whichever publication carried it
+            pubs = [p for p in self._plans.values()
+                    if group in p.producer_groups and p.name in self._published]
+        groups = {g for p in pubs for g in p.producer_groups} or {group}
+        for p in pubs:
+            recs[p.index].clear_counts()
+            self._published.discard(p.name)
         for g in groups:
+            for b in self._producer_groups[g]:
+                for gi, i in b.homes:
+                    _omit(recs[gi], i)
             self._published.discard(g)
             self._produced.discard(g)
             self._on_publish.pop(g, None)
