@@ -472,6 +472,31 @@ def test_random_layouts_and_counts(device: str, scatter: str, case: dict[str, An
         pool.check()
 
 
+@pytest.mark.parametrize("scatter", SCATTERS)
+def test_staging_region_sources_land_in_members(device: str, scatter: str) -> None:
+    # plan_arena(staging_bytes=...) reserves an unnamed region; descriptors may
+    # take their source bytes from it instead of the member's own region.
+    opts = arena_options(device, scatter, SMALL)
+    pool = carve(device, [(torch.int32, 40), (torch.int16, 30)], phases=[1, 3])
+    layout = plan_arena(members_for(pool), num_ranges=4, staging_bytes=100, staging_before=1)
+    assert layout.staging_offset % 16 == 0 and layout.staging_bytes == 100
+    assert layout.region(0).end <= layout.staging_offset
+    assert layout.staging_offset + 100 <= layout.payload_offset(1)
+    arena = PackedArena(layout, pool.destinations, **opts)
+    staged = np.arange(100, dtype=np.uint8) + 7
+    arena.host_np[layout.staging_offset : layout.staging_offset + 100] = staged
+    rows = [
+        (layout.staging_offset, 12, 0, 8),
+        (layout.staging_offset + 12, 21, 1, 5),
+        (layout.staging_offset + 40, 60, 0, 100),
+    ]
+    pool.apply(arena, rows)
+    publish_and_sync(arena, write_rows(arena, rows))
+    pool.check()
+    with pytest.raises(ArenaLayoutError, match="staging_before=3"):
+        plan_arena(members_for(pool), staging_bytes=16, staging_before=3)
+
+
 # -- reference and descriptor validation ---------------------------------------------------------
 
 

@@ -265,11 +265,11 @@ class PackedArena:
             index: (self.device_arena[:nbytes], self.host[:nbytes])
             for index, nbytes in bucket_sizes(self.header_bytes, self.total_bytes).items()
         }
-        self._compiled: CompiledScatter | None = None
         if self.launch in ("compiled", "graph"):
-            self._compiled = CompiledScatter(
+            compiled = CompiledScatter(
                 self.device_arena, self.dest_table, self.num_ranges, self.config
             )
+            self._launch_scatter = compiled.launch
         if self.launch == "graph":
             self._graphs = GraphPublisher(
                 self.device,
@@ -319,8 +319,7 @@ class PackedArena:
 
     def _enqueue_compiled(self, nbytes: int, stream: int) -> None:
         self._enqueue_dma(nbytes, stream)
-        assert self._compiled is not None
-        self._compiled(self._grid[bucket_index(nbytes)], stream)
+        self._launch_scatter(self._grid[bucket_index(nbytes)], stream)
 
     def _publish_compiled(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
         self._enqueue_compiled(dma_bytes, self._raw_stream(stream))

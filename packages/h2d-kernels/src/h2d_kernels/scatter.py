@@ -282,7 +282,8 @@ class CompiledScatter:
         needs_scratch = any(
             getattr(launcher, name, 0) for name in ("global_scratch_size", "profile_scratch_size")
         )
-        self._launch: Callable[..., Any]
+        self.launch: Callable[[int, int], None]
+        """``launch(grid, raw_stream)``: the leanest launcher this kernel allows."""
         if raw is not None and enter is None and exit_ is None and not needs_scratch:
             # The C entry point itself: (grid xyz, stream, function, cooperative,
             # pdl, global scratch, profile scratch, metadata, launch metadata,
@@ -298,7 +299,7 @@ class CompiledScatter:
                 None,
                 None,
             )
-            self._launch = lambda grid, stream: raw(grid, 1, 1, stream, *head, *self._args)
+            self.launch = lambda grid, stream: raw(grid, 1, 1, stream, *head, *self._args)
         else:
             meta = kernel.packed_metadata
             function = kernel.function
@@ -307,8 +308,8 @@ class CompiledScatter:
                 launch_meta = kernel.launch_metadata((grid, 1, 1), stream, *self._args)
                 launcher(grid, 1, 1, stream, function, meta, launch_meta, enter, exit_, *self._args)
 
-            self._launch = slow
+            self.launch = slow
 
     def __call__(self, grid: int, stream: int) -> None:
         """Enqueue the scatter with ``grid`` programs on the raw CUDA stream handle ``stream``."""
-        self._launch(grid, stream)
+        self.launch(grid, stream)
