@@ -38,7 +38,7 @@ from decode_runner.scheduler import (
     steady_decode_num_pages,
 )
 
-from block_tables import BlockTable
+from block_tables import BlockTable, PageTableSnapshot
 from h2d_runner_adapters.batch import ScheduledBatch, ScheduledRequest
 
 
@@ -220,6 +220,36 @@ def test_scheduler_batch_sizes_change_and_pad() -> None:
         and [r.req_id for r in a.requests] != [r.req_id for r in b.requests]
     )
     assert reorders > 0
+
+
+def _check_snapshot(batches: list[ScheduledBatch], rows: int, width: int,
+                    pool: int) -> int:
+    """Prepare every batch into a PageTableSnapshot: its incremental bytes must equal the
+    naive rebuild, so versions never promise content they do not have. Returns hits."""
+    storage = np.full((rows, width), -7, dtype=np.int32)
+    snap = PageTableSnapshot(storage, pool_limit=pool, fill_value=0)
+    hits = 0
+    for batch in batches:
+        tables = [r.block_table for r in batch.requests]
+        required = [-(-r.context_len // batch.page_size) for r in batch.requests]
+        before = snap.revision
+        snap.prepare(tables, required_pages=required)
+        hits += snap.revision == before
+        for i, table in enumerate(tables):
+            ids = list(table)
+            assert storage[i, : len(ids)].tolist() == ids
+            assert (storage[i, len(ids):] == 0).all()
+    return hits
+
+
+def test_scheduler_batches_prepare_into_a_snapshot() -> None:
+    run = [b for b, _ in _run(BUSY)]
+    _check_snapshot(run, BUSY.max_batch, BUSY.max_pages_per_request, BUSY.num_pages)
+    steady = steady_decode_batches(32, 40, 8, window=24)
+    batches = [next(steady) for _ in range(60)]
+    per_row = steady_decode_num_pages(1, 40, 8, window=24)
+    hits = _check_snapshot(batches, 32, per_row, 32 * per_row)
+    assert hits == 0  # 1/8 of the rows append every step
 
 
 def test_padded_size() -> None:
