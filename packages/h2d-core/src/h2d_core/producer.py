@@ -23,8 +23,17 @@ def _owner_state(owner: object) -> H2DRunnerState:
     return state
 
 
-def h2d_producer(group: str, *more_groups: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+GroupName = str | Callable[[Any], str]
+
+
+def h2d_producer(
+    group: GroupName, *more_groups: GroupName
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Declare that the decorated function writes the sources of the named groups.
+
+    A group may also be given as a function of the owner (the first argument), for
+    adapters instantiated once per buffer set, e.g. one per two-batch-overlap ubatch:
+    ``@h2d_producer(lambda self: self.group)``.
 
     Before the producer runs, the owner's current slot and epoch are checked: outside an
     epoch, after invalidation, from another thread, or on a second entry in the same epoch
@@ -36,8 +45,11 @@ def h2d_producer(group: str, *more_groups: str) -> Callable[[Callable[P, R]], Ca
     ``h2d_state`` attribute is one (an adapter).
     """
     groups = (group, *more_groups)
-    if not all(isinstance(g, str) and g for g in groups):
-        raise DeclarationError(f"@h2d_producer group names must be non-empty str, got {groups}")
+    if not all((isinstance(g, str) and g) or callable(g) for g in groups):
+        raise DeclarationError(
+            f"@h2d_producer groups must be non-empty str or callables, got {groups}"
+        )
+    dynamic = any(callable(g) for g in groups)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
@@ -45,7 +57,10 @@ def h2d_producer(group: str, *more_groups: str) -> Callable[[Callable[P, R]], Ca
             reason = kwargs.pop("h2d_reason", None)
             if not args:
                 raise H2DError(f"producer {fn.__qualname__} called without its owner argument")
-            _owner_state(args[0]).enter_producer(groups, reason)
+            names = (
+                tuple(g(args[0]) if callable(g) else g for g in groups) if dynamic else groups
+            )
+            _owner_state(args[0]).enter_producer(names, reason)  # type: ignore[arg-type]
             return fn(*args, **kwargs)
 
         producer.h2d_groups = groups  # type: ignore[attr-defined]

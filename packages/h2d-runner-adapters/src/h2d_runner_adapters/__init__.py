@@ -1,5 +1,28 @@
-"""Runner adapters for packed metadata publication, and their first GPU consumers."""
+"""Runner adapters: per-consumer-group buffers, producers and first-consumer kernels.
 
+Each adapter declares its buffers on an :class:`h2d_core.H2DRunnerState`, fills them from a
+plain :class:`ScheduledBatch` through ``@h2d_producer`` methods, and runs the group's first
+GPU consumer on the published destinations::
+
+    sampling = SamplingInputs(state, max_reqs)                  # group "sampling"
+    tokens = TokenInputs(state, max_reqs=..., max_tokens=...)   # token_ids, query_prefix, ...
+    decode = MhaDecodeInputs(state, ..., page_size=16)          # "mha_decode" + block tables
+    prefill = PrefillInputs(state, ..., page_size=16)           # "prefill_inputs"
+    state.combine("decode_step", ["sampling", *tokens.producer_groups, "mha_decode"])
+    state.bind()
+    state.begin(); sampling.prepare(batch); tokens.prepare_ids(batch, padded)
+    tokens.prepare_query_prefix(batch, padded); plan = decode.prepare(batch, padded)
+    state.publish("decode_step"); state.finish()
+    tokens.assemble(...); decode.generate_kv_indices(plan)     # first consumers
+"""
+
+from h2d_runner_adapters.batch import (
+    BatchColumns,
+    PageRow,
+    SamplingParams,
+    ScheduledBatch,
+    ScheduledRequest,
+)
 from h2d_runner_adapters.consumers import (
     GREEDY_TEMPERATURE,
     ConsumerArgumentError,
@@ -11,11 +34,43 @@ from h2d_runner_adapters.consumers import (
     prepare_prefill_attention,
     sample_tokens,
 )
+from h2d_runner_adapters.mha_decode import EMPTY_ROW, MHA_DECODE, DecodePlan, MhaDecodeInputs
+from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
+from h2d_runner_adapters.sampling import SAMPLING, SamplingInputs, SamplingPlan
+from h2d_runner_adapters.token_inputs import (
+    QUERY_PREFIX,
+    SPEC_INDICES,
+    TOKEN_IDS,
+    TOKEN_INPUTS,
+    TokenInputs,
+    TokenPlan,
+)
 
 __all__ = [
+    "EMPTY_ROW",
     "GREEDY_TEMPERATURE",
+    "MHA_DECODE",
+    "PREFILL_INPUTS",
+    "QUERY_PREFIX",
+    "SAMPLING",
+    "SPEC_INDICES",
+    "TOKEN_IDS",
+    "TOKEN_INPUTS",
+    "BatchColumns",
     "ConsumerArgumentError",
     "ConsumerDeviceError",
+    "DecodePlan",
+    "MhaDecodeInputs",
+    "PageRow",
+    "PrefillInputs",
+    "PrefillPlan",
+    "SamplingInputs",
+    "SamplingParams",
+    "SamplingPlan",
+    "ScheduledBatch",
+    "ScheduledRequest",
+    "TokenInputs",
+    "TokenPlan",
     "assemble_token_ids",
     "fill_gumbel_noise_",
     "gather_draft_ids",

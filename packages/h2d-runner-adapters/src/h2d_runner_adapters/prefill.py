@@ -1,0 +1,131 @@
+"""Prefill attention mirrors and ordinary positions: the ``prefill_inputs`` producer group.
+
+Members: ``cu_seqlens_k`` (exclusive prefix of key lengths = cached + new tokens),
+``context_lens`` (keys per request), ``slot_mapping`` (KV slot of every query token; -1 for
+a position this rank does not write), ``positions`` and the block tables (through
+:func:`h2d_core.block_table_state`, its own state: prefill and decode tables are separate
+buffers). The query prefix ``cu_seqlens_q`` comes from the token inputs.
+
+First consumer: attention preparation (:func:`prepare_prefill_attention`), which derives
+each token's request, the KV page prefix and ``kv_indices``. Prefill runs eagerly: no graph
+padding. The block tables are needed by this runner's paged attention whether or not a
+prefix hit exists; an engine whose prefill attention reads the current chunk directly can
+omit them when no request has cached tokens (``publish_tables=False``) while still
+preparing the CPU rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from h2d_core import BlockTableState, H2DRunnerState, block_table_state, h2d_producer
+
+from .batch import ScheduledBatch
+from .consumers import prepare_prefill_attention
+
+PREFILL_INPUTS = "prefill_inputs"
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    num_reqs: int
+    num_tokens: int
+    table_stage: str
+
+
+class PrefillInputs:
+    """Declares the prefill buffers, produces them, and runs attention preparation."""
+
+    def __init__(
+        self,
+        state: H2DRunnerState,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        max_pages_per_req: int,
+        page_size: int,
+        num_pages: int | None = None,
+        max_ranges: int = 64,
+    ) -> None:
+        self.h2d_state = state
+        self.page_size = page_size
+        self.pool_limit = num_pages
+        g = PREFILL_INPUTS
+        buf = state.buffer
+        self.cu_seqlens_k = buf("prefill_cu_seqlens_k", (max_reqs + 1,), torch.int32, group=g)
+        self.context_lens = buf("prefill_context_lens", (max_reqs,), torch.int32, group=g)
+        self.slot_mapping = buf("prefill_slot_mapping", (max_tokens,), torch.int64, group=g)
+        self.positions = buf("prefill_positions", (max_tokens,), torch.int64, group=g)
+        self.block_tables = buf("prefill_block_tables", (max_reqs, max_pages_per_req),
+                                torch.int32, group=g, unit="rows", max_ranges=max_ranges)
+        dev = state.device
+        self.token_request = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
+        self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
+                                      device=dev)
+        self._tables: BlockTableState | None = None
+
+    @property
+    def tables(self) -> BlockTableState:
+        if self._tables is None:
+            self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit)
+        return self._tables
+
+    @h2d_producer(PREFILL_INPUTS)
+    def prepare(
+        self,
+        batch: ScheduledBatch,
+        *,
+        publish_tables: bool = True,
+        owns_slot: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> PrefillPlan:
+        """Stage one prefill (chunk) batch.
+
+        ``owns_slot`` (optional) maps the token positions' KV slots to a bool mask of the
+        ones this rank writes (context-parallel KV); the others get -1.
+        """
+        cols = batch.columns
+        n = cols.query_lens.size
+        t = cols.token_ids.size
+        page = self.page_size
+        st = self.h2d_state
+        ctx = cols.context_lens.astype(np.int64)
+        q = cols.query_lens.astype(np.int64)
+        tables = self.tables
+        tables.prepare(list(batch.block_tables), required_pages=(ctx + page - 1) // page)
+
+        cu = self.cu_seqlens_k.np
+        cu[0] = 0
+        np.cumsum(ctx, out=cu[1 : n + 1])
+        st.set_count(self.cu_seqlens_k, n + 1)
+        self.context_lens.np[:n] = cols.context_lens
+        st.set_count(self.context_lens, n)
+
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(q[:-1], out=starts[1:])
+        req = np.repeat(np.arange(n), q)
+        pos = self.positions.np
+        pos[:t] = np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q))
+        st.set_count(self.positions, t)
+        token_pos = pos[:t]
+        slots = tables.snapshot.storage[req, token_pos // page].astype(np.int64) * page
+        slots += token_pos % page
+        if owns_slot is not None:
+            slots[~owns_slot(slots)] = -1
+        self.slot_mapping.np[:t] = slots
+        st.set_count(self.slot_mapping, t)
+        stage = tables.stage(n) if publish_tables else ""
+        if not publish_tables:
+            st.set_count(self.block_tables, None)
+        return PrefillPlan(n, t, stage)
+
+    def prepare_attention(self, plan: PrefillPlan, cu_seqlens_q: torch.Tensor) -> None:
+        """First consumer: token owners, KV page prefix and ``kv_indices``."""
+        prepare_prefill_attention(
+            cu_seqlens_q, self.cu_seqlens_k.gpu, self.block_tables.gpu, self.page_size,
+            plan.num_reqs, self.token_request[: plan.num_tokens], self.kv_indptr,
+            self.kv_indices,
+        )

@@ -1,0 +1,97 @@
+"""Sampling parameters: the ``sampling`` producer of the token inputs, and the sampler.
+
+Policy (spec, "the sampler paragraph"): temperatures are always uploaded per request
+(clamped on the host to ``GREEDY_TEMPERATURE``, which marks greedy rows, so no mask is
+uploaded or read back). Top-k and top-p stay CPU scalars when every request shares one
+value (including "off"), through ordinary and speculative sampling; only per-request
+filters are uploaded. The sampler corrects greedy rows on the GPU: no ``.item()``, no D2H.
+
+Padding: the sampler runs eagerly on real rows only, so these members carry no graph
+padding (count = real requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from h2d_core import H2DRunnerState, h2d_producer
+
+from .batch import ScheduledBatch
+from .consumers import GREEDY_TEMPERATURE, sample_tokens
+
+SAMPLING = "sampling"
+
+
+@dataclass(frozen=True)
+class SamplingPlan:
+    """What the producer decided for one batch."""
+
+    num_reqs: int
+    #: uniform top-k as a CPU scalar (None = off), or None with ``per_request_top_k``
+    top_k: int | None
+    top_p: float | None
+    per_request_top_k: bool
+    per_request_top_p: bool
+
+
+def _uniform(values: np.ndarray) -> bool:
+    return values.size <= 1 or bool((values == values[0]).all())
+
+
+class SamplingInputs:
+    """Declares the sampling buffers and produces them from a batch."""
+
+    def __init__(self, state: H2DRunnerState, max_reqs: int) -> None:
+        self.h2d_state = state
+        self.temperatures = state.buffer("temperatures", (max_reqs,), torch.float32,
+                                         group=SAMPLING)
+        self.top_ks = state.buffer("top_ks", (max_reqs,), torch.int32, group=SAMPLING)
+        self.top_ps = state.buffer("top_ps", (max_reqs,), torch.float32, group=SAMPLING)
+
+    @h2d_producer(SAMPLING)
+    def prepare(self, batch: ScheduledBatch) -> SamplingPlan:
+        """Write temperatures (always) and per-request filters (only when they differ)."""
+        cols = batch.columns
+        n = cols.temperatures.size
+        st = self.h2d_state
+        np.maximum(cols.temperatures, GREEDY_TEMPERATURE, out=self.temperatures.np[:n])
+        st.set_count(self.temperatures, n)
+        top_k: int | None = None
+        top_p: float | None = None
+        k_rows = not _uniform(cols.top_k)
+        p_rows = not _uniform(cols.top_p)
+        if k_rows:
+            self.top_ks.np[:n] = cols.top_k
+            st.set_count(self.top_ks, n)
+        else:
+            st.set_count(self.top_ks, None)
+            if n and int(cols.top_k[0]) > 0:
+                top_k = int(cols.top_k[0])
+        if p_rows:
+            self.top_ps.np[:n] = cols.top_p
+            st.set_count(self.top_ps, n)
+        else:
+            st.set_count(self.top_ps, None)
+            if n and float(cols.top_p[0]) < 1.0:
+                top_p = float(cols.top_p[0])
+        return SamplingPlan(n, top_k, top_p, k_rows, p_rows)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        plan: SamplingPlan,
+        noise: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Sample one token per real row of ``logits`` (float32 ``[>= n, V]``)."""
+        n = plan.num_reqs
+        return sample_tokens(
+            logits[:n],
+            self.temperatures.gpu,
+            top_k=self.top_ks.gpu if plan.per_request_top_k else plan.top_k,
+            top_p=self.top_ps.gpu if plan.per_request_top_p else plan.top_p,
+            noise=noise,
+            out=out,
+        )

@@ -1,0 +1,156 @@
+"""Token inputs: input IDs, deferred sources, the padded query prefix, speculative indices.
+
+Producer groups (each decorated with ``@h2d_producer``), all carried by the ``token_inputs``
+publication group (or a combined step group that includes them):
+
+* ``token_ids``: ``input_ids`` (host-staged ids; placeholders for deferred requests),
+  ``decode_cu`` (exclusive prefix of per-request token counts) and ``decode_src`` (-1 =
+  staged from the host, else the request's row in the previous step's sampled ids).
+* ``query_prefix``: ``cu_seqlens_q``, the padded query prefix.
+* ``spec_indices``: ``target_logits_indices`` (int64), ``cu_num_draft_tokens`` and
+  ``bonus_logits_indices`` (int64), for speculative verification.
+
+First consumers: token assembly (:func:`assemble_token_ids` fills deferred ids on the GPU),
+then the draft-ID gather.
+
+CUDA-graph padding (``padded`` > ``n`` requests, decode): ``cu_seqlens_q`` and ``decode_cu``
+repeat their last real value up to entry ``padded`` (padded requests own no tokens);
+``decode_src`` is -1 for padded requests; ``input_ids`` is published up to ``padded * q``
+tokens with 0 for padding tokens. Speculative indices are real rows only (they are read
+after the forward, eagerly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from h2d_core import H2DRunnerState, h2d_producer
+
+from .batch import ScheduledBatch
+from .consumers import assemble_token_ids, gather_draft_ids
+from .sampling import SAMPLING
+
+TOKEN_IDS = "token_ids"
+QUERY_PREFIX = "query_prefix"
+SPEC_INDICES = "spec_indices"
+#: the producer groups of the token inputs, in the order a combined group lists them
+TOKEN_PRODUCERS = (SAMPLING, TOKEN_IDS, QUERY_PREFIX)
+TOKEN_INPUTS = "token_inputs"
+
+
+@dataclass(frozen=True)
+class TokenPlan:
+    num_reqs: int
+    padded_reqs: int
+    num_tokens: int
+    padded_tokens: int
+    num_draft_tokens: int
+
+
+class TokenInputs:
+    """Declares the token-input buffers, produces them, and runs their first consumers."""
+
+    def __init__(
+        self, state: H2DRunnerState, *, max_reqs: int, max_tokens: int, max_drafts: int = 0
+    ) -> None:
+        self.h2d_state = state
+        self.max_reqs = max_reqs
+        buf = state.buffer
+        # +1: the draft gather reads input_ids shifted by one token
+        self.input_ids = buf("input_ids", (max_tokens + 1,), torch.int32, group=TOKEN_IDS)
+        self.decode_cu = buf("decode_cu", (max_reqs + 1,), torch.int32, group=TOKEN_IDS)
+        self.decode_src = buf("decode_src", (max_reqs,), torch.int32, group=TOKEN_IDS)
+        self.cu_seqlens_q = buf("cu_seqlens_q", (max_reqs + 1,), torch.int32,
+                                group=QUERY_PREFIX)
+        self.max_drafts = max_drafts
+        if max_drafts:
+            n = max_reqs * max_drafts
+            self.target_logits_indices = buf("target_logits_indices", (n,), torch.int64,
+                                             group=SPEC_INDICES)
+            self.cu_num_draft_tokens = buf("cu_num_draft_tokens", (max_reqs,), torch.int32,
+                                           group=SPEC_INDICES)
+            self.bonus_logits_indices = buf("bonus_logits_indices", (max_reqs,), torch.int64,
+                                            group=SPEC_INDICES)
+
+    @property
+    def producer_groups(self) -> tuple[str, ...]:
+        return TOKEN_PRODUCERS[1:] + ((SPEC_INDICES,) if self.max_drafts else ())
+
+    # -- producers --------------------------------------------------------------------------
+    @h2d_producer(TOKEN_IDS)
+    def prepare_ids(self, batch: ScheduledBatch, padded: int | None = None) -> TokenPlan:
+        """Stage ids, the per-request token prefix and the deferred source rows."""
+        cols = batch.columns
+        n = cols.query_lens.size
+        p = n if padded is None else padded
+        t = cols.token_ids.size
+        q = int(cols.query_lens.max()) if n else 0
+        pt = t if padded is None else max(t, p * q)
+        st = self.h2d_state
+        ids = self.input_ids.np
+        ids[:t] = cols.token_ids
+        ids[t:pt] = 0
+        st.set_count(self.input_ids, pt)
+        cu = self.decode_cu.np
+        cu[0] = 0
+        np.cumsum(cols.query_lens, out=cu[1 : n + 1])
+        cu[n + 1 : p + 1] = t
+        st.set_count(self.decode_cu, p + 1)
+        src = self.decode_src.np
+        src[:n] = cols.prev_sample_rows
+        src[n:p] = -1
+        st.set_count(self.decode_src, p)
+        return TokenPlan(n, p, t, pt, int(cols.num_drafts.sum()))
+
+    @h2d_producer(QUERY_PREFIX)
+    def prepare_query_prefix(self, batch: ScheduledBatch, padded: int | None = None) -> None:
+        """``cu_seqlens_q[: padded+1]``; the tail repeats the total (padded = empty)."""
+        cols = batch.columns
+        n = cols.query_lens.size
+        p = n if padded is None else padded
+        cu = self.cu_seqlens_q.np
+        cu[0] = 0
+        np.cumsum(cols.query_lens, out=cu[1 : n + 1])
+        cu[n + 1 : p + 1] = cu[n]
+        self.h2d_state.set_count(self.cu_seqlens_q, p + 1)
+
+    @h2d_producer(SPEC_INDICES)
+    def prepare_spec_indices(self, batch: ScheduledBatch) -> None:
+        """Verification indices for requests with draft tokens.
+
+        Request ``r`` verifies ``d_r`` drafts over its ``d_r + 1`` query tokens starting at
+        ``cu[r]``: target logits are rows ``cu[r] .. cu[r] + d_r - 1``, the bonus row is
+        ``cu[r] + d_r``; ``cu_num_draft_tokens`` is the inclusive prefix of ``d``.
+        """
+        if not self.max_drafts:
+            raise ValueError("TokenInputs was built with max_drafts=0: no speculative buffers")
+        cols = batch.columns
+        n = cols.query_lens.size
+        d = cols.num_drafts.astype(np.int64)
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(cols.query_lens[:-1], out=starts[1:])
+        total = int(d.sum())
+        first = np.repeat(starts - np.concatenate(([0], np.cumsum(d)[:-1])), d)
+        self.target_logits_indices.np[:total] = first + np.arange(total)
+        np.cumsum(d, out=self.cu_num_draft_tokens.np[:n])
+        self.bonus_logits_indices.np[:n] = starts + d
+        st = self.h2d_state
+        st.set_count(self.target_logits_indices, total)
+        st.set_count(self.cu_num_draft_tokens, n)
+        st.set_count(self.bonus_logits_indices, n)
+
+    # -- first consumers --------------------------------------------------------------------
+    def assemble(self, plan: TokenPlan, prev_sampled: torch.Tensor) -> torch.Tensor:
+        """Token assembly: fill deferred ids from ``prev_sampled`` (int32 [rows, W]);
+        returns the step's ``input_ids`` view (padding included)."""
+        assemble_token_ids(self.input_ids.gpu, self.decode_cu.gpu, self.decode_src.gpu,
+                           prev_sampled, plan.padded_reqs)
+        return self.input_ids.gpu[: plan.padded_tokens]
+
+    def gather_drafts(self, plan: TokenPlan, out: torch.Tensor) -> torch.Tensor:
+        """Draft-ID gather: ``out[i] = input_ids[1 + target_logits_indices[i]]``."""
+        n = plan.num_draft_tokens
+        gather_draft_ids(self.input_ids.gpu, self.target_logits_indices.gpu[:n], out[:n])
+        return out[:n]

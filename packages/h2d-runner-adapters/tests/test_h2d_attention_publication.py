@@ -1,0 +1,220 @@
+"""Common attention consumers, page maps and PP/TBO buffers: MHA decode (slots, context
+lengths, block tables, KV prefix, positions) and prefill mirrors, read by KV-index
+generation and attention preparation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from h2d_core import H2DRunnerState, StageResult
+
+sys.path.insert(0, str(Path(__file__).parent))
+import adapter_helpers as ah  # noqa: E402
+
+from h2d_runner_adapters import MhaDecodeInputs  # noqa: E402
+from h2d_runner_adapters.consumers.reference import (  # noqa: E402
+    generate_kv_indices_reference,
+    prepare_prefill_attention_reference,
+)
+
+
+def _decode_step(r: ah.Runner, reqs: ah.Requests, padded: int | None, q: int = 1):  # type: ignore[no-untyped-def]
+    batch = reqs.decode_batch(q=q, deferred=False, padded=padded)
+    r.state.begin()
+    r.sampling.prepare(batch)
+    r.tokens.prepare_ids(batch, padded)
+    r.tokens.prepare_query_prefix(batch, padded)
+    plan = r.decode.prepare(batch, padded)
+    ah.publish_step(r, "decode")
+    return batch, plan
+
+
+def _expected_decode(reqs: ah.Requests, n: int, p: int, q: int) -> dict[str, list[int]]:
+    ctx = np.asarray(reqs.ctx)
+    pos = (np.repeat(ctx - q, q) + np.tile(np.arange(q), n)).tolist()
+    slots = []
+    for i in range(n):
+        for j in range(q):
+            x = ctx[i] - q + j
+            slots.append(reqs.tables[i][x // ah.PAGE] * ah.PAGE + x % ah.PAGE)
+    pages = -(-ctx // ah.PAGE)
+    indptr = np.concatenate(([0], np.cumsum(pages))).tolist()
+    return {
+        "positions": pos + [0] * ((p - n) * q),
+        "slot_mapping": slots + [-1] * ((p - n) * q),
+        "context_lens": ctx.tolist() + [0] * (p - n),
+        "kv_indptr": indptr + [indptr[-1]] * (p - n),
+    }
+
+
+@pytest.mark.parametrize("layout", ["combined", "groups"])
+@pytest.mark.parametrize("q", [1, 3])
+def test_decode_members_padding_and_kv_indices(device: str, layout: str, q: int) -> None:
+    ah.need_kernels(device)
+    r = ah.build_runner(device, layout=layout)
+    reqs = ah.Requests(11)
+    for c in (5, 9, 13, 30):
+        reqs.add(c)
+    for step, padded in enumerate([8, None, 6, 8, 16]):
+        if step == 3:
+            reqs.add(7)
+        batch, plan = _decode_step(r, reqs, padded, q)
+        kv = r.decode.generate_kv_indices(plan)
+        r.state.finish()
+        ah.sync(device)
+        n = len(reqs.ctx)
+        p = plan.padded_reqs
+        exp = _expected_decode(reqs, n, p, q)
+        d = r.decode
+        assert d.positions.gpu[: p * q].tolist() == exp["positions"], step
+        assert d.slot_mapping.gpu[: p * q].tolist() == exp["slot_mapping"], step
+        assert d.context_lens.gpu[:p].tolist() == exp["context_lens"], step
+        assert d.kv_indptr.gpu[: p + 1].tolist() == exp["kv_indptr"], step
+        # padded block-table rows are empty (cleared), real rows are the request tables
+        bt = d.block_tables.gpu[:p].cpu().numpy()
+        for i in range(n):
+            row = reqs.tables[i].tolist()
+            assert bt[i, : len(row)].tolist() == row and not bt[i, len(row):].any()
+        assert not bt[n:p].any()
+        ref = generate_kv_indices_reference(d.block_tables.gpu, d.kv_indptr.gpu,
+                                            torch.full_like(kv, -3), p)
+        total = exp["kv_indptr"][-1]
+        assert kv[:total].tolist() == ref[:total].tolist()
+        assert kv[:total].tolist() == [x for t in reqs.tables for x in t.tolist()]
+        reqs.grow(q)
+
+
+def test_block_tables_travel_incrementally(device: str) -> None:
+    r = ah.build_runner(device, layout="combined")
+    reqs = ah.Requests(12)
+    for c in (4, 8, 12, 16, 20, 24, 28, 32):
+        reqs.add(c)
+    stages = []
+    for _ in range(12):
+        _, plan = _decode_step(r, reqs, None)
+        r.state.finish()
+        stages.append(plan.table_stage)
+        reqs.grow(1)
+    ah.sync(device)
+    assert stages[0] == StageResult.WHOLE
+    # every PAGE steps each row crosses a page boundary: partial steps and reuse steps
+    assert StageResult.PARTIAL in stages[1:]
+    assert StageResult.REUSED in stages[1:]
+    bt = r.decode.block_tables.gpu[:8].cpu().numpy()
+    assert np.array_equal(bt, r.decode.tables.snapshot.storage[:8])
+
+
+def test_required_pages_are_checked(device: str) -> None:
+    r = ah.build_runner(device)
+    reqs = ah.Requests(13)
+    reqs.add(9)
+    reqs.ctx[0] = 40  # the span needs 10 pages, the table holds 3
+    batch = reqs.decode_batch(deferred=False)
+    r.state.begin()
+    revision = r.decode.tables.prepared_revision
+    with pytest.raises(Exception, match="row 0"):
+        r.decode.prepare(batch)
+    assert r.decode.tables.prepared_revision == revision
+    assert r.state.count(r.decode.slot_mapping) is None
+
+
+@pytest.mark.parametrize("layout", ["combined", "groups"])
+def test_prefill_attention_preparation(device: str, layout: str) -> None:
+    ah.need_kernels(device)
+    r = ah.build_runner(device, layout=layout)
+    reqs = ah.Requests(14)
+    for c in (7, 12, 3):
+        reqs.add(c)
+    batch = reqs.prefill_batch([7, 5, 3])  # a cached prefix of 7 tokens for request 1
+    st = r.state
+    st.begin()
+    r.sampling.prepare(batch)
+    r.tokens.prepare_ids(batch)
+    r.tokens.prepare_query_prefix(batch)
+    plan = r.prefill.prepare(batch)
+    ah.publish_step(r, "prefill")
+    r.prefill.prepare_attention(plan, r.tokens.cu_seqlens_q.gpu)
+    st.finish()
+    ah.sync(device)
+    pf = r.prefill
+    assert pf.positions.gpu[:15].tolist() == list(range(7)) + list(range(7, 12)) + [0, 1, 2]
+    slots = []
+    for i, (c, q) in enumerate(zip(reqs.ctx, (7, 5, 3), strict=True)):
+        for x in range(c - q, c):
+            slots.append(reqs.tables[i][x // ah.PAGE] * ah.PAGE + x % ah.PAGE)
+    assert pf.slot_mapping.gpu[:15].tolist() == slots
+    assert pf.cu_seqlens_k.gpu[:4].tolist() == [0, 7, 19, 22]
+    tr = torch.full((15,), -9, dtype=torch.int32, device=device)
+    indptr = torch.full_like(pf.kv_indptr, -9)
+    kv = torch.full_like(pf.kv_indices, -9)
+    tr, indptr, kv = prepare_prefill_attention_reference(
+        r.tokens.cu_seqlens_q.gpu, pf.cu_seqlens_k.gpu, pf.block_tables.gpu, ah.PAGE, 3, tr,
+        indptr, kv)
+    assert pf.token_request[:15].tolist() == tr.tolist() == [0] * 7 + [1] * 5 + [2] * 3
+    assert pf.kv_indptr[:4].tolist() == indptr[:4].tolist() == [0, 2, 5, 6]
+    assert pf.kv_indices[:6].tolist() == [x for t in reqs.tables for x in t.tolist()]
+
+
+def test_pipeline_slots_keep_their_own_tables(device: str) -> None:
+    """Two PP slots share the GPU table; each slot's CPU snapshot is its own."""
+    r = ah.build_runner(device, num_slots=2)
+    pops = [ah.Requests(15), ah.Requests(16)]
+    for i, p in enumerate(pops):
+        for c in (3 + i, 9, 17 + 2 * i):
+            p.add(c)
+    for step in range(8):
+        p = pops[step % 2]
+        _, plan = _decode_step(r, p, None)
+        r.state.finish()
+        ah.sync(device)
+        assert r.state.current_slot == step % 2
+        snap = r.decode.tables.snapshots[step % 2]
+        assert np.array_equal(r.decode.block_tables.gpu[:3].cpu().numpy(), snap.storage[:3])
+        p.grow(1)
+    assert r.decode.tables.snapshots[0] is not r.decode.tables.snapshots[1]
+
+
+def test_two_batch_overlap_buffers_and_late_preparation(device: str) -> None:
+    """TBO: each ubatch has its own decode buffers and block-table state; the second
+    ubatch is prepared late, resuming the same epoch."""
+    st = H2DRunnerState(device, scatter=ah.scatter_for(device))
+    ubs = [
+        MhaDecodeInputs(st, max_reqs=8, max_tokens=8, max_pages_per_req=16, page_size=ah.PAGE,
+                        prefix=f"ub{i}_")
+        for i in range(2)
+    ]
+    st.bind()
+    reqs = ah.Requests(17)
+    for c in (5, 9, 14, 21):
+        reqs.add(c)
+    for step in range(4):
+        full = reqs.decode_batch(deferred=False)
+        halves = [
+            type(full)((), False, ah.PAGE, given_columns=type(full.columns)(
+                **{k: v[s] for k, v in vars(full.columns).items()}),
+                given_block_tables=full.block_tables[s])
+            for s in (slice(0, 2), slice(2, 4))
+        ]
+        st.begin()
+        epoch = st.epoch
+        plans = [ubs[0].prepare(halves[0])]
+        st.publish(ubs[0].group)
+        st.finish()
+        st.resume()  # late preparation of the second ubatch
+        assert st.epoch == epoch
+        plans.append(ubs[1].prepare(halves[1]))
+        st.publish(ubs[1].group)
+        st.finish()
+        ah.sync(device)
+        for i, ub in enumerate(ubs):
+            rows = reqs.tables[2 * i: 2 * i + 2]
+            gpu = ub.block_tables.gpu[:2].cpu().numpy()
+            for k, t in enumerate(rows):
+                assert gpu[k, : len(t)].tolist() == t.tolist()
+            assert ub.context_lens.gpu[:2].tolist() == reqs.ctx[2 * i: 2 * i + 2]
+        assert ubs[0].tables is not ubs[1].tables
+        reqs.grow(1)
