@@ -129,6 +129,12 @@ def test_assemble_token_ids_hand_written(dev: torch.device) -> None:
     prev = torch.tensor([[100, 101], [200, 201]], dtype=I32, device=dev)
     assemble_token_ids(input_ids, decode_cu, decode_src, prev, 5)
     assert input_ids.cpu().tolist() == [200, 201, 12, 13, 14, 100, 16, 17, 18, 19]
+    # W = 3: a deferred span of 4 tokens takes 3 and keeps its staged 4th token.
+    prev3 = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=I32, device=dev)
+    ids = torch.tensor([10, 11, 12, 13, 14, 15], dtype=I32, device=dev)
+    cu = torch.tensor([0, 1, 5], dtype=I32, device=dev)
+    assemble_token_ids(ids, cu, torch.tensor([-1, 0], dtype=I32, device=dev), prev3, 2)
+    assert ids.cpu().tolist() == [10, 1, 2, 3, 14, 15]
 
 
 def test_assemble_token_ids_matches_reference(dev: torch.device) -> None:
@@ -261,6 +267,18 @@ def test_generate_kv_indices_matches_reference(dev: torch.device) -> None:
     assert (got[16:] == POISON).all()
 
 
+def test_generate_kv_indices_row_wider_than_table(dev: torch.device) -> None:
+    # Row 1 claims 9 pages but the table has 7 columns: it gets 7, its last 2 slots stay.
+    case = _kv_case(_gen(12), [3, 9, 2], capacity_rows=3, columns=7)
+    on_dev = _to(case, dev)
+    generate_kv_indices(**on_dev)
+    got = on_dev["kv_indices"].cpu()
+    assert torch.equal(got, generate_kv_indices_reference(**case))
+    assert got[3:10].tolist() == case["block_tables"][1].tolist()
+    assert (got[10:12] == POISON).all()
+    assert got[12:14].tolist() == case["block_tables"][2, :2].tolist()
+
+
 def test_generate_kv_indices_wide_rows(dev: torch.device) -> None:
     width = kv_indices.BLOCK_COLUMNS + 76  # two column chunks per row
     case = _kv_case(_gen(5), [width, 0, width - 70], capacity_rows=3, columns=width)
@@ -295,7 +313,8 @@ def test_generate_kv_indices_rejects_short_indptr(dev: torch.device) -> None:
 
 
 def _prefill_case(
-    gen: torch.Generator, real: int, padded: int, page_size: int, tokens: int
+    gen: torch.Generator, real: int, padded: int, page_size: int, tokens: int,
+    columns: int | None = None,
 ) -> dict[str, Any]:
     q = torch.randint(0, 10, (real,), generator=gen)
     q[0] = max(int(q[0]), 1)
@@ -306,7 +325,9 @@ def _prefill_case(
     cu_q = [0] + torch.cumsum(q, 0).tolist() + [int(q.sum())] * padded
     cu_k = [0] + torch.cumsum(k, 0).tolist() + [int(k.sum())] * padded
     num_reqs = real + padded
-    columns = max(math.ceil(int(k.max()) / page_size), 1)
+    needed = max(math.ceil(int(k.max()) / page_size), 1)
+    assert columns is None or columns >= needed
+    columns = columns or needed
     total_pages = sum(math.ceil(int(x) / page_size) for x in k)
     return {
         "cu_seqlens_q": torch.tensor(cu_q + [99_999] * 2, dtype=I32),
@@ -365,8 +386,9 @@ def test_prepare_prefill_attention_changing_batch_sizes(dev: torch.device) -> No
     counter = _CompileCounter(dev, prefill_attention._prefill_prepare_kernel,
                               kv_indices._kv_indices_kernel)
     for real, padded in [(1, 0), (5, 3), (17, 0), (2, 1)]:
-        case = _prefill_case(gen, real, padded, page_size=4, tokens=200)
-        # Fixed capacities, as with real buffers: pad the prefixes to 33 entries.
+        # Fixed capacities and table width, as with real buffers (a new stride could be a
+        # new specialization); the prefixes are padded to 33 entries.
+        case = _prefill_case(gen, real, padded, page_size=4, tokens=200, columns=8)
         for name in ("cu_seqlens_q", "cu_seqlens_k"):
             t = case[name]
             case[name] = torch.cat([t, t[-1:].repeat(33 - t.numel())])
@@ -450,7 +472,14 @@ def test_sample_tokens_greedy_rows_are_exact_argmax(dev: torch.device) -> None:
     logits[1, 100] = logits[1, 2_300] = 50.0
     logits[2, 2_400] = logits[2, 2_450] = 50.0
     temps = torch.full((bs,), GREEDY_TEMPERATURE)
-    noise = torch.rand(bs, VOCAB, generator=gen) * 1_000.0  # would dominate if it were read
+    # Adjacent floats whose quotients by the greedy temperature round to one value:
+    # dividing greedy rows would turn the larger one into a tie lost to the earlier index.
+    low = torch.tensor(60.00004959106445)
+    high = torch.nextafter(low, torch.tensor(float("inf")))
+    assert low / temps[0] == high / temps[0]
+    logits[3, 10], logits[3, 11] = low, high
+    # Larger than logits / GREEDY_TEMPERATURE: it would decide the result if it were used.
+    noise = torch.rand(bs, VOCAB, generator=gen) * 1e20
     for top_k, top_p in [(None, None), (2, 0.1), (torch.full((bs,), 1, dtype=I32), None)]:
         out = sample_tokens(
             logits.to(dev), temps.to(dev), top_k=_dev_filter(top_k, dev), top_p=top_p,
@@ -458,7 +487,7 @@ def test_sample_tokens_greedy_rows_are_exact_argmax(dev: torch.device) -> None:
         )
         got = out.cpu()
         assert torch.equal(got, logits.argmax(dim=1).to(I32))
-        assert got[:3].tolist() == [7, 100, 2_400]
+        assert got[:4].tolist() == [7, 100, 2_400, 11]
 
 
 @pytest.mark.parametrize(("k", "p"), [(20, None), (None, 0.85), (50, 0.6), (1, 0.3)])
@@ -499,6 +528,31 @@ def test_filters_keep_exactly_the_defined_tokens(dev: torch.device) -> None:
     ks = torch.tensor([1, 2, 2, 5, 4, 6], dtype=I32)
     got = sample_tokens(logits.to(dev), temps.to(dev), top_k=ks.to(dev), noise=noise.to(dev))
     assert got.cpu().tolist() == [0, 1, 0, 3, 0, 5]
+    # A disabled per-request top-k (-1, or >= V) leaves top-p alone, and vice versa.
+    ks = torch.tensor([-1, 6, -1, 6, -1, 6], dtype=I32)
+    ps = torch.full((6,), 0.75)
+    got = sample_tokens(logits.to(dev), temps.to(dev), top_k=ks.to(dev), top_p=ps.to(dev),
+                        noise=noise.to(dev))
+    assert got.cpu().tolist() == [0, 1, 2, 0, 0, 0]
+    ks = torch.tensor([1, 2, 3, 4, 5, 1], dtype=I32)
+    ps = torch.ones(6)
+    got = sample_tokens(logits.to(dev), temps.to(dev), top_k=ks.to(dev), top_p=ps.to(dev),
+                        noise=noise.to(dev))
+    assert got.cpu().tolist() == [0, 1, 2, 3, 4, 0]
+
+
+def test_disabled_top_p_keeps_the_tail_of_a_peaked_row(dev: torch.device) -> None:
+    # One token holds all but ~1e-8 of the mass: the float32 mass before every other token
+    # rounds to 1.0. A disabled top_p (1.0, uniform or per request) must still keep them.
+    logits = torch.tensor([[20.0, 0.0, 0.0, 0.0]] * 2)
+    temps = torch.ones(2)
+    noise = torch.tensor([[0.0, 0.0, 0.0, 100.0]] * 2)
+    per_request = torch.tensor([1.0, 0.5])
+    got = sample_tokens(logits.to(dev), temps.to(dev), top_p=per_request.to(dev),
+                        noise=noise.to(dev))
+    assert got.cpu().tolist() == [3, 0]
+    got = sample_tokens(logits.to(dev), temps.to(dev), top_p=1.0, noise=noise.to(dev))
+    assert got.cpu().tolist() == [3, 3]
 
 
 def test_sampling_follows_the_filtered_distribution(dev: torch.device) -> None:
