@@ -39,6 +39,7 @@ import torch
 import triton
 
 from h2d_kernels import DEFAULT_LAUNCH, ArenaMember, PackedArena, ScatterConfig, plan_arena
+from h2d_kernels.driver import cuda_driver
 from h2d_kernels.scatter import CompiledScatter
 
 CASES = [(1, 16), (8, 64), (64, 128), (256, 128), (512, 512)]
@@ -63,15 +64,23 @@ def members(bs: int, pages: int) -> list[tuple[str, np.dtype[Any], int]]:
     ]
 
 
-def timeit(fn: Callable[[], None], steps: int, warmup: int) -> dict[str, float]:
+def timeit(
+    fn: Callable[[], object], steps: int, warmup: int, gap_us: float = 0.0
+) -> dict[str, float]:
+    """Host µs per call; ``gap_us`` of busy host time between calls lets the GPU keep up."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host = np.empty(steps)
+    gap = int(gap_us * 1e3)
     e0.record()
     for i in range(steps):
         t = time.perf_counter_ns()
+        if gap:
+            while time.perf_counter_ns() - t < gap:
+                pass
+            t = time.perf_counter_ns()
         fn()
         host[i] = time.perf_counter_ns() - t
     e1.record()
@@ -83,7 +92,7 @@ def timeit(fn: Callable[[], None], steps: int, warmup: int) -> dict[str, float]:
     }
 
 
-def gpu_span(fn: Callable[[], None], reps: int = 50) -> dict[str, float]:
+def gpu_span(fn: Callable[[], object], reps: int = 50) -> dict[str, float]:
     """Median / p90 GPU µs from just before one publication's DMA to its scatter's end."""
     for _ in range(5):
         fn()
@@ -206,6 +215,70 @@ def bench_case(bs: int, pages: int, steps: int, warmup: int) -> dict[str, Any]:
     res["lean_pack"] = timeit(packed, steps, warmup) | gpu_span(packed)
     check(arena, "lean_pack")
 
+    # Where the time goes: each piece alone, host µs with the GPU kept idle-ready
+    # (100 µs host gap between calls) and its GPU span.
+    arena = make(DEFAULT_LAUNCH, "driver")
+    header, publish = arena.header_np, arena.publish
+    driver = cuda_driver()
+    assert driver is not None
+    raw_stream = partial(torch._C._cuda_getCurrentRawStream, 0)
+    dev_addr, host_addr = arena.device_arena.data_ptr(), arena.host.data_ptr()
+    config = arena.config
+    grid = config.grid(dma_bytes, layout.num_ranges)
+    scatter = CompiledScatter(arena.device_arena, arena.dest_table, layout.num_ranges, config)
+    # Zero-copy comparison (outside the one-DMA contract): the same kernel reading
+    # header and payload straight from the pinned host arena through UVA.
+    uva = CompiledScatter(arena.host, arena.dest_table, layout.num_ranges, config)
+
+    def header_only() -> None:
+        header[:, 1] = counts
+
+    def publish_only() -> None:
+        publish(dma_bytes)
+
+    def dma_only() -> None:
+        driver.memcpy_htod_async(dev_addr, host_addr, dma_bytes, raw_stream())
+
+    def scatter_only() -> None:
+        scatter.launch(grid, raw_stream())
+
+    def uva_step() -> None:
+        header[:, 1] = counts
+        uva.launch(grid, raw_stream())
+
+    pieces: dict[str, Callable[[], object]] = {
+        "events_only": lambda: None,
+        "header_write": header_only,
+        "publish_call": publish_only,
+        "dma_alone": dma_only,
+        "scatter_alone": scatter_only,
+        "uva_zero_copy": uva_step,
+        "direct_spaced": direct,
+    }
+    res["breakdown"] = {}
+    for name, fn in pieces.items():
+        spaced = timeit(fn, steps // 2, warmup, gap_us=100.0)
+        res["breakdown"][name] = {"host_us_spaced": spaced["host_us_median"]} | gpu_span(fn)
+    for g in gpu:
+        g.zero_()
+    uva_step()
+    torch.cuda.synchronize()
+    res["breakdown"]["uva_zero_copy"]["correct"] = all(
+        torch.equal(g.cpu(), c) for g, c in zip(gpu, cpu, strict=True)
+    )
+    for name, (launch, dma) in variants.items():
+        arena = make(launch, dma)
+        header, publish = arena.header_np, arena.publish
+
+        def step2(header: np.ndarray = header, publish: Callable[..., None] = publish) -> None:
+            header[:, 1] = counts
+            publish(dma_bytes)
+
+        res[name]["host_us_spaced"] = timeit(step2, steps // 2, warmup, gap_us=100.0)[
+            "host_us_median"
+        ]
+    res["direct"]["host_us_spaced"] = res["breakdown"]["direct_spaced"]["host_us_spaced"]
+
     # GPU span of the default path under each kernel shape (grid size matters for small work).
     res["span_by_shape"] = {}
     for shape in SHAPES:
@@ -246,6 +319,25 @@ def bench_bandwidth(nbytes: int, shape: tuple[int, int, int]) -> dict[str, Any]:
     }
 
 
+def dma_sweep() -> list[dict[str, float]]:
+    """GPU span of one pinned H2D copy by size (where the copy engine's latency starts)."""
+    driver = cuda_driver()
+    assert driver is not None
+    host = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    out = []
+    for size in (64, 256, 1024, 2048, 4096, 8192, 16384, 65536, 1 << 20):
+        fn = partial(
+            driver.memcpy_htod_async,
+            dev.data_ptr(),
+            host.data_ptr(),
+            size,
+            torch.cuda.current_stream().cuda_stream,
+        )
+        out.append({"bytes": size} | gpu_span(fn))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -268,6 +360,8 @@ def main() -> None:
         r = bench_case(bs, pages, args.steps, args.warmup)
         cases.append(r)
         print(json.dumps(r), flush=True)
+    sweep = dma_sweep()
+    print(json.dumps(sweep), flush=True)
     bandwidth = []
     for nbytes in (1 << 20, 16 << 20):
         for shape in SHAPES:
@@ -276,7 +370,9 @@ def main() -> None:
             print(json.dumps(b), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_publish.json"), "w") as f:
-        json.dump({"meta": meta, "cases": cases, "bandwidth": bandwidth}, f, indent=1)
+        json.dump(
+            {"meta": meta, "cases": cases, "dma_sweep": sweep, "bandwidth": bandwidth}, f, indent=1
+        )
 
     def hg(r: dict[str, Any]) -> str:
         return f"{r['host_us_median']:.1f}/{r['gpu_us_per_step']:.1f}/{r['gpu_span_us_median']:.1f}"
@@ -287,6 +383,19 @@ def main() -> None:
     for r in cases:
         ok = all(r[n].get("correct", True) for n in names)
         print(r["bs"], r["pages"], r["bytes"], "|", " | ".join(hg(r[n]) for n in names), "|", ok)
+    print("\nhost µs with a 100 µs gap between steps (GPU not saturated)")
+    print("bs | " + " | ".join(names[:-1]))
+    for r in cases:
+        print(r["bs"], "|", " | ".join(f"{r[n]['host_us_spaced']:.1f}" for n in names[:-1]))
+    print("\nbreakdown: host µs (spaced) / GPU span µs")
+    keys = list(cases[0]["breakdown"])
+    print("bs | " + " | ".join(keys))
+    for r in cases:
+        b = r["breakdown"]
+        cells = [f"{b[k]['host_us_spaced']:.1f}/{b[k]['gpu_span_us_median']:.1f}" for k in keys]
+        print(r["bs"], "|", " | ".join(cells), "| uva ok", b["uva_zero_copy"]["correct"])
+    print("\nDMA alone, GPU span µs by size:")
+    print(" ".join(f"{d['bytes']}:{d['gpu_span_us_median']:.1f}" for d in sweep))
     print("\nspan µs of the default path by shape (chunk, warps, programs/SM)")
     for r in cases:
         spans = " ".join(

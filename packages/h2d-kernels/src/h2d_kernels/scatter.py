@@ -253,7 +253,9 @@ class CompiledScatter:
                 "runs Triton in the interpreter (TRITON_INTERPRET=1): use launch='jit'"
             )
         args = _kernel_args(device_arena, dest_table, num_ranges)
-        with torch.cuda.device(device_arena.device):
+        # The destination table always lives on the GPU (the arena itself may be
+        # host memory the kernel reads through UVA, as the benchmark's zero-copy probe does).
+        with torch.cuda.device(dest_table.device):
             kernel = _scatter_kernel.warmup(
                 *args,
                 CHUNK_BYTES=config.chunk_bytes,
