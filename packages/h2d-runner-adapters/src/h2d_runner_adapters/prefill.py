@@ -54,6 +54,7 @@ class PrefillInputs:
         self.page_size = page_size
         self.pool_limit = num_pages
         g = PREFILL_INPUTS
+        self.group = g
         buf = state.buffer
         self.cu_seqlens_k = buf("prefill_cu_seqlens_k", (max_reqs + 1,), torch.int32, group=g)
         self.context_lens = buf("prefill_context_lens", (max_reqs,), torch.int32, group=g)

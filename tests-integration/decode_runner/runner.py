@@ -1,0 +1,248 @@
+"""A small paged-attention runner that publishes its metadata the way an engine would.
+
+Per step::
+
+    state.begin()                                 # slot rotation (PP) waits for source reuse
+    producers (sampling, token ids, query prefix, decode or prefill mirrors)
+    state.publish(<step group>)                   # one DMA + one scatter (packed backend)
+    state.finish()                                # records completion, never waits
+    token assembly -> KV-index generation / attention preparation   (first consumers)
+    CUDA-graph replay (decode, padded) or eager forward (prefill, TBO, no graph)
+    sampler (greedy rows corrected on the GPU, no readback)
+
+Publication is enqueued on the consumer stream before graph replay; every destination the
+graphs read is bound once at init. Two-batch overlap (``tbo=True`` decode steps) splits the
+batch into two ubatches with their own decode buffers and block-table states: the first is
+published with the token inputs, the second is prepared late, resuming the same epoch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from h2d_core import H2DRunnerState
+
+from h2d_runner_adapters import (
+    MhaDecodeInputs,
+    PrefillInputs,
+    SamplingInputs,
+    ScheduledBatch,
+    TokenInputs,
+    fill_gumbel_noise_,
+)
+
+from .model import DecoderInputs, TinyDecoder, TinyDecoderConfig
+
+DECODE_STEP = "decode_step"
+PREFILL_STEP = "prefill_step"
+TBO_STEP = "tbo_step"
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Capacities and model shape of the runner."""
+
+    max_reqs: int = 8
+    max_tokens: int = 128
+    max_pages_per_req: int = 16
+    page_size: int = 16
+    num_pages: int = 256
+    vocab: int = 1000
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    head_dim: int = 16
+    dtype: torch.dtype = torch.float32
+    graph_sizes: tuple[int, ...] = ()
+    num_slots: int = 1
+    seed: int = 0
+    #: cycles of ``torch.cuda._sleep`` before each step's publication (delayed-reuse test)
+    gpu_delay_cycles: int = 0
+
+
+@dataclass
+class StepResult:
+    sampled: torch.Tensor  # int32 [n] on the device
+    logits: torch.Tensor  # float32 [n, vocab] on the device
+    decoder_inputs: DecoderInputs | None
+
+
+class DecodeRunner:
+    """Runs scheduled batches through publication, first consumers and the model."""
+
+    def __init__(self, cfg: RunnerConfig, device: str | torch.device,
+                 backend: str | None = None, *, tbo: bool = False) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
+                            scatter="auto" if cuda else "triton")
+        self.state = st
+        caps = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
+        self.sampling = SamplingInputs(st, cfg.max_reqs)
+        self.tokens = TokenInputs(st, **caps)
+        tables = {"max_pages_per_req": cfg.max_pages_per_req, "page_size": cfg.page_size,
+                  "num_pages": cfg.num_pages}
+        self.decode = MhaDecodeInputs(st, **caps, **tables)
+        self.prefill = PrefillInputs(st, **caps, **tables)
+        token_groups = ["sampling", *self.tokens.producer_groups]
+        st.combine(DECODE_STEP, [*token_groups, self.decode.group])
+        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
+        self.ubatches: list[MhaDecodeInputs] = []
+        if tbo:
+            self.ubatches = [MhaDecodeInputs(st, **caps, **tables, prefix=f"ub{i}_")
+                             for i in range(2)]
+            st.combine(TBO_STEP, [*token_groups, self.ubatches[0].group])
+        st.bind()
+
+        self.model = TinyDecoder(
+            TinyDecoderConfig(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers,
+                              heads=cfg.heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
+                              num_pages=cfg.num_pages, dtype=cfg.dtype),
+            self.device, seed=cfg.seed, max_pages=cfg.max_pages_per_req,
+        )
+        dev = self.device
+        # previous step's sampled ids, one row per batch row: token assembly reads it
+        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
+        self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
+        self.generator = torch.Generator(device=dev)
+        self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_inputs: dict[int, DecoderInputs] = {}
+        for p in cfg.graph_sizes:
+            self.graph_inputs[p] = self._decode_inputs(self.decode, p, 0)
+        if cuda and cfg.graph_sizes:
+            self._capture()
+
+    # -- inputs over fixed destinations -----------------------------------------------------
+    def _decode_inputs(self, d: MhaDecodeInputs, rows: int, first_token: int) -> DecoderInputs:
+        return DecoderInputs(
+            input_ids=self.tokens.input_ids.gpu[first_token:first_token + rows],
+            positions=d.positions.gpu[:rows],
+            slot_mapping=d.slot_mapping.gpu[:rows],
+            token_request=self.token_rows[:rows],
+            kv_indptr=d.kv_indptr.gpu[: rows + 1],
+            kv_indices=d.kv_indices,
+            context_lens=d.context_lens.gpu[:rows],
+        )
+
+    def _capture(self) -> None:
+        d = self.decode
+        # Capture over safe contents: no KV writes, no pages (the graph records; warm-up
+        # runs eagerly once on these values).
+        d.slot_mapping.gpu.fill_(-1)
+        d.context_lens.gpu.zero_()
+        d.kv_indptr.gpu.zero_()
+        d.positions.gpu.zero_()
+        self.tokens.input_ids.gpu.zero_()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for p, inputs in self.graph_inputs.items():
+                self.model(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        pool = None
+        for p in sorted(self.graph_inputs, reverse=True):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                out = self.model(self.graph_inputs[p])
+            pool = g.pool()
+            self.graphs[p] = (g, out)
+        torch.cuda.synchronize(self.device)
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, batch: ScheduledBatch, *, tbo: bool = False) -> StepResult:
+        moves = batch.extras.get("kv_page_moves", ())
+        if moves:
+            self.model.move_pages(moves)  # type: ignore[arg-type]
+        if self.cfg.gpu_delay_cycles and self.device.type == "cuda":
+            torch.cuda._sleep(self.cfg.gpu_delay_cycles)
+        if batch.is_prefill:
+            logits, inputs = self._prefill(batch)
+        elif tbo:
+            logits, inputs = self._decode_tbo(batch)
+        else:
+            logits, inputs = self._decode(batch)
+        n = batch.num_reqs
+        self.generator.manual_seed(self.cfg.seed * 1_000_003 + batch.step)
+        noise = fill_gumbel_noise_(self.noise[:n], self.generator)
+        out = self.sampled.view(-1)
+        self.sampling.sample(logits, self._sampling_plan, noise, out=out)
+        return StepResult(out[:n], logits[:n], inputs)
+
+    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
+        st = self.state
+        padded = batch.padded_size if batch.padded_size in self.graph_inputs else None
+        st.begin()
+        self._sampling_plan = self.sampling.prepare(batch)
+        tplan = self.tokens.prepare_ids(batch, padded)
+        self.tokens.prepare_query_prefix(batch, padded)
+        dplan = self.decode.prepare(batch, padded)
+        st.publish(DECODE_STEP)
+        st.finish()
+        self.tokens.assemble(tplan, self.sampled)
+        self.decode.generate_kv_indices(dplan)
+        rows = dplan.padded_reqs
+        if rows in self.graphs:
+            graph, out = self.graphs[rows]
+            graph.replay()
+            return out, self.graph_inputs[rows]
+        inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
+        return self.model(inputs), inputs
+
+    def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
+        st = self.state
+        st.begin()
+        self._sampling_plan = self.sampling.prepare(batch)
+        tplan = self.tokens.prepare_ids(batch)
+        self.tokens.prepare_query_prefix(batch)
+        pplan = self.prefill.prepare(batch)
+        st.publish(PREFILL_STEP)
+        st.finish()
+        self.tokens.assemble(tplan, self.sampled)
+        pf = self.prefill
+        pf.prepare_attention(pplan, self.tokens.cu_seqlens_q.gpu)
+        t, n = pplan.num_tokens, pplan.num_reqs
+        inputs = DecoderInputs(
+            input_ids=self.tokens.input_ids.gpu[:t], positions=pf.positions.gpu[:t],
+            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
+            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
+            context_lens=pf.context_lens.gpu[:n],
+        )
+        last = (self.tokens.cu_seqlens_q.gpu[1 : n + 1] - 1).long()
+        return self.model(inputs, logits_indices=last), inputs
+
+    def _decode_tbo(self, batch: ScheduledBatch) -> tuple[torch.Tensor, None]:
+        """Two ubatches: ub0 goes out with the token inputs; ub1 is prepared late."""
+        st = self.state
+        n = batch.num_reqs
+        half = n // 2
+        halves = [_slice_batch(batch, 0, half), _slice_batch(batch, half, n)]
+        st.begin()
+        self._sampling_plan = self.sampling.prepare(batch)
+        tplan = self.tokens.prepare_ids(batch)
+        self.tokens.prepare_query_prefix(batch)
+        plans = [self.ubatches[0].prepare(halves[0])]
+        st.publish(TBO_STEP)
+        st.finish()
+        self.tokens.assemble(tplan, self.sampled)
+        self.ubatches[0].generate_kv_indices(plans[0])
+        logits = [self.model(self._decode_inputs(self.ubatches[0], half, 0))]
+        st.resume()  # late preparation of the second ubatch, same epoch
+        plans.append(self.ubatches[1].prepare(halves[1]))
+        st.publish(self.ubatches[1].group)
+        st.finish()
+        self.ubatches[1].generate_kv_indices(plans[1])
+        logits.append(self.model(self._decode_inputs(self.ubatches[1], n - half, half)))
+        return torch.cat(logits), None
+
+
+def _slice_batch(batch: ScheduledBatch, a: int, b: int) -> ScheduledBatch:
+    cols = batch.columns
+    q = cols.query_lens
+    t0, t1 = int(q[:a].sum()), int(q[:b].sum())
+    fields = {k: (v[t0:t1] if k == "token_ids" else v[a:b]) for k, v in vars(cols).items()}
+    return ScheduledBatch((), batch.is_prefill, batch.page_size,
+                          given_columns=type(cols)(**fields),
+                          given_block_tables=list(batch.block_tables)[a:b], step=batch.step)
