@@ -319,7 +319,7 @@ def bench_bandwidth(nbytes: int, shape: tuple[int, int, int]) -> dict[str, Any]:
     }
 
 
-def dma_sweep() -> list[dict[str, float]]:
+def dma_sweep() -> list[dict[str, Any]]:
     """GPU span of one pinned H2D copy by size (where the copy engine's latency starts)."""
     driver = cuda_driver()
     assert driver is not None
@@ -334,8 +334,19 @@ def dma_sweep() -> list[dict[str, float]]:
             size,
             torch.cuda.current_stream().cuda_stream,
         )
-        out.append({"bytes": size} | gpu_span(fn))
+        # The whole publication (DMA + scatter, default path) of one member of ``size`` bytes.
+        dest = torch.zeros(size, dtype=torch.uint8, device="cuda")
+        layout = plan_arena([ArenaMember("payload", size, 1)])
+        arena = PackedArena(layout, [dest])
+        arena.header_np[0] = (layout.payload_offset(0), size, 0, 0)
+        publish = partial(arena.publish, layout.regions[0].end)
+        out.append({"bytes": size, "dma": gpu_span(fn), "publish": gpu_span(publish)})
     return out
+
+
+def graph_launcher() -> str | None:
+    dest = torch.zeros(16, dtype=torch.uint8, device="cuda")
+    return PackedArena(plan_arena([ArenaMember("x", 16, 1)]), [dest], launch="graph").graph_launcher
 
 
 def main() -> None:
@@ -352,6 +363,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "default_launch": DEFAULT_LAUNCH,
+        "graph_launcher": graph_launcher(),
         "shapes": SHAPES,
     }
     print(json.dumps(meta), flush=True)
@@ -395,7 +407,9 @@ def main() -> None:
         cells = [f"{b[k]['host_us_spaced']:.1f}/{b[k]['gpu_span_us_median']:.1f}" for k in keys]
         print(r["bs"], "|", " | ".join(cells), "| uva ok", b["uva_zero_copy"]["correct"])
     print("\nDMA alone, GPU span µs by size:")
-    print(" ".join(f"{d['bytes']}:{d['gpu_span_us_median']:.1f}" for d in sweep))
+    print(" ".join(f"{d['bytes']}:{d['dma']['gpu_span_us_median']:.1f}" for d in sweep))
+    print("one-member publication (DMA + scatter), GPU span µs by payload size:")
+    print(" ".join(f"{d['bytes']}:{d['publish']['gpu_span_us_median']:.1f}" for d in sweep))
     print("\nspan µs of the default path by shape (chunk, warps, programs/SM)")
     for r in cases:
         spans = " ".join(

@@ -41,8 +41,9 @@ ScatterChoice = Literal["auto", "triton", "reference"]
 LaunchChoice = Literal["auto", "compiled", "graph", "jit"]
 DmaChoice = Literal["auto", "driver", "torch"]
 
-DEFAULT_LAUNCH: Literal["compiled", "graph", "jit"] = "compiled"
-"""Launch path used by ``launch="auto"`` on CUDA (see docs/benchmarks.md for the figures)."""
+DEFAULT_LAUNCH: Literal["compiled", "graph", "jit"] = "graph"
+"""Launch path used by ``launch="auto"`` on CUDA: the lowest host time measured on the H200
+(docs/benchmarks.md). Under stream capture it falls back to the compiled launch."""
 
 
 def _resolve_device(
@@ -260,6 +261,8 @@ class PackedArena:
                 "dma='driver' needs libcuda.so.1, which could not be loaded: use dma='torch'"
             )
         self._driver: CudaDriver | None = driver
+        self.graph_launcher: str | None = None
+        """How graph publications are launched ("cuGraphLaunch" or "CUDAGraph.replay")."""
         # torch DMA path: one prebuilt (device, host) view pair per size bucket.
         self._dma_views = {
             index: (self.device_arena[:nbytes], self.host[:nbytes])
@@ -275,7 +278,9 @@ class PackedArena:
                 self.device,
                 bucket_sizes(self.header_bytes, self.total_bytes),
                 self._enqueue_compiled,
+                self._driver,
             )
+            self.graph_launcher = self._graphs.launcher
             self._publish = self._publish_graph
         elif self.launch == "compiled":
             self._publish = self._publish_compiled
@@ -330,11 +335,8 @@ class PackedArena:
         if driver is not None and driver.stream_is_capturing(handle):
             # A graph cannot be launched into a capture; the plain launch is capturable.
             self._enqueue_compiled(dma_bytes, handle)
-        elif stream is None:
-            self._graphs.replay(dma_bytes)
         else:
-            with torch.cuda.stream(stream):
-                self._graphs.replay(dma_bytes)
+            self._graphs.replay(dma_bytes, handle)
 
     def _publish_jit(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
         handle = self._raw_stream(stream)

@@ -26,12 +26,19 @@ class CudaDriver:
         self._is_capturing = lib.cuStreamIsCapturing
         self._is_capturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
         self._is_capturing.restype = ctypes.c_int
+        self._graph_launch = lib.cuGraphLaunch
+        self._graph_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._graph_launch.restype = ctypes.c_int
         self._status = ctypes.c_int(0)
         self._status_ref = ctypes.byref(self._status)
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> int:
         """Enqueue ``nbytes`` from host ``src`` to device ``dst``; return the CUresult."""
         return int(self._memcpy(dst, src, nbytes, stream))
+
+    def graph_launch(self, graph_exec: int, stream: int) -> int:
+        """Launch an instantiated graph (``CUgraphExec``) on ``stream``; return the CUresult."""
+        return int(self._graph_launch(graph_exec, stream))
 
     def stream_is_capturing(self, stream: int) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph right now."""

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from h2d_kernels.errors import PublishError
+from h2d_kernels.driver import CudaDriver
+from h2d_kernels.errors import PublishError, ScatterBackendError
 
 
 def bucket_index(nbytes: int) -> int:
@@ -30,15 +31,24 @@ def bucket_sizes(min_bytes: int, total_bytes: int) -> dict[int, int]:
 
 
 class GraphPublisher:
-    """Replays the captured (DMA + scatter) graph of a publication's bucket."""
+    """Replays the captured (DMA + scatter) graph of a publication's bucket.
+
+    Replay goes straight to ``cuGraphLaunch`` on the instantiated graph when
+    torch exposes it (``CUDAGraph.raw_cuda_graph_exec``) and a driver binding
+    is given, skipping ``CUDAGraph.replay``'s own overhead; otherwise it uses
+    ``replay()`` on the requested stream. :attr:`launcher` says which.
+    """
 
     def __init__(
         self,
         device: torch.device,
         sizes: dict[int, int],
         enqueue: Callable[[int, int], None],
+        driver: CudaDriver | None = None,
     ) -> None:
         """Capture ``enqueue(bucket_bytes, raw_stream)`` once per bucket on a side stream."""
+        self._device = device
+        self._driver = driver
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
@@ -55,14 +65,26 @@ class GraphPublisher:
                     graph.capture_end()
                 self._graphs[index] = graph
         current.wait_stream(side)
-        self._replay = {index: graph.replay for index, graph in self._graphs.items()}
+        # The graphs stay referenced in self._graphs, so their exec handles stay valid.
+        self._execs: dict[int, int] = {}
+        if driver is not None and all(
+            hasattr(g, "raw_cuda_graph_exec") for g in self._graphs.values()
+        ):
+            self._execs = {i: int(g.raw_cuda_graph_exec()) for i, g in self._graphs.items()}
+        self.launcher = "cuGraphLaunch" if self._execs else "CUDAGraph.replay"
 
-    def replay(self, dma_bytes: int) -> None:
-        """Launch the bucket graph for ``dma_bytes`` on the current stream."""
-        try:
-            self._replay[bucket_index(dma_bytes)]()
-        except KeyError:
+    def replay(self, dma_bytes: int, stream: int) -> None:
+        """Launch the bucket graph for ``dma_bytes`` on the raw stream handle ``stream``."""
+        index = bucket_index(dma_bytes)
+        if index not in self._graphs:
             raise PublishError(
                 f"no captured graph covers dma_bytes={dma_bytes}: pass a size between the "
                 "header and the arena's total_bytes"
-            ) from None
+            )
+        if self._execs and self._driver is not None:
+            rc = self._driver.graph_launch(self._execs[index], stream)
+            if rc:
+                raise ScatterBackendError(f"cuGraphLaunch failed with CUDA error {rc}")
+            return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self._device)):
+            self._graphs[index].replay()
