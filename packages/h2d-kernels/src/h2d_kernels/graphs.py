@@ -67,10 +67,11 @@ class GraphPublisher:
         current.wait_stream(side)
         # The graphs stay referenced in self._graphs, so their exec handles stay valid.
         self._execs: dict[int, int] = {}
-        if driver is not None and all(
-            hasattr(g, "raw_cuda_graph_exec") for g in self._graphs.values()
-        ):
-            self._execs = {i: int(g.raw_cuda_graph_exec()) for i, g in self._graphs.items()}
+        if driver is not None:
+            try:
+                self._execs = {i: int(g.raw_cuda_graph_exec()) for i, g in self._graphs.items()}
+            except (AttributeError, RuntimeError):
+                self._execs = {}  # older torch: replay() below
         self.launcher = "cuGraphLaunch" if self._execs else "CUDAGraph.replay"
 
     def replay(self, dma_bytes: int, stream: int) -> None:
