@@ -9,6 +9,7 @@ at construction: capturing later would synchronize the device mid-run.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
 import torch
@@ -53,6 +54,34 @@ class GraphPublisher:
         side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
+        # A garbage-collected CUDAGraph destroys its exec; doing that in the middle of
+        # a capture invalidates the capture (seen on the H200 test run), so collect
+        # first and keep the collector off while capturing.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture(device, sizes, enqueue, side)
+        finally:
+            if was_enabled:
+                gc.enable()
+        current.wait_stream(side)
+        # The graphs stay referenced in self._graphs, so their exec handles stay valid.
+        self._execs: dict[int, int] = {}
+        if driver is not None:
+            try:
+                self._execs = {i: int(g.raw_cuda_graph_exec()) for i, g in self._graphs.items()}
+            except (AttributeError, RuntimeError):
+                self._execs = {}  # older torch: replay() below
+        self.launcher = "cuGraphLaunch" if self._execs else "CUDAGraph.replay"
+
+    def _capture(
+        self,
+        device: torch.device,
+        sizes: dict[int, int],
+        enqueue: Callable[[int, int], None],
+        side: torch.cuda.Stream,
+    ) -> None:
         with torch.cuda.device(device), torch.cuda.stream(side):
             # One eager run first: module loads and lazy init must not happen under capture.
             enqueue(min(sizes.values()), side.cuda_stream)
@@ -64,15 +93,6 @@ class GraphPublisher:
                 finally:
                     graph.capture_end()
                 self._graphs[index] = graph
-        current.wait_stream(side)
-        # The graphs stay referenced in self._graphs, so their exec handles stay valid.
-        self._execs: dict[int, int] = {}
-        if driver is not None:
-            try:
-                self._execs = {i: int(g.raw_cuda_graph_exec()) for i, g in self._graphs.items()}
-            except (AttributeError, RuntimeError):
-                self._execs = {}  # older torch: replay() below
-        self.launcher = "cuGraphLaunch" if self._execs else "CUDAGraph.replay"
 
     def replay(self, dma_bytes: int, stream: int) -> None:
         """Launch the bucket graph for ``dma_bytes`` on the raw stream handle ``stream``."""

@@ -237,7 +237,8 @@ class CompiledScatter:
     (``CompiledKernel.run(grid..., stream, function, packed_metadata,
     launch_metadata, enter_hook, exit_hook, *all_args)``, constexprs included)
     and skips the binder and specialization work before it. Launch hooks
-    installed in ``triton.knobs`` when the object is built are honoured.
+    in ``triton.knobs`` are honoured. Pointers go in as plain ints, so the
+    launcher neither calls ``data_ptr()`` nor queries pointer attributes.
     """
 
     def __init__(
@@ -265,8 +266,6 @@ class CompiledScatter:
             )
             kernel._init_handles()
         self.kernel = kernel
-        # Pointers go in as plain ints: the launcher uses them as they are,
-        # without a data_ptr() call or a pointer-attribute query per launch.
         self._args = (
             device_arena.data_ptr(),
             dest_table.data_ptr(),
@@ -277,40 +276,21 @@ class CompiledScatter:
         )
         from triton import knobs
 
+        # triton 3.6 keeps the launch hooks as HookChain objects (empty unless a
+        # profiler adds hooks); holding the chains keeps later additions honoured.
         enter = knobs.runtime.launch_enter_hook
         exit_ = knobs.runtime.launch_exit_hook
         launcher = kernel.run
-        raw = getattr(launcher, "launch", None)
-        needs_scratch = any(
-            getattr(launcher, name, 0) for name in ("global_scratch_size", "profile_scratch_size")
-        )
-        self.launch: Callable[[int, int], None]
-        """``launch(grid, raw_stream)``: the leanest launcher this kernel allows."""
-        if raw is not None and enter is None and exit_ is None and not needs_scratch:
-            # The C entry point itself: (grid xyz, stream, function, cooperative,
-            # pdl, global scratch, profile scratch, metadata, launch metadata,
-            # enter hook, exit hook, *args).
-            head = (
-                kernel.function,
-                int(launcher.launch_cooperative_grid),
-                int(launcher.launch_pdl),
-                None,
-                None,
-                kernel.packed_metadata,
-                None,
-                None,
-                None,
-            )
-            self.launch = lambda grid, stream: raw(grid, 1, 1, stream, *head, *self._args)
-        else:
-            meta = kernel.packed_metadata
-            function = kernel.function
+        meta = kernel.packed_metadata
+        function = kernel.function
+        args = self._args
 
-            def slow(grid: int, stream: int) -> None:
-                launch_meta = kernel.launch_metadata((grid, 1, 1), stream, *self._args)
-                launcher(grid, 1, 1, stream, function, meta, launch_meta, enter, exit_, *self._args)
+        def launch(grid: int, stream: int) -> None:
+            launch_meta = kernel.launch_metadata((grid, 1, 1), stream, *args)
+            launcher(grid, 1, 1, stream, function, meta, launch_meta, enter, exit_, *args)
 
-            self.launch = slow
+        self.launch: Callable[[int, int], None] = launch
+        """``launch(grid, raw_stream)``: enqueue the scatter with ``grid`` programs."""
 
     def __call__(self, grid: int, stream: int) -> None:
         """Enqueue the scatter with ``grid`` programs on the raw CUDA stream handle ``stream``."""
