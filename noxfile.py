@@ -1,6 +1,6 @@
 """Sessions that compose the packages.
 
-    nox -s bench          the main job (today: the block-table prepare benchmark)
+    nox -s bench          the main job: end-to-end decode steps, packed vs direct
     nox -s block_tables   block-tables tests with numpy only (proves it needs no torch)
     nox -s tests          every CPU suite of every package + tests-integration
     nox -s gpu            the GPU suites; needs RUN_H2D_GPU_TESTS=1 and CUDA, else fails
@@ -87,10 +87,10 @@ def gpu(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """The main job: see README.md for what it runs and where results go."""
+    """The main job: the end-to-end decode benchmark (results/decode_bench.{json,png})."""
     session.install(TORCH, TRITON, "numpy", "matplotlib")
     _install_local(session, PACKAGES)
-    session.run("python", "benchmarks/main.py", *session.posargs)
+    session.run("python", "benchmarks/decode_bench.py", *session.posargs)
 
 
 @nox.session

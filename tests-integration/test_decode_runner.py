@@ -51,7 +51,8 @@ def _configs(device: str, **over: object) -> tuple[SchedulerConfig, RunnerConfig
     run = RunnerConfig(max_reqs=8, max_tokens=64, max_pages_per_req=sched.max_pages_per_request,
                        page_size=8, num_pages=160, vocab=512, hidden=64, layers=2, heads=4,
                        head_dim=16, dtype=torch.float16 if cuda else torch.float32,
-                       graph_sizes=(1, 2, 4, 8) if cuda else (), **over)  # type: ignore[arg-type]
+                       graph_sizes=(1, 2, 4, 8) if cuda else (),
+                       scatter="auto" if cuda else "triton", **over)  # type: ignore[arg-type]
     return sched, run
 
 

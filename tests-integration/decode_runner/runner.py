@@ -18,6 +18,7 @@ published with the token inputs, the second is prepared late, resuming the same 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,9 @@ class RunnerConfig:
     seed: int = 0
     #: cycles of ``torch.cuda._sleep`` before each step's publication (delayed-reuse test)
     gpu_delay_cycles: int = 0
+    #: packed scatter: "auto" (Triton on CUDA, the CPU reference on CPU) or "triton"
+    #: (on CPU under TRITON_INTERPRET=1, so CI runs the kernel itself)
+    scatter: str = "auto"
 
 
 @dataclass
@@ -77,7 +81,7 @@ class DecodeRunner:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
-                            scatter="auto" if cuda else "triton")
+                            scatter=cfg.scatter)
         self.state = st
         caps = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
         self.sampling = SamplingInputs(st, cfg.max_reqs)
@@ -108,6 +112,10 @@ class DecodeRunner:
         self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
         self.generator = torch.Generator(device=dev)
         self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
+        #: host ns of the last step's metadata preparation + publication (begin..finish)
+        self.host_metadata_ns = 0
+        #: when set (CUDA), events around publication..first consumers of decode steps
+        self.span_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_inputs: dict[int, DecoderInputs] = {}
         for p in cfg.graph_sizes:
@@ -174,15 +182,22 @@ class DecodeRunner:
     def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
         st = self.state
         padded = batch.padded_size if batch.padded_size in self.graph_inputs else None
+        events = self.span_events
+        t0 = time.perf_counter_ns()
         st.begin()
         self._sampling_plan = self.sampling.prepare(batch)
         tplan = self.tokens.prepare_ids(batch, padded)
         self.tokens.prepare_query_prefix(batch, padded)
         dplan = self.decode.prepare(batch, padded)
+        if events is not None:
+            events[0].record()
         st.publish(DECODE_STEP)
         st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0
         self.tokens.assemble(tplan, self.sampled)
         self.decode.generate_kv_indices(dplan)
+        if events is not None:
+            events[1].record()
         rows = dplan.padded_reqs
         if rows in self.graphs:
             graph, out = self.graphs[rows]

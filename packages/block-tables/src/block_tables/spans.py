@@ -59,16 +59,20 @@ def changed_spans(
     caller then re-sends whole rows. Rows at or past ``len(keys_then)`` are not covered.
     """
     limit = min(num_rows, keys_then.size)
-    if revision is not None:
+    now_all = snapshot._row_keys[:limit]
+    if snapshot._keys is not None:
+        # The last batch was all versioned: equal keys mean equal bytes, so one vectorised
+        # comparison finds every changed row without the history.
+        rows = np.flatnonzero(now_all != keys_then[:limit])
+    elif revision is not None:
         changed = snapshot.changed_rows_since(revision)
         if changed.all_rows:
             return None
         rows = changed.rows()
         rows = rows[rows < limit]
     else:
-        now_all = snapshot._row_keys[:limit]
         differs = (now_all != keys_then[:limit]) | ((now_all >> LENGTH_BITS) == UNVERSIONED)
-        rows = np.flatnonzero(differs).astype(np.int64)
+        rows = np.flatnonzero(differs)
     then = keys_then[rows]
     now = snapshot._row_keys[rows]
     len_then = then & LENGTH_MASK

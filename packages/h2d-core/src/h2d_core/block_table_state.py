@@ -143,10 +143,14 @@ class BlockTableState:
             self.last_stage = StageResult.REUSED
             return self.last_stage
         ranges = self._partial_ranges(rec, slot, rev, num_rows) if self._ranged else None
-        if ranges is not None:
-            state.set_ranges(self.buffer, ranges) if ranges else state.set_count(self.buffer, None)
+        if ranges == []:
+            state.set_count(self.buffer, None)
+            self.last_stage = StageResult.PARTIAL
+        elif ranges is not None and state.try_trusted_ranges(
+                self.buffer, ranges, sum(b - a for a, b in ranges)):
             self.last_stage = StageResult.PARTIAL
         else:
+            ranges = None
             state.set_count(self.buffer, int(num_rows))
             self.last_stage = StageResult.WHOLE
         keys = row_keys(snap)[:num_rows]
@@ -187,9 +191,7 @@ class BlockTableState:
                 ranges[-1] = (ranges[-1][0], stop)
             else:
                 ranges.append((start, stop))
-        total = sum(b - a for a, b in ranges)
-        if (len(ranges) > self.buffer.max_ranges
-                or total > self.partial_max_share * num_rows * rb):
+        if sum(b - a for a, b in ranges) > self.partial_max_share * num_rows * rb:
             return None
         return ranges
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -30,39 +30,36 @@ _NO_NUMPY = {torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """Everything fixed at declaration: name, shape, dtype, producer group and count unit."""
+    """Everything fixed at declaration: name, shape, dtype, producer group and count unit.
+
+    The derived sizes are computed once here: the publication hot path reads them per call.
+    """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     group: str
     unit: CountUnit
+    itemsize: int = field(init=False)
+    nbytes: int = field(init=False)
+    #: bytes per counted unit
+    unit_bytes: int = field(init=False)
+    #: the largest count, in the buffer's unit
+    capacity: int = field(init=False)
 
-    @property
-    def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
-
-    @property
-    def unit_bytes(self) -> int:
-        """Bytes per counted unit."""
+    def __post_init__(self) -> None:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        numel = math.prod(self.shape)
         if self.unit is CountUnit.ROWS:
-            return math.prod(self.shape[1:]) * self.itemsize
-        if self.unit is CountUnit.ELEMENTS:
-            return self.itemsize
-        return 1
-
-    @property
-    def capacity(self) -> int:
-        """The largest count, in the buffer's unit."""
-        if self.unit is CountUnit.ROWS:
-            return self.shape[0]
-        if self.unit is CountUnit.ELEMENTS:
-            return math.prod(self.shape)
-        return self.nbytes
+            unit_bytes, capacity = math.prod(self.shape[1:]) * itemsize, self.shape[0]
+        elif self.unit is CountUnit.ELEMENTS:
+            unit_bytes, capacity = itemsize, numel
+        else:
+            unit_bytes, capacity = 1, numel * itemsize
+        object.__setattr__(self, "itemsize", itemsize)
+        object.__setattr__(self, "nbytes", numel * itemsize)
+        object.__setattr__(self, "unit_bytes", unit_bytes)
+        object.__setattr__(self, "capacity", capacity)
 
     @property
     def has_numpy_view(self) -> bool:
@@ -109,6 +106,9 @@ class H2DBuffer:
         self.spec = spec
         #: how many byte ranges one publication may send (``set_ranges``); 0 = counts only
         self.max_ranges = max_ranges
+        # hot-path copies of the spec's sizes; byte counts always take the full check
+        self._unit_bytes = spec.unit_bytes
+        self._fast_capacity = -1 if spec.unit is CountUnit.BYTES else spec.capacity
         self.gpu = gpu
         self._state = state
         self._sources: list[torch.Tensor] = []

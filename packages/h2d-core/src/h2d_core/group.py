@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -51,6 +52,11 @@ class GroupPlan:
     #: members whose sources live in another publication group's arena (staged here)
     borrowed: frozenset[str] = frozenset()
 
+    @cached_property
+    def names(self) -> frozenset[str]:
+        """This group and the producer groups it publishes."""
+        return frozenset((self.name, *self.producer_groups))
+
 
 @dataclass(eq=False)
 class SlotGroup:
@@ -64,8 +70,18 @@ class SlotGroup:
     #: members with ranges set (they count as active)
     ranged: set[int] = field(default_factory=set)
     range_bytes: int = 0
+    #: payload bytes of the counts set (the ranges' bytes are in ``range_bytes``)
+    count_bytes: int = 0
     active: int = 0
     dma_end: int = 0
+    #: hot-path shortcuts: the header's byte-count column and each member's fixed offset
+    header_nbytes: np.ndarray | None = None
+    inplace: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.packed is not None:
+            self.header_nbytes = self.packed.header_nbytes
+        self.inplace = self.plan.inplace_offsets
 
     def clear_counts(self) -> None:
         """Forget every count and range (a new epoch or a reopened group)."""
@@ -73,6 +89,7 @@ class SlotGroup:
         self.ranges = []
         self.ranged = set()
         self.range_bytes = 0
+        self.count_bytes = 0
         self.active = 0
         self.dma_end = self.plan.header_bytes
         if self.packed is not None:

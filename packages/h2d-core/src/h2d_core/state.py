@@ -19,6 +19,7 @@ Every rejected call raises before anything is enqueued or changed.
 from __future__ import annotations
 
 import threading
+from threading import get_ident
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from typing import Any
@@ -53,9 +54,11 @@ class PublicationEnqueueError(H2DError):
 
 
 def _omit(rec: SlotGroup, i: int) -> None:
-    if rec.counts[i] is not None:
+    old = rec.counts[i]
+    if old is not None:
         rec.counts[i] = None
         rec.active -= 1
+        rec.count_bytes -= old * rec.plan.members[i].spec.unit_bytes
         if rec.packed is not None:
             rec.packed.header_nbytes[i] = 0
     if i in rec.ranged:
@@ -501,8 +504,9 @@ class H2DRunnerState:
         ``None`` omits the member; ``0`` is an explicit empty publication. The count is
         checked now (type, range, capacity); a rejected count changes nothing.
         """
-        self._check_ready("set_count")
-        if self._buffers.get(buffer.name) is not buffer:
+        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+            self._check_ready("set_count")
+        if getattr(buffer, "_state", None) is not self:
             self._check_member(buffer)
         if buffer.group in self._published:
             raise DuplicatePublicationError(
@@ -514,24 +518,72 @@ class H2DRunnerState:
             for gi, i in buffer.homes:
                 _omit(recs[gi], i)
             return
-        n = buffer.check_count(count)
+        # the common case without a call: a plain in-range int (bytes units take the full check)
+        n = count if type(count) is int and 0 <= count <= buffer._fast_capacity else (
+            buffer.check_count(count))
         if buffer.max_ranges and buffer.member_index in recs[buffer.homes[0][0]].ranged:
             raise CountError(
                 f"buffer {buffer.name!r}: ranges were already set this epoch; publish either a "
                 "count or ranges, not both"
             )
-        nbytes = n * buffer.spec.unit_bytes
+        unit_bytes = buffer._unit_bytes
+        nbytes = n * unit_bytes
         for gi, i in buffer.homes:
             rec = recs[gi]
-            if rec.counts[i] is None:
+            old = rec.counts[i]
+            if old is None:
                 rec.active += 1
+                rec.count_bytes += nbytes
+            else:
+                rec.count_bytes += nbytes - old * unit_bytes
             rec.counts[i] = n
-            packed = rec.packed
-            if packed is not None:
-                packed.header_nbytes[i] = nbytes
-                off = rec.plan.inplace_offsets[i]
+            if rec.header_nbytes is not None:
+                rec.header_nbytes[i] = nbytes
+                off = rec.inplace[i]
                 if nbytes and off >= 0 and off + nbytes > rec.dma_end:
                     rec.dma_end = off + nbytes
+
+    def try_trusted_ranges(
+        self, buffer: H2DBuffer, ranges: list[tuple[int, int]], total: int
+    ) -> bool:
+        """Set ``ranges`` (sorted, disjoint, element-aligned, in bounds: built by trusted
+        code such as the block-table state) when they fit the buffer's ``max_ranges`` and
+        the group's staging room; return False, changing nothing, when they do not."""
+        self._check_ready("set_ranges")
+        if buffer.group in self._published or len(ranges) > buffer.max_ranges:
+            return False
+        gi, i = buffer.homes[0]
+        rec = self._slot_groups[self.current_slot][gi]
+        packed = rec.packed
+        if packed is None:
+            return False
+        room = packed.staging_capacity - 16 * len(ranges)
+        for j, _, unit_bytes in packed.staged:
+            room -= (rec.counts[j] or 0) * unit_bytes + 16
+        for j, _, n in rec.ranges:
+            if j != i:
+                room -= n + 16
+        if total > room:
+            return False
+        _omit(rec, i)
+        rec.active += 1
+        rec.ranged.add(i)
+        rec.ranges = [r for r in rec.ranges if r[0] != i]
+        rec.ranges += [(i, a, b - a) for a, b in ranges]
+        rec.range_bytes = sum(n for _, _, n in rec.ranges)
+        return True
+
+    def range_room(self, buffer: H2DBuffer) -> int:
+        """Bytes of ranges :meth:`set_ranges` can still take for ``buffer`` this epoch
+        (each range also costs 16 bytes of alignment); 0 when the group is not packed."""
+        gi, i = buffer.homes[0]
+        rec = self._slot_groups[self.current_slot][gi]
+        if rec.packed is None:
+            return 0
+        staged = sum((rec.counts[j] or 0) * rec.plan.members[j].spec.unit_bytes + 16
+                     for j, _, _ in rec.packed.staged)
+        others = sum(n + 16 for j, _, n in rec.ranges if j != i)
+        return max(rec.packed.staging_capacity - staged - others, 0)
 
     def set_ranges(self, buffer: H2DBuffer, ranges: Sequence[tuple[int, int]]) -> None:
         """Publish only these byte ranges ``[start, stop)`` of ``buffer`` this epoch.
@@ -591,10 +643,7 @@ class H2DRunnerState:
                 f"({staged_room} bytes); publish a count (whole rows) instead"
             )
         if rec.counts[i] is not None:
-            rec.counts[i] = None
-            rec.active -= 1
-            if rec.packed is not None:
-                rec.packed.header_nbytes[i] = 0
+            _omit(rec, i)
         if i not in rec.ranged:
             rec.active += 1
             rec.ranged.add(i)
@@ -629,7 +678,8 @@ class H2DRunnerState:
         group, or a producer group covered by a combined group: one direct copy per active
         member. Validation happens first; a rejected publication enqueues nothing.
         """
-        self._check_ready(f"publish({group!r})")
+        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+            self._check_ready(f"publish({group!r})")
         plan = self._plans.get(group)
         covered_members: Sequence[H2DBuffer] = ()
         if plan is None:
@@ -637,38 +687,25 @@ class H2DRunnerState:
                 raise UnknownGroupError(self._unknown_group(group))
             plan = self._plans[self._publication_group_of[group]]
             covered_members = self._producer_groups[group]
-            producers: tuple[str, ...] = (group,)
+            names: frozenset[str] = frozenset((group,))
         else:
-            producers = plan.producer_groups
+            names = plan.names
         self._check_device()
         s = self._check_stream(stream)
-        already = [g for g in (group, *producers) if g in self._published]
-        if already:
+        if not names.isdisjoint(self._published):
             raise DuplicatePublicationError(
-                f"group {group!r}: {already} already published in epoch {self.epoch}; "
-                "supply a reason (reopen(group, reason)) for a deliberate second publication"
+                f"group {group!r}: {sorted(names & self._published)} already published in "
+                f"epoch {self.epoch}; supply a reason (reopen(group, reason)) for a deliberate "
+                "second publication"
             )
         rec = self._slot_groups[self.current_slot][plan.index]
-        ctx = (
-            torch.autograd.profiler.record_function(f"h2d.publish/{group}")
-            if _profiler_enabled()
-            else nullcontext()
-        )
         counters = self._counters[group]
         try:
-            with ctx:
-                if covered_members:
-                    nbytes = self._copy_direct(rec, [b.member_index for b in covered_members], counters)
-                elif rec.packed is not None and (rec.active > 1 or len(rec.ranges) > 1):
-                    end = pack(rec.packed, rec.counts, rec.ranges)
-                    rec.packed.arena.publish(max(end, rec.dma_end), s)  # type: ignore[attr-defined]
-                    nbytes = int(rec.packed.header_nbytes.sum())
-                    counters.dmas += 1
-                    counters.scatters += 1
-                else:
-                    nbytes = self._copy_direct(rec, range(len(plan.members)), counters)
-                    if plan.packed:
-                        counters.direct_fallbacks += 1
+            if _profiler_enabled():
+                with torch.autograd.profiler.record_function(f"h2d.publish/{group}"):
+                    nbytes = self._enqueue(rec, covered_members, counters, s)
+            else:
+                nbytes = self._enqueue(rec, covered_members, counters, s)
         except H2DError:
             raise
         except Exception as exc:
@@ -679,11 +716,28 @@ class H2DRunnerState:
             ) from exc
         counters.publications += 1
         counters.bytes += nbytes
-        self._published.add(group)
-        self._published.update(producers)
-        for g in producers:
-            for fn in self._on_publish.pop(g, ()):
-                fn()
+        self._published |= names
+        if self._on_publish:
+            for g in names:
+                for fn in self._on_publish.pop(g, ()):
+                    fn()
+
+    def _enqueue(self, rec: SlotGroup, covered: Sequence[H2DBuffer],
+                 counters: GroupCounters, stream: Any) -> int:
+        """Enqueue one publication (validated); return the payload bytes it moves."""
+        if covered:
+            return self._copy_direct(rec, [b.member_index for b in covered], counters)
+        packed = rec.packed
+        if packed is not None and (rec.active > 1 or len(rec.ranges) > 1):
+            end = pack(packed, rec.counts, rec.ranges) if packed.staged or rec.ranges else 0
+            packed.arena.publish(end if end > rec.dma_end else rec.dma_end, stream)  # type: ignore[attr-defined]
+            counters.dmas += 1
+            counters.scatters += 1
+            return rec.count_bytes + rec.range_bytes
+        nbytes = self._copy_direct(rec, range(len(rec.plan.members)), counters)
+        if rec.plan.packed:
+            counters.direct_fallbacks += 1
+        return nbytes
 
     def on_publish(self, buffer: H2DBuffer, callback: Callable[[], None]) -> None:
         """Run ``callback`` once, right after ``buffer``'s group is published successfully
@@ -784,7 +838,14 @@ class H2DRunnerState:
     # ------------------------------------------------------------------ producers
     def enter_producer(self, groups: Sequence[str], reason: str | None) -> None:
         """The check ``@h2d_producer`` runs before entering a producer of ``groups``."""
-        self._check_ready(f"producer of {list(groups)}")
+        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+            self._check_ready(f"producer of {list(groups)}")
+        produced, published, known = self._produced, self._published, self._producer_groups
+        if reason is None and len(groups) == 1:
+            g = groups[0]
+            if g in known and g not in produced and g not in published:
+                produced.add(g)
+                return
         for g in groups:
             if g not in self._producer_groups:
                 raise UnknownGroupError(
