@@ -1,0 +1,233 @@
+"""Device benchmarks of publication through the public APIs (issues 4 and 5).
+
+``core``: the ten-member decode-like group of ``shared/context/floor-h200.md`` through
+``H2DRunnerState`` (begin, ten ``set_count`` calls, publish, finish; validation included),
+packed against direct in the same run; H2D copies and kernels per publication counted from
+a ``torch.profiler`` trace.
+
+``decode``: a plain-MHA decode step through the runner adapters (sampling, token inputs,
+MHA decode with block-table state; one combined group) on steady batches where 1/16 of the
+rows append a page, for batch sizes 1, 8, 64, 256 and 4K / 128K contexts, packed against one
+copy per field in the same run: host µs for preparation + publication, GPU µs from the first
+publication work to the end of the first consumer (KV-index generation), and copies and
+kernels per step from a profiler trace.
+
+    python benchmarks/publication_bench.py [core|decode|all] [--out DIR] [--steps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests-integration"))
+for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
+    src = ROOT / "packages" / pkg / "src"
+    if src.is_dir() and str(src) not in sys.path:
+        sys.path.append(str(src))
+
+from h2d_core import H2DRunnerState  # noqa: E402
+
+from h2d_runner_adapters import MhaDecodeInputs, SamplingInputs, TokenInputs  # noqa: E402
+
+FLOOR_CASES = [(1, 16), (8, 64), (64, 128), (256, 128), (512, 512)]
+
+
+def _floor_members(bs: int, pages: int) -> list[tuple[str, torch.dtype, tuple[int, ...], str]]:
+    return [
+        ("input_ids", torch.int32, (bs,), "elements"), ("positions", torch.int64, (bs,), "elements"),
+        ("cu_seqlens_q", torch.int32, (bs + 1,), "elements"),
+        ("temperature", torch.float32, (bs,), "elements"), ("top_k", torch.int32, (bs,), "elements"),
+        ("top_p", torch.float32, (bs,), "elements"),
+        ("slot_mapping", torch.int64, (bs,), "elements"),
+        ("context_lens", torch.int32, (bs,), "elements"),
+        ("block_tables", torch.int32, (bs, pages), "rows"),
+        ("kv_prefix", torch.int32, (bs + 1,), "elements"),
+    ]
+
+
+def _profile_counts(fn, n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    h2d = kernels = 0
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        name = e.name.lower()
+        if "memcpy" in name:
+            h2d += "htod" in name
+        elif "memset" not in name:
+            kernels += 1
+    return {"h2d_per_step": h2d / n, "kernels_per_step": kernels / n}
+
+
+def bench_core(steps: int) -> list[dict]:
+    out = []
+    for bs, pages in FLOOR_CASES:
+        for backend in ("packed", "direct"):
+            st = H2DRunnerState("cuda", backend=backend)
+            bufs = [st.buffer(n, shape, dt, group="decode", unit=u)
+                    for n, dt, shape, u in _floor_members(bs, pages)]
+            st.bind()
+            rng = np.random.default_rng(0)
+            st.begin()
+            for b in bufs:
+                b.np[...] = rng.integers(0, 1000, b.np.shape)
+            st.finish()
+            counts = [b.spec.capacity for b in bufs]
+
+            def step() -> None:
+                st.begin()
+                for b, c in zip(bufs, counts, strict=True):
+                    st.set_count(b, c)
+                st.publish("decode")
+                st.finish()
+
+            for _ in range(30):
+                step()
+            torch.cuda.synchronize()
+            host = []
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(steps):
+                t = time.perf_counter_ns()
+                step()
+                host.append((time.perf_counter_ns() - t) / 1e3)
+            e1.record()
+            torch.cuda.synchronize()
+            r = {"bs": bs, "pages": pages, "backend": backend,
+                 "bytes": sum(b.spec.nbytes for b in bufs),
+                 "host_us_median": float(np.median(host)),
+                 "host_us_p90": float(np.percentile(host, 90)),
+                 "gpu_us_per_step": e0.elapsed_time(e1) * 1e3 / steps,
+                 **_profile_counts(step, 10)}
+            out.append(r)
+            print(json.dumps(r), flush=True)
+    return out
+
+
+def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict]:
+    from decode_runner.scheduler import steady_decode_batches
+
+    page, window = 16, 256
+    out = []
+    for context in contexts:
+        for bs in sizes:
+            per_row = -(-(context + page - 1 + window) // page)
+            gen = steady_decode_batches(bs, context, page, window=window)
+            batches = []
+            for _ in range(40 + 3 * steps + 10):
+                b = next(gen)
+                b.columns, b.block_tables  # noqa: B018  (built outside the timed region)
+                batches.append(b)
+            for backend in ("packed", "direct"):
+                st = H2DRunnerState("cuda", backend=backend)
+                sampling = SamplingInputs(st, bs)
+                tokens = TokenInputs(st, max_reqs=bs, max_tokens=bs)
+                decode = MhaDecodeInputs(st, max_reqs=bs, max_tokens=bs,
+                                         max_pages_per_req=per_row, page_size=page)
+                st.combine("decode_step", ["sampling", *tokens.producer_groups, "mha_decode"])
+                st.bind()
+                prev = torch.zeros(bs, 1, dtype=torch.int32, device="cuda")
+                it = iter(batches)
+                events: list = []
+
+                def step(record: bool = False) -> float:
+                    b = next(it)
+                    t = time.perf_counter_ns()
+                    st.begin()
+                    sampling.prepare(b)
+                    tp = tokens.prepare_ids(b)
+                    tokens.prepare_query_prefix(b)
+                    dp = decode.prepare(b)
+                    if record:
+                        ev = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
+                        ev[0].record()
+                    st.publish("decode_step")
+                    st.finish()
+                    host = (time.perf_counter_ns() - t) / 1e3
+                    tokens.assemble(tp, prev)
+                    decode.generate_kv_indices(dp)
+                    if record:
+                        ev[1].record()
+                        events.append(ev)
+                    return host
+
+                for _ in range(40):
+                    step()
+                torch.cuda.synchronize()
+                host = [step() for _ in range(steps)]
+                for _ in range(steps):
+                    step(record=True)
+                torch.cuda.synchronize()
+                span = [a.elapsed_time(b) * 1e3 for a, b in events]
+                c = st.counters("decode_step")
+                r = {"context": context, "bs": bs, "backend": backend,
+                     "host_us_median": float(np.median(host)),
+                     "host_us_p90": float(np.percentile(host, 90)),
+                     "gpu_span_us_median": float(np.median(span)),
+                     "bytes_per_step": c.bytes / max(c.publications, 1),
+                     **_profile_counts(step, 8)}
+                out.append(r)
+                print(json.dumps(r), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("which", nargs="?", default="all", choices=["core", "decode", "all"])
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--contexts", default="4096,131072")
+    ap.add_argument("--batch-sizes", default="1,8,64,256")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("publication_bench needs a CUDA device (the decode benchmark runs on CPU)")
+    res: dict[str, object] = {"date": time.strftime("%Y-%m-%d"),
+                              "device": torch.cuda.get_device_name(),
+                              "torch": torch.__version__}
+    if args.which in ("core", "all"):
+        res["core"] = bench_core(args.steps)
+    if args.which in ("decode", "all"):
+        res["decode"] = bench_decode(args.steps, [int(c) for c in args.contexts.split(",")],
+                                     [int(s) for s in args.batch_sizes.split(",")])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "publication_bench.json").write_text(json.dumps(res, indent=1))
+    if "core" in res:
+        print("\ncore: bs pages bytes | packed host/GPU µs | direct host/GPU µs | x | H2D,kern")
+        core = res["core"]
+        for i in range(0, len(core), 2):  # type: ignore[arg-type]
+            p, d = core[i], core[i + 1]  # type: ignore[index]
+            print(f"{p['bs']:>4} {p['pages']:>4} {p['bytes']:>8} | {p['host_us_median']:6.1f}/"
+                  f"{p['gpu_us_per_step']:6.1f} | {d['host_us_median']:6.1f}/"
+                  f"{d['gpu_us_per_step']:6.1f} | {d['host_us_median'] / p['host_us_median']:4.1f}"
+                  f" | {p['h2d_per_step']:.0f},{p['kernels_per_step']:.0f} vs "
+                  f"{d['h2d_per_step']:.0f},{d['kernels_per_step']:.0f}")
+    if "decode" in res:
+        print("\ndecode: ctx bs | packed host µs (p90) span | direct host µs span | x | H2D,kern")
+        dec = res["decode"]
+        for i in range(0, len(dec), 2):  # type: ignore[arg-type]
+            p, d = dec[i], dec[i + 1]  # type: ignore[index]
+            print(f"{p['context']:>6} {p['bs']:>4} | {p['host_us_median']:6.1f} "
+                  f"({p['host_us_p90']:5.1f}) {p['gpu_span_us_median']:6.1f} | "
+                  f"{d['host_us_median']:6.1f} {d['gpu_span_us_median']:6.1f} | "
+                  f"{d['host_us_median'] / p['host_us_median']:4.1f} | "
+                  f"{p['h2d_per_step']:.0f},{p['kernels_per_step']:.0f} vs "
+                  f"{d['h2d_per_step']:.0f},{d['kernels_per_step']:.0f}")
+
+
+if __name__ == "__main__":
+    main()
