@@ -5,7 +5,9 @@ batches (1/16 of the rows append a page each step, deferred token ids) for batch
 8, 64 and 256, both backends in the same run, and reports per batch size:
 
 * H2D copies and kernels per step, counted from ``torch.profiler`` events;
-* host µs of metadata preparation + publication (``begin()`` .. ``finish()``, median);
+* host µs of metadata preparation + publication (``begin()`` .. ``finish()``, median),
+  without the time ``begin()`` waits for source reuse (reported apart: with two slots the
+  host runs one step ahead, so it waits only while the GPU is the bottleneck);
 * GPU µs from the first publication work to the end of the first consumers (events);
 * wall ms per step (= time per output token of each request), CUDA graphs on the GPU.
 
@@ -61,6 +63,8 @@ def _config(bs: int, context: int, cuda: bool) -> RunnerConfig:
         heads=4 if cuda else 2, head_dim=64 if cuda else 16,
         dtype=torch.float16 if cuda else torch.float32,
         graph_sizes=(bs,) if cuda else (), seed=1,
+        # two slots: the host prepares step N+1 while the GPU still runs step N
+        num_slots=2,
     )
 
 
@@ -109,11 +113,12 @@ def run_one(bs: int, context: int, backend: str, steps: int, warmup: int, cuda: 
     if cuda:
         torch.cuda.synchronize()
     # pass 1: host metadata time and wall time per step (no events recorded)
-    host = []
+    host, wait = [], []
     t0 = time.perf_counter()
     for _ in range(steps):
         runner.step(next(it))
         host.append(runner.host_metadata_ns / 1e3)
+        wait.append(runner.state.last_source_wait_ns / 1e3)
     if cuda:
         torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
@@ -135,6 +140,7 @@ def run_one(bs: int, context: int, backend: str, steps: int, warmup: int, cuda: 
         "bs": bs, "context": context, "backend": backend, "steps": steps,
         "host_metadata_us_median": float(np.median(host)),
         "host_metadata_us_p90": float(np.percentile(host, 90)),
+        "source_wait_us_median": float(np.median(wait)),
         "gpu_span_us_median": float(np.median(span)) if span else None,
         "step_ms": wall_ms,
         **counts,

@@ -193,7 +193,9 @@ class DecodeRunner:
             events[0].record()
         st.publish(DECODE_STEP)
         st.finish()
-        self.host_metadata_ns = time.perf_counter_ns() - t0
+        # host work only: the wait for source reuse (a GPU still busy with earlier steps)
+        # is reported apart, as ``state.last_source_wait_ns``
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
         self.tokens.assemble(tplan, self.sampled)
         self.decode.generate_kv_indices(dplan)
         if events is not None:

@@ -644,11 +644,12 @@ def test_consumers_do_no_host_sync_on_cuda() -> None:
     draft = torch.randint(0, 20, (6,), dtype=torch.int64, device=dev)
     draft_out = torch.empty(6, dtype=I32, device=dev)
     noise_gen = torch.Generator(device=dev).manual_seed(1)
+    # filters moved to the device up front: a pageable host-to-device copy synchronizes
+    filters = [(_dev_filter(k, dev), _dev_filter(p, dev)) for _, k, p in FILTERS]
 
     def step() -> None:
-        for _, top_k, top_p in FILTERS:
-            sample_tokens(logits, temps, top_k=_dev_filter(top_k, dev),
-                          top_p=_dev_filter(top_p, dev), noise=noise, out=out)
+        for top_k, top_p in filters:
+            sample_tokens(logits, temps, top_k=top_k, top_p=top_p, noise=noise, out=out)
         assemble_token_ids(**tokens)
         gather_draft_ids(tokens["input_ids"], draft, draft_out)
         generate_kv_indices(**kv)

@@ -19,21 +19,22 @@ from .snapshot import UNKNOWN, UNVERSIONED, PageTableSnapshot
 from .validation import Int64Array
 
 
+
 @dataclass(frozen=True)
 class ChangedSpans:
     """``rows[k]`` changed in columns ``[starts[k], stops[k])``; rows ascending."""
 
-    rows: Int64Array
-    starts: Int64Array
-    stops: Int64Array
+    rows: list[int]
+    starts: list[int]
+    stops: list[int]
 
     def __len__(self) -> int:
-        return int(self.rows.size)
+        return len(self.rows)
 
     @property
     def num_ids(self) -> int:
         """Page-ID cells covered."""
-        return int((self.stops - self.starts).sum())
+        return sum(b - a for a, b in zip(self.starts, self.stops, strict=True))
 
 
 def row_keys(snapshot: PageTableSnapshot) -> Int64Array:
@@ -73,18 +74,21 @@ def changed_spans(
     else:
         differs = (now_all != keys_then[:limit]) | ((now_all >> LENGTH_BITS) == UNVERSIONED)
         rows = np.flatnonzero(differs)
-    then = keys_then[rows]
-    now = snapshot._row_keys[rows]
-    len_then = then & LENGTH_MASK
-    len_now = now & LENGTH_MASK
-    version = now >> LENGTH_BITS
-    append = (
-        ((then >> LENGTH_BITS) == version)
-        & (version != UNVERSIONED)
-        & (version != UNKNOWN)
-        & (len_now >= len_then)
-    )
-    starts = np.where(append, len_then, 0)
-    stops = np.where(append, len_now, np.maximum(len_then, len_now))
-    keep = stops > starts
-    return ChangedSpans(rows[keep], starts[keep], stops[keep])
+    # Typically a handful of rows: plain ints beat a dozen small numpy calls.
+    starts: list[int] = []
+    stops: list[int] = []
+    kept: list[int] = []
+    for r, t, w in zip(rows.tolist(), keys_then[rows].tolist(), now_all[rows].tolist(),
+                       strict=True):
+        len_then, len_now = t & LENGTH_MASK, w & LENGTH_MASK
+        version = w >> LENGTH_BITS
+        # versions above UNVERSIONED (0) are real lineages; UNKNOWN is -1
+        if (t >> LENGTH_BITS) == version and version > UNVERSIONED and len_now >= len_then:
+            start, stop = len_then, len_now  # an append in the same lineage
+        else:
+            start, stop = 0, max(len_then, len_now)
+        if stop > start:
+            kept.append(r)
+            starts.append(start)
+            stops.append(stop)
+    return ChangedSpans(kept, starts, stops)

@@ -178,8 +178,7 @@ class BlockTableState:
             return None
         rb = self._row_bytes
         ranges: list[tuple[int, int]] = []
-        for r, a, b in zip(spans.rows.tolist(), spans.starts.tolist(), spans.stops.tolist(),
-                           strict=True):
+        for r, a, b in zip(spans.rows, spans.starts, spans.stops, strict=True):
             start, stop = r * rb + a * 4, r * rb + b * 4
             if ranges and ranges[-1][1] == start:
                 ranges[-1] = (ranges[-1][0], stop)

@@ -19,6 +19,7 @@ Every rejected call raises before anything is enqueued or changed.
 from __future__ import annotations
 
 import threading
+import time
 from threading import get_ident
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
@@ -129,6 +130,8 @@ class H2DRunnerState:
         self._published: set[str] = set()
         self._produced: set[str] = set()
         self._invalid: str | None = None
+        #: host ns the last begin() waited for its slot's previous DMA (source reuse)
+        self.last_source_wait_ns = 0
         #: callbacks run once after a producer group's successful publication this epoch
         self._on_publish: dict[str, list[Callable[[], None]]] = {}
         #: called by reset(): attached state that must forget what the GPU holds
@@ -453,7 +456,11 @@ class H2DRunnerState:
             if s.device != self.device:
                 raise DeviceMismatchError(f"stream is on {s.device}, the state on {self.device}")
         if self._event_recorded[slot]:
+            t0 = time.perf_counter_ns()
             self._events[slot].synchronize()
+            self.last_source_wait_ns = time.perf_counter_ns() - t0
+        else:
+            self.last_source_wait_ns = 0
         self.current_slot = slot
         self.epoch += 1
         if self._cuda:

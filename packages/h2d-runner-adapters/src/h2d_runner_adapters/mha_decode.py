@@ -33,6 +33,13 @@ MHA_DECODE = "mha_decode"
 EMPTY_ROW = BlockTable()
 
 
+def _ceil_div(values: np.ndarray, page: int) -> np.ndarray:
+    """Pages needed for ``values`` tokens (a shift when ``page`` is a power of two)."""
+    if page & (page - 1) == 0:
+        return (values + (page - 1)) >> (page.bit_length() - 1)
+    return (values + (page - 1)) // page
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     num_reqs: int
@@ -75,6 +82,10 @@ class MhaDecodeInputs:
                                       device=state.device)
         self._tables: BlockTableState | None = None
         self._pad_rows: list[BlockTable] = [EMPTY_ROW] * max_reqs
+        # fixed helpers of the hot path, made once
+        self._zeros = np.zeros(max_reqs, dtype=np.int32)
+        self._rows = np.arange(max_reqs)
+        self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
 
     @property
     def tables(self) -> BlockTableState:
@@ -89,23 +100,23 @@ class MhaDecodeInputs:
 
     def _prepare(self, batch: ScheduledBatch, padded: int | None) -> DecodePlan:
         cols = batch.columns
-        n = cols.query_lens.size
+        qlens = cols.query_lens
+        n = qlens.size
         p = n if padded is None else padded
-        q = int(cols.query_lens[0]) if n else 1
-        if n and not bool((cols.query_lens == q).all()):
+        q = int(qlens[0]) if n else 1
+        if n and qlens.tobytes() != qlens[:1].tobytes() * n:
             raise ValueError(
                 f"{self.group}: decode expects the same number of tokens per request, got "
-                f"{sorted(set(cols.query_lens.tolist()))}"
+                f"{sorted(set(qlens.tolist()))}"
             )
         page = self.page_size
         st = self.h2d_state
-        ctx = cols.context_lens.astype(np.int64)
-        pages = (ctx + page - 1) // page
-
-        rows = list(batch.block_tables)
+        ctx = cols.context_lens
+        pages = _ceil_div(ctx, page)
+        rows = batch.block_tables
         if p > n:
-            rows += self._pad_rows[: p - n]
-            required = np.concatenate((pages, np.zeros(p - n, dtype=np.int64)))
+            rows = [*rows, *self._pad_rows[: p - n]]
+            required = np.concatenate((pages, self._zeros[: p - n]))
         else:
             required = pages
         tables = self.tables
@@ -114,29 +125,37 @@ class MhaDecodeInputs:
         # token positions and KV slots, from the freshly prepared (pinned) CPU table
         t, pt = n * q, p * q
         pos = self.positions.np
-        first = ctx - q
-        pos[:t] = (np.repeat(first, q) + np.tile(np.arange(q), n)) if q > 1 else first
+        if q == 1:
+            np.subtract(ctx, 1, out=pos[:t])
+            req = self._rows[:n]
+        else:
+            pos[:t] = np.repeat(ctx - q, q) + np.tile(np.arange(q), n)
+            req = np.repeat(self._rows[:n], q)
         pos[t:pt] = 0
-        st.set_count(self.positions, pt)
         token_pos = pos[:t]
-        req = np.repeat(np.arange(n), q) if q > 1 else np.arange(n)
-        snapshot_rows = tables.snapshot.storage
         slots = self.slot_mapping.np
-        slots[:t] = snapshot_rows[req, token_pos // page].astype(np.int64) * page + token_pos % page
+        out = slots[:t]
+        if self._page_shift >= 0:
+            np.multiply(tables.snapshot.storage[req, token_pos >> self._page_shift], page, out=out)
+            out += token_pos & (page - 1)
+        else:
+            np.multiply(tables.snapshot.storage[req, token_pos // page], page, out=out)
+            out += token_pos % page
         slots[t:pt] = -1
-        st.set_count(self.slot_mapping, pt)
-
         lens = self.context_lens.np
-        lens[:n] = cols.context_lens
+        lens[:n] = ctx
         lens[n:p] = 0
-        st.set_count(self.context_lens, p)
         indptr = self.kv_indptr.np
         indptr[0] = 0
-        np.cumsum(pages, out=indptr[1 : n + 1])
-        indptr[n + 1 : p + 1] = indptr[n]
+        np.add.accumulate(pages, out=indptr[1 : n + 1])
+        total = int(indptr[n])
+        indptr[n + 1 : p + 1] = total
+        st.set_count(self.positions, pt)
+        st.set_count(self.slot_mapping, pt)
+        st.set_count(self.context_lens, p)
         st.set_count(self.kv_indptr, p + 1)
         stage = tables.stage(p)
-        return DecodePlan(n, p, q, pt, int(indptr[n]), stage)
+        return DecodePlan(n, p, q, pt, total, stage)
 
     def generate_kv_indices(self, plan: DecodePlan) -> torch.Tensor:
         """First consumer: ``kv_indices`` for the plan's rows (padding included)."""

@@ -37,7 +37,8 @@ class SamplingPlan:
 
 
 def _uniform(values: np.ndarray) -> bool:
-    return values.size <= 1 or bool((values == values[0]).all())
+    # a byte comparison: several times cheaper than an elementwise compare + all()
+    return values.tobytes() == values[:1].tobytes() * values.size
 
 
 class SamplingInputs:

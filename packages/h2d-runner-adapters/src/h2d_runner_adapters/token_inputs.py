@@ -86,7 +86,7 @@ class TokenInputs:
         n = cols.query_lens.size
         p = n if padded is None else padded
         t = cols.token_ids.size
-        q = int(cols.query_lens.max()) if n else 0
+        q = int(cols.query_lens.max()) if n and padded is not None else 0
         pt = t if padded is None else max(t, p * q)
         st = self.h2d_state
         ids = self.input_ids.np
@@ -95,7 +95,7 @@ class TokenInputs:
         st.set_count(self.input_ids, pt)
         cu = self.decode_cu.np
         cu[0] = 0
-        np.cumsum(cols.query_lens, out=cu[1 : n + 1])
+        np.add.accumulate(cols.query_lens, out=cu[1 : n + 1])
         cu[n + 1 : p + 1] = t
         st.set_count(self.decode_cu, p + 1)
         src = self.decode_src.np
@@ -112,7 +112,7 @@ class TokenInputs:
         p = n if padded is None else padded
         cu = self.cu_seqlens_q.np
         cu[0] = 0
-        np.cumsum(cols.query_lens, out=cu[1 : n + 1])
+        np.add.accumulate(cols.query_lens, out=cu[1 : n + 1])
         cu[n + 1 : p + 1] = cu[n]
         self.h2d_state.set_count(self.cu_seqlens_q, p + 1)
 
