@@ -117,6 +117,11 @@ class H2DBuffer:
         # that carries it, as (group index, member index); the first is its primary group,
         # whose arena holds its source.
         self.homes: list[tuple[int, int]] = []
+        # views whose dim 0 indexes the count unit (and raw bytes, for ranged buffers)
+        self._dst_units: torch.Tensor = gpu
+        self._src_units: list[torch.Tensor] = []
+        self._dst_bytes: torch.Tensor = gpu
+        self._src_bytes: list[torch.Tensor] = []
         self.publication_group = ""
         self.member_index = -1
 

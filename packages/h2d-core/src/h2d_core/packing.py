@@ -130,7 +130,8 @@ def bind_packed_slot(
         staging_bytes=staging_bytes(members, names),
         staging_before=first_tail,
     )
-    arena = PackedArena(layout, [b.gpu for b in members], device=device, scatter=scatter)
+    arena = PackedArena(layout, [b.gpu for b in members], device=device,
+                        scatter=scatter)  # type: ignore[arg-type]
     header = arena.header_np
     header[:] = 0
     sources: list[torch.Tensor] = []

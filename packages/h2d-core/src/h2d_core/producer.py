@@ -57,13 +57,14 @@ def h2d_producer(
             reason = kwargs.pop("h2d_reason", None)
             if not args:
                 raise H2DError(f"producer {fn.__qualname__} called without its owner argument")
-            names = (
-                tuple(g(args[0]) if callable(g) else g for g in groups) if dynamic else groups
+            names: tuple[str, ...] = (
+                tuple(g(args[0]) if callable(g) else g for g in groups)
+                if dynamic else groups  # type: ignore[assignment]
             )
-            _owner_state(args[0]).enter_producer(names, reason)  # type: ignore[arg-type]
+            _owner_state(args[0]).enter_producer(names, reason)
             return fn(*args, **kwargs)
 
         producer.h2d_groups = groups  # type: ignore[attr-defined]
-        return producer  # type: ignore[return-value]
+        return producer
 
     return decorate

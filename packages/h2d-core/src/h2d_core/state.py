@@ -587,7 +587,7 @@ class H2DRunnerState:
         rec = self._slot_groups[self.current_slot][gi]
         if rec.packed is None:
             return 0
-        staged = sum((rec.counts[j] or 0) * rec.plan.members[j].spec.unit_bytes + 16
+        staged = sum(int(rec.counts[j] or 0) * rec.plan.members[j].spec.unit_bytes + 16
                      for j, _, _ in rec.packed.staged)
         others = sum(n + 16 for j, _, n in rec.ranges if j != i)
         return max(rec.packed.staging_capacity - staged - others, 0)
@@ -619,7 +619,7 @@ class H2DRunnerState:
         rec = self._slot_groups[self.current_slot][gi]
         pending = [(j, o, n) for j, o, n in rec.ranges if j != i]
         room = rec.packed.staging_capacity if rec.packed is not None else None
-        used = sum(n for _, _, n in pending)
+        used = 0
         prev = 0
         new: list[tuple[int, int, int]] = []
         for k, r in enumerate(ranges):
@@ -640,10 +640,7 @@ class H2DRunnerState:
             new.append((i, int(start), int(stop - start)))
             used += int(stop - start) + 16
             prev = stop
-        staged_room = 0 if room is None else room - sum(
-            (rec.counts[j] or 0) * rec.plan.members[j].spec.unit_bytes + 16
-            for j, _, _ in rec.packed.staged  # type: ignore[union-attr]
-        )
+        staged_room = self.range_room(buffer)
         if room is not None and used > staged_room:
             raise CountError(
                 f"buffer {name!r}: {used} range bytes exceed the group's staging room "
