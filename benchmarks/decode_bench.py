@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if not os.environ.get("H2D_BENCH_FORCE_CPU"):
-    import torch as _torch_probe  # noqa: F401  (only to decide the interpreter before triton)
+    import torch as _torch_probe
 
     _CUDA = _torch_probe.cuda.is_available()
 else:
@@ -230,7 +230,8 @@ def main() -> None:
     for bs in sizes:
         p = next(r for r in results if r["bs"] == bs and r["backend"] == "packed")
         d = next(r for r in results if r["bs"] == bs and r["backend"] == "direct")
-        print(f"bs={bs}: host metadata {d['host_metadata_us_median'] / p['host_metadata_us_median']:.2f}x "
+        ratio = d["host_metadata_us_median"] / p["host_metadata_us_median"]
+        print(f"bs={bs}: host metadata {ratio:.2f}x "
               f"less with packed; step time packed/direct "
               f"{p['step_ms'] / d['step_ms']:.3f}")
 

@@ -34,7 +34,6 @@ for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
         sys.path.append(str(src))
 
 from h2d_core import H2DRunnerState  # noqa: E402
-
 from h2d_runner_adapters import MhaDecodeInputs, SamplingInputs, TokenInputs  # noqa: E402
 
 FLOOR_CASES = [(1, 16), (8, 64), (64, 128), (256, 128), (512, 512)]
@@ -42,9 +41,11 @@ FLOOR_CASES = [(1, 16), (8, 64), (64, 128), (256, 128), (512, 512)]
 
 def _floor_members(bs: int, pages: int) -> list[tuple[str, torch.dtype, tuple[int, ...], str]]:
     return [
-        ("input_ids", torch.int32, (bs,), "elements"), ("positions", torch.int64, (bs,), "elements"),
+        ("input_ids", torch.int32, (bs,), "elements"),
+        ("positions", torch.int64, (bs,), "elements"),
         ("cu_seqlens_q", torch.int32, (bs + 1,), "elements"),
-        ("temperature", torch.float32, (bs,), "elements"), ("top_k", torch.int32, (bs,), "elements"),
+        ("temperature", torch.float32, (bs,), "elements"),
+        ("top_k", torch.int32, (bs,), "elements"),
         ("top_p", torch.float32, (bs,), "elements"),
         ("slot_mapping", torch.int64, (bs,), "elements"),
         ("context_lens", torch.int32, (bs,), "elements"),

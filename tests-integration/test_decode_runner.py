@@ -18,9 +18,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_runner.host_inputs import build_host_inputs  # noqa: E402
-from decode_runner.runner import DecodeRunner, RunnerConfig  # noqa: E402
-from decode_runner.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from decode_runner.host_inputs import build_host_inputs
+from decode_runner.runner import DecodeRunner, RunnerConfig
+from decode_runner.scheduler import Scheduler, SchedulerConfig
 
 STEPS = int(os.environ.get("H2D_INTEGRATION_STEPS", "200"))
 

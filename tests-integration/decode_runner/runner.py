@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from h2d_core import H2DRunnerState
 
+from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     MhaDecodeInputs,
     PrefillInputs,
@@ -83,10 +84,10 @@ class DecodeRunner:
         st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
                             scatter=cfg.scatter)
         self.state = st
-        caps = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
+        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
         self.sampling = SamplingInputs(st, cfg.max_reqs)
         self.tokens = TokenInputs(st, **caps)
-        tables = {"max_pages_per_req": cfg.max_pages_per_req, "page_size": cfg.page_size,
+        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req, "page_size": cfg.page_size,
                   "num_pages": cfg.num_pages}
         self.decode = MhaDecodeInputs(st, **caps, **tables)
         self.prefill = PrefillInputs(st, **caps, **tables)
@@ -147,7 +148,7 @@ class DecodeRunner:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for p, inputs in self.graph_inputs.items():
+            for inputs in self.graph_inputs.values():
                 self.model(inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
@@ -166,6 +167,7 @@ class DecodeRunner:
             self.model.move_pages(moves)  # type: ignore[arg-type]
         if self.cfg.gpu_delay_cycles and self.device.type == "cuda":
             torch.cuda._sleep(self.cfg.gpu_delay_cycles)
+        inputs: DecoderInputs | None
         if batch.is_prefill:
             logits, inputs = self._prefill(batch)
         elif tbo:

@@ -9,7 +9,7 @@ from types import ModuleType
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-import core_helpers  # noqa: E402
+import core_helpers
 
 
 @pytest.fixture

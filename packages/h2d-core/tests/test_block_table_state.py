@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from block_tables import BlockTable
 
+from block_tables import BlockTable
 from h2d_core import (
     CountError,
     H2DRunnerState,
@@ -52,7 +52,7 @@ def _check_gpu(device: str, h: Any, bts: Any, n: int) -> None:
 
 
 def test_reuse_partial_and_whole(device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    st, lens, bt, bts = _setup(device, h)
+    st, lens, _bt, bts = _setup(device, h)
     rng = np.random.default_rng(0)
     tables = [BlockTable(rng.integers(0, 10_000, rng.integers(1, 20))) for _ in range(16)]
     assert _publish(st, lens, bts, tables) == StageResult.WHOLE
@@ -91,7 +91,7 @@ def test_reuse_partial_and_whole(device: str, h: Any, monkeypatch: pytest.Monkey
 
 
 def test_direct_backend_publishes_whole_tables(device: str, h: Any) -> None:
-    st, lens, bt, bts = _setup(device, h, backend="direct")
+    st, lens, _bt, bts = _setup(device, h, backend="direct")
     tables = [BlockTable([i, i + 1]) for i in range(8)]
     assert _publish(st, lens, bts, tables) == StageResult.WHOLE
     assert _publish(st, lens, bts, tables) == StageResult.REUSED
@@ -101,7 +101,7 @@ def test_direct_backend_publishes_whole_tables(device: str, h: Any) -> None:
 
 
 def test_prefill_prepares_without_uploading(device: str, h: Any) -> None:
-    st, lens, bt, bts = _setup(device, h)
+    st, lens, _bt, bts = _setup(device, h)
     tables = [BlockTable([i]) for i in range(4)]
     _publish(st, lens, bts, tables)
     published = bts.published
@@ -159,11 +159,11 @@ def test_stage_errors_change_nothing(device: str, h: Any) -> None:
 @pytest.mark.parametrize("num_slots", [1, 2])
 def test_random_steps_gpu_table_equals_snapshot(device: str, h: Any, backend: str,
                                                 num_slots: int) -> None:
-    st, lens, bt, bts = _setup(device, h, backend=backend, num_slots=num_slots, max_ranges=6)
+    st, lens, _bt, bts = _setup(device, h, backend=backend, num_slots=num_slots, max_ranges=6)
     rng = np.random.default_rng(7 + num_slots)
     live = [BlockTable(rng.integers(0, 10_000, rng.integers(0, 10))) for _ in range(10)]
     stages = set()
-    for step in range(40):
+    for _step in range(40):
         op = rng.integers(0, 6)
         if op == 0 and live:
             for t in live:

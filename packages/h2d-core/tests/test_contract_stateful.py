@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from h2d_core import H2DError, h2d_producer
 
 sys.path.insert(0, str(Path(__file__).parent))
-import core_helpers as helpers  # noqa: E402
+import core_helpers as helpers
 
 GROUPS = ("token_inputs", "mha_decode")
 PUBLISHABLE = ("decode", "token_inputs", "mha_decode")

@@ -216,7 +216,7 @@ def test_wrong_thread_is_rejected(device: str, h: Any) -> None:
                      lambda: st.publish("decode"), st.finish, lambda: st.begin()):
             try:
                 call()
-            except BaseException as exc:  # noqa: BLE001 - collected and asserted below
+            except BaseException as exc:
                 errors.append(exc)
 
     t = threading.Thread(target=intruder)
@@ -287,7 +287,7 @@ def test_producer_checks_epoch_and_reentry(device: str, h: Any) -> None:
     a.produce(7)
     st.publish("decode")
     before = _snapshot(setup, h)
-    with pytest.raises(ReentryError, match="entered again.*h2d_reason"):
+    with pytest.raises(ReentryError, match=r"entered again.*h2d_reason"):
         a.produce(8)
     assert calls == [7]
     _assert_unchanged(setup, h, before)

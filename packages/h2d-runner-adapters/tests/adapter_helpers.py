@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+
 from block_tables import BlockTable
 from h2d_core import H2DRunnerState
-
 from h2d_runner_adapters import (
     BatchColumns,
     MhaDecodeInputs,

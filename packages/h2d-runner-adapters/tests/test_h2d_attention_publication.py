@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from h2d_core import H2DRunnerState, StageResult
 
 sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah  # noqa: E402
+import adapter_helpers as ah
 
-from h2d_runner_adapters import MhaDecodeInputs  # noqa: E402
-from h2d_runner_adapters.consumers.reference import (  # noqa: E402
+from h2d_runner_adapters import MhaDecodeInputs
+from h2d_runner_adapters.consumers.reference import (
     generate_kv_indices_reference,
     prepare_prefill_attention_reference,
 )
@@ -62,7 +63,7 @@ def test_decode_members_padding_and_kv_indices(device: str, layout: str, q: int)
     for step, padded in enumerate([8, None, 6, 8, 16]):
         if step == 3:
             reqs.add(7)
-        batch, plan = _decode_step(r, reqs, padded, q)
+        _batch, plan = _decode_step(r, reqs, padded, q)
         kv = r.decode.generate_kv_indices(plan)
         r.state.finish()
         ah.sync(device)
@@ -168,7 +169,7 @@ def test_pipeline_slots_keep_their_own_tables(device: str) -> None:
             p.add(c)
     for step in range(8):
         p = pops[step % 2]
-        _, plan = _decode_step(r, p, None)
+        _, _plan = _decode_step(r, p, None)
         r.state.finish()
         ah.sync(device)
         assert r.state.current_slot == step % 2
@@ -191,7 +192,7 @@ def test_two_batch_overlap_buffers_and_late_preparation(device: str) -> None:
     reqs = ah.Requests(17)
     for c in (5, 9, 14, 21):
         reqs.add(c)
-    for step in range(4):
+    for _ in range(4):
         full = reqs.decode_batch(deferred=False)
         halves = [
             type(full)((), False, ah.PAGE, given_columns=type(full.columns)(

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah  # noqa: E402
+import adapter_helpers as ah
 
-from h2d_runner_adapters import GREEDY_TEMPERATURE  # noqa: E402
-from h2d_runner_adapters.consumers.reference import sample_tokens_reference  # noqa: E402
+from h2d_runner_adapters import GREEDY_TEMPERATURE
+from h2d_runner_adapters.consumers.reference import sample_tokens_reference
 
 LAYOUTS = ["combined", "groups"]
 
@@ -43,7 +43,7 @@ def test_token_inputs_padding_and_tails(device: str, layout: str) -> None:
     batch = reqs.decode_batch(deferred=True, padded=8)
     st = r.state
     st.begin()
-    sp, tp, dp = _prepare_decode(r, batch, 8)
+    _sp, tp, _dp = _prepare_decode(r, batch, 8)
     ah.publish_step(r, "decode")
     st.finish()
     ah.sync(device)
@@ -73,7 +73,7 @@ def test_token_assembly_fills_deferred_ids(device: str, layout: str) -> None:
     for step, (deferred, padded) in enumerate([(True, 8), (False, None), (True, 5)]):
         batch = reqs.decode_batch(deferred=deferred, padded=padded)
         r.state.begin()
-        sp, tp, dp = _prepare_decode(r, batch, padded)
+        _sp, tp, _dp = _prepare_decode(r, batch, padded)
         ah.publish_step(r, "decode")
         ids = r.tokens.assemble(tp, prev)
         r.state.finish()

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .lineage import LENGTH_BITS, LENGTH_MASK
-from .snapshot import UNKNOWN, UNVERSIONED, PageTableSnapshot
+from .snapshot import UNVERSIONED, PageTableSnapshot
 from .validation import Int64Array
-
 
 
 @dataclass(frozen=True)

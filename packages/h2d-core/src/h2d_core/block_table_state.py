@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from block_tables import PageTableSnapshot
 from block_tables.spans import changed_spans, row_keys
 

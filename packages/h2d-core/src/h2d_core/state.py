@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from threading import get_ident
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import nullcontext
+from threading import get_ident
 from typing import Any
 
 import numpy as np

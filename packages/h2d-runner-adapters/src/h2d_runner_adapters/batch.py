@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
+
 from block_tables import BlockTable
 
 #: what a request's page list may be

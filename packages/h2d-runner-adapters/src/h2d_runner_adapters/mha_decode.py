@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from block_tables import BlockTable
 from h2d_core import BlockTableState, H2DRunnerState, block_table_state, h2d_producer
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from h2d_core import BlockTableState, H2DRunnerState, block_table_state, h2d_producer
 
 from .batch import ScheduledBatch

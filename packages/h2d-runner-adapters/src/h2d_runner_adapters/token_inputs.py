@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from h2d_core import H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
