@@ -87,8 +87,8 @@ class DecodeRunner:
         caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
         self.sampling = SamplingInputs(st, cfg.max_reqs)
         self.tokens = TokenInputs(st, **caps)
-        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req, "page_size": cfg.page_size,
-                  "num_pages": cfg.num_pages}
+        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
+                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
         self.decode = MhaDecodeInputs(st, **caps, **tables)
         self.prefill = PrefillInputs(st, **caps, **tables)
         token_groups = ["sampling", *self.tokens.producer_groups]
