@@ -1,0 +1,541 @@
+"""PageTableSnapshot: incremental preparation of a fixed page-table buffer.
+
+The snapshot owns the bytes of caller-supplied storage (in the runner: the pinned CPU half
+of the GPU block-table buffer) and keeps, for every storage row, the version and length of
+the content it holds. ``prepare(rows)`` brings rows ``[0, len(rows))`` to the batch's page
+IDs while writing only bytes that differ.
+
+Byte rule (what the storage holds after every successful ``prepare``):
+
+* each row ``i < num_rows`` holds its page IDs in columns ``[0, len(row i))`` and
+  ``fill_value`` in columns ``[len(row i), width)``: exactly the naive full-width rebuild
+  (clear the row to ``fill_value``, copy the IDs in). Uploading rows ``[0, num_rows)`` at
+  full width is therefore deterministic.
+* rows ``>= num_rows`` are not part of the snapshot, and a prepare never writes a row
+  outside its batch. They keep what an earlier prepare gave them (in the same full-width
+  form) or, if no prepare ever covered them, the caller's initial bytes. Consumers must
+  not read them; a later batch that covers them again reuses what they hold.
+
+Because every known row is kept in that form, no tail ever needs a full-width clear: a
+full-width row is copied without clearing first, and a row replaced by a shorter one
+clears only the columns its previous content occupied. Rows of unknown content (never
+prepared, or after :meth:`PageTableSnapshot.invalidate`) are compared and cleared over the
+whole width the first time a batch covers them.
+
+A rejected batch (any :class:`~block_tables.errors.BlockTableError`) is rejected before the
+first write and changes nothing. The revision counts byte changes: it advances by one
+exactly when a prepare changed at least one storage byte.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import RowCountError, RowTypeError, RowWidthError, StorageError
+from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable
+from .validation import (
+    INT32_MAX,
+    INT32_MIN,
+    Int32Array,
+    Int64Array,
+    check_page_range,
+    check_required_pages,
+    coerce_page_ids,
+    raise_scalar_range_error,
+)
+
+MAX_WIDTH = (1 << (LENGTH_BITS - 1)) - 1
+"""Widest storage a snapshot accepts. Keeping widths below half the key's length field
+means two row keys differ by at most ``width`` exactly when their versions are equal."""
+
+UNKNOWN = -1
+"""Stored version of a row whose bytes the snapshot does not know."""
+
+UNVERSIONED = 0
+"""Stored version of a row last written from an unversioned (array or list) source."""
+
+_INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows always compare
+
+Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
+
+
+def _key(version: int, length: int) -> int:
+    return (version << LENGTH_BITS) + length
+
+
+@dataclass(frozen=True)
+class ChangedRows:
+    """Rows whose bytes changed since a revision, as sorted, merged half-open ranges.
+
+    ``all_rows`` is True when the snapshot cannot tell (the revision is too old, unknown,
+    or the storage was invalidated since); ``ranges`` is then ``((0, num_rows),)``.
+    Ranges never reach past the current ``num_rows``.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+    all_rows: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    @property
+    def count(self) -> int:
+        """Number of rows covered."""
+        return sum(stop - start for start, stop in self.ranges)
+
+    def rows(self) -> Int64Array:
+        """The covered row indices, ascending."""
+        if not self.ranges:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.ranges])
+
+
+def _ranges(rows: Int64Array) -> tuple[tuple[int, int], ...]:
+    """Merge sorted unique row indices into half-open ranges."""
+    if rows.size == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    starts = np.concatenate(([rows[0]], rows[breaks])).tolist()
+    stops = (np.concatenate((rows[breaks - 1], [rows[-1]])) + 1).tolist()
+    return tuple(zip(starts, stops, strict=True))
+
+
+class PageTableSnapshot:
+    """Incrementally prepared page table over fixed 2-D int32 storage.
+
+    ``storage`` is never reallocated or replaced; the snapshot writes only through it.
+    ``pool_limit`` (optional) makes every page ID checked against ``[0, pool_limit)``;
+    ``fill_value`` is what columns past a row's length hold; ``history`` is how many
+    byte-changing revisions :meth:`changed_rows_since` can look back over. Not
+    thread-safe: prepare one snapshot from one thread, and do not mutate rows while they
+    are being prepared.
+    """
+
+    def __init__(
+        self,
+        storage: np.ndarray,
+        *,
+        pool_limit: int | None = None,
+        fill_value: int = 0,
+        history: int = 64,
+    ) -> None:
+        _check_arguments(storage, pool_limit, fill_value, history)
+        rows, width = storage.shape
+        self._storage = storage
+        self._flat = storage.reshape(-1)  # fixed flat view for single-page scatters
+        self._rows = int(rows)
+        self._width = int(width)
+        self._limit = None if pool_limit is None else int(pool_limit)
+        self._fill = int(fill_value)
+        self._unknown_key = _key(UNKNOWN, width)
+        # Per storage row: packed (version, length) of the content it holds, and the
+        # length alone. Unknown rows count as dirty over the full width.
+        self._row_keys: Int64Array = np.full(rows, self._unknown_key, dtype=np.int64)
+        self._lengths: Int64Array = np.full(rows, width, dtype=np.int64)
+        self._lengths_u = self._lengths.view(np.uint64)
+        self._row_base: Int64Array = np.arange(rows, dtype=np.int64) * width
+        self._ones = np.ones(rows, dtype=np.int64).tobytes()
+        self._no_bytes = bytes(rows)
+        self._keys: list[int] | None = None  # packed keys of the last batch, if all versioned
+        self._num_rows = 0
+        self._revision = 0
+        # (revision, sorted changed rows, or None for "all rows") per byte-changing step.
+        self._history: deque[tuple[int, Int64Array | None]] = deque(maxlen=history)
+
+    # -- reading --------------------------------------------------------------------------
+
+    @property
+    def storage(self) -> np.ndarray:
+        """The caller's storage (the same object that was passed in)."""
+        return self._storage
+
+    @property
+    def revision(self) -> int:
+        """Prepared revision: advances by one exactly when a prepare changes storage bytes."""
+        return self._revision
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the last prepared batch: the snapshot is storage rows ``[0, num_rows)``."""
+        return self._num_rows
+
+    @property
+    def row_lengths(self) -> Int64Array:
+        """Page counts of rows ``[0, num_rows)`` (a read-only copy)."""
+        lengths = self._lengths[: self._num_rows].copy()
+        lengths.setflags(write=False)
+        return lengths
+
+    @property
+    def pool_limit(self) -> int | None:
+        """Exclusive upper bound of page IDs, or None when IDs are not range-checked."""
+        return self._limit
+
+    @property
+    def fill_value(self) -> int:
+        """Value of every column past a row's length."""
+        return self._fill
+
+    @property
+    def capacity(self) -> int:
+        """Storage rows: the largest batch ``prepare`` accepts."""
+        return self._rows
+
+    @property
+    def width(self) -> int:
+        """Storage columns: the longest row ``prepare`` accepts."""
+        return self._width
+
+    def changed_rows_since(self, revision: int) -> ChangedRows:
+        """Rows of ``[0, num_rows)`` whose bytes changed after ``revision``.
+
+        Empty when ``revision`` is the current one. ``all_rows`` when the snapshot no
+        longer (or never) knew that revision, or the storage was invalidated since.
+        """
+        if revision == self._revision:
+            return ChangedRows(())
+        history = self._history
+        # Revisions are consecutive, one history entry each, so the oldest entry tells
+        # whether every step since ``revision`` is still recorded.
+        if revision > self._revision or revision < 0 or history[0][0] > revision + 1:
+            return self._all_rows()
+        parts: list[Int64Array] = []
+        for rev, rows in reversed(history):
+            if rev <= revision:
+                break
+            if rows is None:
+                return self._all_rows()
+            parts.append(rows)
+        merged = parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+        return ChangedRows(_ranges(merged[merged < self._num_rows]))
+
+    def _all_rows(self) -> ChangedRows:
+        n = self._num_rows
+        return ChangedRows(((0, n),) if n else (), all_rows=True)
+
+    # -- preparing ------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        rows: Rows,
+        *,
+        required_pages: Sequence[int] | np.ndarray | None = None,
+    ) -> int:
+        """Make storage rows ``[0, len(rows))`` hold ``rows``; return the prepared revision.
+
+        ``rows`` is an ordered sequence of :class:`BlockTable`, 1-D integer arrays or lists
+        of ints. ``required_pages[i]``, if given, is how many pages row ``i``'s request
+        span needs this step; it is checked on every call, hits included. Nothing of
+        ``rows`` is retained after the call.
+        """
+        try:
+            keys = [row._key for row in rows]  # type: ignore[union-attr]
+        except AttributeError:
+            keys = None
+        if keys is not None and keys == self._keys:
+            # Hit: same ordered versions and lengths, so the same bytes; no page ID is read.
+            if required_pages is not None:
+                n = self._num_rows
+                check_required_pages(required_pages, self._lengths[:n], self._lengths_u[:n])
+            return self._revision
+        return self._prepare_changed(rows, keys, required_pages)
+
+    def invalidate(self) -> None:
+        """Forget what the storage holds, after something wrote it outside ``prepare``.
+
+        Advances the revision and empties the snapshot (``num_rows`` becomes 0); the next
+        prepare compares every row it covers against the whole width.
+        """
+        self._row_keys.fill(self._unknown_key)
+        self._lengths.fill(self._width)
+        self._keys = None
+        self._num_rows = 0
+        self._revision += 1
+        self._history.append((self._revision, None))
+
+    def _prepare_changed(
+        self,
+        rows: Rows,
+        keys: list[int] | None,
+        required_pages: Sequence[int] | np.ndarray | None,
+    ) -> int:
+        if type(rows) not in (list, tuple) and not isinstance(rows, (Sequence, np.ndarray)):
+            raise RowTypeError(
+                f"rows must be an ordered sequence (list or tuple), got {type(rows).__name__}"
+            )
+        n = len(rows)
+        if n > self._rows:
+            raise RowCountError(
+                f"the batch has {n} rows but the storage holds {self._rows}; split the "
+                "batch or allocate a larger block table"
+            )
+        limit = self._limit
+        width = self._width
+
+        # ---- read the batch: packed (version, length) keys, unversioned IDs -------------
+        unversioned: dict[int, Int32Array] | None = None
+        if keys is None:
+            unversioned = {}
+            keys_read: list[int] = []
+            for i, row in enumerate(rows):
+                if isinstance(row, BlockTable):
+                    keys_read.append(row._key)
+                else:
+                    ids = coerce_page_ids(row, row=i)
+                    unversioned[i] = ids
+                    keys_read.append(_key(_INCOMING_UNVERSIONED, ids.shape[0]))
+            packed = np.array(keys_read, dtype=np.int64)
+        else:
+            packed = np.fromiter(keys, dtype=np.int64, count=n)
+        lengths = packed & LENGTH_MASK
+        if n and int(lengths.max()) > width:
+            row_index = int(np.flatnonzero(lengths > width)[0])
+            raise RowWidthError(
+                f"row {row_index}: {int(lengths[row_index])} page IDs exceed the table width "
+                f"of {width} columns; allocate a wider block table",
+                row=row_index,
+            )
+        if required_pages is not None:
+            check_required_pages(required_pages, lengths, lengths.view(np.uint64))
+
+        # ---- classify against the stored rows --------------------------------------------
+        # With width < 2**23, a key difference within [-width, width] means the same
+        # version, and the difference is the length change.
+        stored_lengths = self._lengths[:n]
+        delta = packed - self._row_keys[:n]
+        touched = np.flatnonzero(delta)
+        touched_delta = delta[touched]
+        single: Int64Array | None = None
+        moved: list[int] = []
+        shrunk: list[int] = []
+        multi: list[tuple[int, int, int, Int32Array]] = []
+        if touched_delta.tobytes() == self._ones[: 8 * touched.size]:
+            # The common step: every changed row grew by exactly one page.
+            single = touched
+        else:
+            same = np.abs(touched_delta) <= width
+            moved = touched[~same].tolist()
+            grown = same & (touched_delta > 0)
+            single = touched[grown & (touched_delta == 1)]
+            shrunk = touched[same & (touched_delta < 0)].tolist()
+            for i in touched[grown & (touched_delta > 1)].tolist():
+                table: BlockTable = rows[i]
+                start = int(stored_lengths[i])
+                stop = int(lengths[i])
+                ids = table._lin.ids
+                if limit is not None:
+                    checked = max(start, _proof(table, limit))
+                    check_page_range(ids[checked:stop], row=i, start=checked, pool_limit=limit)
+                multi.append((i, start, stop, ids))
+
+        single_values: Int32Array | None = None
+        if single.size:
+            # Single-page suffixes: one scalar per row, checked and scattered at once.
+            if single.size == n:
+                lasts = [table._last for table in rows]  # type: ignore[union-attr]
+            else:
+                lasts = [rows[i]._last for i in single.tolist()]
+            single_values = np.fromiter(lasts, dtype=np.int32, count=single.size)
+            if limit is not None and int(single_values.view(np.uint32).max()) >= limit:
+                raise_scalar_range_error(single_values, single, stored_lengths[single], limit)
+
+        # Changed mapping: new version, reordered, unversioned or unknown rows.
+        rewrites: list[tuple[int, Int32Array, int]] = []
+        key_fixes: list[tuple[int, int]] = []
+        proofs: list[tuple[BlockTable, int]] = []
+        if moved:
+            unproven: list[tuple[int, int, Int32Array, int]] = []
+            for i in moved:
+                old_length = int(stored_lengths[i])
+                if unversioned is not None and i in unversioned:
+                    ids = unversioned[i]
+                    length = ids.shape[0]
+                    stored_key = int(self._row_keys[i])
+                    if (
+                        stored_key >> LENGTH_BITS != UNKNOWN
+                        and old_length == length
+                        and self._storage[i, :length].tobytes() == ids.tobytes()
+                    ):
+                        # Same bytes: the stored key still describes them; keep it.
+                        key_fixes.append((i, stored_key))
+                        continue
+                    if limit is not None:
+                        check_page_range(ids, row=i, start=0, pool_limit=limit)
+                    rewrites.append((i, ids, old_length))
+                    key_fixes.append((i, _key(UNVERSIONED, length)))
+                    continue
+                table = rows[i]  # type: ignore[assignment]
+                length = int(lengths[i])
+                ids = table._lin.ids[:length]
+                if limit is not None:
+                    proven = min(_proof(table, limit), length)
+                    if proven < length:
+                        unproven.append((i, proven, ids, length))
+                    proofs.append((table, length))
+                rewrites.append((i, ids, old_length))
+            if unproven and limit is not None:
+                self._check_unproven(unproven, packed, limit)
+
+        # ---- write: every check has passed ----------------------------------------------
+        changed_arrays: list[Int64Array] = []
+        if single_values is not None:
+            written = self._write_single(single, stored_lengths[single], single_values)
+            if written.size:
+                changed_arrays.append(written)
+        changed = self._write_rows(multi, shrunk, stored_lengths, lengths, rewrites)
+
+        # ---- record ----------------------------------------------------------------------
+        if touched.size:
+            self._row_keys[:n] = packed
+            self._lengths[:n] = lengths
+            for i, key in key_fixes:
+                self._row_keys[i] = key
+        if limit is not None:
+            for table, length in proofs:
+                _record_proof(table, length, limit)
+            for i, _start, stop, _ids in multi:
+                _record_proof(rows[i], stop, limit)  # type: ignore[arg-type]
+        self._keys = keys
+        self._num_rows = n
+        if changed:
+            changed_arrays.append(np.array(changed, dtype=np.int64))
+        if changed_arrays:
+            rows_changed = (
+                changed_arrays[0]
+                if len(changed_arrays) == 1 and not changed
+                else np.unique(np.concatenate(changed_arrays))
+            )
+            self._revision += 1
+            self._history.append((self._revision, rows_changed.astype(np.int64, copy=False)))
+        return self._revision
+
+    def _write_single(
+        self, rows: Int64Array, columns: Int64Array, values: Int32Array
+    ) -> Int64Array:
+        """Scatter one page ID per row; return the rows whose byte changed."""
+        flat_index = self._row_base[rows] + columns
+        equal = self._flat[flat_index] == values
+        if equal.tobytes() == self._no_bytes[: rows.size]:
+            self._flat[flat_index] = values
+            return rows
+        differs = ~equal
+        self._flat[flat_index[differs]] = values[differs]
+        return rows[differs]
+
+    def _write_rows(
+        self,
+        multi: list[tuple[int, int, int, Int32Array]],
+        shrunk: list[int],
+        stored_lengths: Int64Array,
+        lengths: Int64Array,
+        rewrites: list[tuple[int, Int32Array, int]],
+    ) -> list[int]:
+        """Row-wise writes; each compares first so only changed bytes count as changes."""
+        storage = self._storage
+        fill = self._fill
+        changed: list[int] = []
+        for i, start, stop, ids in multi:
+            target = storage[i, start:stop]
+            source = ids[start:stop]
+            if target.tobytes() != source.tobytes():
+                target[...] = source
+                changed.append(i)
+        for i in shrunk:
+            tail = storage[i, int(lengths[i]) : int(stored_lengths[i])]
+            if (tail != fill).any():
+                tail.fill(fill)
+                changed.append(i)
+        for i, ids, old_length in rewrites:
+            # Copy without clearing first; then clear only what the old content occupied.
+            length = ids.shape[0]
+            row_changed = False
+            target = storage[i, :length]
+            if target.tobytes() != ids.tobytes():
+                target[...] = ids
+                row_changed = True
+            if old_length > length:
+                tail = storage[i, length:old_length]
+                if (tail != fill).any():
+                    tail.fill(fill)
+                    row_changed = True
+            if row_changed:
+                changed.append(i)
+        return changed
+
+    def _check_unproven(
+        self,
+        unproven: list[tuple[int, int, Int32Array, int]],
+        packed: Int64Array,
+        limit: int,
+    ) -> None:
+        """Range-check moved rows past what their lineage proof covers.
+
+        A prefix of the same lineage already held by any storage row was validated when it
+        was written (under this snapshot's pool limit), so checking resumes after the
+        longest such prefix: this is how the proof follows a lineage across reordering.
+        """
+        stored_versions = self._row_keys >> LENGTH_BITS
+        order = np.lexsort((self._lengths, stored_versions))
+        sorted_versions = stored_versions[order]
+        sorted_lengths = self._lengths[order]
+        index = np.array([item[0] for item in unproven], dtype=np.int64)
+        query = packed[index] >> LENGTH_BITS
+        position = np.searchsorted(sorted_versions, query, side="right") - 1
+        safe = np.maximum(position, 0)
+        held = np.where(
+            (position >= 0) & (sorted_versions[safe] == query), sorted_lengths[safe], 0
+        ).tolist()
+        for (i, proven, ids, length), known in zip(unproven, held, strict=True):
+            start = max(proven, min(known, length))
+            check_page_range(ids[start:length], row=i, start=start, pool_limit=limit)
+
+
+def _check_arguments(
+    storage: object, pool_limit: object, fill_value: object, history: int
+) -> None:
+    if not isinstance(storage, np.ndarray):
+        raise StorageError(f"storage must be a numpy int32 array, got {type(storage).__name__}")
+    if storage.dtype != np.int32 or storage.ndim != 2:
+        raise StorageError(
+            f"storage must be 2-D int32, got {storage.ndim}-D {storage.dtype}; pass the CPU "
+            "half of the block-table buffer as a [rows, width] int32 array"
+        )
+    if not storage.flags.c_contiguous or not storage.flags.writeable:
+        raise StorageError(
+            "storage must be C-contiguous and writeable: pass the buffer itself, not a "
+            "transposed, strided or read-only view"
+        )
+    if storage.shape[1] > MAX_WIDTH:
+        raise StorageError(f"storage width {storage.shape[1]} exceeds {MAX_WIDTH} columns")
+    if pool_limit is not None and (
+        isinstance(pool_limit, bool)
+        or not isinstance(pool_limit, (int, np.integer))
+        or not 1 <= int(pool_limit) <= INT32_MAX + 1
+    ):
+        raise StorageError(f"pool_limit must be None or an int in [1, 2**31], got {pool_limit!r}")
+    if (
+        isinstance(fill_value, bool)
+        or not isinstance(fill_value, (int, np.integer))
+        or not INT32_MIN <= int(fill_value) <= INT32_MAX
+    ):
+        raise StorageError(f"fill_value must be an int32, got {fill_value!r}")
+    if history < 1:
+        raise StorageError(f"history must keep at least 1 revision, got {history}")
+
+
+def _proof(table: BlockTable, limit: int) -> int:
+    """Length of the prefix of ``table``'s lineage known to lie in ``[0, limit)``."""
+    lin = table._lin
+    return lin.proof_len if 0 < lin.proof_limit <= limit else 0
+
+
+def _record_proof(table: BlockTable, length: int, limit: int) -> None:
+    lin = table._lin
+    if 0 < lin.proof_limit <= limit and lin.proof_len >= length:
+        return  # the existing proof is at least as strong
+    lin.proof_len = length
+    lin.proof_limit = limit

@@ -1,0 +1,166 @@
+"""Read-only checks shared by BlockTable and PageTableSnapshot.
+
+Nothing here writes to a snapshot: every function either returns a value or raises one of
+the errors in :mod:`block_tables.errors`, so callers can run all checks before any write.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import MissingPagesError, PageIdRangeError, RowCountError, RowTypeError
+
+INT32_MIN = -(2**31)
+INT32_MAX = 2**31 - 1
+
+Int32Array = npt.NDArray[np.int32]
+Int64Array = npt.NDArray[np.int64]
+
+_EMPTY_IDS: Int32Array = np.empty(0, dtype=np.int32)
+_EMPTY_IDS.setflags(write=False)
+
+
+def _where(row: int | None) -> str:
+    return "page IDs" if row is None else f"row {row}"
+
+
+def coerce_page_ids(value: object, *, row: int | None = None) -> Int32Array:
+    """Return ``value`` as a 1-D int32 array, without copying an int32 array.
+
+    Accepts a 1-D integer numpy array or a sequence of ints. The result may be a view of
+    the caller's array: use it within the call and never keep it.
+    """
+    if isinstance(value, np.ndarray):
+        arr: np.ndarray[Any, Any] = value
+    elif isinstance(value, (list, tuple, range)):
+        if len(value) == 0:
+            return _EMPTY_IDS
+        try:
+            arr = np.asarray(value)
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise RowTypeError(
+                f"{_where(row)}: expected a flat list of ints ({exc}); pass page IDs as ints",
+                row=row,
+            ) from exc
+    else:
+        raise RowTypeError(
+            f"{_where(row)}: expected a BlockTable, a 1-D integer numpy array or a list of "
+            f"ints, got {type(value).__name__}",
+            row=row,
+        )
+    if arr.ndim != 1:
+        raise RowTypeError(
+            f"{_where(row)}: expected a 1-D array of page IDs, got shape {arr.shape}", row=row
+        )
+    kind = arr.dtype.kind
+    if kind == "O" and isinstance(value, (list, tuple)):
+        # Python ints beyond int64 land in an object array.
+        raise PageIdRangeError(
+            f"{_where(row)}: a page ID does not fit int32 [{INT32_MIN}, {INT32_MAX}]", row=row
+        )
+    if kind not in "iu":
+        if arr.size == 0:
+            return _EMPTY_IDS
+        raise RowTypeError(
+            f"{_where(row)}: page IDs must be integers, got dtype {arr.dtype}", row=row
+        )
+    if arr.dtype == np.int32:
+        return arr
+    if arr.size:
+        lo = int(arr.min())
+        hi = int(arr.max())
+        if lo < INT32_MIN or hi > INT32_MAX:
+            bad = lo if lo < INT32_MIN else hi
+            col = int(np.flatnonzero(arr == bad)[0])
+            raise PageIdRangeError(
+                f"{_where(row)}: page ID {bad} at column {col} does not fit int32 "
+                f"[{INT32_MIN}, {INT32_MAX}]",
+                row=row,
+            )
+    return arr.astype(np.int32)
+
+
+def coerce_page_id(value: object) -> int:
+    """Return one page ID as a Python int, checking that it fits int32."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise RowTypeError(f"a page ID must be an int, got {type(value).__name__}")
+    pid = int(value)
+    if pid < INT32_MIN or pid > INT32_MAX:
+        raise PageIdRangeError(f"page ID {pid} does not fit int32 [{INT32_MIN}, {INT32_MAX}]")
+    return pid
+
+
+def check_page_range(ids: Int32Array, *, row: int, start: int, pool_limit: int) -> None:
+    """Raise PageIdRangeError unless every ID in ``ids`` lies in ``[0, pool_limit)``.
+
+    ``start`` is the column of ``ids[0]`` in the row; it only serves the message. One
+    unsigned comparison covers both bounds: a negative int32 reads as a huge uint32.
+    """
+    if ids.size == 0:
+        return
+    if int(ids.view(np.uint32).max()) < pool_limit:
+        return
+    bad = np.flatnonzero(ids.view(np.uint32) >= pool_limit)
+    col = int(bad[0])
+    raise PageIdRangeError(
+        f"row {row}: page ID {int(ids[col])} at column {start + col} is outside "
+        f"[0, pool_limit={pool_limit}); pass page IDs allocated from this pool",
+        row=row,
+    )
+
+
+def raise_scalar_range_error(
+    values: Int32Array, rows: Int64Array, cols: Int64Array, pool_limit: int
+) -> None:
+    """Raise PageIdRangeError for the first out-of-range single-page suffix."""
+    bad = np.flatnonzero(values.view(np.uint32) >= pool_limit)
+    k = int(bad[0])
+    row = int(rows[k])
+    raise PageIdRangeError(
+        f"row {row}: appended page ID {int(values[k])} at column {int(cols[k])} is outside "
+        f"[0, pool_limit={pool_limit}); pass page IDs allocated from this pool",
+        row=row,
+    )
+
+
+def check_required_pages(
+    required: Sequence[int] | np.ndarray, lengths: Int64Array, lengths_u: np.ndarray
+) -> None:
+    """Raise unless ``0 <= required[i] <= lengths[i]`` for every row ``i``.
+
+    ``lengths_u`` is ``lengths`` viewed as uint64: a negative requirement then reads as a
+    huge count, so one comparison covers both bounds.
+    """
+    req = required if isinstance(required, np.ndarray) else np.asarray(required)
+    n = lengths.shape[0]
+    if req.shape != (n,):
+        raise RowCountError(
+            f"required_pages has shape {req.shape} but the batch has {n} rows; pass one "
+            "required page count per row"
+        )
+    if n == 0:
+        return
+    if req.dtype != np.int64:
+        if req.dtype.kind not in "iu":
+            raise RowTypeError(
+                f"required_pages must hold integers, got dtype {req.dtype}; pass page counts"
+            )
+        req = req.astype(np.int64)
+    if not (req.view(np.uint64) > lengths_u).any():
+        return
+    row = int(np.flatnonzero(req.view(np.uint64) > lengths_u)[0])
+    need = int(req[row])
+    if need < 0:
+        raise MissingPagesError(
+            f"row {row}: required_pages is {need}; a request span needs a page count >= 0",
+            row=row,
+        )
+    raise MissingPagesError(
+        f"row {row}: the request span needs {need} pages but the row holds "
+        f"{int(lengths[row])}; allocate the missing pages before preparing this step",
+        row=row,
+    )
