@@ -8,7 +8,8 @@ batches (1/16 of the rows append a page each step, deferred token ids) for batch
 * host µs of metadata preparation + publication (``begin()`` .. ``finish()``, median),
   without the time ``begin()`` waits for source reuse (reported apart: with two slots the
   host runs one step ahead, so it waits only while the GPU is the bottleneck);
-* GPU µs from the first publication work to the end of the first consumers (events);
+* GPU µs from the first publication work to the end of the first consumers (events; the
+  GPU is kept busy while the host enqueues the step, so this is device time);
 * wall ms per step (= time per output token of each request), CUDA graphs on the GPU.
 
 Without a GPU it runs a small CPU configuration (Triton kernels in the interpreter): only
@@ -129,6 +130,7 @@ def run_one(bs: int, context: int, backend: str, steps: int, warmup: int, cuda: 
         for _ in range(steps):
             pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             runner.span_events = pair
+            torch.cuda._sleep(800_000)  # device time only: the host enqueues while it sleeps
             runner.step(next(it))
             evs.append(pair)
         runner.span_events = None

@@ -9,8 +9,10 @@ a ``torch.profiler`` trace.
 MHA decode with block-table state; one combined group) on steady batches where 1/16 of the
 rows append a page, for batch sizes 1, 8, 64, 256 and 4K / 128K contexts, packed against one
 copy per field in the same run: host µs for preparation + publication, GPU µs from the first
-publication work to the end of the first consumer (KV-index generation), and copies and
-kernels per step from a profiler trace.
+publication work to the end of the first consumer (KV-index generation; measured with the
+GPU kept busy while the host enqueues, so it is device time, not host launch gaps), and
+copies and kernels per step from a profiler trace. A third variant, "atom", is what the
+ATOM catalog describes: per-row full-width block-table rebuild plus one copy per field.
 
     python benchmarks/publication_bench.py [core|decode|all] [--out DIR] [--steps N]
 """
@@ -36,6 +38,8 @@ for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import MhaDecodeInputs, SamplingInputs, TokenInputs  # noqa: E402
 
+#: ~0.4 ms of GPU sleep before a measured span (longer than the host's enqueue of a step)
+SPAN_DELAY_CYCLES = 800_000
 FLOOR_CASES = [(1, 16), (8, 64), (64, 128), (256, 128), (512, 512)]
 
 
@@ -186,6 +190,9 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                     if record:
                         ev = (torch.cuda.Event(enable_timing=True),
                               torch.cuda.Event(enable_timing=True))
+                        # keep the GPU busy while the host enqueues, so the span measures
+                        # device work (DMA, scatter, consumers), not host launch gaps
+                        torch.cuda._sleep(SPAN_DELAY_CYCLES)
                         ev[0].record()
                     st.publish("decode_step")
                     st.finish()
