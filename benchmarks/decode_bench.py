@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests-integration"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
     src = ROOT / "packages" / pkg / "src"
     if src.is_dir() and str(src) not in sys.path:
@@ -50,6 +51,7 @@ for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
 
 from decode_runner.runner import DecodeRunner, RunnerConfig  # noqa: E402
 from decode_runner.scheduler import steady_decode_batches, steady_decode_num_pages  # noqa: E402
+from trace_counts import count_per_step  # noqa: E402
 
 PAGE = 16
 WINDOW = 512
@@ -80,28 +82,10 @@ def _batches(bs: int, context: int, n: int) -> list:
 
 
 def _count_profiled(runner: DecodeRunner, batches: list) -> dict[str, float | None]:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda"
-                                     else [])
-    with profile(activities=acts) as prof:
-        for b in batches:
-            runner.step(b)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
-    h2d = kernels = 0
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        name = e.name.lower()
-        if "memcpy" in name:
-            h2d += "htod" in name
-        elif "memset" not in name:
-            kernels += 1
     if runner.device.type != "cuda":
         return {"h2d_per_step": None, "kernels_per_step": None}  # no device, nothing to count
-    n = len(batches)
-    return {"h2d_per_step": h2d / n, "kernels_per_step": kernels / n}
+    it = iter(batches)
+    return count_per_step(lambda: runner.step(next(it)), len(batches))
 
 
 def run_one(bs: int, context: int, backend: str, steps: int, warmup: int, cuda: bool) -> dict:

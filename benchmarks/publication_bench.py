@@ -30,10 +30,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests-integration"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
     src = ROOT / "packages" / pkg / "src"
     if src.is_dir() and str(src) not in sys.path:
         sys.path.append(str(src))
+
+from trace_counts import count_per_step  # noqa: E402
 
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import MhaDecodeInputs, SamplingInputs, TokenInputs  # noqa: E402
@@ -56,25 +59,6 @@ def _floor_members(bs: int, pages: int) -> list[tuple[str, torch.dtype, tuple[in
         ("block_tables", torch.int32, (bs, pages), "rows"),
         ("kv_prefix", torch.int32, (bs + 1,), "elements"),
     ]
-
-
-def _profile_counts(fn, n: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-    h2d = kernels = 0
-    for e in prof.events():
-        if e.device_type.name != "CUDA":
-            continue
-        name = e.name.lower()
-        if "memcpy" in name:
-            h2d += "htod" in name
-        elif "memset" not in name:
-            kernels += 1
-    return {"h2d_per_step": h2d / n, "kernels_per_step": kernels / n}
 
 
 def bench_core(steps: int) -> list[dict]:
@@ -116,7 +100,7 @@ def bench_core(steps: int) -> list[dict]:
                  "host_us_median": float(np.median(host)),
                  "host_us_p90": float(np.percentile(host, 90)),
                  "gpu_us_per_step": e0.elapsed_time(e1) * 1e3 / steps,
-                 **_profile_counts(step, 10)}
+                 **count_per_step(step, 10)}
             out.append(r)
             print(json.dumps(r), flush=True)
     return out
@@ -218,7 +202,7 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                      "host_us_p90": float(np.percentile(host, 90)),
                      "gpu_span_us_median": float(np.median(span)),
                      "bytes_per_step": c.bytes / max(c.publications, 1),
-                     **_profile_counts(step, 8)}
+                     **count_per_step(step, 8)}
                 out.append(r)
                 print(json.dumps(r), flush=True)
     return out
