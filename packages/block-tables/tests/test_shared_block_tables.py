@@ -30,6 +30,7 @@ from block_tables import (
     StorageError,
     draw_version,
 )
+from block_tables.spans import changed_spans, row_keys
 
 ROWS = 8
 WIDTH = 16
@@ -584,6 +585,8 @@ class SnapshotMachine(RuleBasedStateMachine):
         self.snaps: list[PageTableSnapshot] = []
         self.history: list[dict[int, np.ndarray]] = []  # per snapshot: revision -> bytes
         self.last_batch: list[tuple[BlockTable, str]] = []
+        # per snapshot: (revision, bytes, row keys) at recent "uploads", for changed_spans
+        self.uploads: list[list[tuple[int, np.ndarray, np.ndarray]]] = [[], []]
 
     @initialize(
         garbage=st.booleans(),
@@ -686,6 +689,7 @@ class SnapshotMachine(RuleBasedStateMachine):
         snap.invalidate()
         assert snap.revision == before + 1
         self.history[which] = {snap.revision: snap.storage.copy()}
+        self.uploads[which] = []
 
     # -- prepare --------------------------------------------------------------------------
     # Three rules share one body so that preparing is about as likely as a table change.
@@ -828,7 +832,28 @@ class SnapshotMachine(RuleBasedStateMachine):
         assert all(stop <= n for _, stop in report.ranges)
         if len(known) > 8:
             del known[candidates[0]]
+        self.check_spans(which, snap, since)
         return True
+
+    def check_spans(self, which: int, snap: PageTableSnapshot, since: int) -> None:
+        """``changed_spans`` against an earlier upload covers every changed cell."""
+        uploads = self.uploads[which]
+        uploads.append((snap.revision, snap.storage.copy(), row_keys(snap)))
+        del uploads[:-8]
+        revision, bytes_then, keys_then = uploads[since % len(uploads)]
+        n = snap.num_rows
+        limit = min(n, keys_then.size)
+        differs = snap.storage[:limit] != bytes_then[:limit]
+        for with_revision in (revision, None):
+            spans = changed_spans(snap, keys_then, n, with_revision)
+            if spans is None:
+                assert with_revision is not None
+                continue
+            covered = np.zeros_like(differs)
+            for r, a, b in zip(spans.rows, spans.starts, spans.stops, strict=True):
+                assert r < limit and 0 <= a < b <= S_WIDTH
+                covered[r, a:b] = True
+            assert not (differs & ~covered).any()
 
     @invariant()
     def tables_keep_int32_contents(self) -> None:
