@@ -131,6 +131,8 @@ class PageTableSnapshot:
         self._width = int(width)
         self._limit = None if pool_limit is None else int(pool_limit)
         self._fill = int(fill_value)
+        # Byte comparisons (tobytes) beat numpy reductions several times on row slices.
+        self._fill_row = np.full(width, fill_value, dtype=np.int32)
         self._unknown_key = _key(UNKNOWN, width)
         # Per storage row: packed (version, length) of the content it holds, and the
         # length alone. Unknown rows count as dirty over the full width.
@@ -309,7 +311,7 @@ class PageTableSnapshot:
         delta = packed - self._row_keys[:n]
         touched = np.flatnonzero(delta)
         touched_delta = delta[touched]
-        single: Int64Array | None = None
+        single: Int64Array
         moved: list[int] = []
         shrunk: list[int] = []
         multi: list[tuple[int, int, int, Int32Array]] = []
@@ -349,8 +351,10 @@ class PageTableSnapshot:
         proofs: list[tuple[BlockTable, int]] = []
         if moved:
             unproven: list[tuple[int, int, Int32Array, int]] = []
+            stored_length_list = stored_lengths.tolist()
+            length_list = lengths.tolist()
             for i in moved:
-                old_length = int(stored_lengths[i])
+                old_length = stored_length_list[i]
                 if unversioned is not None and i in unversioned:
                     ids = unversioned[i]
                     length = ids.shape[0]
@@ -369,7 +373,7 @@ class PageTableSnapshot:
                     key_fixes.append((i, _key(UNVERSIONED, length)))
                     continue
                 table = rows[i]  # type: ignore[assignment]
-                length = int(lengths[i])
+                length = length_list[i]
                 ids = table._lin.ids[:length]
                 if limit is not None:
                     proven = min(_proof(table, limit), length)
@@ -437,6 +441,7 @@ class PageTableSnapshot:
         """Row-wise writes; each compares first so only changed bytes count as changes."""
         storage = self._storage
         fill = self._fill
+        fill_row = self._fill_row
         changed: list[int] = []
         for i, start, stop, ids in multi:
             target = storage[i, start:stop]
@@ -446,7 +451,7 @@ class PageTableSnapshot:
                 changed.append(i)
         for i in shrunk:
             tail = storage[i, int(lengths[i]) : int(stored_lengths[i])]
-            if (tail != fill).any():
+            if tail.tobytes() != fill_row[: tail.shape[0]].tobytes():
                 tail.fill(fill)
                 changed.append(i)
         for i, ids, old_length in rewrites:
@@ -459,7 +464,7 @@ class PageTableSnapshot:
                 row_changed = True
             if old_length > length:
                 tail = storage[i, length:old_length]
-                if (tail != fill).any():
+                if tail.tobytes() != fill_row[: tail.shape[0]].tobytes():
                     tail.fill(fill)
                     row_changed = True
             if row_changed:
