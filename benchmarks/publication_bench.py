@@ -208,9 +208,85 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
     return out
 
 
+def bench_crossover(steps: int) -> list[dict]:
+    """Partial (changed spans as ranges) against whole-table publication of the block
+    table, by how many rows change per step, for appends and for replaced rows."""
+    from block_tables import BlockTable
+    from h2d_core import block_table_state
+
+    bs, page = 256, 16
+    out = []
+    for context in (4096, 32768):
+        width = context // page + 64
+        for mode in ("append", "replace"):
+            for k in (1, 4, 16, 64, 256):
+                if mode == "replace" and k > 64:
+                    continue  # a quarter of the table is the staging room
+                for policy in ("partial", "whole"):
+                    st = H2DRunnerState("cuda")
+                    lens = st.buffer("context_lens", (bs,), torch.int32, group="g")
+                    bt = st.buffer("block_tables", (bs, width), torch.int32, group="g",
+                                   unit="rows", max_ranges=bs)
+                    st.bind()
+                    tables_state = block_table_state(
+                        bt, partial_max_share=1.0 if policy == "partial" else 0.0)
+                    rng = np.random.default_rng(0)
+                    rows = [BlockTable(rng.integers(0, 1 << 20, context // page))
+                            for _ in range(bs)]
+                    pick = np.arange(bs)
+
+                    def step(record: list | None = None) -> float:
+                        for r in rng.choice(pick, k, replace=False).tolist():
+                            if mode == "append":
+                                if len(rows[r]) >= width:
+                                    rows[r].truncate(context // page)
+                                rows[r].append_one(int(rng.integers(0, 1 << 20)))
+                            else:
+                                rows[r] = BlockTable(rng.integers(0, 1 << 20, context // page))
+                        if record is not None:
+                            torch.cuda._sleep(SPAN_DELAY_CYCLES)
+                        t = time.perf_counter_ns()
+                        st.begin()
+                        tables_state.prepare(rows)
+                        st.set_count(lens, bs)
+                        tables_state.stage(bs)
+                        if record is not None:
+                            ev = (torch.cuda.Event(enable_timing=True),
+                                  torch.cuda.Event(enable_timing=True))
+                            ev[0].record()
+                        st.publish("g")
+                        st.finish()
+                        host = (time.perf_counter_ns() - t) / 1e3
+                        if record is not None:
+                            ev[1].record()
+                            record.append(ev)
+                        return host
+
+                    for _ in range(20):
+                        step()
+                    c = st.counters("g")
+                    bytes0, pubs0 = c.bytes, c.publications
+                    host = [step() for _ in range(steps)]
+                    step_bytes = (c.bytes - bytes0) / (c.publications - pubs0)
+                    evs: list = []
+                    for _ in range(min(steps, 100)):
+                        step(evs)
+                    torch.cuda.synchronize()
+                    span = [a.elapsed_time(b) * 1e3 for a, b in evs]
+                    r = {"context": context, "mode": mode, "changed_rows": k, "policy": policy,
+                         "stage": tables_state.last_stage,
+                         "host_us_median": float(np.median(host)),
+                         "gpu_span_us_median": float(np.median(span)),
+                         "bytes_per_step": step_bytes}
+                    out.append(r)
+                    print(json.dumps(r), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("which", nargs="?", default="all", choices=["core", "decode", "all"])
+    ap.add_argument("which", nargs="?", default="all",
+                    choices=["core", "decode", "crossover", "all"])
     ap.add_argument("--out", default=str(ROOT / "results"))
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--contexts", default="4096,131072")
@@ -226,9 +302,20 @@ def main() -> None:
     if args.which in ("decode", "all"):
         res["decode"] = bench_decode(args.steps, [int(c) for c in args.contexts.split(",")],
                                      [int(s) for s in args.batch_sizes.split(",")])
+    if args.which == "crossover":
+        res["crossover"] = bench_crossover(args.steps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "publication_bench.json").write_text(json.dumps(res, indent=1))
+    name = "crossover_bench.json" if args.which == "crossover" else "publication_bench.json"
+    (out / name).write_text(json.dumps(res, indent=1))
+    if "crossover" in res:
+        print("\ncrossover: ctx mode changed | partial host µs / span µs | whole host / span")
+        cx = res["crossover"]
+        for i in range(0, len(cx), 2):  # type: ignore[arg-type]
+            p, w = cx[i], cx[i + 1]  # type: ignore[index]
+            print(f"{p['context']:>6} {p['mode']:>7} {p['changed_rows']:>4} | "
+                  f"{p['host_us_median']:6.1f} / {p['gpu_span_us_median']:6.1f} ({p['stage']}) | "
+                  f"{w['host_us_median']:6.1f} / {w['gpu_span_us_median']:6.1f} ({w['stage']})")
     if "core" in res:
         print("\ncore: bs pages bytes | packed host/GPU µs | direct host/GPU µs | x | H2D,kern")
         core = res["core"]
