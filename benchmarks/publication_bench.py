@@ -229,7 +229,8 @@ def bench_crossover(steps: int) -> list[dict]:
                                    unit="rows", max_ranges=bs)
                     st.bind()
                     tables_state = block_table_state(
-                        bt, partial_max_share=1.0 if policy == "partial" else 0.0)
+                        bt, partial_max_share=1.0 if policy == "partial" else 0.0,
+                        partial_max_ranges=bs)
                     rng = np.random.default_rng(0)
                     rows = [BlockTable(rng.integers(0, 1 << 20, context // page))
                             for _ in range(bs)]

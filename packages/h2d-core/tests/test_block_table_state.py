@@ -192,3 +192,26 @@ def test_random_steps_gpu_table_equals_snapshot(device: str, h: Any, backend: st
     assert StageResult.WHOLE in stages
     if backend == "packed":
         assert StageResult.PARTIAL in stages
+
+
+@pytest.mark.parametrize(("width", "changed", "expected"), [
+    (WIDTH, 8, StageResult.PARTIAL),     # up to 8 ranges: partial
+    (WIDTH, 9, StageResult.WHOLE),       # a small table: the whole table is cheaper
+    (16384, 20, StageResult.PARTIAL),    # a 4 MiB table: up to 32 ranges stay partial
+    (16384, 33, StageResult.WHOLE),
+])
+def test_partial_policy_follows_the_measured_crossover(device: str, h: Any, width: int,
+                                                      changed: int, expected: str) -> None:
+    st = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    rows = 72
+    lens = st.buffer("context_lens", (rows,), torch.int32, group="mha_decode")
+    bt = st.buffer("block_tables", (rows, width), torch.int32, group="mha_decode",
+                   unit="rows", max_ranges=64)
+    st.bind()
+    bts = block_table_state(bt)
+    tables = [BlockTable([i]) for i in range(rows)]
+    _publish(st, lens, bts, tables)
+    for i in range(0, 2 * changed, 2):  # non-adjacent rows: one range each
+        tables[i].append_one(7)
+    assert _publish(st, lens, bts, tables) == expected
+    _check_gpu(device, h, bts, rows)

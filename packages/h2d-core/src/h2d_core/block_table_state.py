@@ -34,8 +34,19 @@ from .buffer import CountUnit, H2DBuffer
 from .config import Backend
 from .errors import CountError, DeclarationError
 
-#: A partial publication is chosen while its bytes stay under this share of the whole
-#: table's bytes (the crossover measured in docs/benchmarks.md).
+# When changed spans travel as ranges instead of the whole table (measured on the H200,
+# docs/benchmarks.md "block-table crossover"): each range costs a few µs of host time
+# (staging copy, descriptor) and the scatter slows down with many descriptors, while a
+# whole table costs no host copy but moves every row. Up to 8 ranges, partial publication
+# costs the host about the same as a whole table and moves far fewer bytes; beyond that
+# the whole table wins on the host, unless it is large enough (>= 4 MiB: long contexts at
+# large batch) that its DMA dominates the GPU span, where up to 32 ranges still pay off.
+#: most ranges of an ordinary partial publication
+PARTIAL_MAX_RANGES = 8
+#: tables of at least this many bytes (rows requested) may use up to ``LARGE_TABLE_RANGES``
+LARGE_TABLE_BYTES = 4 << 20
+LARGE_TABLE_RANGES = 32
+#: and a partial publication never carries more than this share of the table's bytes
 PARTIAL_MAX_SHARE = 0.5
 
 
@@ -67,6 +78,7 @@ class BlockTableState:
         pool_limit: int | None = None,
         fill_value: int = 0,
         partial_max_share: float = PARTIAL_MAX_SHARE,
+        partial_max_ranges: int | None = None,
     ) -> None:
         spec = buffer.spec
         if spec.dtype != torch.int32 or len(spec.shape) != 2 or spec.unit is not CountUnit.ROWS:
@@ -86,6 +98,8 @@ class BlockTableState:
         )
         self.published: PublishedTable | None = None
         self.partial_max_share = partial_max_share
+        #: override of the measured range-count policy (None: use it)
+        self.partial_max_ranges = partial_max_ranges
         self._row_bytes = spec.unit_bytes
         self._width = spec.shape[1]
         self._ranged = (
@@ -191,7 +205,11 @@ class BlockTableState:
                 ranges[-1] = (ranges[-1][0], stop)
             else:
                 ranges.append((start, stop))
-        if sum(b - a for a, b in ranges) > self.partial_max_share * num_rows * rb:
+        whole = num_rows * rb
+        limit = self.partial_max_ranges or (
+            LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES)
+        if len(ranges) > min(limit, self.buffer.max_ranges) or (
+                sum(b - a for a, b in ranges) > self.partial_max_share * whole):
             return None
         return ranges
 
@@ -212,6 +230,7 @@ def block_table_state(
     pool_limit: int | None = None,
     fill_value: int = 0,
     partial_max_share: float = PARTIAL_MAX_SHARE,
+    partial_max_ranges: int | None = None,
 ) -> BlockTableState:
     """Attach page-map state to a bound block-table buffer (one per buffer: each PP slot
     has its own snapshot inside, each TBO buffer gets its own state)."""
@@ -221,6 +240,7 @@ def block_table_state(
             f"buffer {buffer.name!r} already has block-table state; share that object"
         )
     state = BlockTableState(buffer, pool_limit=pool_limit, fill_value=fill_value,
-                            partial_max_share=partial_max_share)
+                            partial_max_share=partial_max_share,
+                            partial_max_ranges=partial_max_ranges)
     buffer._page_map = state  # type: ignore[attr-defined]
     return state
