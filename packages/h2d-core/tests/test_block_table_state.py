@@ -215,3 +215,63 @@ def test_partial_policy_follows_the_measured_crossover(device: str, h: Any, widt
         tables[i].append_one(7)
     assert _publish(st, lens, bts, tables) == expected
     _check_gpu(device, h, bts, rows)
+
+
+def test_one_state_per_buffer(device: str, h: Any) -> None:
+    _st, _lens, bt, bts = _setup(device, h)
+    with pytest.raises(Exception, match="'block_tables' already has block-table state"):
+        block_table_state(bt)
+    assert bt._page_map is bts
+
+
+def test_omitted_table_is_not_recorded_as_published(device: str, h: Any) -> None:
+    st, lens, bt, bts = _setup(device, h)
+    tables = [BlockTable([i]) for i in range(4)]
+    _publish(st, lens, bts, tables)
+    good = bts.published
+    st.begin()
+    tables[0].append_one(9)
+    bts.prepare(tables)
+    st.set_count(lens, 4)
+    bts.stage(4)
+    st.set_count(bt, None)  # the caller drops the table after staging it
+    st.publish("mha_decode")
+    st.finish()
+    assert bts.published is good  # the GPU never received the new revision
+    assert _publish(st, lens, bts, tables) != StageResult.REUSED
+    _check_gpu(device, h, bts, 4)
+
+
+def test_staged_counts_set_after_ranges_never_overwrite_the_table(device: str,
+                                                                  h: Any) -> None:
+    """Ranges are checked against their own staging share, so a large staged member whose
+    count comes later cannot push the range bytes into the table's pinned source."""
+    st = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    ids = st.buffer("input_ids", (16384,), torch.int32, group="g")  # staged (64 KB)
+    bt = st.buffer("block_tables", (64, 512), torch.int32, group="g", unit="rows",
+                   max_ranges=8)
+    st.bind()
+    bts = block_table_state(bt)
+    rng = np.random.default_rng(5)
+    tables = [BlockTable(rng.integers(0, 1000, 400)) for _ in range(64)]
+    st.begin()
+    bts.prepare(tables)
+    st.set_count(ids, 1)
+    bts.stage(64)
+    st.publish("g")
+    st.finish()
+    for step in range(3):
+        st.begin()
+        for i in (3, 20, 41):
+            tables[i] = BlockTable(rng.integers(0, 1000, 500))
+        bts.prepare(tables)
+        assert bts.stage(64) == StageResult.PARTIAL
+        ids.np[:] = rng.integers(0, 1000, 16384)
+        st.set_count(ids, 16384)  # the full staged member, after the ranges
+        before = bt.cpu.clone()
+        st.publish("g")
+        st.finish()
+        h.sync(device)
+        assert torch.equal(bt.cpu, before), step
+        _check_gpu(device, h, bts, 64)
+        assert torch.equal(ids.gpu.cpu(), ids.cpu)

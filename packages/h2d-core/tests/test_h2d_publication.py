@@ -478,3 +478,83 @@ def test_publish_then_replay_captured_consumer(h: Any) -> None:
         expect = ids.cpu[:64].long() + pos.cpu
         assert torch.equal(out.cpu(), expect), f"step {step}"
     assert st.counters("decode").dmas == 5
+
+
+# ---------------------------------------------------------------------------- more rules
+
+def test_explicit_empty_backend_is_an_error() -> None:
+    with pytest.raises(BackendError, match="backend argument=''"):
+        H2DRunnerState("cpu", backend="")
+
+
+def test_declaration_rule_messages() -> None:
+    state = H2DRunnerState("cpu", scatter="reference")
+    with pytest.raises(DeclarationError, match="'x': max_ranges must be an int >= 0"):
+        state.buffer("x", (4,), torch.int32, group="g", max_ranges=-1)
+    state.buffer("y", (4,), torch.int32, group="g", max_ranges=2)
+    state.buffer("z", (4,), torch.int32, group="h")
+    state.combine("c1", ["g", "h"])
+    state.combine("c2", ["g", "h"])
+    with pytest.raises(BindingError, match=r"'y': a ranged buffer .* must be carried by one "
+                                           "publication group"):
+        state.bind()
+    assert not state.bound
+
+
+def test_strided_destination_that_cannot_be_counted_is_rejected_at_bind() -> None:
+    state = H2DRunnerState("cpu", scatter="reference")
+    wide = torch.zeros((4, 6), dtype=torch.int64)
+    state.buffer("pos", (4, 3), torch.int64, group="g", gpu=wide[:, :3])
+    with pytest.raises(BindingError, match=r"'pos': its destination .* cannot be counted in "
+                                           "elements without a copy"):
+        state.bind()
+    assert not state.bound
+
+
+def test_epoch_and_slot_messages(device: str, h: Any) -> None:
+    setup = h.build_state(device, num_slots=2)
+    st = setup.state
+    st.begin()
+    with pytest.raises(EpochError, match=r"epoch 1 on slot 0 is still open"):
+        st.begin()
+    with pytest.raises(EpochError, match=r"follows finish"):
+        st.resume()
+    st.finish()
+    with pytest.raises(EpochError, match=r"slot 2 is not in \[0, 2\)"):
+        st.begin(2)
+    assert (st.epoch, st.epoch_open, st.current_slot) == (1, False, 0)
+
+
+def test_set_counts_is_all_or_nothing(device: str, h: Any) -> None:
+    state = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    a = state.buffer("a", (8,), torch.int32, group="g")
+    t = state.buffer("t", (8, 4), torch.int32, group="g", unit="rows", max_ranges=4)
+    state.bind()
+    state.begin()
+    state.set_ranges(t, [(0, 16)])
+    with pytest.raises(CountError, match="'t': ranges were already set this epoch"):
+        state.set_counts({a: 5, t: 2})
+    assert state.count(a) is None
+    with pytest.raises(CountError, match="'t': ranges were already set"):
+        state.set_count(t, 2)
+
+
+def test_failed_producer_can_run_again(device: str, h: Any) -> None:
+    setup = h.build_state(device)
+    st = setup.state
+    attempts: list[int] = []
+
+    @h2d_producer("token_inputs")
+    def produce(owner: object, fail: bool) -> None:
+        attempts.append(1)
+        if fail:
+            raise ValueError("bad batch")
+        st.set_count(setup.buffers["input_ids"], 1)
+
+    st.begin()
+    with pytest.raises(ValueError, match="bad batch"):
+        produce(st, True)
+    produce(st, False)  # nothing was published: a first entry again, no reason needed
+    assert len(attempts) == 2
+    with pytest.raises(ReentryError):
+        produce(st, False)

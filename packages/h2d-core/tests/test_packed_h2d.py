@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from h2d_core import H2DRunnerState
+from h2d_core import DuplicatePublicationError, H2DRunnerState
 
 
 def _step(setup: Any, h: Any, rng: np.random.Generator, counts: dict[str, int | None],
@@ -202,6 +202,11 @@ def test_copy_to_gpu_is_a_checked_direct_copy(device: str, h: Any) -> None:
     view = ids.copy_to_gpu(5)
     with pytest.raises(Exception, match="count 66 elements is outside"):
         ids.copy_to_gpu(66)
+    # the copy published the group: the source may still be read by it
+    with pytest.raises(DuplicatePublicationError, match="'token_inputs' was already published"):
+        ids.copy_to_gpu(3)
+    with pytest.raises(DuplicatePublicationError, match="already published"):
+        st.publish("decode")
     st.finish()
     h.sync(device)
     assert view.tolist() == [0, 1, 2, 3, 4]

@@ -36,10 +36,12 @@ class ChangedSpans:
         return sum(b - a for a, b in zip(self.starts, self.stops, strict=True))
 
 
-def row_keys(snapshot: PageTableSnapshot) -> Int64Array:
-    """A copy of the packed (version, length) keys of rows ``[0, num_rows)``: remember it
-    with the revision at upload time and pass it to :func:`changed_spans` later."""
-    return snapshot._row_keys[: snapshot.num_rows].copy()
+def row_keys(snapshot: PageTableSnapshot, rows: int | None = None) -> Int64Array:
+    """A copy of the packed (version, length) keys of rows ``[0, rows)`` (default: the
+    snapshot's ``num_rows``): remember it with the revision at upload time and pass it to
+    :func:`changed_spans` later."""
+    n = snapshot.num_rows if rows is None else min(rows, snapshot.num_rows)
+    return snapshot._row_keys[:n].copy()
 
 
 def changed_spans(

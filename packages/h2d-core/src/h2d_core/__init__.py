@@ -29,13 +29,14 @@ from .errors import (
     NotBoundError,
     OwnerInvalidatedError,
     OwnerThreadError,
+    PublicationEnqueueError,
     ReentryError,
     StreamMismatchError,
     UnknownGroupError,
 )
 from .group import GroupCounters, GroupPlan
 from .producer import h2d_producer
-from .state import H2DRunnerState, PublicationEnqueueError
+from .state import H2DRunnerState
 
 __all__ = [
     "ENV_VAR",

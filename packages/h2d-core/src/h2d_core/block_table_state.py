@@ -101,7 +101,6 @@ class BlockTableState:
         #: override of the measured range-count policy (None: use it)
         self.partial_max_ranges = partial_max_ranges
         self._row_bytes = spec.unit_bytes
-        self._width = spec.shape[1]
         self._ranged = (
             buffer.max_ranges > 0
             and state.backend is Backend.PACKED
@@ -168,16 +167,15 @@ class BlockTableState:
             ranges = None
             state.set_count(self.buffer, int(num_rows))
             self.last_stage = StageResult.WHOLE
-        keys = row_keys(snap)[:num_rows]
+        keys = row_keys(snap, num_rows)
         n = int(num_rows)
 
         def commit() -> None:
             self.published = PublishedTable(slot, rev, n, keys)
 
-        if ranges == []:
-            commit()  # nothing to send: the GPU already holds these bytes
-        else:
-            state.on_publish(self.buffer, commit)
+        # With nothing to send the GPU already holds these bytes; the record still moves
+        # only once the group's publication succeeded.
+        state.on_publish(self.buffer, commit, only_if_sent=ranges != [])
         return self.last_stage
 
     def _partial_ranges(

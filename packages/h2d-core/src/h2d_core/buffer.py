@@ -184,8 +184,9 @@ class H2DBuffer:
     def copy_to_gpu(self, n: int | None = None) -> torch.Tensor:
         """Checked direct copy of the first ``n`` units (all when None) for standalone callers.
 
-        Returns the destination view. Same rules as a published member: owner thread, a valid
-        owner, an open epoch (the source is only protected inside one), a valid count.
+        Returns the destination view. It counts as the publication of this buffer's group
+        in the current epoch: owner thread, a valid owner, an open epoch (the source is only
+        protected inside one), a valid count, and the group not yet published.
         """
         return self._state.copy_member_direct(self, n)
 

@@ -27,7 +27,8 @@ def resolve_backend(explicit: Backend | str | None = None) -> Backend:
     if value is None:
         value = os.environ.get(ENV_VAR)
         source = ENV_VAR
-    if value is None or value == "":
+    # an unset or empty environment variable means the default; an explicit "" does not
+    if value is None or (value == "" and source == ENV_VAR):
         return Backend.PACKED
     if isinstance(value, Backend):
         return value

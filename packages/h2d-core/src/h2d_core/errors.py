@@ -62,5 +62,9 @@ class OwnerInvalidatedError(H2DError):
     """An earlier enqueue failed; the owner refuses work until ``reset()``."""
 
 
+class PublicationEnqueueError(H2DError):
+    """Enqueueing a copy or the scatter failed; the owner is now invalidated until reset()."""
+
+
 class BackendError(H2DError, ValueError):
     """An unknown ``ATOM_H2D_BACKEND`` value or backend argument."""

@@ -97,10 +97,14 @@ class SlotGroup:
 
 
 def unit_view(tensor: torch.Tensor, unit: CountUnit) -> torch.Tensor:
-    """A view of ``tensor`` whose dim 0 indexes the buffer's count unit."""
+    """A view of ``tensor`` whose dim 0 indexes the buffer's count unit.
+
+    Always a view of the same storage (never a copy): raises RuntimeError when the layout
+    does not allow one, which the binding turns into a BindingError naming the buffer.
+    """
     if unit is CountUnit.ROWS:
         return tensor
-    flat = tensor.reshape(-1)
+    flat = tensor.view(-1)
     if unit is CountUnit.ELEMENTS:
         return flat
     return flat.view(torch.uint8)

@@ -69,16 +69,23 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) & ~(_ALIGN - 1)
 
 
-def staging_bytes(members: Sequence[H2DBuffer], borrowed: frozenset[str] = frozenset()) -> int:
-    """Staging capacity: every staged member at full size plus each ranged member's share."""
-    total = 0
+def staging_bytes(
+    members: Sequence[H2DBuffer], borrowed: frozenset[str] = frozenset()
+) -> tuple[int, int]:
+    """(bytes for staged members at full size, bytes for ranged members' partial shares).
+
+    Publication packs staged members first and ranges right after them, so the DMA carries
+    no gap; ranges are checked against their own share only. Since the staged members'
+    used bytes never exceed their full size, the two together always fit, whatever order
+    counts and ranges were set in.
+    """
+    staged = ranges = 0
     for b in members:
-        p = placement_of(b, b.name in borrowed)
-        if p is Placement.STAGED:
-            total += _align(b.spec.nbytes)
+        if placement_of(b, b.name in borrowed) is Placement.STAGED:
+            staged += _align(b.spec.nbytes)
         if b.max_ranges:
-            total += _align(b.spec.nbytes // SPAN_STAGING_DIVISOR) + _ALIGN * b.max_ranges
-    return total
+            ranges += _align(b.spec.nbytes // SPAN_STAGING_DIVISOR) + _ALIGN * b.max_ranges
+    return staged, ranges
 
 
 @dataclass(eq=False)
@@ -95,10 +102,11 @@ class PackedSlot:
     staged: tuple[tuple[int, int, int], ...]
     #: source base address of every member (for copying ranges into staging)
     src_base: tuple[int, ...]
+    #: staged members' bytes, then the ranges, are packed from here
     staging_offset: int
-    staging_capacity: int
+    #: the ranges' share of the staging region (16 bytes of alignment per range included)
+    range_capacity: int
     first_extra: int
-    num_extra: int
 
 
 def bind_packed_slot(
@@ -127,7 +135,7 @@ def bind_packed_slot(
             for b, p in zip(members, places, strict=True)
         ],
         num_ranges=len(members) + extra,
-        staging_bytes=staging_bytes(members, names),
+        staging_bytes=sum(staging_bytes(members, names)),
         staging_before=first_tail,
     )
     arena = PackedArena(layout, [b.gpu for b in members], device=device,
@@ -160,9 +168,8 @@ def bind_packed_slot(
         staged=tuple(staged),
         src_base=tuple(s.data_ptr() for s in sources),
         staging_offset=layout.staging_offset,
-        staging_capacity=layout.staging_bytes,
+        range_capacity=staging_bytes(members, names)[1],
         first_extra=len(members),
-        num_extra=extra,
     )
     return slot, sources
 
@@ -172,15 +179,17 @@ def pack(
     counts: Sequence[int | None],
     ranges: Sequence[tuple[int, int, int]],
 ) -> int:
-    """Copy staged members' used bytes and pending ranges into staging; return its end
-    (0 when nothing was staged).
+    """Copy staged members' used bytes and pending ranges into staging; return the end of
+    what was copied (0 when nothing was).
 
     ``ranges`` are (member index, byte offset in the destination, byte count), already
-    validated against capacity and staging room by the caller.
+    validated against capacity and ``range_capacity`` by the caller; counts are validated
+    against capacity, and each staged member has its full size reserved.
     """
-    off = slot.staging_offset
     base = slot.host_base
     header = slot.header
+    end = 0
+    off = slot.staging_offset
     for i, src, unit_bytes in slot.staged:
         n = counts[i]
         if not n:
@@ -189,10 +198,12 @@ def pack(
         _memmove(base + off, src, nbytes)
         header[i, 0] = off
         off = _align(off + nbytes)
+        end = off
     row = slot.first_extra
     for i, dst_off, nbytes in ranges:
         _memmove(base + off, slot.src_base[i] + dst_off, nbytes)
         header[row] = (off, nbytes, i, dst_off)
         row += 1
         off = _align(off + nbytes)
-    return off if off > slot.staging_offset else 0
+        end = off
+    return end

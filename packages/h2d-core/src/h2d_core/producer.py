@@ -61,8 +61,14 @@ def h2d_producer(
                 tuple(g(args[0]) if callable(g) else g for g in groups)
                 if dynamic else groups  # type: ignore[assignment]
             )
-            _owner_state(args[0]).enter_producer(names, reason)
-            return fn(*args, **kwargs)
+            state = _owner_state(args[0])
+            state.enter_producer(names, reason)
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                # A producer that failed published nothing: let it be retried as a first entry.
+                state.leave_producer_after_error(names)
+                raise
 
         producer.h2d_groups = groups  # type: ignore[attr-defined]
         return producer

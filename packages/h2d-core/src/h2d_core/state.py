@@ -41,16 +41,13 @@ from .errors import (
     NotBoundError,
     OwnerInvalidatedError,
     OwnerThreadError,
+    PublicationEnqueueError,
     ReentryError,
     StreamMismatchError,
     UnknownGroupError,
 )
 from .group import GroupCounters, GroupPlan, SlotGroup, byte_span, find_overlap, unit_view
 from .packing import arena_order, bind_packed_slot, pack
-
-
-class PublicationEnqueueError(H2DError):
-    """Enqueueing a copy or the scatter failed; the owner is now invalidated."""
 
 
 def _omit(rec: SlotGroup, i: int) -> None:
@@ -132,7 +129,7 @@ class H2DRunnerState:
         #: host ns the last begin() waited for its slot's previous DMA (source reuse)
         self.last_source_wait_ns = 0
         #: callbacks run once after a producer group's successful publication this epoch
-        self._on_publish: dict[str, list[Callable[[], None]]] = {}
+        self._on_publish: dict[str, list[tuple[H2DBuffer, Callable[[], None], bool]]] = {}
         #: called by reset(): attached state that must forget what the GPU holds
         self._reset_hooks: list[Callable[[], None]] = []
 
@@ -233,6 +230,16 @@ class H2DRunnerState:
                 f"buffers {overlap[0]!r} and {overlap[1]!r} share GPU bytes; give each member "
                 "its own destination"
             )
+        dst_units: dict[str, torch.Tensor] = {}
+        for buf in self._buffers.values():
+            try:
+                dst_units[buf.name] = unit_view(buf.gpu, buf.spec.unit)
+            except RuntimeError:
+                raise BindingError(
+                    f"buffer {buf.name!r}: its destination (strides {tuple(buf.gpu.stride())}) "
+                    f"cannot be counted in {buf.spec.unit.value} without a copy; use unit='rows' "
+                    "or a contiguous destination"
+                ) from None
         covered = {g for gs in self._combined.values() for g in gs}
         publication: list[tuple[str, tuple[str, ...]]] = list(self._combined.items())
         publication += [(g, (g,)) for g in self._producer_groups if g not in covered]
@@ -278,7 +285,7 @@ class H2DRunnerState:
 
         for buf in self._buffers.values():
             buf._attach_sources(sources[buf.name])
-            buf._dst_units = unit_view(buf.gpu, buf.spec.unit)
+            buf._dst_units = dst_units[buf.name]
             buf._src_units = [unit_view(s, buf.spec.unit) for s in sources[buf.name]]
             if buf.max_ranges:
                 buf._dst_bytes = unit_view(buf.gpu, CountUnit.BYTES)
@@ -564,16 +571,7 @@ class H2DRunnerState:
             return False
         gi, i = buffer.homes[0]
         rec = self._slot_groups[self.current_slot][gi]
-        packed = rec.packed
-        if packed is None:
-            return False
-        room = packed.staging_capacity - 16 * len(ranges)
-        for j, _, unit_bytes in packed.staged:
-            room -= (rec.counts[j] or 0) * unit_bytes + 16
-        for j, _, n in rec.ranges:
-            if j != i:
-                room -= n + 16
-        if total > room:
+        if rec.packed is None or total + 16 * len(ranges) > self.range_room(buffer):
             return False
         _omit(rec, i)
         rec.active += 1
@@ -590,10 +588,8 @@ class H2DRunnerState:
         rec = self._slot_groups[self.current_slot][gi]
         if rec.packed is None:
             return 0
-        staged = sum(int(rec.counts[j] or 0) * rec.plan.members[j].spec.unit_bytes + 16
-                     for j, _, _ in rec.packed.staged)
         others = sum(n + 16 for j, _, n in rec.ranges if j != i)
-        return max(rec.packed.staging_capacity - staged - others, 0)
+        return max(rec.packed.range_capacity - others, 0)
 
     def set_ranges(self, buffer: H2DBuffer, ranges: Sequence[tuple[int, int]]) -> None:
         """Publish only these byte ranges ``[start, stop)`` of ``buffer`` this epoch.
@@ -621,7 +617,6 @@ class H2DRunnerState:
         gi, i = buffer.homes[0]
         rec = self._slot_groups[self.current_slot][gi]
         pending = [(j, o, n) for j, o, n in rec.ranges if j != i]
-        room = rec.packed.staging_capacity if rec.packed is not None else None
         used = 0
         prev = 0
         new: list[tuple[int, int, int]] = []
@@ -643,11 +638,11 @@ class H2DRunnerState:
             new.append((i, int(start), int(stop - start)))
             used += int(stop - start) + 16
             prev = stop
-        staged_room = self.range_room(buffer)
-        if room is not None and used > staged_room:
+        room = self.range_room(buffer)
+        if rec.packed is not None and used > room:
             raise CountError(
-                f"buffer {name!r}: {used} range bytes exceed the group's staging room "
-                f"({staged_room} bytes); publish a count (whole rows) instead"
+                f"buffer {name!r}: {used} range bytes exceed the group's staging room for "
+                f"ranges ({room} bytes); publish a count (whole rows) instead"
             )
         if rec.counts[i] is not None:
             _omit(rec, i)
@@ -664,10 +659,16 @@ class H2DRunnerState:
         """Set several counts; all are validated before any is stored."""
         items = list(counts.items() if isinstance(counts, Mapping) else counts)
         self._check_ready("set_counts")
+        recs = self._slot_groups[self.current_slot]
         for buf, c in items:
             self._check_member(buf)
             if c is not None:
                 buf.check_count(c)
+                if buf.max_ranges and buf.member_index in recs[buf.homes[0][0]].ranged:
+                    raise CountError(
+                        f"buffer {buf.name!r}: ranges were already set this epoch; publish "
+                        "either a count or ranges, not both"
+                    )
             if buf.group in self._published:
                 raise DuplicatePublicationError(
                     f"buffer {buf.name!r}: group {buf.group!r} was already published in this "
@@ -726,8 +727,9 @@ class H2DRunnerState:
         self._published |= names
         if self._on_publish:
             for g in names:
-                for fn in self._on_publish.pop(g, ()):
-                    fn()
+                for buf, fn, only_if_sent in self._on_publish.pop(g, ()):
+                    if not only_if_sent or self._sent(buf):
+                        fn()
 
     def _enqueue(self, rec: SlotGroup, covered: Sequence[H2DBuffer],
                  counters: GroupCounters, stream: Any) -> int:
@@ -746,12 +748,20 @@ class H2DRunnerState:
             counters.direct_fallbacks += 1
         return nbytes
 
-    def on_publish(self, buffer: H2DBuffer, callback: Callable[[], None]) -> None:
+    def on_publish(
+        self, buffer: H2DBuffer, callback: Callable[[], None], *, only_if_sent: bool = True
+    ) -> None:
         """Run ``callback`` once, right after ``buffer``'s group is published successfully
-        in this epoch. A failed, reopened or never-made publication never runs it."""
+        in this epoch, and (``only_if_sent``) only if that publication carried ``buffer``
+        (a count or ranges). A failed, reopened or never-made publication never runs it."""
         self._check_ready("on_publish")
         self._check_member(buffer)
-        self._on_publish.setdefault(buffer.group, []).append(callback)
+        self._on_publish.setdefault(buffer.group, []).append((buffer, callback, only_if_sent))
+
+    def _sent(self, buffer: H2DBuffer) -> bool:
+        gi, i = buffer.homes[0]
+        rec = self._slot_groups[self.current_slot][gi]
+        return rec.counts[i] is not None or i in rec.ranged
 
     def _copy_direct(
         self, rec: SlotGroup, indices: Iterable[int], counters: GroupCounters
@@ -780,10 +790,21 @@ class H2DRunnerState:
         return total
 
     def copy_member_direct(self, buffer: H2DBuffer, n: int | None) -> torch.Tensor:
-        """Checked direct copy of one buffer's first ``n`` units; returns the destination view."""
+        """Checked direct copy of one buffer's first ``n`` units; returns the destination view.
+
+        For standalone callers not yet producing through a group: it counts as the
+        publication of ``buffer``'s producer group in this epoch (the group must not have
+        been published yet, and rewriting the source afterwards needs ``reopen``), since the
+        asynchronous copy reads the source until the slot's completion event.
+        """
         self._check_ready(f"copy_to_gpu of {buffer.name!r}")
         self._check_member(buffer)
         count = buffer.spec.capacity if n is None else buffer.check_count(n)
+        if buffer.group in self._published:
+            raise DuplicatePublicationError(
+                f"copy_to_gpu of {buffer.name!r}: group {buffer.group!r} was already published "
+                "in this epoch; reopen(group, reason) before copying it again"
+            )
         self._check_device()
         self._check_stream(None)
         dst = buffer._dst_units[:count]
@@ -796,8 +817,10 @@ class H2DRunnerState:
                 f"enqueueing the direct copy of {buffer.name!r} failed; the owner is "
                 "invalidated; call reset() to recover"
             ) from exc
+        self._published.add(buffer.group)
         c = self._counters[buffer.group]
         c.direct_copies += 1
+        c.publications += 1
         c.bytes += count * buffer.spec.unit_bytes
         if buffer.spec.unit is CountUnit.ROWS:
             return dst
@@ -808,7 +831,10 @@ class H2DRunnerState:
 
         Acquires the sources first: waits until every DMA already enqueued on the consumer
         stream (the earlier publication included) has completed, so rewriting them is safe.
-        The group's counts are cleared; producers set them again before publishing.
+        The group's counts are cleared; producers set them again before publishing. When the
+        group went out inside a combined group, that whole publication is reopened: the
+        sibling producer groups lose their counts and pending callbacks too, and must be
+        produced again before the combined group is published again.
         """
         self._check_ready(f"reopen({group!r})")
         if not isinstance(reason, str) or not reason.strip():
@@ -843,6 +869,11 @@ class H2DRunnerState:
             self._acquire_event.synchronize()
 
     # ------------------------------------------------------------------ producers
+    def leave_producer_after_error(self, groups: Sequence[str]) -> None:
+        """A producer of ``groups`` raised: it may run again (nothing was published)."""
+        if not any(g in self._published for g in groups):
+            self._produced.difference_update(groups)
+
     def enter_producer(self, groups: Sequence[str], reason: str | None) -> None:
         """The check ``@h2d_producer`` runs before entering a producer of ``groups``."""
         if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:

@@ -34,7 +34,7 @@ from h2d_runner_adapters.consumers import (
     prepare_prefill_attention,
     sample_tokens,
 )
-from h2d_runner_adapters.mha_decode import EMPTY_ROW, MHA_DECODE, DecodePlan, MhaDecodeInputs
+from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from h2d_runner_adapters.sampling import SAMPLING, SamplingInputs, SamplingPlan
 from h2d_runner_adapters.token_inputs import (
@@ -47,7 +47,6 @@ from h2d_runner_adapters.token_inputs import (
 )
 
 __all__ = [
-    "EMPTY_ROW",
     "GREEDY_TEMPERATURE",
     "MHA_DECODE",
     "PREFILL_INPUTS",

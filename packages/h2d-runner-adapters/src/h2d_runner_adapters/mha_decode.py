@@ -24,14 +24,19 @@ import numpy as np
 import torch
 
 from block_tables import BlockTable
-from h2d_core import BlockTableState, H2DRunnerState, block_table_state, h2d_producer
+from h2d_core import (
+    BlockTableState,
+    CountError,
+    H2DRunnerState,
+    block_table_state,
+    h2d_producer,
+)
 
 from .batch import ScheduledBatch
 from .consumers import generate_kv_indices
+from .token_inputs import _padded
 
 MHA_DECODE = "mha_decode"
-#: the empty row padded requests get: versioned, so padding costs nothing on a hit
-EMPTY_ROW = BlockTable()
 
 
 def _ceil_div(values: np.ndarray, page: int) -> np.ndarray:
@@ -82,7 +87,9 @@ class MhaDecodeInputs:
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=state.device)
         self._tables: BlockTableState | None = None
-        self._pad_rows: list[BlockTable] = [EMPTY_ROW] * max_reqs
+        # Padded requests get this adapter's own empty row: versioned, so padding costs
+        # nothing on a hit; private, so nothing can append to it.
+        self._pad_rows: list[BlockTable] = [BlockTable()] * max_reqs
         # fixed helpers of the hot path, made once
         self._zeros = np.zeros(max_reqs, dtype=np.int32)
         self._rows = np.arange(max_reqs)
@@ -103,10 +110,10 @@ class MhaDecodeInputs:
         cols = batch.columns
         qlens = cols.query_lens
         n = qlens.size
-        p = n if padded is None else padded
+        p = _padded(self.group, n, padded)
         q = int(qlens[0]) if n else 1
         if n and qlens.tobytes() != qlens[:1].tobytes() * n:
-            raise ValueError(
+            raise CountError(
                 f"{self.group}: decode expects the same number of tokens per request, got "
                 f"{sorted(set(qlens.tolist()))}"
             )

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h2d_core import H2DRunnerState, h2d_producer
+from h2d_core import CountError, DeclarationError, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
 from .consumers import assemble_token_ids, gather_draft_ids
@@ -39,6 +39,18 @@ SPEC_INDICES = "spec_indices"
 #: the producer groups of the token inputs, in the order a combined group lists them
 TOKEN_PRODUCERS = (SAMPLING, TOKEN_IDS, QUERY_PREFIX)
 TOKEN_INPUTS = "token_inputs"
+
+
+def _padded(group: str, n: int, padded: int | None) -> int:
+    """The published request count: ``padded`` (a CUDA-graph size) or ``n``."""
+    if padded is None:
+        return n
+    if isinstance(padded, bool) or not isinstance(padded, int) or padded < n:
+        raise CountError(
+            f"{group}: padded={padded!r} must be an int >= the batch's {n} requests (pad up to "
+            "a captured graph size, never down)"
+        )
+    return padded
 
 
 @dataclass(frozen=True)
@@ -85,9 +97,10 @@ class TokenInputs:
         """Stage ids, the per-request token prefix and the deferred source rows."""
         cols = batch.columns
         n = cols.query_lens.size
-        p = n if padded is None else padded
+        p = _padded(TOKEN_IDS, n, padded)
         t = cols.token_ids.size
-        q = int(cols.query_lens.max()) if n and padded is not None else 0
+        # padding tokens: q per padded request, as the decode metadata pads them
+        q = int(cols.query_lens.max()) if n else 1
         pt = t if padded is None else max(t, p * q)
         st = self.h2d_state
         ids = self.input_ids.np
@@ -110,7 +123,7 @@ class TokenInputs:
         """``cu_seqlens_q[: padded+1]``; the tail repeats the total (padded = empty)."""
         cols = batch.columns
         n = cols.query_lens.size
-        p = n if padded is None else padded
+        p = _padded(QUERY_PREFIX, n, padded)
         cu = self.cu_seqlens_q.np
         cu[0] = 0
         np.add.accumulate(cols.query_lens, out=cu[1 : n + 1])
@@ -126,7 +139,10 @@ class TokenInputs:
         ``cu[r] + d_r``; ``cu_num_draft_tokens`` is the inclusive prefix of ``d``.
         """
         if not self.max_drafts:
-            raise ValueError("TokenInputs was built with max_drafts=0: no speculative buffers")
+            raise DeclarationError(
+                f"{SPEC_INDICES}: TokenInputs was built with max_drafts=0, so it has no "
+                "speculative buffers; pass max_drafts=k to the constructor"
+            )
         cols = batch.columns
         n = cols.query_lens.size
         d = cols.num_drafts.astype(np.int64)
