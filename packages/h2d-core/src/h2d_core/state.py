@@ -681,10 +681,12 @@ class H2DRunnerState:
     def publish(self, group: str, *, stream: Any = None) -> None:
         """Publish ``group`` on the epoch's consumer stream.
 
-        A packed group with two or more active members: one DMA of the arena's header and
-        used payload, then one scatter. One active member, the direct backend, an ineligible
+        A packed group with two or more active members (or one member with several
+        ranges): one DMA of the arena's header and used payload, then one scatter. One
+        active member with a count or a single range, the direct backend, an ineligible
         group, or a producer group covered by a combined group: one direct copy per active
-        member. Validation happens first; a rejected publication enqueues nothing.
+        member (per range). Validation happens first; a rejected publication enqueues
+        nothing.
         """
         if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
             self._check_ready(f"publish({group!r})")
