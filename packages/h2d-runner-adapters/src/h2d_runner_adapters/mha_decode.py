@@ -24,16 +24,11 @@ import numpy as np
 import torch
 
 from block_tables import BlockTable
-from h2d_core import (
-    BlockTableState,
-    CountError,
-    H2DRunnerState,
-    block_table_state,
-    h2d_producer,
-)
+from h2d_core import CountError, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
 from .consumers import generate_kv_indices
+from .paged import PagedInputs
 from .token_inputs import _padded
 
 MHA_DECODE = "mha_decode"
@@ -56,7 +51,7 @@ class DecodePlan:
     table_stage: str
 
 
-class MhaDecodeInputs:
+class MhaDecodeInputs(PagedInputs):
     """Declares the decode buffers, produces them, and runs KV-index generation."""
 
     def __init__(
@@ -71,36 +66,24 @@ class MhaDecodeInputs:
         max_ranges: int = 64,
         prefix: str = "",
     ) -> None:
-        self.h2d_state = state
-        self.page_size = page_size
-        self.pool_limit = num_pages
-        buf = state.buffer
         g = MHA_DECODE if not prefix else f"{prefix}{MHA_DECODE}"
-        self.group = g
+        super().__init__(state, g, f"{prefix}block_tables", max_reqs=max_reqs,
+                         max_pages_per_req=max_pages_per_req, page_size=page_size,
+                         num_pages=num_pages, max_ranges=max_ranges)
+        buf = state.buffer
         self.slot_mapping = buf(f"{prefix}slot_mapping", (max_tokens,), torch.int64, group=g)
         self.context_lens = buf(f"{prefix}context_lens", (max_reqs,), torch.int32, group=g)
-        self.block_tables = buf(f"{prefix}block_tables", (max_reqs, max_pages_per_req),
-                                torch.int32, group=g, unit="rows", max_ranges=max_ranges)
         self.kv_indptr = buf(f"{prefix}kv_indptr", (max_reqs + 1,), torch.int32, group=g)
         self.positions = buf(f"{prefix}positions", (max_tokens,), torch.int64, group=g)
         # written on the device by the first consumer, never uploaded
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=state.device)
-        self._tables: BlockTableState | None = None
         # Padded requests get this adapter's own empty row: versioned, so padding costs
         # nothing on a hit; private, so nothing can append to it.
         self._pad_rows: list[BlockTable] = [BlockTable()] * max_reqs
         # fixed helpers of the hot path, made once
         self._zeros = np.zeros(max_reqs, dtype=np.int32)
         self._rows = np.arange(max_reqs)
-        self._page_shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-
-    @property
-    def tables(self) -> BlockTableState:
-        """The block-table state (created on first use, after ``bind()``)."""
-        if self._tables is None:
-            self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit)
-        return self._tables
 
     @h2d_producer(lambda self: self.group)
     def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodePlan:
@@ -142,13 +125,7 @@ class MhaDecodeInputs:
         pos[t:pt] = 0
         token_pos = pos[:t]
         slots = self.slot_mapping.np
-        out = slots[:t]
-        if self._page_shift >= 0:
-            np.multiply(tables.snapshot.storage[req, token_pos >> self._page_shift], page, out=out)
-            out += token_pos & (page - 1)
-        else:
-            np.multiply(tables.snapshot.storage[req, token_pos // page], page, out=out)
-            out += token_pos % page
+        self.kv_slots(req, token_pos, slots[:t])
         slots[t:pt] = -1
         lens = self.context_lens.np
         lens[:n] = ctx

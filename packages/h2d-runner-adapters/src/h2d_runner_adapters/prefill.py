@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h2d_core import BlockTableState, H2DRunnerState, block_table_state, h2d_producer
+from h2d_core import H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
 from .consumers import prepare_prefill_attention
+from .paged import PagedInputs
 
 PREFILL_INPUTS = "prefill_inputs"
 
@@ -37,7 +38,7 @@ class PrefillPlan:
     table_stage: str
 
 
-class PrefillInputs:
+class PrefillInputs(PagedInputs):
     """Declares the prefill buffers, produces them, and runs attention preparation."""
 
     def __init__(
@@ -51,30 +52,20 @@ class PrefillInputs:
         num_pages: int | None = None,
         max_ranges: int = 64,
     ) -> None:
-        self.h2d_state = state
-        self.page_size = page_size
-        self.pool_limit = num_pages
         g = PREFILL_INPUTS
-        self.group = g
+        super().__init__(state, g, "prefill_block_tables", max_reqs=max_reqs,
+                         max_pages_per_req=max_pages_per_req, page_size=page_size,
+                         num_pages=num_pages, max_ranges=max_ranges)
         buf = state.buffer
         self.cu_seqlens_k = buf("prefill_cu_seqlens_k", (max_reqs + 1,), torch.int32, group=g)
         self.context_lens = buf("prefill_context_lens", (max_reqs,), torch.int32, group=g)
         self.slot_mapping = buf("prefill_slot_mapping", (max_tokens,), torch.int64, group=g)
         self.positions = buf("prefill_positions", (max_tokens,), torch.int64, group=g)
-        self.block_tables = buf("prefill_block_tables", (max_reqs, max_pages_per_req),
-                                torch.int32, group=g, unit="rows", max_ranges=max_ranges)
         dev = state.device
         self.token_request = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=dev)
-        self._tables: BlockTableState | None = None
-
-    @property
-    def tables(self) -> BlockTableState:
-        if self._tables is None:
-            self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit)
-        return self._tables
 
     @h2d_producer(PREFILL_INPUTS)
     def prepare(
@@ -113,11 +104,10 @@ class PrefillInputs:
         pos[:t] = np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q))
         st.set_count(self.positions, t)
         token_pos = pos[:t]
-        slots = tables.snapshot.storage[req, token_pos // page].astype(np.int64) * page
-        slots += token_pos % page
+        slots = self.slot_mapping.np[:t]
+        self.kv_slots(req, token_pos, slots)
         if owns_slot is not None:
             slots[~owns_slot(slots)] = -1
-        self.slot_mapping.np[:t] = slots
         st.set_count(self.slot_mapping, t)
         stage = tables.stage(n) if publish_tables else ""
         if not publish_tables:
