@@ -35,6 +35,7 @@ from h2d_runner_adapters.consumers import (
     sample_tokens,
 )
 from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
+from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from h2d_runner_adapters.sampling import SAMPLING, SamplingInputs, SamplingPlan
 from h2d_runner_adapters.token_inputs import (
@@ -61,6 +62,7 @@ __all__ = [
     "DecodePlan",
     "MhaDecodeInputs",
     "PageRow",
+    "PagedInputs",
     "PrefillInputs",
     "PrefillPlan",
     "SamplingInputs",
