@@ -558,3 +558,28 @@ def test_failed_producer_can_run_again(device: str, h: Any) -> None:
     assert len(attempts) == 2
     with pytest.raises(ReentryError):
         produce(st, False)
+
+
+@pytest.mark.gpu
+def test_consumer_stream_may_change_between_epochs(h: Any) -> None:
+    setup = h.build_state("cuda")
+    st = setup.state
+    ids = setup.buffers["input_ids"]
+    side = torch.cuda.Stream()
+    for step, stream in enumerate([None, side, side, None]):
+        ctx = torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
+            torch.cuda.current_stream())
+        with ctx:
+            st.begin()
+            ids.np[:4] = step
+            st.set_count(ids, 4)
+            st.set_count(setup.buffers["positions"], 1)
+            st.publish("decode")
+            st.finish()
+        torch.cuda.synchronize()
+        assert ids.gpu[:4].tolist() == [step] * 4
+    with torch.cuda.stream(side):
+        st.begin()
+    with pytest.raises(StreamMismatchError):
+        st.publish("decode")
+    st.finish()

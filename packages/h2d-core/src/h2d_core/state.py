@@ -462,9 +462,18 @@ class H2DRunnerState:
             raise EpochError(f"slot {slot!r} is not in [0, {self.num_slots})")
         self._check_device()
         if self._cuda:
-            s = torch.cuda.current_stream(self.device) if stream is None else stream
-            if s.device != self.device:
-                raise DeviceMismatchError(f"stream is on {s.device}, the state on {self.device}")
+            if stream is not None:
+                s = stream
+                if s.device != self.device:
+                    raise DeviceMismatchError(
+                        f"stream is on {s.device}, the state on {self.device}; begin() on a "
+                        "stream of the state's device"
+                    )
+            elif (self._stream is not None and torch._C._cuda_getCurrentRawStream(
+                    self.device.index) == self._stream_id):
+                s = self._stream  # the same consumer stream as last epoch: no new object
+            else:
+                s = torch.cuda.current_stream(self.device)
         if self._event_recorded[slot]:
             t0 = time.perf_counter_ns()
             self._events[slot].synchronize()
