@@ -156,7 +156,7 @@ class BlockTableState:
             state.set_count(self.buffer, None)
             self.last_stage = StageResult.REUSED
             return self.last_stage
-        ranges = self._partial_ranges(rec, slot, rev, num_rows) if self._ranged else None
+        ranges = self._partial_ranges(rec, slot, num_rows) if self._ranged else None
         if ranges == []:
             state.set_count(self.buffer, None)
             self.last_stage = StageResult.PARTIAL
@@ -179,7 +179,7 @@ class BlockTableState:
         return self.last_stage
 
     def _partial_ranges(
-        self, rec: PublishedTable | None, slot: int, rev: int, num_rows: int
+        self, rec: PublishedTable | None, slot: int, num_rows: int
     ) -> list[tuple[int, int]] | None:
         if rec is None:
             return None
@@ -190,15 +190,12 @@ class BlockTableState:
         if spans is None:
             return None
         rb = self._row_bytes
-        ranges: list[tuple[int, int]] = []
-        for r, a, b in zip(spans.rows, spans.starts, spans.stops, strict=True):
-            start, stop = r * rb + a * 4, r * rb + b * 4
-            if ranges and ranges[-1][1] == start:
-                ranges[-1] = (ranges[-1][0], stop)
-            else:
-                ranges.append((start, stop))
+        pieces = [(r * rb + a * 4, r * rb + b * 4)
+                  for r, a, b in zip(spans.rows, spans.starts, spans.stops, strict=True)]
         if num_rows > rec.rows:  # rows the GPU never received at this record
-            start, stop = rec.rows * rb, num_rows * rb
+            pieces.append((rec.rows * rb, num_rows * rb))
+        ranges: list[tuple[int, int]] = []
+        for start, stop in pieces:  # byte-adjacent pieces become one range
             if ranges and ranges[-1][1] == start:
                 ranges[-1] = (ranges[-1][0], stop)
             else:

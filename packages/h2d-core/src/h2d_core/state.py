@@ -65,6 +65,15 @@ def _omit(rec: SlotGroup, i: int) -> None:
         rec.range_bytes = sum(n for _, _, n in rec.ranges)
 
 
+def _replace_ranges(rec: SlotGroup, i: int, new: list[tuple[int, int, int]]) -> None:
+    """Member ``i`` publishes exactly the ranges ``new`` (validated) instead of a count."""
+    _omit(rec, i)
+    rec.active += 1
+    rec.ranged.add(i)
+    rec.ranges = [r for r in rec.ranges if r[0] != i] + new
+    rec.range_bytes = sum(n for _, _, n in rec.ranges)
+
+
 def _profiler_enabled() -> bool:
     return bool(torch._C._autograd._profiler_enabled())
 
@@ -582,12 +591,7 @@ class H2DRunnerState:
         rec = self._slot_groups[self.current_slot][gi]
         if rec.packed is None or total + 16 * len(ranges) > self.range_room(buffer):
             return False
-        _omit(rec, i)
-        rec.active += 1
-        rec.ranged.add(i)
-        rec.ranges = [r for r in rec.ranges if r[0] != i]
-        rec.ranges += [(i, a, b - a) for a, b in ranges]
-        rec.range_bytes = sum(n for _, _, n in rec.ranges)
+        _replace_ranges(rec, i, [(i, a, b - a) for a, b in ranges])
         return True
 
     def range_room(self, buffer: H2DBuffer) -> int:
@@ -625,7 +629,6 @@ class H2DRunnerState:
             )
         gi, i = buffer.homes[0]
         rec = self._slot_groups[self.current_slot][gi]
-        pending = [(j, o, n) for j, o, n in rec.ranges if j != i]
         used = 0
         prev = 0
         new: list[tuple[int, int, int]] = []
@@ -653,13 +656,7 @@ class H2DRunnerState:
                 f"buffer {name!r}: {used} range bytes exceed the group's staging room for "
                 f"ranges ({room} bytes); publish a count (whole rows) instead"
             )
-        if rec.counts[i] is not None:
-            _omit(rec, i)
-        if i not in rec.ranged:
-            rec.active += 1
-            rec.ranged.add(i)
-        rec.ranges = pending + new
-        rec.range_bytes = sum(n for _, _, n in rec.ranges)
+        _replace_ranges(rec, i, new)
 
     def set_counts(
         self,
