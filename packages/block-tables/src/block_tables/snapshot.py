@@ -32,11 +32,13 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from .errors import RowCountError, RowTypeError, RowWidthError, StorageError
 from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable
+from .native import load_extension
 from .validation import (
     INT32_MAX,
     INT32_MIN,
@@ -61,6 +63,10 @@ UNVERSIONED = 0
 _INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows always compare
 
 Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
+
+_native = load_extension("_block_tables_native", Path(__file__).with_name("_snapshot_native.c"))
+if _native is not None:
+    _native.configure(BlockTable, LENGTH_BITS)
 
 
 def _key(version: int, length: int) -> int:
@@ -142,7 +148,15 @@ class PageTableSnapshot:
         self._row_base: Int64Array = np.arange(rows, dtype=np.int64) * width
         self._ones = np.ones(rows, dtype=np.int64).tobytes()
         self._no_bytes = bytes(rows)
-        self._keys: list[int] | None = None  # packed keys of the last batch, if all versioned
+        self._keys: list[int] | None = None  # packed keys of the last batch (Python path)
+        # every row of the last batch was a BlockTable: equal keys then mean equal bytes
+        self._all_versioned = False
+        # compiled common step (native.py), bound once to the arrays above and its own
+        self._changed_out = np.empty(rows, dtype=np.int64)
+        self._limit_arg = -1 if pool_limit is None else int(pool_limit)
+        self._bound = None if _native is None else _native.bind(
+            self._row_keys, self._lengths, self._flat, self._changed_out,
+            np.empty(2 * rows, dtype=np.int64), int(width))
         self._num_rows = 0
         self._revision = 0
         # (revision, sorted changed rows, or None for "all rows") per byte-changing step.
@@ -234,6 +248,20 @@ class PageTableSnapshot:
         span needs this step; it is checked on every call, hits included. Nothing of
         ``rows`` is retained after the call.
         """
+        if self._bound is not None:
+            # The common decode step (hits and one-page appends of versioned rows) in one
+            # compiled call; None means "not covered", and nothing was written.
+            num_changed = _native.prepare_step(self._bound, rows, self._limit_arg,
+                                               required_pages)
+            if num_changed is not None:
+                self._keys = None  # the next Python-path call compares keys again
+                self._all_versioned = True
+                self._num_rows = len(rows)
+                if num_changed:
+                    self._revision += 1
+                    self._history.append(
+                        (self._revision, self._changed_out[:num_changed].copy()))
+                return self._revision
         try:
             keys = [row._key for row in rows]  # type: ignore[union-attr]
         except AttributeError:
@@ -255,6 +283,7 @@ class PageTableSnapshot:
         self._row_keys.fill(self._unknown_key)
         self._lengths.fill(self._width)
         self._keys = None
+        self._all_versioned = False
         self._num_rows = 0
         self._revision += 1
         self._history.append((self._revision, None))
@@ -404,6 +433,7 @@ class PageTableSnapshot:
             for i, _start, stop, _ids in multi:
                 _record_proof(rows[i], stop, limit)  # type: ignore[arg-type]
         self._keys = keys
+        self._all_versioned = keys is not None
         self._num_rows = n
         if changed:
             changed_arrays.append(np.array(changed, dtype=np.int64))

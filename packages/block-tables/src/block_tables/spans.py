@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .lineage import LENGTH_BITS, LENGTH_MASK
-from .snapshot import UNVERSIONED, PageTableSnapshot
+from .snapshot import UNVERSIONED, PageTableSnapshot, _native
 from .validation import Int64Array
 
 
@@ -62,9 +62,11 @@ def changed_spans(
     """
     limit = min(num_rows, keys_then.size)
     now_all = snapshot._row_keys[:limit]
-    if snapshot._keys is not None:
+    if snapshot._all_versioned:
         # The last batch was all versioned: equal keys mean equal bytes, so one vectorised
         # comparison finds every changed row without the history.
+        if _native is not None:
+            return ChangedSpans(*_native.key_spans(now_all, keys_then, limit))
         rows = np.flatnonzero(now_all != keys_then[:limit])
     elif revision is not None:
         changed = snapshot.changed_rows_since(revision)
@@ -93,3 +95,45 @@ def changed_spans(
             starts.append(start)
             stops.append(stop)
     return ChangedSpans(kept, starts, stops)
+
+
+def changed_byte_ranges(
+    snapshot: PageTableSnapshot,
+    keys_then: Int64Array,
+    num_rows: int,
+    row_bytes: int,
+    *,
+    revision: int | None = None,
+    max_ranges: int,
+    max_bytes: int,
+) -> tuple[list[tuple[int, int]], int] | None:
+    """What to send so a destination holding rows ``[0, len(keys_then))`` with those keys
+    holds rows ``[0, num_rows)`` of the snapshot: ``(ranges, total bytes)``, byte ranges
+    ``[start, stop)`` of the row-major int32 table (``row_bytes`` per row), ascending, with
+    byte-adjacent pieces merged; rows the destination never held travel whole.
+
+    None when :func:`changed_spans` cannot tell (history too short) or when more than
+    ``max_ranges`` ranges or ``max_bytes`` bytes would travel: send whole rows instead.
+    """
+    rows_then = keys_then.size
+    if snapshot._all_versioned and _native is not None:
+        return _native.changed_byte_ranges(  # type: ignore[no-any-return]
+            snapshot._row_keys, keys_then, rows_then, num_rows, row_bytes, max_ranges,
+            max_bytes)
+    spans = changed_spans(snapshot, keys_then, num_rows, revision)
+    if spans is None:
+        return None
+    pieces = [(r * row_bytes + a * 4, r * row_bytes + b * 4)
+              for r, a, b in zip(spans.rows, spans.starts, spans.stops, strict=True)]
+    if num_rows > rows_then:
+        pieces.append((rows_then * row_bytes, num_rows * row_bytes))
+    ranges: list[tuple[int, int]] = []
+    for start, stop in pieces:
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], stop)
+        else:
+            ranges.append((start, stop))
+    total = sum(b - a for a, b in ranges)
+    if len(ranges) > max_ranges or total > max_bytes:
+        return None
+    return ranges, total

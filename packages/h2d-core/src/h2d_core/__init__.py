@@ -7,6 +7,7 @@ Public API::
     state.combine("decode", ["token_inputs", "mha_decode"])     # optional
     state.bind()
     state.begin(); buf.np[:n] = ...; state.set_count(buf, n)
+    counts = state.count_batch([a, b, c]); counts.set(n_a, None, n_c)   # fused producers
     state.publish("decode"); state.finish()
 
     @h2d_producer("mha_decode")
@@ -15,6 +16,7 @@ Public API::
 
 from .block_table_state import BlockTableState, PublishedTable, StageResult, block_table_state
 from .buffer import BufferSpec, CountUnit, H2DBuffer
+from .count_batch import CountBatch
 from .config import ENV_VAR, Backend, resolve_backend
 from .errors import (
     BackendError,
@@ -45,6 +47,7 @@ __all__ = [
     "BindingError",
     "BlockTableState",
     "BufferSpec",
+    "CountBatch",
     "CountError",
     "CountUnit",
     "DeclarationError",

@@ -22,13 +22,14 @@ call :meth:`BlockTableState.invalidate` afterwards.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from threading import get_ident
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from block_tables import PageTableSnapshot
-from block_tables.spans import changed_spans, row_keys
+from block_tables.spans import changed_byte_ranges
 
 from .buffer import CountUnit, H2DBuffer
 from .config import Backend
@@ -50,8 +51,7 @@ LARGE_TABLE_RANGES = 32
 PARTIAL_MAX_SHARE = 0.5
 
 
-@dataclass(frozen=True)
-class PublishedTable:
+class PublishedTable(NamedTuple):
     """What the GPU destination holds: slot's snapshot, its revision, rows, row keys."""
 
     slot: int
@@ -128,8 +128,11 @@ class BlockTableState:
         """Bring the current slot's CPU table to ``rows`` (padding rows included); return
         the prepared revision. All rows are validated before any write; prefill may
         prepare without publishing."""
-        self.state._check_ready(f"prepare of {self.buffer.name!r}")
-        return self.snapshot.prepare(rows, required_pages=required_pages)  # type: ignore[arg-type]
+        state = self.state
+        if state._invalid is not None or not state._epoch_open or get_ident() != state._owner:
+            state._check_ready(f"prepare of {self.buffer.name!r}")
+        return self.snapshots[state.current_slot].prepare(
+            rows, required_pages=required_pages)  # type: ignore[arg-type]
 
     # -- GPU side ---------------------------------------------------------------------------
     def stage(self, num_rows: int) -> str:
@@ -140,11 +143,14 @@ class BlockTableState:
         The record is updated only when the group's publication succeeds.
         """
         state = self.state
-        state._check_ready(f"stage of {self.buffer.name!r}")
+        if state._invalid is not None or not state._epoch_open or get_ident() != state._owner:
+            state._check_ready(f"stage of {self.buffer.name!r}")
         slot = state.current_slot
         snap = self.snapshots[slot]
-        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
-            raise CountError(f"buffer {self.buffer.name!r}: num_rows must be an int")
+        if type(num_rows) is not int:
+            if isinstance(num_rows, bool) or not isinstance(num_rows, np.integer):
+                raise CountError(f"buffer {self.buffer.name!r}: num_rows must be an int")
+            num_rows = int(num_rows)
         if not 0 <= num_rows <= snap.num_rows:
             raise CountError(
                 f"buffer {self.buffer.name!r}: {num_rows} rows requested but slot {slot}'s "
@@ -156,57 +162,41 @@ class BlockTableState:
             state.set_count(self.buffer, None)
             self.last_stage = StageResult.REUSED
             return self.last_stage
-        ranges = self._partial_ranges(rec, slot, num_rows) if self._ranged else None
-        if ranges == []:
+        found = self._partial_ranges(rec, slot, num_rows) if self._ranged else None
+        if found is not None and not found[0]:
             state.set_count(self.buffer, None)
             self.last_stage = StageResult.PARTIAL
-        elif ranges is not None and state.try_trusted_ranges(
-                self.buffer, ranges, sum(b - a for a, b in ranges)):
+        elif found is not None and state.try_trusted_ranges(self.buffer, *found):
             self.last_stage = StageResult.PARTIAL
         else:
-            ranges = None
-            state.set_count(self.buffer, int(num_rows))
+            found = None
+            state.set_count(self.buffer, num_rows)
             self.last_stage = StageResult.WHOLE
-        keys = row_keys(snap, num_rows)
-        n = int(num_rows)
+        keys = snap._row_keys[:num_rows].copy()
 
         def commit() -> None:
-            self.published = PublishedTable(slot, rev, n, keys)
+            self.published = PublishedTable(slot, rev, num_rows, keys)
 
         # With nothing to send the GPU already holds these bytes; the record still moves
         # only once the group's publication succeeded.
-        state.on_publish(self.buffer, commit, only_if_sent=ranges != [])
+        state._after_publish(self.buffer, commit, found is None or bool(found[0]))
         return self.last_stage
 
     def _partial_ranges(
         self, rec: PublishedTable | None, slot: int, num_rows: int
-    ) -> list[tuple[int, int]] | None:
+    ) -> tuple[list[tuple[int, int]], int] | None:
         if rec is None:
             return None
-        # Same slot: the snapshot's history is exact. Another slot's table on the same
-        # destination: compare row keys (versioned rows need no page-ID reads either way).
-        spans = changed_spans(self.snapshots[slot], rec.keys, num_rows,
-                              rec.revision if rec.slot == slot else None)
-        if spans is None:
-            return None
-        rb = self._row_bytes
-        pieces = [(r * rb + a * 4, r * rb + b * 4)
-                  for r, a, b in zip(spans.rows, spans.starts, spans.stops, strict=True)]
-        if num_rows > rec.rows:  # rows the GPU never received at this record
-            pieces.append((rec.rows * rb, num_rows * rb))
-        ranges: list[tuple[int, int]] = []
-        for start, stop in pieces:  # byte-adjacent pieces become one range
-            if ranges and ranges[-1][1] == start:
-                ranges[-1] = (ranges[-1][0], stop)
-            else:
-                ranges.append((start, stop))
-        whole = num_rows * rb
+        whole = num_rows * self._row_bytes
         limit = self.partial_max_ranges or (
             LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES)
-        if len(ranges) > min(limit, self.buffer.max_ranges) or (
-                sum(b - a for a, b in ranges) > self.partial_max_share * whole):
-            return None
-        return ranges
+        # Same slot: the snapshot's history is exact. Another slot's table on the same
+        # destination: compare row keys (versioned rows need no page-ID reads either way).
+        return changed_byte_ranges(
+            self.snapshots[slot], rec.keys, num_rows, self._row_bytes,
+            revision=rec.revision if rec.slot == slot else None,
+            max_ranges=min(limit, self.buffer.max_ranges),
+            max_bytes=int(self.partial_max_share * whole))
 
     def forget_gpu(self) -> None:
         """Forget what the GPU table holds (after a failure); the next stage sends it whole."""

@@ -22,12 +22,18 @@ from __future__ import annotations
 import ctypes
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from block_tables.native import load_extension
+
 from .buffer import CountUnit, H2DBuffer
+
+#: compiled hot paths of this package (block_tables.native), or None: the Python bodies
+native = load_extension("_h2d_core_native", Path(__file__).with_name("_core_native.c"))
 
 #: members up to this many bytes are written in place in the arena
 INPLACE_LIMIT = 32 * 1024
@@ -107,6 +113,10 @@ class PackedSlot:
     #: the ranges' share of the staging region (16 bytes of alignment per range included)
     range_capacity: int
     first_extra: int
+    header_addr: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.header_addr = self.header.ctypes.data
 
 
 def bind_packed_slot(
@@ -186,6 +196,9 @@ def pack(
     validated against capacity and ``range_capacity`` by the caller; counts are validated
     against capacity, and each staged member has its full size reserved.
     """
+    if native is not None:
+        return native.pack(slot.host_base, slot.header_addr, slot.staging_offset,  # type: ignore[no-any-return]
+                           slot.first_extra, slot.staged, counts, slot.src_base, ranges)
     base = slot.host_base
     header = slot.header
     end = 0

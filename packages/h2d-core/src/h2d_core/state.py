@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from threading import get_ident
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,6 +49,9 @@ from .errors import (
 from .group import GroupCounters, GroupPlan, SlotGroup, byte_span, find_overlap, unit_view
 from .packing import arena_order, bind_packed_slot, pack
 
+if TYPE_CHECKING:
+    from .count_batch import CountBatch
+
 
 def _omit(rec: SlotGroup, i: int) -> None:
     old = rec.counts[i]
@@ -63,6 +66,26 @@ def _omit(rec: SlotGroup, i: int) -> None:
         rec.active -= 1
         rec.ranges = [r for r in rec.ranges if r[0] != i]
         rec.range_bytes = sum(n for _, _, n in rec.ranges)
+
+
+def _store_count(recs: list[SlotGroup], homes: list[tuple[int, int]], unit_bytes: int,
+                 n: int) -> None:
+    """Record a validated count ``n`` in every record carrying the member."""
+    nbytes = n * unit_bytes
+    for gi, i in homes:
+        rec = recs[gi]
+        old = rec.counts[i]
+        if old is None:
+            rec.active += 1
+            rec.count_bytes += nbytes
+        else:
+            rec.count_bytes += nbytes - old * unit_bytes
+        rec.counts[i] = n
+        if rec.header_nbytes is not None:
+            rec.header_nbytes[i] = nbytes
+            off = rec.inplace[i]
+            if nbytes and off >= 0 and off + nbytes > rec.dma_end:
+                rec.dma_end = off + nbytes
 
 
 def _replace_ranges(rec: SlotGroup, i: int, new: list[tuple[int, int, int]]) -> None:
@@ -561,22 +584,7 @@ class H2DRunnerState:
                 f"buffer {buffer.name!r}: ranges were already set this epoch; publish either a "
                 "count or ranges, not both"
             )
-        unit_bytes = buffer._unit_bytes
-        nbytes = n * unit_bytes
-        for gi, i in buffer.homes:
-            rec = recs[gi]
-            old = rec.counts[i]
-            if old is None:
-                rec.active += 1
-                rec.count_bytes += nbytes
-            else:
-                rec.count_bytes += nbytes - old * unit_bytes
-            rec.counts[i] = n
-            if rec.header_nbytes is not None:
-                rec.header_nbytes[i] = nbytes
-                off = rec.inplace[i]
-                if nbytes and off >= 0 and off + nbytes > rec.dma_end:
-                    rec.dma_end = off + nbytes
+        _store_count(recs, buffer.homes, buffer._unit_bytes, n)
 
     def try_trusted_ranges(
         self, buffer: H2DBuffer, ranges: list[tuple[int, int]], total: int
@@ -657,6 +665,13 @@ class H2DRunnerState:
                 f"ranges ({room} bytes); publish a count (whole rows) instead"
             )
         _replace_ranges(rec, i, new)
+
+    def count_batch(self, buffers: Sequence[H2DBuffer]) -> CountBatch:
+        """A :class:`CountBatch` for ``buffers``: a producer that sets the same members'
+        counts every step validates them all and stores them in one call."""
+        from .count_batch import CountBatch
+
+        return CountBatch(self, buffers)
 
     def set_counts(
         self,
@@ -764,6 +779,12 @@ class H2DRunnerState:
         (a count or ranges). A failed, reopened or never-made publication never runs it."""
         self._check_ready("on_publish")
         self._check_member(buffer)
+        self._after_publish(buffer, callback, only_if_sent)
+
+    def _after_publish(
+        self, buffer: H2DBuffer, callback: Callable[[], None], only_if_sent: bool
+    ) -> None:
+        """:meth:`on_publish` for callers that already checked the epoch and membership."""
         self._on_publish.setdefault(buffer.group, []).append((buffer, callback, only_if_sent))
 
     def _sent(self, buffer: H2DBuffer) -> bool:

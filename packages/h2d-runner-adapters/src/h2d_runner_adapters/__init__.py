@@ -14,6 +14,15 @@ GPU consumer on the published destinations::
     tokens.prepare_query_prefix(batch, padded); plan = decode.prepare(batch, padded)
     state.publish("decode_step"); state.finish()
     tokens.assemble(...); decode.generate_kv_indices(plan)     # first consumers
+
+A plain decode step can use :class:`DecodeStepInputs` instead: the same three adapters,
+one producer call (compiled when a C compiler is present) and one group::
+
+    step = DecodeStepInputs(state, max_reqs=..., max_tokens=..., max_pages_per_req=...,
+                            page_size=16)
+    state.bind(); state.begin(); plan = step.prepare(batch, padded)
+    state.publish(DECODE_STEP); state.finish()
+    step.tokens.assemble(plan.tokens, prev); step.decode.generate_kv_indices(plan.decode)
 """
 
 from h2d_runner_adapters.batch import (
@@ -34,6 +43,7 @@ from h2d_runner_adapters.consumers import (
     prepare_prefill_attention,
     sample_tokens,
 )
+from h2d_runner_adapters.decode_step import DECODE_STEP, DecodeStepInputs, DecodeStepPlan
 from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
@@ -48,6 +58,7 @@ from h2d_runner_adapters.token_inputs import (
 )
 
 __all__ = [
+    "DECODE_STEP",
     "GREEDY_TEMPERATURE",
     "MHA_DECODE",
     "PREFILL_INPUTS",
@@ -60,6 +71,8 @@ __all__ = [
     "ConsumerArgumentError",
     "ConsumerDeviceError",
     "DecodePlan",
+    "DecodeStepInputs",
+    "DecodeStepPlan",
     "MhaDecodeInputs",
     "PageRow",
     "PagedInputs",

@@ -55,6 +55,9 @@ class SamplingInputs:
     @h2d_producer(SAMPLING)
     def prepare(self, batch: ScheduledBatch) -> SamplingPlan:
         """Write temperatures (always) and per-request filters (only when they differ)."""
+        return self._produce(batch)
+
+    def _produce(self, batch: ScheduledBatch) -> SamplingPlan:
         cols = batch.columns
         n = cols.temperatures.size
         st = self.h2d_state

@@ -95,6 +95,9 @@ class TokenInputs:
     @h2d_producer(TOKEN_IDS)
     def prepare_ids(self, batch: ScheduledBatch, padded: int | None = None) -> TokenPlan:
         """Stage ids, the per-request token prefix and the deferred source rows."""
+        return self._produce_ids(batch, padded)
+
+    def _produce_ids(self, batch: ScheduledBatch, padded: int | None) -> TokenPlan:
         cols = batch.columns
         n = cols.query_lens.size
         p = _padded(TOKEN_IDS, n, padded)
@@ -121,6 +124,9 @@ class TokenInputs:
     @h2d_producer(QUERY_PREFIX)
     def prepare_query_prefix(self, batch: ScheduledBatch, padded: int | None = None) -> None:
         """``cu_seqlens_q[: padded+1]``; the tail repeats the total (padded = empty)."""
+        self._produce_query_prefix(batch, padded)
+
+    def _produce_query_prefix(self, batch: ScheduledBatch, padded: int | None) -> None:
         cols = batch.columns
         n = cols.query_lens.size
         p = _padded(QUERY_PREFIX, n, padded)

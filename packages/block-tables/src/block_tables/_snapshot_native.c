@@ -1,0 +1,483 @@
+/* Compiled fast paths of PageTableSnapshot.prepare and changed_spans (see native.py).
+ *
+ * prepare_step covers the common decode step: every row is a BlockTable whose key equals
+ * the stored key (a hit) or exceeds it by one (the same lineage grew by one page). Any
+ * other row, and every error, returns None before the first write: the Python path then
+ * handles the batch, so rules and messages live in one place (snapshot.py).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stdint.h>
+
+static PyTypeObject *table_type = NULL;
+/* byte offsets of BlockTable's `_key` and `_last` slots: an exact-type instance stores
+ * them there (read directly: a generic attribute lookup costs ~30 ns per row) */
+static Py_ssize_t key_offset = -1, last_offset = -1;
+static int length_bits = 24;
+static int64_t length_mask = (1 << 24) - 1;
+
+static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "configure(BlockTable, LENGTH_BITS)");
+        return NULL;
+    }
+    long bits = PyLong_AsLong(args[1]);
+    if (bits == -1 && PyErr_Occurred())
+        return NULL;
+    PyTypeObject *type = (PyTypeObject *)args[0];
+    Py_ssize_t offsets[2];
+    const char *names[2] = {"_key", "_last"};
+    for (int i = 0; i < 2; i++) {
+        PyObject *d = PyDict_GetItemString(type->tp_dict, names[i]);
+        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
+            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
+            PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", type->tp_name,
+                         names[i]);
+            return NULL;
+        }
+        offsets[i] = ((PyMemberDescrObject *)d)->d_member->offset;
+    }
+    key_offset = offsets[0];
+    last_offset = offsets[1];
+    Py_XSETREF(table_type, (PyTypeObject *)Py_NewRef(args[0]));
+    length_bits = (int)bits;
+    length_mask = ((int64_t)1 << bits) - 1;
+    Py_RETURN_NONE;
+}
+
+/* A writable C-contiguous buffer of at least `count` items of `itemsize` bytes. */
+static int get_array(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t count)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->len < itemsize * count) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "internal array has the wrong item size or length");
+        return -1;
+    }
+    return 0;
+}
+
+/* the object in an exact BlockTable's slot (borrowed), or NULL when the slot is empty */
+static inline PyObject *slot(PyObject *row, Py_ssize_t offset)
+{
+    return *(PyObject **)((char *)row + offset);
+}
+
+static int read_int64(PyObject *obj, int64_t *out)
+{
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+/* The snapshot's own arrays, bound once (they never move): per-step calls then pay no
+ * buffer-protocol lookups for them. */
+typedef struct {
+    PyObject *owner[5];
+    int64_t *row_keys, *lengths, *changed, *scratch;
+    int32_t *storage;
+    Py_ssize_t capacity, width;
+} Bound;
+
+static void bound_free(PyObject *capsule)
+{
+    Bound *b = (Bound *)PyCapsule_GetPointer(capsule, "block_tables_snapshot");
+    if (b == NULL)
+        return;
+    for (int i = 0; i < 5; i++)
+        Py_XDECREF(b->owner[i]);
+    PyMem_Free(b);
+}
+
+/* bind(row_keys, lengths, storage, changed, scratch) -> capsule
+ * row_keys, lengths, changed: int64[capacity]; storage: int32[capacity, width];
+ * scratch: int64[2 * capacity]. */
+static PyObject *bind(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "bind(row_keys, lengths, storage, changed, scratch, width)");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[5]);
+    if (width == -1 && PyErr_Occurred())
+        return NULL;
+    Bound *b = PyMem_Calloc(1, sizeof(Bound));
+    if (b == NULL)
+        return PyErr_NoMemory();
+    static const Py_ssize_t itemsize[5] = {8, 8, 4, 8, 8};
+    void *ptr[5];
+    Py_ssize_t items[5];
+    for (int i = 0; i < 5; i++) {
+        Py_buffer v;
+        if (get_array(args[i], &v, itemsize[i], 0) < 0)
+            goto fail;
+        ptr[i] = v.buf;
+        items[i] = v.len / itemsize[i];
+        b->owner[i] = Py_NewRef(args[i]);
+        PyBuffer_Release(&v);
+    }
+    b->capacity = items[0];
+    b->width = width;
+    if (items[1] < b->capacity || items[2] < b->capacity * width || items[3] < b->capacity ||
+        items[4] < 2 * b->capacity) {
+        PyErr_SetString(PyExc_ValueError, "bind: arrays too small for the capacity");
+        goto fail;
+    }
+    b->row_keys = ptr[0];
+    b->lengths = ptr[1];
+    b->storage = ptr[2];
+    b->changed = ptr[3];
+    b->scratch = ptr[4];
+    PyObject *capsule = PyCapsule_New(b, "block_tables_snapshot", bound_free);
+    if (capsule != NULL)
+        return capsule;
+fail:
+    for (int i = 0; i < 5; i++)
+        Py_XDECREF(b->owner[i]);
+    PyMem_Free(b);
+    return NULL;
+}
+
+/* prepare_step(bound, rows, limit, required)
+ *
+ * rows: list or tuple; limit: pool limit or -1; required: None or a 1-D signed/unsigned
+ * 4/8-byte integer array of len(rows). Rows whose bytes changed are written to the bound
+ * `changed` array, ascending.
+ * Returns the number of changed rows, or None when the batch is not covered. */
+static PyObject *prepare_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "prepare_step takes 4 arguments");
+        return NULL;
+    }
+    if (table_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "prepare_step before configure()");
+        return NULL;
+    }
+    Bound *b = (Bound *)PyCapsule_GetPointer(args[0], "block_tables_snapshot");
+    if (b == NULL)
+        return NULL;
+    PyObject *rows = args[1];
+    if (!PyList_CheckExact(rows) && !PyTuple_CheckExact(rows))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(rows);
+    PyObject **items = PySequence_Fast_ITEMS(rows);
+    int64_t limit;
+    if (read_int64(args[2], &limit) < 0)
+        return NULL;
+    Py_ssize_t capacity = b->capacity;
+    int64_t width = b->width;
+    if (n > capacity)
+        Py_RETURN_NONE;
+    Py_buffer req_v;
+    PyObject *result = NULL;
+    int have_req = 0;
+    if (args[3] != Py_None) {
+        if (PyObject_GetBuffer(args[3], &req_v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear(); /* not a plain array: the Python path coerces and checks it */
+            Py_RETURN_NONE;
+        }
+        have_req = 1;
+        const char *f = req_v.format ? req_v.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@')
+            f++;
+        int ok = req_v.ndim == 1 && req_v.shape[0] == n && f[1] == '\0' &&
+                 ((req_v.itemsize == 4 && (f[0] == 'i' || f[0] == 'I' || f[0] == 'l' ||
+                                           f[0] == 'L')) ||
+                  (req_v.itemsize == 8 && (f[0] == 'l' || f[0] == 'L' || f[0] == 'q' ||
+                                           f[0] == 'Q')));
+        if (!ok) {
+            result = Py_NewRef(Py_None);
+            goto release_req;
+        }
+    }
+
+    int64_t *row_keys = b->row_keys;
+    int64_t *lengths = b->lengths;
+    int32_t *storage = b->storage;
+    int64_t *changed = b->changed;
+    int64_t *new_keys = b->scratch;
+    int64_t *lasts = new_keys + capacity; /* appended page ID, or INT64_MIN for a hit */
+    int unsigned_req = 0;
+    if (have_req) {
+        const char *f = req_v.format;
+        if (*f == '<' || *f == '=' || *f == '@')
+            f++;
+        unsigned_req = f[0] >= 'A' && f[0] <= 'Z';
+    }
+
+    /* ---- check everything; no write before the batch is known to be covered ---- */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = items[i];
+        if (Py_TYPE(row) != table_type)
+            goto not_covered;
+        PyObject *k = slot(row, key_offset);
+        if (k == NULL || !PyLong_CheckExact(k))
+            goto not_covered;
+        int64_t key;
+        if (read_int64(k, &key) < 0)
+            goto fail;
+        int64_t length = key & length_mask;
+        if (length > width)
+            goto not_covered;
+        if (have_req) {
+            int64_t need;
+            if (req_v.itemsize == 4)
+                need = unsigned_req ? (int64_t)((uint32_t *)req_v.buf)[i]
+                                    : (int64_t)((int32_t *)req_v.buf)[i];
+            else
+                need = ((int64_t *)req_v.buf)[i];
+            if ((uint64_t)need > (uint64_t)length) /* negative reads as huge */
+                goto not_covered;
+        }
+        int64_t delta = key - row_keys[i];
+        new_keys[i] = key;
+        if (delta == 0) {
+            lasts[i] = INT64_MIN;
+        } else if (delta == 1) {
+            PyObject *l = slot(row, last_offset);
+            if (l == NULL || !PyLong_CheckExact(l))
+                goto not_covered;
+            int64_t last;
+            if (read_int64(l, &last) < 0)
+                goto fail;
+            if (limit >= 0 && (uint64_t)(uint32_t)last >= (uint64_t)limit)
+                goto not_covered;
+            lasts[i] = last;
+        } else {
+            goto not_covered;
+        }
+    }
+
+    /* ---- write: one page ID per grown row, counted only when its bytes differ ---- */
+    Py_ssize_t c = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (lasts[i] != INT64_MIN) {
+            int32_t *cell = storage + i * width + lengths[i];
+            int32_t v = (int32_t)lasts[i];
+            if (*cell != v) {
+                *cell = v;
+                changed[c++] = i;
+            }
+            row_keys[i] = new_keys[i];
+            lengths[i] = new_keys[i] & length_mask;
+        }
+    }
+    result = PyLong_FromSsize_t(c);
+    goto release_req;
+
+not_covered:
+    result = Py_NewRef(Py_None);
+    goto release_req;
+fail:
+    result = NULL;
+release_req:
+    if (have_req)
+        PyBuffer_Release(&req_v);
+    return result;
+}
+
+/* key_spans(now, then, limit) -> (rows, starts, stops)
+ *
+ * The all-versioned branch of spans.changed_spans: rows of [0, limit) whose int64 keys
+ * differ; an append in the same lineage differs in columns [len_then, len_now), anything
+ * else in [0, max(len_then, len_now)). */
+static PyObject *key_spans(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "key_spans takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    if (limit == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer now_v, then_v;
+    if (PyObject_GetBuffer(args[0], &now_v, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &then_v, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&now_v);
+        return NULL;
+    }
+    PyObject *out = NULL, *rows = NULL, *starts = NULL, *stops = NULL;
+    if (now_v.itemsize != 8 || then_v.itemsize != 8 || now_v.len < 8 * limit ||
+        then_v.len < 8 * limit) {
+        PyErr_SetString(PyExc_ValueError, "key_spans needs int64 keys covering limit rows");
+        goto done;
+    }
+    const int64_t *now = (const int64_t *)now_v.buf, *then = (const int64_t *)then_v.buf;
+    rows = PyList_New(0);
+    starts = PyList_New(0);
+    stops = PyList_New(0);
+    if (!rows || !starts || !stops)
+        goto done;
+    for (Py_ssize_t r = 0; r < limit; r++) {
+        int64_t t = then[r], w = now[r];
+        if (t == w)
+            continue;
+        int64_t len_then = t & length_mask, len_now = w & length_mask;
+        int64_t version = w >> length_bits;
+        int64_t start, stop;
+        if ((t >> length_bits) == version && version > 0 && len_now >= len_then) {
+            start = len_then;
+            stop = len_now;
+        } else {
+            start = 0;
+            stop = len_then > len_now ? len_then : len_now;
+        }
+        if (stop <= start)
+            continue;
+        PyObject *a = PyLong_FromSsize_t(r), *b = PyLong_FromLongLong(start),
+                 *e = PyLong_FromLongLong(stop);
+        int bad = !a || !b || !e || PyList_Append(rows, a) || PyList_Append(starts, b) ||
+                  PyList_Append(stops, e);
+        Py_XDECREF(a);
+        Py_XDECREF(b);
+        Py_XDECREF(e);
+        if (bad)
+            goto done;
+    }
+    out = PyTuple_Pack(3, rows, starts, stops);
+done:
+    Py_XDECREF(rows);
+    Py_XDECREF(starts);
+    Py_XDECREF(stops);
+    PyBuffer_Release(&now_v);
+    PyBuffer_Release(&then_v);
+    return out;
+}
+
+/* changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, max_bytes)
+ * -> (ranges, total_bytes) or None
+ *
+ * What a publisher holding rows [0, rows_then) with keys `then` must send so the GPU
+ * holds rows [0, num_rows) with keys `now` (all versioned): the key_spans of rows below
+ * min(num_rows, rows_then) as byte ranges of a row-major int32 table, plus rows
+ * [rows_then, num_rows) whole, byte-adjacent pieces merged. None when more than
+ * max_ranges ranges or more than max_bytes bytes would travel. */
+static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "changed_byte_ranges takes 7 arguments");
+        return NULL;
+    }
+    int64_t rows_then, num_rows, row_bytes, max_ranges, max_bytes;
+    if (read_int64(args[2], &rows_then) < 0 || read_int64(args[3], &num_rows) < 0 ||
+        read_int64(args[4], &row_bytes) < 0 || read_int64(args[5], &max_ranges) < 0 ||
+        read_int64(args[6], &max_bytes) < 0)
+        return NULL;
+    Py_buffer now_v, then_v;
+    if (PyObject_GetBuffer(args[0], &now_v, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &then_v, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&now_v);
+        return NULL;
+    }
+    PyObject *out = NULL, *list = NULL;
+    int64_t limit = num_rows < rows_then ? num_rows : rows_then;
+    if (now_v.itemsize != 8 || then_v.itemsize != 8 || now_v.len < 8 * limit ||
+        then_v.len < 8 * limit) {
+        PyErr_SetString(PyExc_ValueError, "changed_byte_ranges needs int64 keys of the rows");
+        goto done;
+    }
+    const int64_t *now = (const int64_t *)now_v.buf, *then = (const int64_t *)then_v.buf;
+    /* first pass: count ranges and bytes without allocating */
+    int64_t count = 0, total = 0, last_stop = -1;
+    for (int pass = 0; pass < 2; pass++) {
+        int64_t cur_start = -1, cur_stop = -1;
+        count = 0;
+        total = 0;
+        last_stop = -1;
+        for (int64_t r = 0; r <= limit; r++) {
+            int64_t a, e;
+            if (r < limit) {
+                int64_t t = then[r], w = now[r];
+                if (t == w)
+                    continue;
+                int64_t len_then = t & length_mask, len_now = w & length_mask;
+                int64_t version = w >> length_bits;
+                if ((t >> length_bits) == version && version > 0 && len_now >= len_then) {
+                    a = len_then;
+                    e = len_now;
+                } else {
+                    a = 0;
+                    e = len_then > len_now ? len_then : len_now;
+                }
+                if (e <= a)
+                    continue;
+                a = r * row_bytes + 4 * a;
+                e = r * row_bytes + 4 * e;
+            } else {
+                if (num_rows <= rows_then)
+                    break;
+                a = rows_then * row_bytes;
+                e = num_rows * row_bytes;
+            }
+            total += e - a;
+            if (cur_stop == a) {
+                cur_stop = e;
+                continue;
+            }
+            if (cur_start >= 0) {
+                if (pass == 1) {
+                    PyObject *pair = Py_BuildValue("(LL)", (long long)cur_start,
+                                                   (long long)cur_stop);
+                    if (pair == NULL || PyList_Append(list, pair) < 0) {
+                        Py_XDECREF(pair);
+                        goto done;
+                    }
+                    Py_DECREF(pair);
+                }
+                count++;
+            }
+            cur_start = a;
+            cur_stop = e;
+        }
+        if (cur_start >= 0) {
+            if (pass == 1) {
+                PyObject *pair = Py_BuildValue("(LL)", (long long)cur_start, (long long)cur_stop);
+                if (pair == NULL || PyList_Append(list, pair) < 0) {
+                    Py_XDECREF(pair);
+                    goto done;
+                }
+                Py_DECREF(pair);
+            }
+            count++;
+        }
+        if (pass == 0) {
+            if (count > max_ranges || total > max_bytes) {
+                out = Py_NewRef(Py_None);
+                goto done;
+            }
+            list = PyList_New(0);
+            if (list == NULL)
+                goto done;
+        }
+    }
+    out = Py_BuildValue("(OL)", list, (long long)total);
+done:
+    Py_XDECREF(list);
+    PyBuffer_Release(&now_v);
+    PyBuffer_Release(&then_v);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"changed_byte_ranges", (PyCFunction)(void (*)(void))changed_byte_ranges, METH_FASTCALL,
+     NULL},
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, NULL},
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, NULL},
+    {"prepare_step", (PyCFunction)(void (*)(void))prepare_step, METH_FASTCALL, NULL},
+    {"key_spans", (PyCFunction)(void (*)(void))key_spans, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_block_tables_native", NULL, -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__block_tables_native(void) { return PyModule_Create(&module); }

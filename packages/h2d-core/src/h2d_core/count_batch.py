@@ -1,0 +1,104 @@
+"""``CountBatch``: one validated call that sets a fixed list of members' counts.
+
+A fused producer (one call writing many members) would otherwise call
+:meth:`H2DRunnerState.set_count` once per member, paying the epoch, ownership and
+duplicate checks each time. A batch checks them once, validates every count, and only
+then stores any: a rejected call changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from threading import get_ident
+from typing import TYPE_CHECKING
+
+from .buffer import H2DBuffer
+from .errors import CountError, DeclarationError, DuplicatePublicationError
+from .packing import native
+from .state import _omit, _store_count
+
+if TYPE_CHECKING:
+    from .state import H2DRunnerState
+
+
+class CountBatch:
+    """Counts of a fixed member list, set together: ``batch.set(n_a, None, n_c, ...)``.
+
+    Made by :meth:`H2DRunnerState.count_batch` after ``bind()``. Members must be distinct
+    buffers of the state without ``max_ranges`` (ranged members go through
+    ``set_count``/``set_ranges``). ``None`` omits a member, as in ``set_count``.
+    """
+
+    def __init__(self, state: H2DRunnerState, buffers: Sequence[H2DBuffer]) -> None:
+        state._check_thread()
+        state._check_bound()
+        seen: set[str] = set()
+        for b in buffers:
+            state._check_member(b)
+            if b.name in seen:
+                raise DeclarationError(f"CountBatch: buffer {b.name!r} is listed twice")
+            if b.max_ranges:
+                raise DeclarationError(
+                    f"CountBatch: buffer {b.name!r} is ranged (max_ranges={b.max_ranges}); "
+                    "publish it with set_count or set_ranges"
+                )
+            seen.add(b.name)
+        self._state = state
+        self.buffers = tuple(buffers)
+        self._groups = frozenset(b.group for b in buffers)
+        # (buffer, homes, unit bytes, fast capacity): fixed after bind
+        self._entries = tuple((b, b.homes, b._unit_bytes, b._fast_capacity) for b in buffers)
+        # One record carries every member (the usual case: one fused producer, one group):
+        # the compiled path stores all counts per slot in one call.
+        gis = {gi for b in buffers for gi, _ in b.homes}
+        single = native is not None and len(gis) == 1 and all(len(b.homes) == 1
+                                                               for b in buffers)
+        self._record = gis.pop() if single else -1
+        self._bound = [] if not single else [
+            native.bind_counts(  # type: ignore[union-attr]
+                recs[self._record].header_nbytes,
+                tuple((b.homes[0][1], b._unit_bytes, recs[self._record].inplace[b.homes[0][1]],
+                       b._fast_capacity) for b in buffers))
+            for recs in state._slot_groups
+        ]
+
+    def set(self, *counts: int | None) -> None:
+        """Set every member's count (in member order); all are checked before any is
+        stored, exactly as :meth:`H2DRunnerState.set_count` checks one."""
+        st = self._state
+        if st._invalid is not None or not st._epoch_open or get_ident() != st._owner:
+            st._check_ready("CountBatch.set")
+        entries = self._entries
+        if len(counts) != len(entries):
+            raise CountError(
+                f"CountBatch.set got {len(counts)} counts for {len(entries)} buffers "
+                f"{[b.name for b in self.buffers]}"
+            )
+        if st._published and not self._groups.isdisjoint(st._published):
+            for b in self.buffers:
+                if b.group in st._published:
+                    raise DuplicatePublicationError(
+                        f"buffer {b.name!r}: group {b.group!r} was already published in this "
+                        "epoch; a second publication needs a reason (reopen())"
+                    )
+        recs = st._slot_groups[st.current_slot]
+        if self._bound:
+            rec = recs[self._record]
+            stored = native.store_counts(  # type: ignore[union-attr]
+                self._bound[st.current_slot], rec.counts, counts, rec.active,
+                rec.count_bytes, rec.dma_end)
+            if stored is not None:
+                rec.active, rec.count_bytes, rec.dma_end = stored
+                return
+        values: Sequence[int | None] = counts
+        for k, ((b, _, _, cap), c) in enumerate(zip(entries, counts, strict=True)):
+            if c is not None and not (type(c) is int and 0 <= c <= cap):
+                if values is counts:
+                    values = list(counts)
+                values[k] = b.check_count(c)  # type: ignore[index]  # raises when invalid
+        for (_, homes, unit_bytes, _), c in zip(entries, values, strict=True):
+            if c is None:
+                for gi, i in homes:
+                    _omit(recs[gi], i)
+            else:
+                _store_count(recs, homes, unit_bytes, c)

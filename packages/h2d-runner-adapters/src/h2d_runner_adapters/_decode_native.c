@@ -1,0 +1,299 @@
+/* Compiled producer body of DecodeStepInputs (decode_step.py); built by block_tables.native.
+ *
+ * decode_columns writes every per-request and per-token member of a plain decode step
+ * (sampling, token ids, query prefixes, MHA decode metadata, graph padding included) in one
+ * pass; kv_slots maps tokens to KV slots from the prepared CPU block table. The results
+ * are bit-identical to the numpy path in decode_step.py (same int32 wrap-around, NaN
+ * propagation of the temperature clamp). Batches the fast path does not cover (mixed
+ * query lengths, a token count that is not n * q, capacities exceeded, negative
+ * positions, pages past the table) return None before any write, and the numpy path
+ * decides, raising its own errors.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+/* The pinned sources of one DecodeStepInputs, bound once (they never move). */
+enum {
+    TEMPS, TOP_KS, TOP_PS, INPUT_IDS, DECODE_CU, DECODE_SRC, CU_SEQLENS_Q, POSITIONS,
+    CONTEXT_LENS, KV_INDPTR, REQUIRED, SLOT_MAPPING, NUM_OUTPUTS
+};
+static const Py_ssize_t out_itemsize[NUM_OUTPUTS] = {4, 4, 4, 4, 4, 4, 4, 8, 4, 4, 4, 8};
+
+typedef struct {
+    PyObject *arrays[NUM_OUTPUTS];
+    void *ptr[NUM_OUTPUTS];
+    Py_ssize_t len[NUM_OUTPUTS]; /* items */
+} Outputs;
+
+static void outputs_free(PyObject *capsule)
+{
+    Outputs *o = (Outputs *)PyCapsule_GetPointer(capsule, "h2d_decode_outputs");
+    if (o == NULL)
+        return;
+    for (int i = 0; i < NUM_OUTPUTS; i++)
+        Py_XDECREF(o->arrays[i]);
+    PyMem_Free(o);
+}
+
+/* bind_outputs(temps, top_ks, top_ps, input_ids, decode_cu, decode_src, cu_seqlens_q,
+ *              positions, context_lens, kv_indptr, required, slot_mapping) -> capsule */
+static PyObject *bind_outputs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != NUM_OUTPUTS) {
+        PyErr_Format(PyExc_TypeError, "bind_outputs takes %d arrays", NUM_OUTPUTS);
+        return NULL;
+    }
+    Outputs *o = PyMem_Calloc(1, sizeof(Outputs));
+    if (o == NULL)
+        return PyErr_NoMemory();
+    for (int i = 0; i < NUM_OUTPUTS; i++) {
+        Py_buffer v;
+        if (PyObject_GetBuffer(args[i], &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto fail;
+        if (v.itemsize != out_itemsize[i]) {
+            PyBuffer_Release(&v);
+            PyErr_Format(PyExc_ValueError, "output %d has item size %zd, expected %zd", i,
+                         v.itemsize, out_itemsize[i]);
+            goto fail;
+        }
+        o->ptr[i] = v.buf;
+        o->len[i] = v.len / v.itemsize;
+        /* the reference keeps the (pinned, never reallocated) memory alive */
+        o->arrays[i] = Py_NewRef(args[i]);
+        PyBuffer_Release(&v);
+    }
+    PyObject *capsule = PyCapsule_New(o, "h2d_decode_outputs", outputs_free);
+    if (capsule != NULL)
+        return capsule;
+fail:
+    for (int i = 0; i < NUM_OUTPUTS; i++)
+        Py_XDECREF(o->arrays[i]);
+    PyMem_Free(o);
+    return NULL;
+}
+
+/* A read-only C-contiguous input of `itemsize`-byte items; returns its item count. */
+static Py_ssize_t get_input(PyObject *obj, Py_buffer *v, Py_ssize_t itemsize, char kind)
+{
+    if (PyObject_GetBuffer(obj, v, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    int ok = v->itemsize == itemsize && f[1] == '\0' &&
+             (kind == 'f' ? f[0] == 'f' : (f[0] == 'i' || (itemsize == 4 && f[0] == 'l')));
+    if (!ok || v->ndim != 1) {
+        PyBuffer_Release(v);
+        return -1;
+    }
+    return v->shape[0];
+}
+
+static int32_t ceil_pages(int32_t ctx, int32_t page, int shift)
+{
+    /* numpy int32 arithmetic: the addition wraps, the shift is arithmetic, // floors */
+    int32_t up = (int32_t)((uint32_t)ctx + (uint32_t)(page - 1));
+    if (shift >= 0)
+        return up >> shift;
+    int32_t q = up / page;
+    if ((up % page != 0) && ((up < 0) != (page < 0)))
+        q -= 1;
+    return q;
+}
+
+enum { IN_QLENS, IN_CTX, IN_TEMPS, IN_TOP_K, IN_TOP_P, IN_PREV, IN_DRAFTS, IN_TOKENS, NUM_INPUTS };
+
+/* decode_columns(outputs, qlens, ctx, temps, top_k, top_p, prev_rows, num_drafts,
+ *                token_ids, padded, page_size, greedy_temperature)
+ * -> (q, per_request_top_k, per_request_top_p, total_pages, draft_tokens)
+ *    or None (not covered). */
+static PyObject *decode_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 12) {
+        PyErr_SetString(PyExc_TypeError, "decode_columns takes 12 arguments");
+        return NULL;
+    }
+    Outputs *o = (Outputs *)PyCapsule_GetPointer(args[0], "h2d_decode_outputs");
+    if (o == NULL)
+        return NULL;
+    Py_ssize_t p = PyLong_AsSsize_t(args[9]);
+    long page = PyLong_AsLong(args[10]);
+    double greedy_d = PyFloat_AsDouble(args[11]);
+    if (PyErr_Occurred())
+        return NULL;
+    float greedy = (float)greedy_d;
+
+    static const Py_ssize_t in_itemsize[NUM_INPUTS] = {4, 4, 4, 4, 4, 4, 4, 4};
+    static const char in_kind[NUM_INPUTS] = {'i', 'i', 'f', 'i', 'f', 'i', 'i', 'i'};
+    Py_buffer in[NUM_INPUTS];
+    Py_ssize_t len[NUM_INPUTS];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < NUM_INPUTS; got++) {
+        len[got] = get_input(args[1 + got], &in[got], in_itemsize[got], in_kind[got]);
+        if (len[got] < 0)
+            goto not_covered;
+    }
+    Py_ssize_t n = len[IN_QLENS];
+    for (int i = IN_CTX; i < IN_TOKENS; i++)
+        if (len[i] != n)
+            goto not_covered;
+    const int32_t *qlens = in[IN_QLENS].buf, *ctx = in[IN_CTX].buf;
+    const float *temps = in[IN_TEMPS].buf, *top_p = in[IN_TOP_P].buf;
+    const int32_t *top_k = in[IN_TOP_K].buf, *prev = in[IN_PREV].buf;
+    const int32_t *tokens = in[IN_TOKENS].buf, *drafts = in[IN_DRAFTS].buf;
+    Py_ssize_t t = len[IN_TOKENS];
+    int32_t q = n ? qlens[0] : 1;
+    if (q < 1 || p < n || page < 1 || page > INT32_MAX || t != n * (Py_ssize_t)q)
+        goto not_covered;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (qlens[i] != q)
+            goto not_covered;
+    Py_ssize_t pt = p * q;
+    if (p > o->len[TEMPS] || p > o->len[TOP_KS] || p > o->len[TOP_PS] ||
+        pt > o->len[INPUT_IDS] || p + 1 > o->len[DECODE_CU] || p > o->len[DECODE_SRC] ||
+        p + 1 > o->len[CU_SEQLENS_Q] || pt > o->len[POSITIONS] || p > o->len[CONTEXT_LENS] ||
+        p + 1 > o->len[KV_INDPTR] || p > o->len[REQUIRED] || pt > o->len[SLOT_MAPPING])
+        goto not_covered;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if ((int64_t)ctx[i] - q < 0) /* a negative position: let numpy decide */
+            goto not_covered;
+
+    /* ---- sampling: clamp temperatures; per-request filters only when they differ ---- */
+    float *out_t = o->ptr[TEMPS];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        float x = temps[i];
+        out_t[i] = (x != x || x > greedy) ? x : greedy; /* np.maximum: NaN propagates */
+    }
+    int k_rows = n > 1 && memcmp(top_k, top_k + 1, (size_t)(n - 1) * 4) != 0;
+    int p_rows = n > 1 && memcmp(top_p, top_p + 1, (size_t)(n - 1) * 4) != 0;
+    if (k_rows)
+        memcpy(o->ptr[TOP_KS], top_k, (size_t)n * 4);
+    if (p_rows)
+        memcpy(o->ptr[TOP_PS], top_p, (size_t)n * 4);
+
+    /* ---- token inputs: ids (padding 0), prefixes (tail repeats t), deferred rows ---- */
+    int32_t *ids = o->ptr[INPUT_IDS];
+    memcpy(ids, tokens, (size_t)t * 4);
+    memset(ids + t, 0, (size_t)(pt - t) * 4);
+    int32_t *cu = o->ptr[DECODE_CU], *cuq = o->ptr[CU_SEQLENS_Q];
+    uint32_t acc = 0;
+    cu[0] = cuq[0] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        acc += (uint32_t)qlens[i];
+        cu[i + 1] = cuq[i + 1] = (int32_t)acc;
+    }
+    for (Py_ssize_t i = n + 1; i <= p; i++)
+        cu[i] = cuq[i] = (int32_t)acc;
+    int32_t *src = o->ptr[DECODE_SRC];
+    memcpy(src, prev, (size_t)n * 4);
+    for (Py_ssize_t i = n; i < p; i++)
+        src[i] = -1;
+
+    /* ---- MHA decode: positions, context lengths, pages, KV prefix (padding empty) ---- */
+    int64_t *pos = o->ptr[POSITIONS];
+    int32_t *lens = o->ptr[CONTEXT_LENS], *indptr = o->ptr[KV_INDPTR];
+    int32_t *req = o->ptr[REQUIRED];
+    int shift = (page & (page - 1)) == 0 ? __builtin_ctzl((unsigned long)page) : -1;
+    uint32_t total = 0;
+    indptr[0] = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t c = ctx[i];
+        for (int32_t j = 0; j < q; j++)
+            pos[i * q + j] = (int64_t)c - q + j;
+        lens[i] = c;
+        int32_t pages = ceil_pages(c, (int32_t)page, shift);
+        req[i] = pages;
+        total += (uint32_t)pages;
+        indptr[i + 1] = (int32_t)total;
+    }
+    memset(pos + t, 0, (size_t)(pt - t) * 8);
+    for (Py_ssize_t i = n; i < p; i++) {
+        lens[i] = 0;
+        req[i] = 0;
+        indptr[i + 1] = (int32_t)total;
+    }
+    int64_t draft_tokens = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        draft_tokens += drafts[i];
+    result = Py_BuildValue("(iiiLL)", (int)q, k_rows, p_rows, (long long)(int32_t)total,
+                           (long long)draft_tokens);
+    goto release;
+
+not_covered:
+    result = Py_NewRef(Py_None);
+release:
+    for (int i = 0; i < got; i++)
+        PyBuffer_Release(&in[i]);
+    return result;
+}
+
+/* kv_slots(outputs, storage, n, q, padded, page_size) -> True, or None (not covered)
+ * slot_mapping[k] = table[k // q, pos[k] // page] * page + pos[k] % page for the n * q
+ * real tokens, -1 for padding tokens up to padded * q (as decode_columns left them). */
+static PyObject *kv_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "kv_slots takes 6 arguments");
+        return NULL;
+    }
+    Outputs *o = (Outputs *)PyCapsule_GetPointer(args[0], "h2d_decode_outputs");
+    if (o == NULL)
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t q = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t p = PyLong_AsSsize_t(args[4]);
+    long page = PyLong_AsLong(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer v;
+    if (PyObject_GetBuffer(args[1], &v, PyBUF_ND) < 0)
+        return NULL;
+    PyObject *result = Py_None;
+    if (v.ndim != 2 || v.itemsize != 4 || n > v.shape[0] || p * q > o->len[SLOT_MAPPING] ||
+        page < 1)
+        goto done;
+    Py_ssize_t width = v.shape[1];
+    const int32_t *table = v.buf;
+    const int64_t *pos = o->ptr[POSITIONS];
+    int64_t *slots = o->ptr[SLOT_MAPPING];
+    int shift = (page & (page - 1)) == 0 ? __builtin_ctzl((unsigned long)page) : -1;
+    Py_ssize_t t = n * q;
+    for (Py_ssize_t k = 0; k < t; k++) {
+        int64_t x = pos[k];
+        int64_t col = shift >= 0 ? x >> shift : x / page;
+        if (x < 0 || col >= width)
+            goto done; /* nothing written that the numpy path would not rewrite */
+    }
+    for (Py_ssize_t k = 0; k < t; k++) {
+        int64_t x = pos[k];
+        int64_t col = shift >= 0 ? x >> shift : x / page;
+        int64_t off = shift >= 0 ? (x & (page - 1)) : x % page;
+        int32_t id = table[(k / q) * width + col];
+        /* numpy multiplies in int32 (wrapping), then widens */
+        slots[k] = (int64_t)(int32_t)((uint32_t)id * (uint32_t)page) + off;
+    }
+    for (Py_ssize_t k = t; k < p * q; k++)
+        slots[k] = -1;
+    result = Py_True;
+done:
+    PyBuffer_Release(&v);
+    return Py_NewRef(result);
+}
+
+static PyMethodDef methods[] = {
+    {"bind_outputs", (PyCFunction)(void (*)(void))bind_outputs, METH_FASTCALL, NULL},
+    {"decode_columns", (PyCFunction)(void (*)(void))decode_columns, METH_FASTCALL, NULL},
+    {"kv_slots", (PyCFunction)(void (*)(void))kv_slots, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_h2d_decode_native", NULL, -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__h2d_decode_native(void) { return PyModule_Create(&module); }

@@ -1,0 +1,174 @@
+"""A plain decode step in one producer call and one publication.
+
+:class:`DecodeStepInputs` composes :class:`SamplingInputs`, :class:`TokenInputs` and
+:class:`MhaDecodeInputs` (the ten uploads of a plain-MHA decode step: temperatures, top-k,
+top-p, input IDs, token prefix, deferred sources, query prefix, positions, slots, context
+lengths, KV prefix and block tables), combines their groups into one publication group
+``decode_step`` (one DMA, one scatter) and produces all of them with one
+``@h2d_producer`` call.
+
+The per-request and per-token work runs in one compiled pass (``_decode_native.c``, built
+on first use by :mod:`block_tables.native`) when it is available: the same bytes as the
+separate producers, without the ~25 numpy calls between them. Without a C compiler, with
+``H2D_NATIVE=0`` or with ``native=False`` the separate producers' numpy bodies run
+instead. Batches the compiled pass does not cover (mixed query lengths, a token count that
+is not ``n * q``, negative positions) take the numpy path too, which raises the same errors
+the separate producers raise.
+
+Padding and first consumers are those of the composed adapters: ``plan.tokens`` feeds
+``tokens.assemble``, ``plan.decode`` feeds ``decode.generate_kv_indices`` and
+``plan.sampling`` feeds ``sampling.sample``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from block_tables.native import NativeBuildError, load_extension
+from h2d_core import CountBatch, H2DBuffer, H2DRunnerState, h2d_producer
+
+from .batch import ScheduledBatch
+from .consumers import GREEDY_TEMPERATURE
+from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
+from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan, _padded
+
+DECODE_STEP = "decode_step"
+
+
+@dataclass(frozen=True)
+class DecodeStepPlan:
+    """The three adapters' plans for one step."""
+
+    sampling: SamplingPlan
+    tokens: TokenPlan
+    decode: DecodePlan
+
+
+def _load_native(native: bool | None) -> ModuleType | None:
+    if native is False:
+        return None
+    module = load_extension("_h2d_decode_native", Path(__file__).with_name("_decode_native.c"))
+    if module is None and native:
+        raise NativeBuildError(
+            "DecodeStepInputs(native=True): the compiled decode step is unavailable "
+            "(H2D_NATIVE=0, or it did not build: see the NativeUnavailableWarning)"
+        )
+    return module
+
+
+class DecodeStepInputs:
+    """Sampling, token inputs and MHA decode metadata as one producer and one group.
+
+    Declares the composed adapters' buffers (reachable as ``.sampling``, ``.tokens`` and
+    ``.decode``) and ``state.combine(DECODE_STEP, ...)``; call before ``state.bind()``.
+    ``native`` None follows ``H2D_NATIVE``; True requires the compiled pass; False always
+    runs the numpy bodies.
+    """
+
+    def __init__(
+        self,
+        state: H2DRunnerState,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        max_pages_per_req: int,
+        page_size: int,
+        num_pages: int | None = None,
+        max_ranges: int = 64,
+        native: bool | None = None,
+    ) -> None:
+        self.h2d_state = state
+        self.group = DECODE_STEP
+        self.sampling = SamplingInputs(state, max_reqs)
+        self.tokens = TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens)
+        self.decode = MhaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                                      max_pages_per_req=max_pages_per_req,
+                                      page_size=page_size, num_pages=num_pages,
+                                      max_ranges=max_ranges)
+        state.combine(DECODE_STEP, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE])
+        self._native = _load_native(native)
+        self._outputs: list[Any] = []  # per slot: the compiled pass's bound sources
+        self._required = np.zeros(max_reqs, dtype=np.int32)
+        self._counts: CountBatch | None = None  # made on first use, after bind()
+
+    def _counted_members(self) -> list[H2DBuffer]:
+        s, t, d = self.sampling, self.tokens, self.decode
+        return [s.temperatures, s.top_ks, s.top_ps, t.input_ids, t.decode_cu, t.decode_src,
+                t.cu_seqlens_q, d.positions, d.slot_mapping, d.context_lens, d.kv_indptr]
+
+    @property
+    def native(self) -> bool:
+        """Whether the compiled pass runs (else the numpy bodies)."""
+        return self._native is not None
+
+    def _bind_outputs(self) -> list[Any]:
+        s, t, d = self.sampling, self.tokens, self.decode
+        members = (s.temperatures, s.top_ks, s.top_ps, t.input_ids, t.decode_cu, t.decode_src,
+                   t.cu_seqlens_q, d.positions, d.context_lens, d.kv_indptr, None,
+                   d.slot_mapping)
+        native = self._native
+        assert native is not None
+        return [
+            native.bind_outputs(*(self._required if b is None else b.source(slot).numpy()
+                                  for b in members))
+            for slot in range(self.h2d_state.num_slots)
+        ]
+
+    @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE)
+    def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodeStepPlan:
+        """Write and count every member of the step (padding to ``padded`` requests);
+        stage the block table. Publish with ``state.publish(DECODE_STEP)``."""
+        native = self._native
+        if native is None:
+            return self._prepare_numpy(batch, padded)
+        cols = batch.columns
+        n = cols.query_lens.size
+        p = _padded(DECODE_STEP, n, padded)
+        st = self.h2d_state
+        if not self._outputs:
+            self._outputs = self._bind_outputs()
+        out = self._outputs[st.current_slot]
+        decode = self.decode
+        page = decode.page_size
+        done = native.decode_columns(
+            out, cols.query_lens, cols.context_lens, cols.temperatures, cols.top_k,
+            cols.top_p, cols.prev_sample_rows, cols.num_drafts, cols.token_ids, p, page,
+            GREEDY_TEMPERATURE)
+        if done is None:
+            return self._prepare_numpy(batch, padded)
+        q, k_rows, p_rows, total, drafts = done
+        rows = batch.block_tables
+        if p > n:
+            rows = [*rows, *decode._pad_rows[: p - n]]
+        tables = decode.tables
+        tables.prepare(rows, required_pages=self._required[:p])
+        t, pt = n * q, p * q
+        if not native.kv_slots(out, tables.snapshot.storage, n, q, p, page):
+            # not covered by the compiled pass: the numpy mapping (same bytes or its error)
+            req = decode._rows[:n] if q == 1 else np.repeat(decode._rows[:n], q)
+            decode.kv_slots(req, decode.positions.np[:t], decode.slot_mapping.np[:t])
+            decode.slot_mapping.np[t:pt] = -1
+        if self._counts is None:
+            self._counts = st.count_batch(self._counted_members())
+        self._counts.set(n, n if k_rows else None, n if p_rows else None, pt, p + 1, p, p + 1,
+                         pt, pt, p, p + 1)
+        stage = tables.stage(p)
+        top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
+        top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
+        return DecodeStepPlan(
+            SamplingPlan(n, top_k, top_p, bool(k_rows), bool(p_rows)),
+            TokenPlan(n, p, t, pt, drafts),
+            DecodePlan(n, p, q, pt, total, stage),
+        )
+
+    def _prepare_numpy(self, batch: ScheduledBatch, padded: int | None) -> DecodeStepPlan:
+        sampling = self.sampling._produce(batch)
+        tokens = self.tokens._produce_ids(batch, padded)
+        self.tokens._produce_query_prefix(batch, padded)
+        return DecodeStepPlan(sampling, tokens, self.decode._prepare(batch, padded))
