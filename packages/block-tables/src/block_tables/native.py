@@ -44,6 +44,7 @@ __all__ = [
     "NativeUnavailableWarning",
     "load_extension",
     "native_mode",
+    "select",
 ]
 
 _MODES = ("auto", "0", "1")
@@ -116,6 +117,19 @@ def _build_and_load(name: str, source: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except ImportError as exc:
         raise NativeBuildError(f"loading {target} failed: {exc}") from exc
+    return module
+
+
+def select(module: ModuleType | None, native: bool | None, what: str) -> ModuleType | None:
+    """Resolve a per-object ``native`` choice: None uses ``module`` when it loaded, False
+    never does, True requires it (raising :class:`NativeBuildError` naming ``what``)."""
+    if native is False:
+        return None
+    if module is None and native:
+        raise NativeBuildError(
+            f"{what}: native=True but the compiled helper is unavailable (H2D_NATIVE=0, or it "
+            "did not build: see the NativeUnavailableWarning)"
+        )
     return module
 
 

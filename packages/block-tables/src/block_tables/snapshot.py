@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import RowCountError, RowTypeError, RowWidthError, StorageError
 from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable
-from .native import load_extension
+from .native import load_extension, select
 from .validation import (
     INT32_MAX,
     INT32_MIN,
@@ -116,7 +116,9 @@ class PageTableSnapshot:
     ``storage`` is never reallocated or replaced; the snapshot writes only through it.
     ``pool_limit`` (optional) makes every page ID checked against ``[0, pool_limit)``;
     ``fill_value`` is what columns past a row's length hold; ``history`` is how many
-    byte-changing revisions :meth:`changed_rows_since` can look back over. Not
+    byte-changing revisions :meth:`changed_rows_since` can look back over. ``native``:
+    None runs the compiled common step when it is available (:mod:`block_tables.native`),
+    False never, True requires it; both paths give the same bytes and errors. Not
     thread-safe: prepare one snapshot from one thread, and do not mutate rows while they
     are being prepared.
     """
@@ -128,8 +130,10 @@ class PageTableSnapshot:
         pool_limit: int | None = None,
         fill_value: int = 0,
         history: int = 64,
+        native: bool | None = None,
     ) -> None:
         _check_arguments(storage, pool_limit, fill_value, history)
+        module = select(_native, native, "PageTableSnapshot")
         rows, width = storage.shape
         self._storage = storage
         self._flat = storage.reshape(-1)  # fixed flat view for single-page scatters
@@ -154,7 +158,8 @@ class PageTableSnapshot:
         # compiled common step (native.py), bound once to the arrays above and its own
         self._changed_out = np.empty(rows, dtype=np.int64)
         self._limit_arg = -1 if pool_limit is None else int(pool_limit)
-        self._bound = None if _native is None else _native.bind(
+        self._native = module
+        self._bound = None if module is None else module.bind(
             self._row_keys, self._lengths, self._flat, self._changed_out,
             np.empty(2 * rows, dtype=np.int64), int(width))
         self._num_rows = 0
@@ -248,11 +253,12 @@ class PageTableSnapshot:
         span needs this step; it is checked on every call, hits included. Nothing of
         ``rows`` is retained after the call.
         """
-        if self._bound is not None:
+        native = self._native
+        if native is not None:
             # The common decode step (hits and one-page appends of versioned rows) in one
             # compiled call; None means "not covered", and nothing was written.
-            num_changed = _native.prepare_step(self._bound, rows, self._limit_arg,
-                                               required_pages)
+            num_changed = native.prepare_step(self._bound, rows, self._limit_arg,
+                                              required_pages)
             if num_changed is not None:
                 self._keys = None  # the next Python-path call compares keys again
                 self._all_versioned = True

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .lineage import LENGTH_BITS, LENGTH_MASK
-from .snapshot import UNVERSIONED, PageTableSnapshot, _native
+from .snapshot import UNVERSIONED, PageTableSnapshot
 from .validation import Int64Array
 
 
@@ -65,8 +65,8 @@ def changed_spans(
     if snapshot._all_versioned:
         # The last batch was all versioned: equal keys mean equal bytes, so one vectorised
         # comparison finds every changed row without the history.
-        if _native is not None:
-            return ChangedSpans(*_native.key_spans(now_all, keys_then, limit))
+        if snapshot._native is not None:
+            return ChangedSpans(*snapshot._native.key_spans(now_all, keys_then, limit))
         rows = np.flatnonzero(now_all != keys_then[:limit])
     elif revision is not None:
         changed = snapshot.changed_rows_since(revision)
@@ -116,8 +116,8 @@ def changed_byte_ranges(
     ``max_ranges`` ranges or ``max_bytes`` bytes would travel: send whole rows instead.
     """
     rows_then = keys_then.size
-    if snapshot._all_versioned and _native is not None:
-        return _native.changed_byte_ranges(  # type: ignore[no-any-return]
+    if snapshot._all_versioned and snapshot._native is not None:
+        return snapshot._native.changed_byte_ranges(
             snapshot._row_keys, keys_then, rows_then, num_rows, row_bytes, max_ranges,
             max_bytes)
     spans = changed_spans(snapshot, keys_then, num_rows, revision)

@@ -16,8 +16,8 @@ Public API::
 
 from .block_table_state import BlockTableState, PublishedTable, StageResult, block_table_state
 from .buffer import BufferSpec, CountUnit, H2DBuffer
-from .count_batch import CountBatch
 from .config import ENV_VAR, Backend, resolve_backend
+from .count_batch import CountBatch
 from .errors import (
     BackendError,
     BindingError,

@@ -79,6 +79,7 @@ class BlockTableState:
         fill_value: int = 0,
         partial_max_share: float = PARTIAL_MAX_SHARE,
         partial_max_ranges: int | None = None,
+        native: bool | None = None,
     ) -> None:
         spec = buffer.spec
         if spec.dtype != torch.int32 or len(spec.shape) != 2 or spec.unit is not CountUnit.ROWS:
@@ -93,7 +94,7 @@ class BlockTableState:
         self.state = state
         self.snapshots = tuple(
             PageTableSnapshot(buffer.source(slot).numpy(), pool_limit=pool_limit,
-                              fill_value=fill_value)
+                              fill_value=fill_value, native=native)
             for slot in range(state.num_slots)
         )
         self.published: PublishedTable | None = None
@@ -216,9 +217,11 @@ def block_table_state(
     fill_value: int = 0,
     partial_max_share: float = PARTIAL_MAX_SHARE,
     partial_max_ranges: int | None = None,
+    native: bool | None = None,
 ) -> BlockTableState:
     """Attach page-map state to a bound block-table buffer (one per buffer: each PP slot
-    has its own snapshot inside, each TBO buffer gets its own state)."""
+    has its own snapshot inside, each TBO buffer gets its own state). ``native`` is passed
+    to the snapshots (:class:`block_tables.PageTableSnapshot`)."""
     existing = getattr(buffer, "_page_map", None)
     if existing is not None:
         raise DeclarationError(
@@ -226,6 +229,6 @@ def block_table_state(
         )
     state = BlockTableState(buffer, pool_limit=pool_limit, fill_value=fill_value,
                             partial_max_share=partial_max_share,
-                            partial_max_ranges=partial_max_ranges)
+                            partial_max_ranges=partial_max_ranges, native=native)
     buffer._page_map = state  # type: ignore[attr-defined]
     return state

@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING
 
+from block_tables.native import select
+
 from .buffer import H2DBuffer
 from .errors import CountError, DeclarationError, DuplicatePublicationError
-from .packing import native
+from .packing import native as _native
 from .state import _omit, _store_count
 
 if TYPE_CHECKING:
@@ -27,9 +29,14 @@ class CountBatch:
     Made by :meth:`H2DRunnerState.count_batch` after ``bind()``. Members must be distinct
     buffers of the state without ``max_ranges`` (ranged members go through
     ``set_count``/``set_ranges``). ``None`` omits a member, as in ``set_count``.
+    ``native`` (None: when available; False: never; True: required) selects the compiled
+    store, used when one group record carries every member; the state and errors are
+    the same either way.
     """
 
-    def __init__(self, state: H2DRunnerState, buffers: Sequence[H2DBuffer]) -> None:
+    def __init__(
+        self, state: H2DRunnerState, buffers: Sequence[H2DBuffer], *, native: bool | None = None
+    ) -> None:
         state._check_thread()
         state._check_bound()
         seen: set[str] = set()
@@ -50,12 +57,13 @@ class CountBatch:
         self._entries = tuple((b, b.homes, b._unit_bytes, b._fast_capacity) for b in buffers)
         # One record carries every member (the usual case: one fused producer, one group):
         # the compiled path stores all counts per slot in one call.
+        module = select(_native, native, "CountBatch")
         gis = {gi for b in buffers for gi, _ in b.homes}
-        single = native is not None and len(gis) == 1 and all(len(b.homes) == 1
+        single = module is not None and len(gis) == 1 and all(len(b.homes) == 1
                                                                for b in buffers)
         self._record = gis.pop() if single else -1
         self._bound = [] if not single else [
-            native.bind_counts(  # type: ignore[union-attr]
+            module.bind_counts(  # type: ignore[union-attr]
                 recs[self._record].header_nbytes,
                 tuple((b.homes[0][1], b._unit_bytes, recs[self._record].inplace[b.homes[0][1]],
                        b._fast_capacity) for b in buffers))
@@ -84,7 +92,7 @@ class CountBatch:
         recs = st._slot_groups[st.current_slot]
         if self._bound:
             rec = recs[self._record]
-            stored = native.store_counts(  # type: ignore[union-attr]
+            stored = _native.store_counts(  # type: ignore[union-attr]
                 self._bound[st.current_slot], rec.counts, counts, rec.active,
                 rec.count_bytes, rec.dma_end)
             if stored is not None:

@@ -197,8 +197,18 @@ def pack(
     against capacity, and each staged member has its full size reserved.
     """
     if native is not None:
-        return native.pack(slot.host_base, slot.header_addr, slot.staging_offset,  # type: ignore[no-any-return]
-                           slot.first_extra, slot.staged, counts, slot.src_base, ranges)
+        return native.pack(
+            slot.host_base, slot.header_addr, slot.staging_offset, slot.first_extra,
+            slot.staged, counts, slot.src_base, ranges)
+    return pack_python(slot, counts, ranges)
+
+
+def pack_python(
+    slot: PackedSlot,
+    counts: Sequence[int | None],
+    ranges: Sequence[tuple[int, int, int]],
+) -> int:
+    """:func:`pack` without the compiled helper (the same bytes and header rows)."""
     base = slot.host_base
     header = slot.header
     end = 0

@@ -666,12 +666,14 @@ class H2DRunnerState:
             )
         _replace_ranges(rec, i, new)
 
-    def count_batch(self, buffers: Sequence[H2DBuffer]) -> CountBatch:
+    def count_batch(
+        self, buffers: Sequence[H2DBuffer], *, native: bool | None = None
+    ) -> CountBatch:
         """A :class:`CountBatch` for ``buffers``: a producer that sets the same members'
         counts every step validates them all and stores them in one call."""
         from .count_batch import CountBatch
 
-        return CountBatch(self, buffers)
+        return CountBatch(self, buffers, native=native)
 
     def set_counts(
         self,

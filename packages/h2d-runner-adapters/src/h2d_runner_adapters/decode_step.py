@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from block_tables.native import NativeBuildError, load_extension
+from block_tables.native import load_extension, select
 from h2d_core import CountBatch, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
@@ -54,12 +54,7 @@ def _load_native(native: bool | None) -> ModuleType | None:
     if native is False:
         return None
     module = load_extension("_h2d_decode_native", Path(__file__).with_name("_decode_native.c"))
-    if module is None and native:
-        raise NativeBuildError(
-            "DecodeStepInputs(native=True): the compiled decode step is unavailable "
-            "(H2D_NATIVE=0, or it did not build: see the NativeUnavailableWarning)"
-        )
-    return module
+    return select(module, native, "DecodeStepInputs")
 
 
 class DecodeStepInputs:
@@ -68,7 +63,7 @@ class DecodeStepInputs:
     Declares the composed adapters' buffers (reachable as ``.sampling``, ``.tokens`` and
     ``.decode``) and ``state.combine(DECODE_STEP, ...)``; call before ``state.bind()``.
     ``native`` None follows ``H2D_NATIVE``; True requires the compiled pass; False always
-    runs the numpy bodies.
+    runs the numpy bodies (block-table snapshot and count storage included).
     """
 
     def __init__(
@@ -93,6 +88,8 @@ class DecodeStepInputs:
                                       max_ranges=max_ranges)
         state.combine(DECODE_STEP, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE])
         self._native = _load_native(native)
+        self.decode.native = native  # the block-table snapshots follow the same choice
+        self._native_choice = native
         self._outputs: list[Any] = []  # per slot: the compiled pass's bound sources
         self._required = np.zeros(max_reqs, dtype=np.int32)
         self._counts: CountBatch | None = None  # made on first use, after bind()
@@ -155,7 +152,7 @@ class DecodeStepInputs:
             decode.kv_slots(req, decode.positions.np[:t], decode.slot_mapping.np[:t])
             decode.slot_mapping.np[t:pt] = -1
         if self._counts is None:
-            self._counts = st.count_batch(self._counted_members())
+            self._counts = st.count_batch(self._counted_members(), native=self._native_choice)
         self._counts.set(n, n if k_rows else None, n if p_rows else None, pt, p + 1, p, p + 1,
                          pt, pt, p, p + 1)
         stage = tables.stage(p)

@@ -36,6 +36,8 @@ class PagedInputs:
                                          torch.int32, group=group, unit="rows",
                                          max_ranges=max_ranges)
         self._tables: BlockTableState | None = None
+        #: the snapshots' compiled common step: None = when available, False = never
+        self.native: bool | None = None
         pow2 = page_size & (page_size - 1) == 0
         self._page_shift = page_size.bit_length() - 1 if pow2 else -1
 
@@ -43,7 +45,8 @@ class PagedInputs:
     def tables(self) -> BlockTableState:
         """The block-table state (created on first use, after ``bind()``)."""
         if self._tables is None:
-            self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit)
+            self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit,
+                                             native=self.native)
         return self._tables
 
     def kv_slots(self, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
