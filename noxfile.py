@@ -25,6 +25,10 @@ PACKAGES = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml")
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 TEST_DEPS = ["numpy", "pytest", "hypothesis"]
+# CI requires the compiled hot paths (block_tables.native): a build failure fails the run
+# instead of falling back to the numpy path. Tests that compare both paths force the numpy
+# one per object (native=False).
+NATIVE = {"H2D_NATIVE": "1"}
 
 nox.options.sessions = ["block_tables", "tests"]
 nox.options.default_venv_backend = "venv"
@@ -54,7 +58,8 @@ def block_tables(session: nox.Session) -> None:
         "sys.exit('torch is installed in the block_tables session' "
         "if importlib.util.find_spec('torch') else 0)",
     )
-    session.run("python", "-m", "pytest", "packages/block-tables/tests", *session.posargs)
+    session.run("python", "-m", "pytest", "packages/block-tables/tests", *session.posargs,
+                env=NATIVE)
 
 
 @nox.session
@@ -64,7 +69,7 @@ def tests(session: nox.Session) -> None:
     _install_local(session, PACKAGES)
     session.run(
         "python", "-m", "pytest", *_test_dirs(), *session.posargs,
-        env={"TRITON_INTERPRET": "1"},
+        env={"TRITON_INTERPRET": "1", **NATIVE},
     )
 
 
@@ -81,7 +86,7 @@ def gpu(session: nox.Session) -> None:
     src = os.pathsep.join(str(p / "src") for p in PACKAGES)
     session.run(
         "python", "-m", "pytest", *_test_dirs(), *session.posargs,
-        env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1"},
+        env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1", **NATIVE},
     )
 
 

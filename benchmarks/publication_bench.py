@@ -39,8 +39,13 @@ for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
 from trace_counts import count_per_step  # noqa: E402
 
 from h2d_core import H2DRunnerState  # noqa: E402
-from h2d_runner_adapters import MhaDecodeInputs, SamplingInputs, TokenInputs  # noqa: E402
+from h2d_runner_adapters import DecodeStepInputs, MhaDecodeInputs  # noqa: E402
 
+#: decode-step variants, all in the same run: "packed" / "direct" = the fused producer
+#: (DecodeStepInputs, compiled when available) with packed publication / one copy per
+#: field; "separate" / "separate-direct" = the three adapters' own producers (numpy);
+#: "atom" = separate producers + per-row full-width block-table rebuild + one copy per field
+VARIANTS = ("packed", "direct", "separate", "separate-direct", "atom")
 #: ~0.4 ms of GPU sleep before a measured span (longer than the host's enqueue of a step)
 SPAN_DELAY_CYCLES = 800_000
 FLOOR_CASES = [(1, 16), (8, 64), (64, 128), (256, 128), (512, 512)]
@@ -149,13 +154,15 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                 b = next(gen)
                 b.columns, b.block_tables  # noqa: B018  (built outside the timed region)
                 batches.append(b)
-            for backend in ("packed", "direct", "atom"):
-                st = H2DRunnerState("cuda", backend="packed" if backend == "packed" else "direct")
-                sampling = SamplingInputs(st, bs)
-                tokens = TokenInputs(st, max_reqs=bs, max_tokens=bs)
-                decode = MhaDecodeInputs(st, max_reqs=bs, max_tokens=bs,
-                                         max_pages_per_req=per_row, page_size=page)
-                st.combine("decode_step", ["sampling", *tokens.producer_groups, "mha_decode"])
+            for backend in VARIANTS:
+                st = H2DRunnerState("cuda", backend="direct" if backend in (
+                    "direct", "atom", "separate-direct") else "packed")
+                fused = backend in ("packed", "direct")
+                step_inputs = DecodeStepInputs(
+                    st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=page,
+                    native=None if fused else False)
+                sampling, tokens, decode = (step_inputs.sampling, step_inputs.tokens,
+                                            step_inputs.decode)
                 st.bind()
                 if backend == "atom":
                     decode._tables = NaiveTables(decode)  # type: ignore[assignment]
@@ -167,10 +174,14 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                     b = next(it)
                     t = time.perf_counter_ns()
                     st.begin()
-                    sampling.prepare(b)
-                    tp = tokens.prepare_ids(b)
-                    tokens.prepare_query_prefix(b)
-                    dp = decode.prepare(b)
+                    if fused:
+                        plan = step_inputs.prepare(b)
+                        tp, dp = plan.tokens, plan.decode
+                    else:
+                        sampling.prepare(b)
+                        tp = tokens.prepare_ids(b)
+                        tokens.prepare_query_prefix(b)
+                        dp = decode.prepare(b)
                     if record:
                         ev = (torch.cuda.Event(enable_timing=True),
                               torch.cuda.Event(enable_timing=True))
@@ -328,19 +339,20 @@ def main() -> None:
                   f" | {p['h2d_per_step']:.0f},{p['kernels_per_step']:.0f} vs "
                   f"{d['h2d_per_step']:.0f},{d['kernels_per_step']:.0f}")
     if "decode" in res:
-        print("\ndecode (host µs median / GPU span µs; x = host time saved vs packed; "
+        print("\ndecode (host µs median / GPU span µs; x = host time vs packed; "
               "H2D,kernels per step)")
-        print("   ctx   bs | packed          | direct (1 copy/field) | atom (+naive rebuild)")
+        print("   ctx   bs | packed | direct (1 copy/field) | separate | separate-direct | atom")
         dec = res["decode"]
-        for i in range(0, len(dec), 3):  # type: ignore[arg-type]
-            p, d, a = dec[i], dec[i + 1], dec[i + 2]  # type: ignore[index]
+        k = len(VARIANTS)
+        for i in range(0, len(dec), k):  # type: ignore[arg-type]
+            p, *others = dec[i : i + k]  # type: ignore[index]
 
             def cell(r: dict, base: dict | None) -> str:
                 x = "" if base is None else f" {r['host_us_median'] / base['host_us_median']:.1f}x"
                 return (f"{r['host_us_median']:6.1f}/{r['gpu_span_us_median']:6.1f}{x} "
                         f"{r['h2d_per_step']:.0f},{r['kernels_per_step']:.0f}")
-            print(f"{p['context']:>6} {p['bs']:>4} | {cell(p, None)} | {cell(d, p)} | "
-                  f"{cell(a, p)}")
+            print(f"{p['context']:>6} {p['bs']:>4} | {cell(p, None)} | "
+                  + " | ".join(cell(o, p) for o in others))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Per step::
 
     state.begin()                                 # slot rotation (PP) waits for source reuse
-    producers (sampling, token ids, query prefix, decode or prefill mirrors)
+    producers (decode: one fused DecodeStepInputs call; prefill: sampling, token ids,
+               query prefix, prefill mirrors)
     state.publish(<step group>)                   # one DMA + one scatter (packed backend)
     state.finish()                                # records completion, never waits
     token assembly -> KV-index generation / attention preparation   (first consumers)
@@ -26,6 +27,7 @@ import torch
 
 from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
+    DecodeStepInputs,
     MhaDecodeInputs,
     PrefillInputs,
     SamplingInputs,
@@ -92,7 +94,9 @@ class DecodeRunner:
         self.decode = MhaDecodeInputs(st, **caps, **tables)
         self.prefill = PrefillInputs(st, **caps, **tables)
         token_groups = ["sampling", *self.tokens.producer_groups]
-        st.combine(DECODE_STEP, [*token_groups, self.decode.group])
+        # plain decode steps: one fused producer call (compiled when available), one group
+        self.decode_step = DecodeStepInputs.from_adapters(self.sampling, self.tokens,
+                                                          self.decode, group=DECODE_STEP)
         st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
         self.ubatches: list[MhaDecodeInputs] = []
         if tbo:
@@ -187,10 +191,8 @@ class DecodeRunner:
         events = self.span_events
         t0 = time.perf_counter_ns()
         st.begin()
-        self._sampling_plan = self.sampling.prepare(batch)
-        tplan = self.tokens.prepare_ids(batch, padded)
-        self.tokens.prepare_query_prefix(batch, padded)
-        dplan = self.decode.prepare(batch, padded)
+        plan = self.decode_step.prepare(batch, padded)
+        self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
         if events is not None:
             events[0].record()
         st.publish(DECODE_STEP)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from block_tables.native import load_extension, select
-from h2d_core import CountBatch, H2DBuffer, H2DRunnerState, h2d_producer
+from h2d_core import CountBatch, DeclarationError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
 from .consumers import GREEDY_TEMPERATURE
@@ -60,10 +60,12 @@ def _load_native(native: bool | None) -> ModuleType | None:
 class DecodeStepInputs:
     """Sampling, token inputs and MHA decode metadata as one producer and one group.
 
-    Declares the composed adapters' buffers (reachable as ``.sampling``, ``.tokens`` and
-    ``.decode``) and ``state.combine(DECODE_STEP, ...)``; call before ``state.bind()``.
-    ``native`` None follows ``H2D_NATIVE``; True requires the compiled pass; False always
-    runs the numpy bodies (block-table snapshot and count storage included).
+    Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
+    ``.decode``) and combines their producer groups into ``DECODE_STEP``; construct before
+    ``state.bind()``. :meth:`from_adapters` composes adapters the caller declared (e.g.
+    shared with a prefill path). ``native`` None follows ``H2D_NATIVE``; True requires the
+    compiled pass; False always runs the numpy bodies (block-table snapshot and count
+    storage included).
     """
 
     def __init__(
@@ -78,20 +80,57 @@ class DecodeStepInputs:
         max_ranges: int = 64,
         native: bool | None = None,
     ) -> None:
+        self._compose(
+            SamplingInputs(state, max_reqs),
+            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens),
+            MhaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                            max_pages_per_req=max_pages_per_req, page_size=page_size,
+                            num_pages=num_pages, max_ranges=max_ranges),
+            DECODE_STEP, native,
+        )
+
+    @classmethod
+    def from_adapters(
+        cls,
+        sampling: SamplingInputs,
+        tokens: TokenInputs,
+        decode: MhaDecodeInputs,
+        *,
+        group: str = DECODE_STEP,
+        native: bool | None = None,
+    ) -> DecodeStepInputs:
+        """Compose adapters declared on one state and combine their groups into ``group``
+        (before ``bind()``). The decode adapter must be the plain (unprefixed) one;
+        speculative indices, if the token adapter has them, stay in their own group."""
+        self = cls.__new__(cls)
+        self._compose(sampling, tokens, decode, group, native)
+        return self
+
+    def _compose(self, sampling: SamplingInputs, tokens: TokenInputs, decode: MhaDecodeInputs,
+                 group: str, native: bool | None) -> None:
+        state = decode.h2d_state
+        if sampling.h2d_state is not state or tokens.h2d_state is not state:
+            raise DeclarationError(
+                "DecodeStepInputs: the sampling, token and decode adapters must be declared on "
+                "the same H2DRunnerState"
+            )
+        if decode.group != MHA_DECODE:
+            raise DeclarationError(
+                f"DecodeStepInputs: the decode adapter publishes {decode.group!r}; the fused "
+                f"step produces the plain {MHA_DECODE!r} group (use the adapters separately "
+                "for prefixed two-batch-overlap ubatches)"
+            )
         self.h2d_state = state
-        self.group = DECODE_STEP
-        self.sampling = SamplingInputs(state, max_reqs)
-        self.tokens = TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens)
-        self.decode = MhaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                                      max_pages_per_req=max_pages_per_req,
-                                      page_size=page_size, num_pages=num_pages,
-                                      max_ranges=max_ranges)
-        state.combine(DECODE_STEP, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE])
+        self.group = group
+        self.sampling = sampling
+        self.tokens = tokens
+        self.decode = decode
+        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE])
         self._native = _load_native(native)
-        self.decode.native = native  # the block-table snapshots follow the same choice
+        decode.native = native  # the block-table snapshots follow the same choice
         self._native_choice = native
         self._outputs: list[Any] = []  # per slot: the compiled pass's bound sources
-        self._required = np.zeros(max_reqs, dtype=np.int32)
+        self._required = np.zeros(decode.context_lens.spec.capacity, dtype=np.int32)
         self._counts: CountBatch | None = None  # made on first use, after bind()
 
     def _counted_members(self) -> list[H2DBuffer]:
