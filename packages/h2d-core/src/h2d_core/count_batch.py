@@ -64,10 +64,11 @@ class CountBatch:
         self._record = gis.pop() if single else -1
         self._bound = [] if not single else [
             module.bind_counts(  # type: ignore[union-attr]
-                recs[self._record].header_nbytes,
-                tuple((b.homes[0][1], b._unit_bytes, recs[self._record].inplace[b.homes[0][1]],
-                       b._fast_capacity) for b in buffers))
-            for recs in state._slot_groups
+                rec.header_nbytes,
+                tuple((i, b._unit_bytes, rec.inplace[i] if rec.inplace else -1,
+                       b._fast_capacity)
+                      for b in buffers for i in (b.homes[0][1],)))
+            for rec in (recs[self._record] for recs in state._slot_groups)
         ]
 
     def set(self, *counts: int | None) -> None:

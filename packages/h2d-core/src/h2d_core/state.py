@@ -93,7 +93,10 @@ def _replace_ranges(rec: SlotGroup, i: int, new: list[tuple[int, int, int]]) -> 
     _omit(rec, i)
     rec.active += 1
     rec.ranged.add(i)
-    rec.ranges = [r for r in rec.ranges if r[0] != i] + new
+    if rec.ranges:
+        rec.ranges = [r for r in rec.ranges if r[0] != i] + new
+    else:
+        rec.ranges = new
     rec.range_bytes = sum(n for _, _, n in rec.ranges)
 
 
@@ -592,12 +595,14 @@ class H2DRunnerState:
         """Set ``ranges`` (sorted, disjoint, element-aligned, in bounds: built by trusted
         code such as the block-table state) when they fit the buffer's ``max_ranges`` and
         the group's staging room; return False, changing nothing, when they do not."""
-        self._check_ready("set_ranges")
+        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+            self._check_ready("set_ranges")
         if buffer.group in self._published or len(ranges) > buffer.max_ranges:
             return False
         gi, i = buffer.homes[0]
         rec = self._slot_groups[self.current_slot][gi]
-        if rec.packed is None or total + 16 * len(ranges) > self.range_room(buffer):
+        if rec.packed is None or total + 16 * len(ranges) > (
+                self.range_room(buffer) if rec.ranges else rec.packed.range_capacity):
             return False
         _replace_ranges(rec, i, [(i, a, b - a) for a, b in ranges])
         return True
@@ -910,10 +915,15 @@ class H2DRunnerState:
         if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
             self._check_ready(f"producer of {list(groups)}")
         produced, published, known = self._produced, self._published, self._producer_groups
-        if reason is None and len(groups) == 1:
-            g = groups[0]
-            if g in known and g not in produced and g not in published:
-                produced.add(g)
+        if reason is None:
+            if len(groups) == 1:
+                g = groups[0]
+                if g in known and g not in produced and g not in published:
+                    produced.add(g)
+                    return
+            elif (produced.isdisjoint(groups) and published.isdisjoint(groups)
+                    and all(g in known for g in groups)):
+                produced.update(groups)
                 return
         for g in groups:
             if g not in self._producer_groups:

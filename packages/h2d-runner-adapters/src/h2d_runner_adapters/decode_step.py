@@ -22,10 +22,9 @@ Padding and first consumers are those of the composed adapters: ``plan.tokens`` 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,8 +40,7 @@ from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan, _padd
 DECODE_STEP = "decode_step"
 
 
-@dataclass(frozen=True)
-class DecodeStepPlan:
+class DecodeStepPlan(NamedTuple):
     """The three adapters' plans for one step."""
 
     sampling: SamplingPlan

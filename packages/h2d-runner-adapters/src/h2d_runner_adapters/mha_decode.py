@@ -18,7 +18,7 @@ A padded replay therefore reads nothing stale.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -41,8 +41,7 @@ def _ceil_div(values: np.ndarray, page: int) -> np.ndarray:
     return (values + (page - 1)) // page
 
 
-@dataclass(frozen=True)
-class DecodePlan:
+class DecodePlan(NamedTuple):
     num_reqs: int
     padded_reqs: int
     tokens_per_req: int

@@ -12,7 +12,7 @@ padding (count = real requests).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,8 +25,7 @@ from .consumers import GREEDY_TEMPERATURE, sample_tokens
 SAMPLING = "sampling"
 
 
-@dataclass(frozen=True)
-class SamplingPlan:
+class SamplingPlan(NamedTuple):
     """What the producer decided for one batch."""
 
     num_reqs: int

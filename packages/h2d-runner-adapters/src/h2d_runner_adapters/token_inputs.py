@@ -22,7 +22,7 @@ after the forward, eagerly).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -53,8 +53,7 @@ def _padded(group: str, n: int, padded: int | None) -> int:
     return padded
 
 
-@dataclass(frozen=True)
-class TokenPlan:
+class TokenPlan(NamedTuple):
     num_reqs: int
     padded_reqs: int
     num_tokens: int

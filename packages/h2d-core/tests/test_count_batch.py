@@ -1,0 +1,765 @@
+"""``CountBatch`` (compiled and Python stores) against ``set_count``, its errors, and the
+compiled arena ``pack`` against ``pack_python``.
+
+A batch must leave every group record exactly as the same ``set_count`` calls leave it
+(counts, active members, counted bytes, DMA end, header byte counts), publish the same
+destination bytes, and reject every bad call with the same error as the Python path
+before storing anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import h2d_core.count_batch as count_batch_module
+from block_tables.native import NativeBuildError
+from h2d_core import (
+    CountBatch,
+    CountError,
+    DeclarationError,
+    DuplicatePublicationError,
+    EpochError,
+    H2DBuffer,
+    H2DRunnerState,
+    MembershipError,
+    NotBoundError,
+    OwnerInvalidatedError,
+    OwnerThreadError,
+    PublicationEnqueueError,
+    packing,
+)
+from h2d_core.group import SlotGroup
+
+# (name, dtype, shape, producer group, unit). Small members live in the arena (in place);
+# ids/pos/flags (> 32 KiB, elements/bytes) are staged; "wide" (> 32 KiB rows) is a tail.
+MEMBERS: list[tuple[str, torch.dtype, tuple[int, ...], str, str]] = [
+    ("temps", torch.float32, (16,), "tok", "elements"),
+    ("ids", torch.int32, (12_000,), "tok", "elements"),
+    ("mask", torch.int32, (40,), "tok", "bytes"),
+    ("bf", torch.bfloat16, (8, 3), "tok", "rows"),
+    ("pos", torch.int64, (5_000,), "meta", "elements"),
+    ("bt", torch.int32, (16, 24), "meta", "rows"),
+    ("wide", torch.int32, (40, 256), "meta", "rows"),
+    ("flags", torch.int16, (17_000,), "meta", "bytes"),
+]
+BATCHED = [m[0] for m in MEMBERS]
+#: the batch without byte-unit members: every plain int count fits the compiled store
+NON_BYTES = [m[0] for m in MEMBERS if m[4] != "bytes"]
+#: members outside the batch, set with set_count (one in "meta"; "cu" only in "shared")
+EXTRA = ("extra", torch.float16, (33,), "meta", "elements")
+PRE = ("cu", torch.int32, (65,), "pre", "elements")
+
+#: layout -> the publication groups one epoch may publish (in order)
+LAYOUTS: dict[str, list[list[str]]] = {
+    "single": [["g"]],  # every member in one producer group
+    "combined": [["decode"]],  # tok + meta combined: one record carries all
+    "split": [["tok", "meta"]],  # two records: the batch spans both
+    "shared": [["decode"], ["prefill"]],  # tok carried by two combined groups
+}
+
+FAST = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CHEAP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+class Setup:
+    def __init__(self, state: H2DRunnerState, buffers: dict[str, H2DBuffer]) -> None:
+        self.state = state
+        self.buffers = buffers
+
+
+def _build(device: str, h: Any, layout: str = "combined", backend: str = "packed",
+           num_slots: int = 2) -> Setup:
+    state = H2DRunnerState(device, num_slots=num_slots, backend=backend,
+                           scatter=h.scatter_mode(device))
+    members = [*MEMBERS, EXTRA] + ([PRE] if layout == "shared" else [])
+    bufs = {}
+    for name, dtype, shape, group, unit in members:
+        g = "g" if layout == "single" else group
+        bufs[name] = state.buffer(name, shape, dtype, group=g, unit=unit)
+    if layout in ("combined", "shared"):
+        state.combine("decode", ["tok", "meta"])
+    if layout == "shared":
+        state.combine("prefill", ["tok", "pre"])
+    state.bind()
+    for b in bufs.values():
+        b.gpu.view(torch.uint8).fill_(h.POISON)
+    return Setup(state, bufs)
+
+
+def _record_state(rec: SlotGroup) -> dict[str, Any]:
+    return {
+        "group": rec.plan.name,
+        "counts": list(rec.counts),
+        "types": [type(c).__name__ for c in rec.counts],
+        "active": rec.active,
+        "count_bytes": rec.count_bytes,
+        "dma_end": rec.dma_end,
+        "header_nbytes": None if rec.header_nbytes is None else rec.header_nbytes.tolist(),
+        "header": None if rec.packed is None else rec.packed.header.tolist(),
+        "ranges": list(rec.ranges),
+        "ranged": set(rec.ranged),
+        "range_bytes": rec.range_bytes,
+    }
+
+
+def _records(s: H2DRunnerState) -> list[list[dict[str, Any]]]:
+    """Every slot's group records."""
+    return [[_record_state(r) for r in recs] for recs in s._slot_groups]
+
+
+def _check_record_invariants(rec: SlotGroup) -> None:
+    """What the stored counts imply, whichever path stored them."""
+    members = rec.plan.members
+    assert all(c is None or type(c) is int for c in rec.counts), rec.counts
+    assert rec.active == sum(c is not None for c in rec.counts) + len(rec.ranged)
+    assert rec.count_bytes == sum(
+        c * m.spec.unit_bytes for c, m in zip(rec.counts, members, strict=True) if c is not None)
+    if rec.header_nbytes is not None:
+        assert rec.header_nbytes[: len(members)].tolist() == [
+            0 if c is None else c * m.spec.unit_bytes
+            for c, m in zip(rec.counts, members, strict=True)]
+        ends = [off + c * m.spec.unit_bytes
+                for c, m, off in zip(rec.counts, members, rec.inplace, strict=True)
+                if c and off >= 0]
+        assert rec.dma_end >= max([rec.plan.header_bytes, *ends])
+
+
+def _snapshot(setup: Setup, h: Any) -> dict[str, Any]:
+    """Everything a rejected call must leave unchanged."""
+    s = setup.state
+    h.sync(s.device.type)
+    return {
+        "records": _records(s),
+        "sources": {n: [b.source(k).reshape(-1).view(torch.uint8).clone()
+                        for k in range(s.num_slots)] for n, b in setup.buffers.items()},
+        "dest": {n: h.dest_bytes(b) for n, b in setup.buffers.items()},
+        "published": {g: s.is_published(g) for g in (*s._plans, *s._producer_groups)},
+        "counters": {g: vars(s.counters(g)).copy() for g in s._counters},
+        "epoch": (s.epoch, s.epoch_open, s.current_slot, s.invalidated),
+    }
+
+
+def _assert_unchanged(setup: Setup, h: Any, before: dict[str, Any]) -> None:
+    after = _snapshot(setup, h)
+    assert after["records"] == before["records"]
+    for n, srcs in before["sources"].items():
+        for k, src in enumerate(srcs):
+            assert torch.equal(after["sources"][n][k], src), f"source {n} slot {k} changed"
+        assert torch.equal(after["dest"][n], before["dest"][n]), f"destination {n} changed"
+    for key in ("published", "counters", "epoch"):
+        assert after[key] == before[key], key
+
+
+def _fill(setup: Setup, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for b in setup.buffers.values():
+        raw = b.cpu.reshape(-1).view(torch.uint8)
+        raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))
+
+
+def _close(s: H2DRunnerState) -> None:
+    """Leave a state reusable by the next example whatever the last one did."""
+    if s.invalidated is not None:
+        s.reset()
+    if s.epoch_open:
+        s.finish()
+
+
+def _valid_counts(buf: H2DBuffer, numpy: bool = True) -> st.SearchStrategy[int | None]:
+    """None, 0, the capacity or a random count, as a plain int or (``numpy``) a numpy
+    integer."""
+    spec = buf.spec
+    step = spec.itemsize if spec.unit.value == "bytes" else 1
+    cap = spec.capacity // step
+    plain = st.one_of(st.just(0), st.just(cap), st.integers(0, cap)).map(lambda n: n * step)
+    if not numpy:
+        return st.one_of(st.none(), plain)
+    wrapped = st.tuples(plain, st.sampled_from([np.int64, np.int32])).map(
+        lambda t: t[1](t[0]))
+    return st.one_of(st.none(), plain, wrapped)
+
+
+def _as_int(c: object) -> int | None:
+    return None if c is None else int(c)  # type: ignore[call-overload]
+
+
+# ------------------------------------------------------------------------- equivalence
+
+CONFIGS = [
+    ("single", 1), ("single", 2), ("combined", 1), ("combined", 2), ("split", 2), ("shared", 2),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+@pytest.mark.parametrize(("layout", "num_slots"), CONFIGS)
+def test_batch_leaves_the_state_set_count_leaves(
+        device: str, h: Any, monkeypatch: pytest.MonkeyPatch, layout: str, num_slots: int,
+        backend: str, native: bool) -> None:
+    ref = _build(device, h, layout, backend, num_slots)
+    bat = _build(device, h, layout, backend, num_slots)
+    stores: list[object] = []
+    if count_batch_module._native is not None:
+        real = count_batch_module._native.store_counts
+
+        def spy(*args: Any) -> Any:
+            out = real(*args)
+            stores.append(out)
+            return out
+
+        monkeypatch.setattr(count_batch_module._native, "store_counts", spy)
+
+    def run(members: list[str]) -> None:
+        @FAST
+        @given(data=st.data())
+        def examples(data: st.DataObject) -> None:
+            for state in (ref.state, bat.state):
+                _close(state)
+            order = data.draw(st.permutations(members), label="batch order")
+            batch = bat.state.count_batch([bat.buffers[n] for n in order], native=native)
+            for _ in range(data.draw(st.integers(1, 2), label="epochs")):
+                _epoch(data, order, batch)
+
+        examples()
+
+    def _epoch(data: st.DataObject, order: list[str], batch: CountBatch) -> None:
+        seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+        for setup in (ref, bat):
+            setup.state.begin()
+            _fill(setup, seed)
+        assert bat.state.current_slot == ref.state.current_slot
+        final: dict[str, int | None] = {}
+        # members outside the batch, and a set_count that the batch then overrides
+        outside = [n for n in ref.buffers if n not in order]
+        early = data.draw(st.sampled_from(order), label="set_count first")
+        for name in [*outside, early]:
+            c = data.draw(_valid_counts(ref.buffers[name]), label=f"set_count {name}")
+            for setup in (ref, bat):
+                setup.state.set_count(setup.buffers[name], c)
+            final[name] = _as_int(c)
+        # the first tuple has plain ints only (the compiled store takes it), a second one
+        # in the same epoch overrides it and may carry numpy integers
+        tuples = [data.draw(st.tuples(*[_valid_counts(ref.buffers[n], numpy=k > 0)
+                                        for n in order]), label=f"batch counts {k}")
+                  for k in range(data.draw(st.integers(1, 2), label="sets"))]
+        for counts in tuples:
+            for name, c in zip(order, counts, strict=True):
+                ref.state.set_count(ref.buffers[name], c)
+                final[name] = _as_int(c)
+            batch.set(*counts)
+            assert _records(bat.state) == _records(ref.state)
+        for rec in bat.state._slot_groups[bat.state.current_slot]:
+            _check_record_invariants(rec)
+        for name in ref.buffers:
+            assert bat.state.count(bat.buffers[name]) == final[name], name
+
+        groups = data.draw(st.sampled_from(LAYOUTS[layout]), label="publish")
+        sent = {m.name for g in groups for m in ref.state.plan(g).members}
+        before = {n: h.dest_bytes(b) for n, b in ref.buffers.items()}
+        for setup in (ref, bat):
+            for g in groups:
+                setup.state.publish(g)
+            setup.state.finish()
+            h.sync(device)
+        for name, b in ref.buffers.items():
+            want = (h.expected_bytes(b, b.cpu, final[name], before[name]) if name in sent
+                    else before[name])
+            assert torch.equal(h.dest_bytes(b), want), f"reference {name}"
+            assert torch.equal(h.dest_bytes(bat.buffers[name]), want), f"batch {name}"
+        assert _records(bat.state) == _records(ref.state)
+        assert ({g: vars(c) for g, c in bat.state._counters.items()}
+                == {g: vars(c) for g, c in ref.state._counters.items()})
+
+    run(BATCHED)  # byte-unit members: the Python store, whatever ``native`` says
+    run(NON_BYTES)
+    if native and backend == "packed" and layout in ("single", "combined"):
+        # one record carries every member: the compiled store ran and stored
+        assert stores and any(s is not None for s in stores)
+    if not native:
+        assert stores == []
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_second_set_in_an_epoch_overrides_the_first(device: str, h: Any, backend: str,
+                                                    native: bool) -> None:
+    setup = _build(device, h, "combined", backend)
+    s, b = setup.state, setup.buffers
+    order = ["temps", "bf", "bt", "ids"]
+    batch = s.count_batch([b[n] for n in order], native=native)
+    s.begin(1)
+    _fill(setup, 7)
+    rec = s._slot_groups[1][s.plan("decode").index]
+    idx = {m.name: i for i, m in enumerate(rec.plan.members)}
+    batch.set(16, None, 3, 100)  # temps 16*4 B, bt 3 rows of 96 B, ids 100*4 B
+    assert rec.active == 3 and rec.count_bytes == 64 + 288 + 400
+    end_after_first = rec.dma_end
+    batch.set(None, 8, 1, 0)  # count -> None, None -> count (8 rows of 6 B), smaller, 0
+    assert [rec.counts[idx[n]] for n in order] == [None, 8, 1, 0]
+    assert rec.active == 3 and rec.count_bytes == 48 + 96
+    if rec.header_nbytes is not None:
+        assert [int(rec.header_nbytes[idx[n]]) for n in order] == [0, 48, 96, 0]
+        # the DMA end never shrinks within an epoch (set_count keeps it too)
+        assert rec.dma_end == end_after_first == rec.inplace[idx["bt"]] + 288
+    else:
+        assert rec.dma_end == 0
+    after_second = _record_state(rec)
+    batch.set(None, np.int64(8), np.int32(1), 0)  # the same counts as numpy integers
+    assert _record_state(rec) == after_second
+    s.publish("decode")
+    s.finish()
+    h.sync(device)
+    bf_src = b["bf"].cpu.reshape(-1).view(torch.uint8)
+    assert torch.equal(h.dest_bytes(b["bf"]), bf_src)  # all 8 rows
+    assert torch.equal(b["bt"].gpu[:1].cpu(), b["bt"].cpu[:1])
+    poison = torch.full((48_000,), h.POISON, dtype=torch.uint8)
+    assert torch.equal(h.dest_bytes(b["temps"]), poison[:64])  # omitted by the second set
+    assert torch.equal(h.dest_bytes(b["bt"])[96:], poison[: 15 * 96])
+    assert torch.equal(h.dest_bytes(b["ids"]), poison)  # an explicit empty publication
+
+
+@pytest.mark.parametrize("native", [True, None], ids=["native", "auto"])
+@pytest.mark.parametrize("kind", ["direct backend", "noncontiguous destination"])
+def test_compiled_batch_on_an_unpacked_group(device: str, h: Any, kind: str,
+                                             native: bool | None) -> None:
+    """A record without an arena (direct copies) must take a compiled batch like any other."""
+    s = H2DRunnerState(device, backend="direct" if kind == "direct backend" else "packed",
+                       scatter=h.scatter_mode(device))
+    wide = torch.zeros((8, 2), dtype=torch.int32, device=device)
+    a = s.buffer("a", (8,), torch.int32, group="g",
+                 gpu=wide[:, 0] if kind != "direct backend" else None)
+    c = s.buffer("c", (6,), torch.int64, group="g")
+    s.bind()
+    assert not s.plan("g").packed
+    batch = s.count_batch([a, c], native=native)
+    s.begin()
+    a.np[:] = np.arange(1, 9)
+    c.np[:] = np.arange(10, 16)
+    batch.set(5, 6)
+    rec = s._slot_groups[0][0]
+    assert (rec.counts, rec.active, rec.count_bytes, rec.dma_end) == ([5, 6], 2, 5 * 4 + 6 * 8, 0)
+    assert rec.header_nbytes is None
+    s.publish("g")
+    s.finish()
+    h.sync(device)
+    assert a.gpu.cpu().tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert wide[:, 1].cpu().tolist() == [0] * 8
+    assert c.gpu.cpu().tolist() == list(range(10, 16))
+
+
+# ------------------------------------------------------------------------- errors
+
+#: valid counts stored before a rejected call, and other valid counts for that call (a
+#: premature store of them would show)
+FIRST = {"temps": 5, "ids": 100, "mask": 8, "bf": 2, "pos": 7, "bt": 3, "wide": 4, "flags": 64}
+OTHER = {"temps": 1, "ids": 50, "mask": 4, "bf": 1, "pos": 3, "bt": 1, "wide": 2, "flags": 32}
+
+
+def _batch_state(device: str, h: Any, native: bool,
+                 order: Sequence[str] = tuple(BATCHED)) -> tuple[Setup, CountBatch]:
+    """A combined state on slot 1 with FIRST stored by a batch of ``order``."""
+    setup = _build(device, h, "combined")
+    batch = setup.state.count_batch([setup.buffers[n] for n in order], native=native)
+    setup.state.begin(1)
+    _fill(setup, 3)
+    setup.state.set_count(setup.buffers["extra"], 9)
+    batch.set(*[FIRST[n] for n in order])
+    return setup, batch
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("n", [0, 7, 9])
+def test_wrong_number_of_counts(device: str, h: Any, native: bool, n: int) -> None:
+    setup, batch = _batch_state(device, h, native)
+    before = _snapshot(setup, h)
+    with pytest.raises(CountError, match=rf"CountBatch.set got {n} counts for 8 buffers") as e:
+        batch.set(*([1] * n))
+    assert "'temps'" in str(e.value) and "'flags'" in str(e.value)
+    _assert_unchanged(setup, h, before)
+
+
+BAD_LAST = [
+    # (member placed last, bad value, message fragment)
+    ("temps", True, "count must be an int in elements, got bool"),
+    ("temps", 2.0, "count must be an int in elements, got float"),
+    ("temps", np.float64(1.0), "count must be an int in elements, got float64"),
+    ("temps", "3", "count must be an int in elements, got str"),
+    ("temps", -1, r"count -1 elements is outside \[0, 16\]"),
+    ("temps", 17, r"count 17 elements is outside \[0, 16\]"),
+    ("temps", np.int64(17), r"count 17 elements is outside \[0, 16\]"),
+    ("temps", 2**70, "elements is outside"),
+    ("bt", 17, r"count 17 rows is outside \[0, 16\]"),
+    ("bf", np.int32(9), r"count 9 rows is outside \[0, 8\]"),
+    ("mask", 3, "byte count 3 is not a multiple of its element size 4"),
+    ("mask", 164, r"count 164 bytes is outside \[0, 160\]"),
+    ("flags", 33_001, "byte count 33001 is not a multiple of its element size 2"),
+    ("ids", 12_001, r"count 12001 elements is outside \[0, 12000\]"),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize(("last", "bad", "match"), BAD_LAST,
+                         ids=[f"{m}-{v!r}" for m, v, _ in BAD_LAST])
+def test_invalid_last_count_stores_nothing(device: str, h: Any, native: bool, last: str,
+                                           bad: object, match: str) -> None:
+    setup = _build(device, h, "combined")
+    s, bufs = setup.state, setup.buffers
+    # no byte-unit member before the last: the compiled store checks every earlier value
+    order = [n for n in NON_BYTES if n != last] + [last]
+    batch = s.count_batch([bufs[n] for n in order], native=native)
+    s.begin(1)
+    _fill(setup, 4)
+    batch.set(*[FIRST[n] for n in order])
+    before = _snapshot(setup, h)
+    with pytest.raises(CountError, match=match) as err:
+        batch.set(*[OTHER[n] for n in order[:-1]], bad)
+    assert f"buffer {last!r}" in str(err.value)
+    _assert_unchanged(setup, h, before)
+    # the earlier valid counts still publish
+    dest = {n: h.dest_bytes(b) for n, b in bufs.items()}
+    s.publish("decode")
+    s.finish()
+    h.sync(device)
+    for n in order:
+        assert torch.equal(h.dest_bytes(bufs[n]),
+                           h.expected_bytes(bufs[n], bufs[n].cpu, FIRST[n], dest[n])), n
+
+
+def _bad_counts(buf: H2DBuffer) -> st.SearchStrategy[tuple[object, str]]:
+    """(invalid count, message fragment) for ``buf``."""
+    spec = buf.spec
+    unit, cap = spec.unit.value, spec.capacity
+    outside = f"is outside [0, {cap}]"
+    bad: list[st.SearchStrategy[tuple[object, str]]] = [
+        st.booleans().map(lambda v: (v, "got bool")),
+        st.floats(0, 10).map(lambda v: (v, "got float")),
+        st.just(("1", "got str")),
+        st.just(([1], "got list")),
+        st.integers(-(2**70), -1).map(lambda v: (v, f"count {v} {unit} {outside}")),
+        st.integers(cap + 1, 2**70).map(lambda v: (v, f"count {v} {unit} {outside}")),
+        st.integers(cap + 1, cap + 1000).map(lambda v: (np.int64(v), outside)),
+    ]
+    if unit == "bytes":
+        item = spec.itemsize
+        bad.append(st.integers(0, cap // item - 1).map(
+            lambda k: (k * item + 1, f"not a multiple of its element size {item}")))
+    return st.one_of(bad)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+@pytest.mark.parametrize("members", ["all", "no-bytes"])
+def test_invalid_counts_anywhere_store_nothing(device: str, h: Any, native: bool,
+                                               members: str) -> None:
+    order = BATCHED if members == "all" else NON_BYTES
+    setup, batch = _batch_state(device, h, native, order)
+    bufs = setup.buffers
+    before = _snapshot(setup, h)
+
+    @CHEAP
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        counts: list[object] = [data.draw(_valid_counts(bufs[n]), label=n) for n in order]
+        where = data.draw(st.sets(st.sampled_from(range(len(order))), min_size=1),
+                          label="bad positions")
+        fragment = ""
+        for k in sorted(where, reverse=True):
+            counts[k], fragment = data.draw(_bad_counts(bufs[order[k]]), label=f"bad {k}")
+        with pytest.raises(CountError) as err:
+            batch.set(*counts)
+        # the first invalid member in batch order is named, as set_count would name it
+        assert f"buffer {order[min(where)]!r}" in str(err.value)
+        assert fragment in str(err.value)
+        _assert_unchanged(setup, h, before)
+
+    run()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_set_after_publication_is_rejected(device: str, h: Any, native: bool) -> None:
+    setup = _build(device, h, "combined")
+    s, b = setup.state, setup.buffers
+    order = ["pos", "temps", "ids", "bt"]
+    batch = s.count_batch([b[n] for n in order], native=native)
+    meta_only = s.count_batch([b["pos"], b["bt"]], native=native)
+    s.begin()
+    _fill(setup, 5)
+    batch.set(3, 4, 5, 6)
+    s.publish("decode")
+    before = _snapshot(setup, h)
+    for call in (lambda: batch.set(1, 1, 1, 1), lambda: batch.set(None, None, None, None)):
+        with pytest.raises(DuplicatePublicationError,
+                           match="buffer 'pos': group 'meta' was already published in this "
+                                 r"epoch; a second publication needs a reason \(reopen\(\)\)"):
+            call()
+        _assert_unchanged(setup, h, before)
+    # a deliberate second publication: counts are set again after reopen
+    s.reopen("decode", "test: second publication")
+    batch.set(1, 2, 3, 4)
+    rec = s._slot_groups[0][0]
+    assert [s.count(b[n]) for n in order] == [1, 2, 3, 4] and rec.active == 4
+    s.finish()
+
+    # a covered producer group published alone rejects only batches that carry it
+    s.begin()
+    batch.set(None, 3, 7, None)
+    s.publish("tok")
+    before = _snapshot(setup, h)
+    with pytest.raises(DuplicatePublicationError,
+                       match="buffer 'temps': group 'tok' was already published"):
+        batch.set(1, 1, 1, 1)
+    _assert_unchanged(setup, h, before)
+    meta_only.set(2, 5)
+    assert (s.count(b["pos"]), s.count(b["bt"]), s.count(b["temps"])) == (2, 5, 3)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_set_outside_an_epoch(device: str, h: Any, native: bool) -> None:
+    setup = _build(device, h, "combined")
+    s = setup.state
+    batch = s.count_batch([setup.buffers[n] for n in BATCHED], native=native)
+    counts = list(OTHER.values())
+    before = _snapshot(setup, h)
+    with pytest.raises(EpochError, match=r"CountBatch.set outside an epoch: call begin\(\)"):
+        batch.set(*counts)
+    _assert_unchanged(setup, h, before)
+    s.begin()
+    batch.set(*counts)
+    s.finish()
+    before = _snapshot(setup, h)
+    with pytest.raises(EpochError, match=r"CountBatch\.set outside an epoch"):
+        batch.set(*FIRST.values())
+    _assert_unchanged(setup, h, before)
+
+
+def _in_thread(call: Callable[[], object]) -> BaseException | None:
+    caught: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            caught.append(exc)
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    return caught[0] if caught else None
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_other_thread_is_rejected(device: str, h: Any, native: bool) -> None:
+    setup, batch = _batch_state(device, h, native)
+    before = _snapshot(setup, h)
+    for call in (lambda: batch.set(*OTHER.values()),
+                 lambda: setup.state.count_batch([setup.buffers["temps"]], native=native)):
+        err = _in_thread(call)
+        assert isinstance(err, OwnerThreadError), err
+        assert "belongs to another thread" in str(err)
+        _assert_unchanged(setup, h, before)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_invalidated_owner_is_rejected(device: str, h: Any, native: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    setup, batch = _batch_state(device, h, native)
+    s = setup.state
+    arena = s._slot_groups[1][0].packed.arena
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected launch failure")
+
+    monkeypatch.setattr(arena, "publish", broken)
+    with pytest.raises(PublicationEnqueueError):
+        s.publish("decode")
+    before = _snapshot(setup, h)
+    with pytest.raises(OwnerInvalidatedError, match=r"call reset\(\)"):
+        batch.set(*OTHER.values())
+    _assert_unchanged(setup, h, before)
+
+
+def test_construction_errors(device: str, h: Any) -> None:
+    setup = _build(device, h, "combined")
+    other = _build(device, h, "combined")
+    s, b = setup.state, setup.buffers
+    s.begin()
+    s.set_count(b["temps"], 3)
+    before = _snapshot(setup, h)
+    cases: list[tuple[list[Any], type[Exception], str]] = [
+        ([b["temps"], b["ids"], b["temps"]], DeclarationError,
+         "CountBatch: buffer 'temps' is listed twice"),
+        ([b["temps"], other.buffers["ids"]], MembershipError, "is not a buffer of this state"),
+        (["temps"], MembershipError, "'temps' is not a buffer of this state"),
+    ]
+    for buffers, exc, match in cases:
+        for native in (True, False):
+            with pytest.raises(exc, match=match):
+                CountBatch(s, buffers, native=native)
+            _assert_unchanged(setup, h, before)
+    assert s.count(b["temps"]) == 3
+
+    ranged = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    cl = ranged.buffer("context_lens", (64,), torch.int32, group="g")
+    bt = ranged.buffer("block_tables", (64, 128), torch.int32, group="g", unit="rows",
+                       max_ranges=8)
+    with pytest.raises(NotBoundError, match=r"call bind\(\) after declaring buffers"):
+        ranged.count_batch([cl])
+    assert not ranged.bound
+    ranged.bind()
+    ranged.begin()
+    ranged.set_count(cl, 4)
+    rec = ranged._slot_groups[0][0]
+    snap = _record_state(rec)
+    for native in (True, False):
+        with pytest.raises(DeclarationError,
+                           match=r"CountBatch: buffer 'block_tables' is ranged "
+                                 r"\(max_ranges=8\); publish it with set_count or set_ranges"):
+            ranged.count_batch([cl, bt], native=native)
+    assert _record_state(rec) == snap
+
+
+def test_native_choice(device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    setup = _build(device, h, "single")
+    s, bufs = setup.state, setup.buffers
+    members = [bufs[n] for n in NON_BYTES]
+    if count_batch_module._native is not None:
+        results: list[object] = []
+        real = count_batch_module._native.store_counts
+
+        def spy(*args: Any) -> Any:
+            results.append(real(*args))
+            return results[-1]
+
+        monkeypatch.setattr(count_batch_module._native, "store_counts", spy)
+        s.begin()
+        s.count_batch(members, native=False).set(*[1] * 6)
+        assert results == []  # never the compiled store
+        s.count_batch(members, native=None).set(*[2] * 6)
+        s.count_batch(members, native=True).set(*[3] * 6)
+        assert len(results) == 2 and all(isinstance(r, tuple) for r in results)
+        # a byte-unit member's count is handed back to the Python check and store
+        with_bytes = s.count_batch([bufs["temps"], bufs["mask"]], native=True)
+        with_bytes.set(4, 12)
+        assert results[-1] is None
+        assert (s.count(bufs["temps"]), s.count(bufs["mask"])) == (4, 12)
+        s.finish()
+        monkeypatch.undo()
+    # without the compiled helper: True is refused by name, None falls back to Python
+    monkeypatch.setattr(count_batch_module, "_native", None)
+    with pytest.raises(NativeBuildError, match="CountBatch: native=True but the compiled helper "
+                                               "is unavailable"):
+        s.count_batch(members, native=True)
+    s.begin()
+    s.count_batch(members, native=None).set(*[5] * 6)
+    assert [s.count(b) for b in members] == [5] * 6
+
+
+# ------------------------------------------------------------------------- pack
+
+@pytest.mark.skipif(packing.native is None, reason="compiled h2d_core helper not built")
+def test_pack_matches_pack_python(device: str, h: Any) -> None:
+    s = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    bufs = {
+        "temps": s.buffer("temps", (16,), torch.float32, group="g"),
+        "ids": s.buffer("ids", (12_000,), torch.int32, group="g"),
+        "pos": s.buffer("pos", (5_000,), torch.int64, group="g"),
+        "flags": s.buffer("flags", (17_000,), torch.int16, group="g", unit="bytes"),
+        "bt": s.buffer("bt", (64, 128), torch.int32, group="g", unit="rows", max_ranges=8),
+    }
+    s.bind()
+    for b in bufs.values():
+        b.gpu.view(torch.uint8).fill_(h.POISON)
+    rec = s._slot_groups[0][0]
+    slot = rec.packed
+    assert slot is not None and len(slot.staged) == 3
+    setup = Setup(s, bufs)
+    row_elems, table_elems = 128, 64 * 128
+
+    @st.composite
+    def ranges(draw: st.DrawFn) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        pos = 0
+        for _ in range(draw(st.integers(0, 8))):
+            start = pos + draw(st.integers(0, 3 * row_elems))
+            stop = start + draw(st.integers(1, 2 * row_elems))
+            if stop > table_elems:
+                break
+            out.append((start * 4, stop * 4))
+            pos = stop
+        return out
+
+    @FAST
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        _close(s)
+        s.begin()
+        _fill(setup, data.draw(st.integers(0, 2**32 - 1), label="seed"))
+        counts = {n: data.draw(_valid_counts(bufs[n]), label=n)
+                  for n in ("temps", "ids", "pos", "flags")}
+        for n, c in counts.items():
+            s.set_count(bufs[n], c)
+        table = data.draw(st.one_of(ranges(), st.integers(0, 64)), label="bt")
+        if isinstance(table, list):
+            s.set_ranges(bufs["bt"], table)
+        else:
+            s.set_count(bufs["bt"], table)
+        host = slot.arena.host  # type: ignore[attr-defined]
+        start = (host.clone(), slot.header.copy())
+        args = (slot, list(rec.counts), list(rec.ranges))
+
+        end_native = packing.pack(rec.packed, rec.counts, rec.ranges)
+        got_native = (host.clone(), slot.header.copy())
+        host.copy_(start[0])
+        slot.header[:] = start[1]
+        end_python = packing.pack_python(rec.packed, rec.counts, rec.ranges)
+        got_python = (host.clone(), slot.header.copy())
+        assert (slot, list(rec.counts), list(rec.ranges)) == args  # inputs untouched
+        assert end_native == end_python
+        assert np.array_equal(got_native[1], got_python[1])
+        assert torch.equal(got_native[0], got_python[0])
+
+        # and both put each staged member's used bytes and each range where the header says
+        raw = host.view(torch.uint8) if host.dtype != torch.uint8 else host
+        last = 0
+        for i, _, unit_bytes in slot.staged:
+            n = rec.counts[i]
+            if n:
+                off = int(slot.header[i, 0])
+                src = rec.plan.members[i].cpu.reshape(-1).view(torch.uint8)
+                assert torch.equal(raw[off : off + n * unit_bytes], src[: n * unit_bytes])
+                last = max(last, off + n * unit_bytes)
+        bt_src = bufs["bt"].cpu.reshape(-1).view(torch.uint8)
+        for row, (i, dst_off, nbytes) in enumerate(rec.ranges, start=slot.first_extra):
+            off, n, member, dst = (int(x) for x in slot.header[row])
+            assert (n, member, dst) == (nbytes, i, dst_off)
+            assert off >= slot.staging_offset
+            assert torch.equal(raw[off : off + n], bt_src[dst_off : dst_off + n])
+            last = max(last, off + n)
+        assert end_python == (0 if last == 0 else (last + 15) // 16 * 16)
+
+        # the production path (compiled pack inside publish) delivers exactly those bytes
+        host.copy_(start[0])
+        slot.header[:] = start[1]
+        before = {n: h.dest_bytes(b) for n, b in bufs.items()}
+        s.publish("g")
+        s.finish()
+        h.sync(device)
+        for n in ("temps", "ids", "pos", "flags"):
+            assert torch.equal(h.dest_bytes(bufs[n]), h.expected_bytes(
+                bufs[n], bufs[n].cpu, _as_int(counts[n]), before[n])), n
+        want = before["bt"].clone()
+        if isinstance(table, list):
+            for a, z in table:
+                want[a:z] = bt_src[a:z]
+        else:
+            want = h.expected_bytes(bufs["bt"], bufs["bt"].cpu, table, before["bt"])
+        assert torch.equal(h.dest_bytes(bufs["bt"]), want)
+
+    run()
