@@ -499,20 +499,21 @@ class NativeTwinMachine(RuleBasedStateMachine):
         self, plan: list[str], ids: list[int], bad: int, container: str, required: str,
         value: str, pick: int,
     ) -> None:
-        batch = [(t, "table") for t, _ in self.last_batch]
-        seen: set[int] = set()
-        for k, (table, _) in enumerate(batch):
-            if id(table) in seen:
-                continue
-            seen.add(id(table))
-            how = plan[k % ROWS]
-            if how == "one":
-                table.append_one(ids[k % ROWS])
-            elif how == "two":
-                table.append([ids[k % ROWS], ids[(k + 1) % ROWS]])
-            elif how == "bad":
-                table.append_one(bad)
-        self.run_both(batch, container, required, value, pick)
+        for repeat in range(1 + pick % 3):  # a few consecutive steps of one batch
+            batch = [(t, "table") for t, _ in self.last_batch]
+            seen: set[int] = set()
+            for k, (table, _) in enumerate(batch):
+                if id(table) in seen:
+                    continue
+                seen.add(id(table))
+                how = plan[(k + repeat) % ROWS]
+                if how == "one":
+                    table.append_one(ids[(k + repeat) % ROWS])
+                elif how == "two":
+                    table.append([ids[k % ROWS], ids[(k + 1) % ROWS]])
+                elif how == "bad":
+                    table.append_one(bad)
+            self.run_both(batch, container, required, value, pick)
 
     def run_both(
         self, chosen: list[tuple[BlockTable, str]], container: str, required_kind: str,
