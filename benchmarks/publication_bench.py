@@ -11,8 +11,11 @@ rows append a page, for batch sizes 1, 8, 64, 256 and 4K / 128K contexts, packed
 copy per field in the same run: host µs for preparation + publication, GPU µs from the first
 publication work to the end of the first consumer (KV-index generation; measured with the
 GPU kept busy while the host enqueues, so it is device time, not host launch gaps), and
-copies and kernels per step from a profiler trace. A third variant, "atom", is what the
-ATOM catalog describes: per-row full-width block-table rebuild plus one copy per field.
+copies and kernels per step from a profiler trace. Variants (``VARIANTS``): the fused
+producer (``DecodeStepInputs``) packed and direct, the adapters' separate numpy producers
+packed and direct, and "atom", what the ATOM catalog describes: per-row full-width
+block-table rebuild plus one copy per field. Host µs exclude ``begin()``'s wait for source
+reuse (GPU-bound steps), which is reported apart.
 
     python benchmarks/publication_bench.py [core|decode|all] [--out DIR] [--steps N]
 """
@@ -169,6 +172,7 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                 prev = torch.zeros(bs, 1, dtype=torch.int32, device="cuda")
                 it = iter(batches)
                 events: list = []
+                waits: list[float] = []
 
                 def step(record: bool = False) -> float:
                     b = next(it)
@@ -191,7 +195,10 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                         ev[0].record()
                     st.publish("decode_step")
                     st.finish()
-                    host = (time.perf_counter_ns() - t) / 1e3
+                    # host work only: begin()'s wait for source reuse (the GPU still busy
+                    # with the previous step) is GPU time, reported apart
+                    waits.append(st.last_source_wait_ns / 1e3)
+                    host = (time.perf_counter_ns() - t - st.last_source_wait_ns) / 1e3
                     tokens.assemble(tp, prev)
                     decode.generate_kv_indices(dp)
                     if record:
@@ -212,6 +219,7 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                      "host_us_median": float(np.median(host)),
                      "host_us_p90": float(np.percentile(host, 90)),
                      "gpu_span_us_median": float(np.median(span)),
+                     "source_wait_us_median": float(np.median(waits)),
                      "bytes_per_step": c.bytes / max(c.publications, 1),
                      **count_per_step(step, 8)}
                 out.append(r)
