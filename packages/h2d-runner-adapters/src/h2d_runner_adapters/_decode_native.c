@@ -1,13 +1,15 @@
 /* Compiled producer body of DecodeStepInputs (decode_step.py); built by block_tables.native.
  *
- * decode_columns writes every per-request and per-token member of a plain decode step
- * (sampling, token ids, query prefixes, MHA decode metadata, graph padding included) in one
- * pass; kv_slots maps tokens to KV slots from the prepared CPU block table. The results
- * are bit-identical to the numpy path in decode_step.py (same int32 wrap-around, NaN
- * propagation of the temperature clamp). Batches the fast path does not cover (mixed
- * query lengths, a token count that is not n * q, capacities exceeded, negative
- * positions, pages past the table) return None before any write, and the numpy path
- * decides, raising its own errors.
+ * decode_step checks the batch, computes each request's required pages, calls the block
+ * table's prepare (which validates the rows before writing the table), and only then
+ * writes every per-request and per-token member of a plain decode step (sampling, token
+ * ids, query prefixes, MHA decode metadata and KV slots from the prepared table, graph
+ * padding included). A rejected batch therefore writes no source. The results are
+ * bit-identical to the numpy path in decode_step.py (same int32 wrap-around, NaN
+ * propagation of the temperature clamp). Batches it does not cover (other dtypes, mixed
+ * query lengths, a token count that is not n * q, capacities exceeded, contexts shorter
+ * than the query) return None before any write: decode_step.py then raises the specific
+ * error, or runs the numpy path for a valid batch it merely does not cover.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -25,6 +27,9 @@ typedef struct {
     PyObject *arrays[NUM_OUTPUTS];
     void *ptr[NUM_OUTPUTS];
     Py_ssize_t len[NUM_OUTPUTS]; /* items */
+    PyObject *table_owner;       /* the slot's pinned CPU block table, int32 [rows, width] */
+    const int32_t *table;
+    Py_ssize_t table_rows, width;
 } Outputs;
 
 static void outputs_free(PyObject *capsule)
@@ -34,20 +39,37 @@ static void outputs_free(PyObject *capsule)
         return;
     for (int i = 0; i < NUM_OUTPUTS; i++)
         Py_XDECREF(o->arrays[i]);
+    Py_XDECREF(o->table_owner);
     PyMem_Free(o);
 }
 
 /* bind_outputs(temps, top_ks, top_ps, input_ids, decode_cu, decode_src, cu_seqlens_q,
- *              positions, context_lens, kv_indptr, required, slot_mapping) -> capsule */
+ *              positions, context_lens, kv_indptr, required, slot_mapping, table)
+ * -> capsule; table: the slot's CPU block table (int32 [rows, width], C-contiguous). */
 static PyObject *bind_outputs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != NUM_OUTPUTS) {
-        PyErr_Format(PyExc_TypeError, "bind_outputs takes %d arrays", NUM_OUTPUTS);
+    if (nargs != NUM_OUTPUTS + 1) {
+        PyErr_Format(PyExc_TypeError, "bind_outputs takes %d arrays", NUM_OUTPUTS + 1);
         return NULL;
     }
     Outputs *o = PyMem_Calloc(1, sizeof(Outputs));
     if (o == NULL)
         return PyErr_NoMemory();
+    {
+        Py_buffer v;
+        if (PyObject_GetBuffer(args[NUM_OUTPUTS], &v, PyBUF_C_CONTIGUOUS) < 0)
+            goto fail;
+        if (v.ndim != 2 || v.itemsize != 4) {
+            PyBuffer_Release(&v);
+            PyErr_SetString(PyExc_ValueError, "the block table must be int32 [rows, width]");
+            goto fail;
+        }
+        o->table = v.buf;
+        o->table_rows = v.shape[0];
+        o->width = v.shape[1];
+        o->table_owner = Py_NewRef(args[NUM_OUTPUTS]);
+        PyBuffer_Release(&v);
+    }
     for (int i = 0; i < NUM_OUTPUTS; i++) {
         Py_buffer v;
         if (PyObject_GetBuffer(args[i], &v, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
@@ -70,6 +92,7 @@ static PyObject *bind_outputs(PyObject *self, PyObject *const *args, Py_ssize_t 
 fail:
     for (int i = 0; i < NUM_OUTPUTS; i++)
         Py_XDECREF(o->arrays[i]);
+    Py_XDECREF(o->table_owner);
     PyMem_Free(o);
     return NULL;
 }
@@ -107,14 +130,16 @@ static int32_t ceil_pages(int32_t ctx, int32_t page, int shift)
 
 enum { IN_QLENS, IN_CTX, IN_TEMPS, IN_TOP_K, IN_TOP_P, IN_PREV, IN_DRAFTS, IN_TOKENS, NUM_INPUTS };
 
-/* decode_columns(outputs, qlens, ctx, temps, top_k, top_p, prev_rows, num_drafts,
- *                token_ids, padded, page_size, greedy_temperature)
+/* decode_step(outputs, qlens, ctx, temps, top_k, top_p, prev_rows, num_drafts,
+ *             token_ids, padded, page_size, greedy_temperature, prepare, rows, required)
  * -> (q, per_request_top_k, per_request_top_p, total_pages, draft_tokens)
- *    or None (not covered). */
-static PyObject *decode_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+ *    or None (not covered; nothing written).
+ * prepare(rows, required_pages=required[:padded]) is the block-table state's prepare; an
+ * exception it raises propagates before any source is written. */
+static PyObject *decode_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 12) {
-        PyErr_SetString(PyExc_TypeError, "decode_columns takes 12 arguments");
+    if (nargs != 15) {
+        PyErr_SetString(PyExc_TypeError, "decode_step takes 15 arguments");
         return NULL;
     }
     Outputs *o = (Outputs *)PyCapsule_GetPointer(args[0], "h2d_decode_outputs");
@@ -159,9 +184,35 @@ static PyObject *decode_columns(PyObject *self, PyObject *const *args, Py_ssize_
         p + 1 > o->len[CU_SEQLENS_Q] || pt > o->len[POSITIONS] || p > o->len[CONTEXT_LENS] ||
         p + 1 > o->len[KV_INDPTR] || p > o->len[REQUIRED] || pt > o->len[SLOT_MAPPING])
         goto not_covered;
+    if (p > o->table_rows)
+        goto not_covered;
     for (Py_ssize_t i = 0; i < n; i++)
-        if ((int64_t)ctx[i] - q < 0) /* a negative position: let numpy decide */
+        if ((int64_t)ctx[i] - q < 0) /* a context shorter than its query */
             goto not_covered;
+
+    /* ---- required pages (scratch, not a source), then the table's own checks + write -- */
+    int32_t *req = o->ptr[REQUIRED];
+    int shift = (page & (page - 1)) == 0 ? __builtin_ctzl((unsigned long)page) : -1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        req[i] = ceil_pages(ctx[i], (int32_t)page, shift);
+    for (Py_ssize_t i = n; i < p; i++)
+        req[i] = 0;
+    {
+        PyObject *view = PySequence_GetSlice(args[14], 0, p);
+        if (view == NULL)
+            goto release;
+        static PyObject *kwnames = NULL;
+        if (kwnames == NULL && (kwnames = Py_BuildValue("(s)", "required_pages")) == NULL) {
+            Py_DECREF(view);
+            goto release;
+        }
+        PyObject *call_args[2] = {args[13], view};
+        PyObject *r = PyObject_Vectorcall(args[12], call_args, 1, kwnames);
+        Py_DECREF(view);
+        if (r == NULL)
+            goto release; /* the rows were rejected: no source written */
+        Py_DECREF(r);
+    }
 
     /* ---- sampling: clamp temperatures; per-request filters only when they differ ---- */
     float *out_t = o->ptr[TEMPS];
@@ -194,27 +245,32 @@ static PyObject *decode_columns(PyObject *self, PyObject *const *args, Py_ssize_
     for (Py_ssize_t i = n; i < p; i++)
         src[i] = -1;
 
-    /* ---- MHA decode: positions, context lengths, pages, KV prefix (padding empty) ---- */
-    int64_t *pos = o->ptr[POSITIONS];
+    /* ---- MHA decode: positions, slots, context lengths, KV prefix (padding empty) ---- */
+    int64_t *pos = o->ptr[POSITIONS], *slots = o->ptr[SLOT_MAPPING];
     int32_t *lens = o->ptr[CONTEXT_LENS], *indptr = o->ptr[KV_INDPTR];
-    int32_t *req = o->ptr[REQUIRED];
-    int shift = (page & (page - 1)) == 0 ? __builtin_ctzl((unsigned long)page) : -1;
     uint32_t total = 0;
     indptr[0] = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int32_t c = ctx[i];
-        for (int32_t j = 0; j < q; j++)
-            pos[i * q + j] = (int64_t)c - q + j;
+        const int32_t *row = o->table + i * o->width;
+        for (int32_t j = 0; j < q; j++) {
+            int64_t x = (int64_t)c - q + j; /* >= 0: checked above */
+            int64_t col = shift >= 0 ? x >> shift : x / page;
+            int64_t off = shift >= 0 ? (x & (page - 1)) : x % page;
+            pos[i * q + j] = x;
+            /* col < required <= the row's length (checked by prepare); numpy multiplies
+             * the int32 page ID by the page size in int32 (wrapping), then widens */
+            slots[i * q + j] = (int64_t)(int32_t)((uint32_t)row[col] * (uint32_t)page) + off;
+        }
         lens[i] = c;
-        int32_t pages = ceil_pages(c, (int32_t)page, shift);
-        req[i] = pages;
-        total += (uint32_t)pages;
+        total += (uint32_t)req[i];
         indptr[i + 1] = (int32_t)total;
     }
     memset(pos + t, 0, (size_t)(pt - t) * 8);
+    for (Py_ssize_t k = t; k < pt; k++)
+        slots[k] = -1;
     for (Py_ssize_t i = n; i < p; i++) {
         lens[i] = 0;
-        req[i] = 0;
         indptr[i + 1] = (int32_t)total;
     }
     int64_t draft_tokens = 0;
@@ -232,63 +288,9 @@ release:
     return result;
 }
 
-/* kv_slots(outputs, storage, n, q, padded, page_size) -> True, or None (not covered)
- * slot_mapping[k] = table[k // q, pos[k] // page] * page + pos[k] % page for the n * q
- * real tokens, -1 for padding tokens up to padded * q (as decode_columns left them). */
-static PyObject *kv_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 6) {
-        PyErr_SetString(PyExc_TypeError, "kv_slots takes 6 arguments");
-        return NULL;
-    }
-    Outputs *o = (Outputs *)PyCapsule_GetPointer(args[0], "h2d_decode_outputs");
-    if (o == NULL)
-        return NULL;
-    Py_ssize_t n = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t q = PyLong_AsSsize_t(args[3]);
-    Py_ssize_t p = PyLong_AsSsize_t(args[4]);
-    long page = PyLong_AsLong(args[5]);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_buffer v;
-    if (PyObject_GetBuffer(args[1], &v, PyBUF_ND) < 0)
-        return NULL;
-    PyObject *result = Py_None;
-    if (v.ndim != 2 || v.itemsize != 4 || n > v.shape[0] || p * q > o->len[SLOT_MAPPING] ||
-        page < 1)
-        goto done;
-    Py_ssize_t width = v.shape[1];
-    const int32_t *table = v.buf;
-    const int64_t *pos = o->ptr[POSITIONS];
-    int64_t *slots = o->ptr[SLOT_MAPPING];
-    int shift = (page & (page - 1)) == 0 ? __builtin_ctzl((unsigned long)page) : -1;
-    Py_ssize_t t = n * q;
-    for (Py_ssize_t k = 0; k < t; k++) {
-        int64_t x = pos[k];
-        int64_t col = shift >= 0 ? x >> shift : x / page;
-        if (x < 0 || col >= width)
-            goto done; /* nothing written that the numpy path would not rewrite */
-    }
-    for (Py_ssize_t k = 0; k < t; k++) {
-        int64_t x = pos[k];
-        int64_t col = shift >= 0 ? x >> shift : x / page;
-        int64_t off = shift >= 0 ? (x & (page - 1)) : x % page;
-        int32_t id = table[(k / q) * width + col];
-        /* numpy multiplies in int32 (wrapping), then widens */
-        slots[k] = (int64_t)(int32_t)((uint32_t)id * (uint32_t)page) + off;
-    }
-    for (Py_ssize_t k = t; k < p * q; k++)
-        slots[k] = -1;
-    result = Py_True;
-done:
-    PyBuffer_Release(&v);
-    return Py_NewRef(result);
-}
-
 static PyMethodDef methods[] = {
     {"bind_outputs", (PyCFunction)(void (*)(void))bind_outputs, METH_FASTCALL, NULL},
-    {"decode_columns", (PyCFunction)(void (*)(void))decode_columns, METH_FASTCALL, NULL},
-    {"kv_slots", (PyCFunction)(void (*)(void))kv_slots, METH_FASTCALL, NULL},
+    {"decode_step", (PyCFunction)(void (*)(void))decode_step, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
 
