@@ -282,7 +282,25 @@ release_req:
     return result;
 }
 
-/* key_spans(now, then, limit) -> (rows, starts, stops)
+/* A 1-D int64 view (any stride) of at least `count` items; 0 = ok, 1 = not int64 (the
+ * Python path handles it), -1 = error. */
+static int get_keys(PyObject *obj, Py_buffer *v, Py_ssize_t count, Py_ssize_t *stride)
+{
+    if (PyObject_GetBuffer(obj, v, PyBUF_FORMAT | PyBUF_STRIDES) < 0)
+        return -1;
+    const char *f = v->format ? v->format : "B";
+    if (*f == '<' || *f == '=' || *f == '@')
+        f++;
+    if (v->ndim != 1 || v->itemsize != 8 || (f[0] != 'l' && f[0] != 'q') || f[1] != '\0' ||
+        v->shape[0] < count || v->strides[0] % 8) {
+        PyBuffer_Release(v);
+        return 1;
+    }
+    *stride = v->strides[0] / 8;
+    return 0;
+}
+
+/* key_spans(now, then, limit) -> (rows, starts, stops), or NotImplemented (not int64)
  *
  * The all-versioned branch of spans.changed_spans: rows of [0, limit) whose int64 keys
  * differ; an append in the same lineage differs in columns [len_then, len_now), anything
@@ -297,18 +315,16 @@ static PyObject *key_spans(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (limit == -1 && PyErr_Occurred())
         return NULL;
     Py_buffer now_v, then_v;
-    if (PyObject_GetBuffer(args[0], &now_v, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[1], &then_v, PyBUF_C_CONTIGUOUS) < 0) {
+    Py_ssize_t ns, ts;
+    int got = get_keys(args[0], &now_v, limit, &ns);
+    if (got != 0)
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    got = get_keys(args[1], &then_v, limit, &ts);
+    if (got != 0) {
         PyBuffer_Release(&now_v);
-        return NULL;
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
     }
     PyObject *out = NULL, *rows = NULL, *starts = NULL, *stops = NULL;
-    if (now_v.itemsize != 8 || then_v.itemsize != 8 || now_v.len < 8 * limit ||
-        then_v.len < 8 * limit) {
-        PyErr_SetString(PyExc_ValueError, "key_spans needs int64 keys covering limit rows");
-        goto done;
-    }
     const int64_t *now = (const int64_t *)now_v.buf, *then = (const int64_t *)then_v.buf;
     rows = PyList_New(0);
     starts = PyList_New(0);
@@ -316,7 +332,7 @@ static PyObject *key_spans(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (!rows || !starts || !stops)
         goto done;
     for (Py_ssize_t r = 0; r < limit; r++) {
-        int64_t t = then[r], w = now[r];
+        int64_t t = then[r * ts], w = now[r * ns];
         if (t == w)
             continue;
         int64_t len_then = t & length_mask, len_now = w & length_mask;
@@ -358,7 +374,8 @@ done:
  * holds rows [0, num_rows) with keys `now` (all versioned): the key_spans of rows below
  * min(num_rows, rows_then) as byte ranges of a row-major int32 table, plus rows
  * [rows_then, num_rows) whole, byte-adjacent pieces merged. None when more than
- * max_ranges ranges or more than max_bytes bytes would travel. */
+ * max_ranges ranges or more than max_bytes bytes would travel; NotImplemented when the
+ * keys are not int64 views (the Python path handles them). */
 static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 7) {
@@ -370,32 +387,29 @@ static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_s
         read_int64(args[4], &row_bytes) < 0 || read_int64(args[5], &max_ranges) < 0 ||
         read_int64(args[6], &max_bytes) < 0)
         return NULL;
+    int64_t limit = num_rows < rows_then ? num_rows : rows_then;
     Py_buffer now_v, then_v;
-    if (PyObject_GetBuffer(args[0], &now_v, PyBUF_C_CONTIGUOUS) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[1], &then_v, PyBUF_C_CONTIGUOUS) < 0) {
+    Py_ssize_t ns, ts;
+    int got = get_keys(args[0], &now_v, limit, &ns);
+    if (got != 0)
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    got = get_keys(args[1], &then_v, limit, &ts);
+    if (got != 0) {
         PyBuffer_Release(&now_v);
-        return NULL;
+        return got < 0 ? NULL : Py_NewRef(Py_NotImplemented);
     }
     PyObject *out = NULL, *list = NULL;
-    int64_t limit = num_rows < rows_then ? num_rows : rows_then;
-    if (now_v.itemsize != 8 || then_v.itemsize != 8 || now_v.len < 8 * limit ||
-        then_v.len < 8 * limit) {
-        PyErr_SetString(PyExc_ValueError, "changed_byte_ranges needs int64 keys of the rows");
-        goto done;
-    }
     const int64_t *now = (const int64_t *)now_v.buf, *then = (const int64_t *)then_v.buf;
-    /* first pass: count ranges and bytes without allocating */
-    int64_t count = 0, total = 0, last_stop = -1;
+    /* first pass: count ranges and bytes without allocating; second: build the list */
+    int64_t count = 0, total = 0;
     for (int pass = 0; pass < 2; pass++) {
         int64_t cur_start = -1, cur_stop = -1;
         count = 0;
         total = 0;
-        last_stop = -1;
         for (int64_t r = 0; r <= limit; r++) {
             int64_t a, e;
             if (r < limit) {
-                int64_t t = then[r], w = now[r];
+                int64_t t = then[r * ts], w = now[r * ns];
                 if (t == w)
                     continue;
                 int64_t len_then = t & length_mask, len_now = w & length_mask;

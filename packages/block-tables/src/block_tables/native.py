@@ -112,8 +112,8 @@ def _build_and_load(name: str, source: Path) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, target)
     if spec is None or spec.loader is None:
         raise NativeBuildError(f"cannot load {target} as extension {name}")
-    module = importlib.util.module_from_spec(spec)
     try:
+        module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except ImportError as exc:
         raise NativeBuildError(f"loading {target} failed: {exc}") from exc

@@ -66,7 +66,9 @@ def changed_spans(
         # The last batch was all versioned: equal keys mean equal bytes, so one vectorised
         # comparison finds every changed row without the history.
         if snapshot._native is not None:
-            return ChangedSpans(*snapshot._native.key_spans(now_all, keys_then, limit))
+            found = snapshot._native.key_spans(now_all, keys_then, limit)
+            if found is not NotImplemented:  # other key dtypes: the numpy lines below
+                return ChangedSpans(*found)
         rows = np.flatnonzero(now_all != keys_then[:limit])
     elif revision is not None:
         changed = snapshot.changed_rows_since(revision)
@@ -117,9 +119,11 @@ def changed_byte_ranges(
     """
     rows_then = keys_then.size
     if snapshot._all_versioned and snapshot._native is not None:
-        return snapshot._native.changed_byte_ranges(
+        found = snapshot._native.changed_byte_ranges(
             snapshot._row_keys, keys_then, rows_then, num_rows, row_bytes, max_ranges,
             max_bytes)
+        if found is not NotImplemented:  # other key dtypes: the Python lines below
+            return found
     spans = changed_spans(snapshot, keys_then, num_rows, revision)
     if spans is None:
         return None

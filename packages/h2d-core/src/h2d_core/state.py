@@ -160,6 +160,8 @@ class H2DRunnerState:
         self._stream_id = 0
         self._published: set[str] = set()
         self._produced: set[str] = set()
+        # producer group lists already checked by enter_producer (the multi-group fast path)
+        self._known_group_lists: set[tuple[str, ...]] = set()
         self._invalid: str | None = None
         #: host ns the last begin() waited for its slot's previous DMA (source reuse)
         self.last_source_wait_ns = 0
@@ -921,8 +923,9 @@ class H2DRunnerState:
                 if g in known and g not in produced and g not in published:
                     produced.add(g)
                     return
-            elif (produced.isdisjoint(groups) and published.isdisjoint(groups)
-                    and all(g in known for g in groups)):
+            elif (type(groups) is tuple and groups in self._known_group_lists
+                    and produced.isdisjoint(groups)
+                    and published.isdisjoint(groups)):
                 produced.update(groups)
                 return
         for g in groups:
@@ -931,6 +934,7 @@ class H2DRunnerState:
                     f"producer declares {g!r}, which is not a producer group with buffers; "
                     + self._unknown_group(g)
                 )
+        self._known_group_lists.add(tuple(groups))  # every name checked: a fast path next time
         repeated = [g for g in groups if g in self._produced or g in self._published]
         if repeated and reason is None:
             raise ReentryError(

@@ -160,11 +160,13 @@ class DecodeStepInputs:
                    d.slot_mapping)
         native = self._native
         assert native is not None
-        tables = d.tables
-        self._prepare_table = tables.prepare
+        snapshots = d.tables.snapshots
+        # the producer's entry check already covers BlockTableState.prepare's own check:
+        # the compiled pass calls each slot's snapshot directly
+        self._prepare_table = [snap.prepare for snap in snapshots]
         self._outputs = [
             native.bind_outputs(*(self._required if b is None else b.source(slot).numpy()
-                                  for b in members), tables.snapshots[slot].storage)
+                                  for b in members), snapshots[slot].storage)
             for slot in range(self.h2d_state.num_slots)
         ]
 
@@ -189,10 +191,11 @@ class DecodeStepInputs:
         rows = batch.block_tables
         if p > n:
             rows = [*rows, *decode._pad_rows[: p - n]]
+        slot = st.current_slot
         done = native.decode_step(
-            self._outputs[st.current_slot], cols.query_lens, cols.context_lens,
+            self._outputs[slot], cols.query_lens, cols.context_lens,
             cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows, cols.num_drafts,
-            cols.token_ids, p, decode.page_size, GREEDY_TEMPERATURE, self._prepare_table,
+            cols.token_ids, p, decode.page_size, GREEDY_TEMPERATURE, self._prepare_table[slot],
             rows, self._required)
         if done is None:  # not covered: a bad batch (raises below) or other dtypes
             return self._prepare_numpy(batch, padded)
