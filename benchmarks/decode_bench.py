@@ -199,9 +199,11 @@ def main() -> None:
                                                       indent=1))
     try:
         _plot(results, out / "decode_bench.png", device)
+        written = f"{out / 'decode_bench.json'}, {out / 'decode_bench.png'}"
     except ImportError:
         print("matplotlib is not installed: no plot written", flush=True)
-    print(f"\nresults: {out / 'decode_bench.json'}, {out / 'decode_bench.png'}")
+        written = str(out / "decode_bench.json")
+    print(f"\nresults: {written}")
     print(f"device: {device}; context {context}, page {PAGE}, 1/16 rows append per step")
     hdr = ("bs", "backend", "H2D/step", "kern/step", "host µs", "p90", "GPU span µs",
            "ms/step")
