@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One call on the lent GPU (no nox there): the GPU suites and/or the benchmarks, sources on
+# PYTHONPATH, the compiled hot paths required. Writes logs and JSON under $OUT (default
+# results/) and prints short tables last.
+#
+#   bash benchmarks/device_session.sh [tests|bench|all]
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=packages/block-tables/src:packages/h2d-kernels/src:packages/h2d-core/src:packages/h2d-runner-adapters/src
+export H2D_NATIVE=1 H2D_NATIVE_CACHE="${TMPDIR:-/tmp}/h2d-native"
+out="${OUT:-results}"
+mkdir -p "$out"
+what="${1:-all}"
+python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
+if [[ $what == tests || $what == all ]]; then
+  RUN_H2D_GPU_TESTS=1 python3 -m pytest -q -rfE packages tests-integration >"$out/gpu_tests.log" 2>&1
+  echo "gpu suites: exit $?"; tail -n 15 "$out/gpu_tests.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 benchmarks/publication_bench.py all --out "$out" --steps 300 >"$out/publication_bench.log" 2>&1
+  echo "publication_bench: exit $?"; grep -A 40 "^core:" "$out/publication_bench.log"
+  python3 benchmarks/decode_bench.py --out "$out" >"$out/decode_bench.log" 2>&1
+  echo "decode_bench: exit $?"; tail -n 14 "$out/decode_bench.log"
+fi
