@@ -13,7 +13,7 @@ mkdir -p "$out"
 what="${1:-all}"
 python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
 if [[ $what == tests || $what == all ]]; then
-  RUN_H2D_GPU_TESTS=1 python3 -m pytest -q -rfE packages tests-integration >"$out/gpu_tests.log" 2>&1
+  RUN_H2D_GPU_TESTS=1 python3 -m pytest -rfE packages tests-integration >"$out/gpu_tests.log" 2>&1
   echo "gpu suites: exit $?"; tail -n 15 "$out/gpu_tests.log"
 fi
 if [[ $what == bench || $what == all ]]; then
