@@ -76,7 +76,13 @@ def _cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "h2d-native"
 
 
-def _compile(name: str, source: Path, target: Path) -> None:
+def _numpy_include() -> str:
+    import numpy
+
+    return str(numpy.get_include())
+
+
+def _compile(name: str, source: Path, target: Path, numpy_api: bool) -> None:
     cc = shlex.split(os.environ.get("CC", "cc"))
     include = sysconfig.get_paths()["include"]
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +90,7 @@ def _compile(name: str, source: Path, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
     os.close(fd)
     cmd = [*cc, "-O2", "-shared", "-fPIC", "-fno-strict-aliasing", f"-I{include}",
-           str(source), "-o", tmp]
+           *([f"-I{_numpy_include()}"] if numpy_api else []), str(source), "-o", tmp]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
@@ -99,16 +105,18 @@ def _compile(name: str, source: Path, target: Path) -> None:
             os.unlink(tmp)
 
 
-def _build_and_load(name: str, source: Path) -> ModuleType:
+def _build_and_load(name: str, source: Path, numpy_api: bool) -> ModuleType:
     text = source.read_bytes()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    # built against numpy's headers: a numpy upgrade must rebuild it
+    numpy_tag = _numpy_include() + __import__("numpy").__version__ if numpy_api else ""
     tag = hashlib.sha256(
         text + sys.version.encode() + sys.platform.encode() + suffix.encode()
-        + os.environ.get("CC", "cc").encode()
+        + os.environ.get("CC", "cc").encode() + numpy_tag.encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{tag}{suffix}"
     if not target.exists():
-        _compile(name, source, target)
+        _compile(name, source, target, numpy_api)
     spec = importlib.util.spec_from_file_location(name, target)
     if spec is None or spec.loader is None:
         raise NativeBuildError(f"cannot load {target} as extension {name}")
@@ -133,9 +141,10 @@ def select(module: ModuleType | None, native: bool | None, what: str) -> ModuleT
     return module
 
 
-def load_extension(name: str, source: Path) -> ModuleType | None:
+def load_extension(name: str, source: Path, *, numpy_api: bool = False) -> ModuleType | None:
     """The extension module ``name`` built from ``source`` (whose init is ``PyInit_<name>``),
-    or None when ``H2D_NATIVE=0`` or (``auto``) it cannot be built. Built once per process."""
+    or None when ``H2D_NATIVE=0`` or (``auto``) it cannot be built. Built once per process.
+    ``numpy_api``: the source includes numpy's C headers (``numpy/arrayobject.h``)."""
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -143,7 +152,7 @@ def load_extension(name: str, source: Path) -> ModuleType | None:
         module: ModuleType | None = None
         if mode != "0":
             try:
-                module = _build_and_load(name, source)
+                module = _build_and_load(name, source, numpy_api)
             except NativeBuildError as exc:
                 if mode == "1":
                     raise

@@ -64,7 +64,8 @@ _INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows alwa
 
 Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 
-_native = load_extension("_block_tables_native", Path(__file__).with_name("_snapshot_native.c"))
+_native = load_extension("_block_tables_native", Path(__file__).with_name("_snapshot_native.c"),
+                         numpy_api=True)
 if _native is not None:
     _native.configure(BlockTable, LENGTH_BITS)
 

@@ -58,7 +58,8 @@ class DecodeStepPlan(NamedTuple):
 def _load_native(native: bool | None) -> ModuleType | None:
     if native is False:
         return None
-    module = load_extension("_h2d_decode_native", Path(__file__).with_name("_decode_native.c"))
+    module = load_extension("_h2d_decode_native", Path(__file__).with_name("_decode_native.c"),
+                            numpy_api=True)
     return select(module, native, "DecodeStepInputs")
 
 
