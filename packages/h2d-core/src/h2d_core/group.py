@@ -93,7 +93,7 @@ class SlotGroup:
         self.active = 0
         self.dma_end = self.plan.header_bytes
         if self.packed is not None:
-            self.packed.header_nbytes[:] = 0
+            self.packed.header_nbytes.fill(0)
 
 
 def unit_view(tensor: torch.Tensor, unit: CountUnit) -> torch.Tensor:
