@@ -188,16 +188,25 @@ class BlockTableState:
     ) -> tuple[list[tuple[int, int]], int] | None:
         if rec is None:
             return None
-        whole = num_rows * self._row_bytes
-        limit = self.partial_max_ranges or (
-            LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES)
+        rb = self._row_bytes
+        whole = num_rows * rb
+        limit = min(self.partial_max_ranges or (
+            LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
+            self.buffer.max_ranges)
+        max_bytes = int(self.partial_max_share * whole)
+        snap = self.snapshots[slot]
+        native = snap._native
+        if native is not None and snap._all_versioned:
+            # the common decode step: the compiled key diff, without the wrapper's dispatch
+            found = native.changed_byte_ranges(snap._row_keys, rec.keys, rec.keys.size,
+                                               num_rows, rb, limit, max_bytes)
+            if found is not NotImplemented:
+                return found
         # Same slot: the snapshot's history is exact. Another slot's table on the same
         # destination: compare row keys (versioned rows need no page-ID reads either way).
         return changed_byte_ranges(
-            self.snapshots[slot], rec.keys, num_rows, self._row_bytes,
-            revision=rec.revision if rec.slot == slot else None,
-            max_ranges=min(limit, self.buffer.max_ranges),
-            max_bytes=int(self.partial_max_share * whole))
+            snap, rec.keys, num_rows, rb, revision=rec.revision if rec.slot == slot else None,
+            max_ranges=limit, max_bytes=max_bytes)
 
     def forget_gpu(self) -> None:
         """Forget what the GPU table holds (after a failure); the next stage sends it whole."""

@@ -88,16 +88,20 @@ def _store_count(recs: list[SlotGroup], homes: list[tuple[int, int]], unit_bytes
                 rec.dma_end = off + nbytes
 
 
-def _replace_ranges(rec: SlotGroup, i: int, new: list[tuple[int, int, int]]) -> None:
-    """Member ``i`` publishes exactly the ranges ``new`` (validated) instead of a count."""
-    _omit(rec, i)
+def _replace_ranges(rec: SlotGroup, i: int, new: list[tuple[int, int, int]],
+                    nbytes: int | None = None) -> None:
+    """Member ``i`` publishes exactly the ranges ``new`` (validated; ``nbytes`` their total
+    when known) instead of a count."""
+    if rec.counts[i] is not None or i in rec.ranged:
+        _omit(rec, i)
     rec.active += 1
     rec.ranged.add(i)
     if rec.ranges:
         rec.ranges = [r for r in rec.ranges if r[0] != i] + new
+        rec.range_bytes = sum(n for _, _, n in rec.ranges)
     else:
         rec.ranges = new
-    rec.range_bytes = sum(n for _, _, n in rec.ranges)
+        rec.range_bytes = sum(n for _, _, n in new) if nbytes is None else nbytes
 
 
 def _profiler_enabled() -> bool:
@@ -606,7 +610,7 @@ class H2DRunnerState:
         if rec.packed is None or total + 16 * len(ranges) > (
                 self.range_room(buffer) if rec.ranges else rec.packed.range_capacity):
             return False
-        _replace_ranges(rec, i, [(i, a, b - a) for a, b in ranges])
+        _replace_ranges(rec, i, [(i, a, b - a) for a, b in ranges], total)
         return True
 
     def range_room(self, buffer: H2DBuffer) -> int:
