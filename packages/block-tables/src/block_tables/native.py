@@ -9,7 +9,7 @@ against this interpreter's headers, as Triton compiles its launchers, and cached
 source, interpreter and platform in ``$H2D_NATIVE_CACHE`` (default
 ``~/.cache/h2d-native``).
 
-``H2D_NATIVE`` (read once per process) selects the policy:
+``H2D_NATIVE`` (read when each helper is first loaded) selects the policy:
 
 * ``auto`` (default): use the helpers when they build; otherwise warn once
   (:class:`NativeUnavailableWarning`, naming the compiler error) and run the numpy path,
