@@ -825,3 +825,48 @@ def test_delayed_source_reuse_keeps_what_each_step_published(
             got = copies[name][: len(want)].cpu().numpy()
             assert got.tobytes() == want.tobytes(), (index, name)
         assert kv.tolist() == expected_kv_indices(step, page), index
+
+
+def test_compiled_pass_reads_only_the_columns_it_checked() -> None:
+    """The table's prepare (Python code: here an unversioned row's ``__len__``) runs inside
+    the compiled pass; a column changed meanwhile must not steer what is written after it
+    (the pass works from a copy taken before the callback; before the fix a context
+    changed this way read the table past the row's pages)."""
+    from pathlib import Path
+
+    import h2d_runner_adapters.decode_step as ds
+    from block_tables import PageTableSnapshot
+    from block_tables.native import load_extension
+
+    module = load_extension("_h2d_decode_native", Path(ds.__file__).with_name("_decode_native.c"),
+                            numpy_api=True)
+    if module is None:
+        pytest.skip("the compiled decode step is unavailable (H2D_NATIVE=0 or no compiler)")
+    rows_cap, width, page = 4, 4, 16
+    storage = np.arange(rows_cap * width, dtype=np.int32).reshape(rows_cap, width) + 100
+    snap = PageTableSnapshot(storage, native=True)
+
+    def i32(k: int) -> np.ndarray:
+        return np.zeros(k, np.int32)
+
+    outs = [np.zeros(rows_cap, np.float32), i32(rows_cap), np.zeros(rows_cap, np.float32),
+            i32(rows_cap), i32(rows_cap + 1), i32(rows_cap), i32(rows_cap + 1),
+            np.zeros(rows_cap, np.int64), i32(rows_cap), i32(rows_cap + 1), i32(rows_cap),
+            np.zeros(rows_cap, np.int64)]
+    bound = module.bind_outputs(*outs, storage)
+    ctx = np.array([16], np.int32)  # one page; the row holds one page
+
+    class Row(list):  # type: ignore[type-arg]
+        def __len__(self) -> int:
+            ctx[0] = 16 * width + 1  # would need 5 pages
+            return list.__len__(self)
+
+    done = module.decode_step(
+        bound, np.array([1], np.int32), ctx, np.ones(1, np.float32), np.zeros(1, np.int32),
+        np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32),
+        np.array([5], np.int32), 1, page, 1e-10, snap.prepare, [Row([7])], outs[10])
+    assert ctx[0] == 16 * width + 1  # the callback did run and change the column
+    assert done == (1, 0, 0, 1, 0)
+    assert outs[7][0] == 15  # position from the checked context (16 - 1)
+    assert outs[11][0] == 7 * page + 15  # slot from the row's only page
+    assert outs[8][0] == 16 and outs[9][:2].tolist() == [0, 1]

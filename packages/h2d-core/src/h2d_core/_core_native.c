@@ -204,6 +204,9 @@ static PyObject *store_counts(PyObject *self, PyObject *const *args, Py_ssize_t 
             PyErr_SetString(PyExc_IndexError, "store_counts: member index past the record");
             return NULL;
         }
+        PyObject *old = PyList_GET_ITEM(counts, b->entries[k].index);
+        if (old != Py_None && !PyLong_CheckExact(old))
+            Py_RETURN_NONE; /* not a count this store wrote: the Python path decides */
         if (v == Py_None)
             continue;
         if (!PyLong_CheckExact(v))

@@ -32,6 +32,9 @@ typedef struct {
     PyObject *table_owner;       /* the slot's pinned CPU block table, int32 [rows, width] */
     const int32_t *table;
     Py_ssize_t table_rows, width;
+    /* the batch's columns, copied before the table's prepare callback (Python code: it
+     * could change the caller's arrays) and read only from here afterwards */
+    int32_t *copy;
 } Outputs;
 
 static void outputs_free(PyObject *capsule)
@@ -42,6 +45,7 @@ static void outputs_free(PyObject *capsule)
     for (int i = 0; i < NUM_OUTPUTS; i++)
         Py_XDECREF(o->arrays[i]);
     Py_XDECREF(o->table_owner);
+    PyMem_Free(o->copy);
     PyMem_Free(o);
 }
 
@@ -88,6 +92,12 @@ static PyObject *bind_outputs(PyObject *self, PyObject *const *args, Py_ssize_t 
         o->arrays[i] = Py_NewRef(args[i]);
         PyBuffer_Release(&v);
     }
+    /* five per-request columns and the token ids */
+    o->copy = PyMem_Malloc((size_t)(5 * o->len[CONTEXT_LENS] + o->len[INPUT_IDS] + 1) * 4);
+    if (o->copy == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
     PyObject *capsule = PyCapsule_New(o, "h2d_decode_outputs", outputs_free);
     if (capsule != NULL)
         return capsule;
@@ -95,6 +105,7 @@ fail:
     for (int i = 0; i < NUM_OUTPUTS; i++)
         Py_XDECREF(o->arrays[i]);
     Py_XDECREF(o->table_owner);
+    PyMem_Free(o->copy);
     PyMem_Free(o);
     return NULL;
 }
@@ -147,9 +158,13 @@ static PyObject *decode_step(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (o == NULL)
         return NULL;
     Py_ssize_t p = PyLong_AsSsize_t(args[9]);
+    if (p == -1 && PyErr_Occurred())
+        return NULL;
     long page = PyLong_AsLong(args[10]);
+    if (page == -1 && PyErr_Occurred())
+        return NULL;
     double greedy_d = PyFloat_AsDouble(args[11]);
-    if (PyErr_Occurred())
+    if (greedy_d == -1.0 && PyErr_Occurred())
         return NULL;
     float greedy = (float)greedy_d;
 
@@ -190,6 +205,29 @@ static PyObject *decode_step(PyObject *self, PyObject *const *args, Py_ssize_t n
     for (Py_ssize_t i = 0; i < n; i++)
         if ((int64_t)ctx[i] - q < 0) /* a context shorter than its query */
             goto not_covered;
+
+    /* ---- copy the columns: the prepare callback runs Python code, so nothing after it
+     * may read the caller's arrays (n <= p <= the context_lens capacity, t <= pt <= the
+     * input_ids capacity: checked above) ---- */
+    {
+        int32_t *cp = o->copy;
+        Py_ssize_t stride = o->len[CONTEXT_LENS];
+        memcpy(cp, ctx, (size_t)n * 4);
+        ctx = cp;
+        memcpy(cp + stride, temps, (size_t)n * 4);
+        temps = (const float *)(cp + stride);
+        memcpy(cp + 2 * stride, top_k, (size_t)n * 4);
+        top_k = cp + 2 * stride;
+        memcpy(cp + 3 * stride, top_p, (size_t)n * 4);
+        top_p = (const float *)(cp + 3 * stride);
+        memcpy(cp + 4 * stride, prev, (size_t)n * 4);
+        prev = cp + 4 * stride;
+        memcpy(cp + 5 * stride, tokens, (size_t)t * 4);
+        tokens = cp + 5 * stride;
+    }
+    int64_t draft_tokens = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        draft_tokens += drafts[i];
 
     /* ---- required pages (scratch, not a source), then the table's own checks + write -- */
     int32_t *req = o->ptr[REQUIRED];
@@ -236,7 +274,7 @@ static PyObject *decode_step(PyObject *self, PyObject *const *args, Py_ssize_t n
     uint32_t acc = 0;
     cu[0] = cuq[0] = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        acc += (uint32_t)qlens[i];
+        acc += (uint32_t)q; /* every request runs q tokens: checked above */
         cu[i + 1] = cuq[i + 1] = (int32_t)acc;
     }
     for (Py_ssize_t i = n + 1; i <= p; i++)
@@ -274,9 +312,6 @@ static PyObject *decode_step(PyObject *self, PyObject *const *args, Py_ssize_t n
         lens[i] = 0;
         indptr[i + 1] = (int32_t)total;
     }
-    int64_t draft_tokens = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        draft_tokens += drafts[i];
     result = Py_BuildValue("(iiiLL)", (int)q, k_rows, p_rows, (long long)(int32_t)total,
                            (long long)draft_tokens);
     goto release;
