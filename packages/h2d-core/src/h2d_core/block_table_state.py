@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from block_tables import PageTableSnapshot
-from block_tables.spans import changed_byte_ranges
+from block_tables.spans import changed_byte_ranges, row_keys
 
 from .buffer import CountUnit, H2DBuffer
 from .config import Backend
@@ -152,12 +152,12 @@ class BlockTableState:
             if isinstance(num_rows, bool) or not isinstance(num_rows, np.integer):
                 raise CountError(f"buffer {self.buffer.name!r}: num_rows must be an int")
             num_rows = int(num_rows)
-        if not 0 <= num_rows <= snap._num_rows:
+        if not 0 <= num_rows <= snap.num_rows:
             raise CountError(
                 f"buffer {self.buffer.name!r}: {num_rows} rows requested but slot {slot}'s "
                 f"snapshot prepared {snap.num_rows}; prepare() the rows (padding included) first"
             )
-        rev = snap._revision
+        rev = snap.revision
         rec = self.published
         if rec is not None and rec.slot == slot and rec.revision == rev and rec.rows == num_rows:
             state.set_count(self.buffer, None)
@@ -173,7 +173,7 @@ class BlockTableState:
             found = None
             state.set_count(self.buffer, num_rows)
             self.last_stage = StageResult.WHOLE
-        keys = snap._row_keys[:num_rows].copy()
+        keys = row_keys(snap, num_rows)
 
         def commit() -> None:
             self.published = PublishedTable(slot, rev, num_rows, keys)
@@ -193,20 +193,12 @@ class BlockTableState:
         limit = min(self.partial_max_ranges or (
             LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
             self.buffer.max_ranges)
-        max_bytes = int(self.partial_max_share * whole)
-        snap = self.snapshots[slot]
-        native = snap._native
-        if native is not None and snap._all_versioned:
-            # the common decode step: the compiled key diff, without the wrapper's dispatch
-            found = native.changed_byte_ranges(snap._row_keys, rec.keys, rec.keys.size,
-                                               num_rows, rb, limit, max_bytes)
-            if found is not NotImplemented:
-                return found
         # Same slot: the snapshot's history is exact. Another slot's table on the same
         # destination: compare row keys (versioned rows need no page-ID reads either way).
         return changed_byte_ranges(
-            snap, rec.keys, num_rows, rb, revision=rec.revision if rec.slot == slot else None,
-            max_ranges=limit, max_bytes=max_bytes)
+            self.snapshots[slot], rec.keys, num_rows, rb,
+            revision=rec.revision if rec.slot == slot else None,
+            max_ranges=limit, max_bytes=int(self.partial_max_share * whole))
 
     def forget_gpu(self) -> None:
         """Forget what the GPU table holds (after a failure); the next stage sends it whole."""
