@@ -348,6 +348,15 @@ done:
     return out;
 }
 
+/* list.append((start, stop)); -1 on error */
+static int append_range(PyObject *list, int64_t start, int64_t stop)
+{
+    PyObject *pair = Py_BuildValue("(LL)", (long long)start, (long long)stop);
+    int bad = pair == NULL || PyList_Append(list, pair) < 0;
+    Py_XDECREF(pair);
+    return bad ? -1 : 0;
+}
+
 /* changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, max_bytes)
  * -> (ranges, total_bytes) or None
  *
@@ -411,29 +420,16 @@ static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_s
                 continue;
             }
             if (cur_start >= 0) {
-                if (pass == 1) {
-                    PyObject *pair = Py_BuildValue("(LL)", (long long)cur_start,
-                                                   (long long)cur_stop);
-                    if (pair == NULL || PyList_Append(list, pair) < 0) {
-                        Py_XDECREF(pair);
-                        goto done;
-                    }
-                    Py_DECREF(pair);
-                }
+                if (pass == 1 && append_range(list, cur_start, cur_stop) < 0)
+                    goto done;
                 count++;
             }
             cur_start = a;
             cur_stop = e;
         }
         if (cur_start >= 0) {
-            if (pass == 1) {
-                PyObject *pair = Py_BuildValue("(LL)", (long long)cur_start, (long long)cur_stop);
-                if (pair == NULL || PyList_Append(list, pair) < 0) {
-                    Py_XDECREF(pair);
-                    goto done;
-                }
-                Py_DECREF(pair);
-            }
+            if (pass == 1 && append_range(list, cur_start, cur_stop) < 0)
+                goto done;
             count++;
         }
         if (pass == 0) {
