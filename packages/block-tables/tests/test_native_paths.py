@@ -1155,3 +1155,39 @@ def test_compiled_step_reads_a_strided_required_array(
     got = outcome(lambda: snap.prepare(rows, required_pages=short))
     assert got == outcome(lambda: python.prepare(rows, required_pages=short))
     assert got[0] == "error" and got[1] is MissingPagesError
+
+
+@requires_native
+@pytest.mark.parametrize("max_ranges", [3, 0])
+def test_keys_out_receives_the_keys_to_remember_on_both_paths(max_ranges: int) -> None:
+    """``changed_byte_ranges(keys_out=)`` writes ``row_keys(snap, n)`` into the caller's
+    array whatever the result (ranges or None), compiled and Python alike, and touches
+    nothing past ``n``; ``row_keys(out=)`` returns a view of ``out``."""
+    compiled, python = twins(np.full((5, 6), -1, dtype=np.int32), fill_value=-1)
+    rows = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6]), BlockTable([7])]
+    for snap in (compiled, python):
+        snap.prepare(rows)
+    keys = row_keys(compiled)
+    rows[0].append_one(9)
+    for snap in (compiled, python):
+        snap.prepare(rows)
+    for snap in (compiled, python):
+        out = np.full(5, -123, dtype=np.int64)
+        result = changed_byte_ranges(snap, keys, 3, 24, max_ranges=max_ranges, max_bytes=100,
+                                     keys_out=out)
+        assert result == (([(8, 12)], 4) if max_ranges else None)
+        np.testing.assert_array_equal(out[:3], row_keys(snap, 3))
+        assert out[3:].tolist() == [-123, -123]
+        again = np.full(5, -5, dtype=np.int64)
+        view = row_keys(snap, 2, out=again)
+        assert view.base is again and view.tolist() == row_keys(snap, 2).tolist()
+        assert again[2:].tolist() == [-5, -5, -5]
+    # the Python path alone (a snapshot whose last batch was not all versioned)
+    plain = PageTableSnapshot(np.full((5, 6), -1, dtype=np.int32), fill_value=-1)
+    plain.prepare([[1, 2], [3]])
+    then = row_keys(plain)
+    plain.prepare([[1, 2, 4], [3]])
+    out = np.zeros(5, dtype=np.int64)
+    assert changed_byte_ranges(plain, then, 2, 24, revision=None, max_ranges=4,
+                               max_bytes=100, keys_out=out) is not None
+    np.testing.assert_array_equal(out[:2], row_keys(plain, 2))

@@ -120,6 +120,7 @@ def test_failed_publication_never_marks_published(device: str, h: Any,
     tables = [BlockTable([i, 2 * i]) for i in range(6)]
     _publish(st, lens, bts, tables)
     good = bts.published
+    good_keys = good.keys.copy()
     st.begin()
     tables[2].append_one(99)
     bts.prepare(tables)
@@ -134,6 +135,8 @@ def test_failed_publication_never_marks_published(device: str, h: Any,
     with pytest.raises(PublicationEnqueueError):
         st.publish("mha_decode")
     assert bts.published is good
+    # the failed stage remembered its keys elsewhere: the record's keys are intact
+    np.testing.assert_array_equal(good.keys, good_keys)
     monkeypatch.undo()
     st.reset()
     assert bts.published is None  # the GPU table may be half written: forget it
@@ -275,3 +278,33 @@ def test_staged_counts_set_after_ranges_never_overwrite_the_table(device: str,
         assert torch.equal(bt.cpu, before), step
         _check_gpu(device, h, bts, 64)
         assert torch.equal(ids.gpu.cpu(), ids.cpu)
+
+
+def test_repeated_stages_and_reopen_keep_the_record_exact(device: str, h: Any) -> None:
+    """The row keys of the published record survive any number of stages that never
+    published (the stage writes a reused spare array), and a publication after a repeated
+    stage records the last one."""
+    st, lens, _bt, bts = _setup(device, h)
+    tables = [BlockTable([i, i + 1]) for i in range(8)]
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    for step in range(6):
+        kept = bts.published
+        kept_keys = kept.keys.copy()
+        st.begin()
+        tables[step].append_one(100 + step)
+        bts.prepare(tables)
+        st.set_count(lens, 8)
+        assert bts.stage(8) == StageResult.PARTIAL
+        assert bts.stage(6) == StageResult.PARTIAL  # the caller changed its mind
+        np.testing.assert_array_equal(bts.published.keys, kept_keys)
+        if step % 2:
+            st.reopen("mha_decode", "test: drop the staged table")
+            st.set_count(lens, 8)
+            np.testing.assert_array_equal(bts.published.keys, kept_keys)
+            assert bts.stage(8) == StageResult.PARTIAL
+        st.publish("mha_decode")
+        st.finish()
+        rows = 8 if step % 2 else 6
+        assert bts.published.rows == rows
+        assert bts.published.revision == bts.prepared_revision
+        _check_gpu(device, h, bts, rows)

@@ -357,19 +357,21 @@ static int append_range(PyObject *list, int64_t start, int64_t stop)
     return bad ? -1 : 0;
 }
 
-/* changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, max_bytes)
- * -> (ranges, total_bytes) or None
+/* changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, max_bytes
+ *                     [, keys_out]) -> (ranges, total_bytes) or None
  *
  * What a publisher holding rows [0, rows_then) with keys `then` must send so the GPU
  * holds rows [0, num_rows) with keys `now` (all versioned): the key_spans of rows below
  * min(num_rows, rows_then) as byte ranges of a row-major int32 table, plus rows
  * [rows_then, num_rows) whole, byte-adjacent pieces merged. None when more than
  * max_ranges ranges or more than max_bytes bytes would travel; NotImplemented when the
- * keys are not int64 views (the Python path handles them). */
+ * keys (or keys_out) are not int64 views (the Python path handles them). keys_out, when
+ * given, receives now[0, num_rows) whatever the result: the keys to remember for this
+ * upload, without a separate copy. */
 static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "changed_byte_ranges takes 7 arguments");
+    if (nargs != 7 && nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "changed_byte_ranges takes 7 or 8 arguments");
         return NULL;
     }
     int64_t rows_then, num_rows, row_bytes, max_ranges, max_bytes;
@@ -382,6 +384,17 @@ static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_s
     Py_ssize_t ns, ts;
     if (get_keys(args[0], &now, limit, &ns) || get_keys(args[1], &then, limit, &ts))
         return Py_NewRef(Py_NotImplemented);
+    if (nargs == 8 && args[7] != Py_None) {
+        const int64_t *all;
+        Py_ssize_t as, os;
+        int64_t *dst;
+        if (num_rows < 0 || get_keys(args[0], &all, num_rows, &as) ||
+            get_keys(args[7], (const int64_t **)&dst, num_rows, &os) ||
+            !PyArray_ISWRITEABLE((PyArrayObject *)args[7]))
+            return Py_NewRef(Py_NotImplemented);
+        for (int64_t r = 0; r < num_rows; r++)
+            dst[r * os] = all[r * as];
+    }
     PyObject *out = NULL, *list = NULL;
     /* first pass: count ranges and bytes without allocating; second: build the list */
     int64_t count = 0, total = 0;

@@ -36,12 +36,19 @@ class ChangedSpans:
         return sum(b - a for a, b in zip(self.starts, self.stops, strict=True))
 
 
-def row_keys(snapshot: PageTableSnapshot, rows: int | None = None) -> Int64Array:
+def row_keys(
+    snapshot: PageTableSnapshot, rows: int | None = None, *, out: Int64Array | None = None
+) -> Int64Array:
     """A copy of the packed (version, length) keys of rows ``[0, rows)`` (default: the
     snapshot's ``num_rows``): remember it with the revision at upload time and pass it to
-    :func:`changed_spans` later."""
+    :func:`changed_spans` later. With ``out`` (an int64 array of at least that many rows,
+    reused across uploads) the keys are written to ``out[:n]`` and that view returned."""
     n = snapshot.num_rows if rows is None else min(rows, snapshot.num_rows)
-    return snapshot._row_keys[:n].copy()
+    if out is None:
+        return snapshot._row_keys[:n].copy()
+    view = out[:n]
+    view[...] = snapshot._row_keys[:n]
+    return view
 
 
 def changed_spans(
@@ -108,6 +115,7 @@ def changed_byte_ranges(
     revision: int | None = None,
     max_ranges: int,
     max_bytes: int,
+    keys_out: Int64Array | None = None,
 ) -> tuple[list[tuple[int, int]], int] | None:
     """What to send so a destination holding rows ``[0, len(keys_then))`` with those keys
     holds rows ``[0, num_rows)`` of the snapshot: ``(ranges, total bytes)``, byte ranges
@@ -116,14 +124,21 @@ def changed_byte_ranges(
 
     None when :func:`changed_spans` cannot tell (history too short) or when more than
     ``max_ranges`` ranges or ``max_bytes`` bytes would travel: send whole rows instead.
+
+    ``keys_out`` (int64, at least ``num_rows`` long), when given, receives the keys of rows
+    ``[0, num_rows)`` whatever the result, as :func:`row_keys` would return them: what to
+    remember for this upload, in the same call. ``num_rows`` must not exceed the
+    snapshot's ``num_rows`` then.
     """
     rows_then = keys_then.size
     if snapshot._all_versioned and snapshot._native is not None:
         found = snapshot._native.changed_byte_ranges(
             snapshot._row_keys, keys_then, rows_then, num_rows, row_bytes, max_ranges,
-            max_bytes)
+            max_bytes, keys_out)
         if found is not NotImplemented:  # other key dtypes: the Python lines below
             return found
+    if keys_out is not None:
+        keys_out[:num_rows] = snapshot._row_keys[:num_rows]
     spans = changed_spans(snapshot, keys_then, num_rows, revision)
     if spans is None:
         return None

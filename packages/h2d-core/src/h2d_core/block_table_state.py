@@ -108,6 +108,10 @@ class BlockTableState:
             and state.plan(buffer.publication_group).packed
         )
         self.last_stage = ""
+        # Row keys remembered per upload, in two reused arrays: stage() writes the one the
+        # published record does not hold (no allocation per step).
+        self._key_bufs = (np.empty(spec.shape[0], np.int64), np.empty(spec.shape[0], np.int64))
+        self._spare = 0
         state._reset_hooks.append(self.forget_gpu)
 
     # -- CPU side ---------------------------------------------------------------------------
@@ -159,46 +163,47 @@ class BlockTableState:
             )
         rev = snap.revision
         rec = self.published
+        buffer = self.buffer
         if rec is not None and rec.slot == slot and rec.revision == rev and rec.rows == num_rows:
-            state.set_count(self.buffer, None)
+            state.set_count(buffer, None)
             self.last_stage = StageResult.REUSED
             return self.last_stage
-        found = self._partial_ranges(rec, slot, num_rows) if self._ranged else None
+        spare = self._spare
+        keys = self._key_bufs[spare]
+        found = None
+        if self._ranged and rec is not None:
+            # Same slot: the snapshot's history is exact. Another slot's table on the same
+            # destination: compare row keys (versioned rows need no page-ID reads either way).
+            rb = self._row_bytes
+            whole = num_rows * rb
+            limit = min(self.partial_max_ranges or (
+                LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
+                buffer.max_ranges)
+            found = changed_byte_ranges(
+                snap, rec.keys, num_rows, rb, revision=rec.revision if rec.slot == slot else None,
+                max_ranges=limit, max_bytes=int(self.partial_max_share * whole), keys_out=keys)
+        else:
+            row_keys(snap, num_rows, out=keys)
         if found is not None and not found[0]:
-            state.set_count(self.buffer, None)
+            state.set_count(buffer, None)
             self.last_stage = StageResult.PARTIAL
-        elif found is not None and state.try_trusted_ranges(self.buffer, *found):
+        elif found is not None and state.try_trusted_ranges(buffer, *found):
             self.last_stage = StageResult.PARTIAL
         else:
             found = None
-            state.set_count(self.buffer, num_rows)
+            state.set_count(buffer, num_rows)
             self.last_stage = StageResult.WHOLE
-        keys = row_keys(snap, num_rows)
+        pending = PublishedTable(slot, rev, num_rows, keys[:num_rows])
 
         def commit() -> None:
-            self.published = PublishedTable(slot, rev, num_rows, keys)
+            # idempotent: a stage repeated before its publication registers a second one
+            self.published = pending
+            self._spare = 1 - spare
 
         # With nothing to send the GPU already holds these bytes; the record still moves
         # only once the group's publication succeeded.
-        state._after_publish(self.buffer, commit, found is None or bool(found[0]))
+        state._after_publish(buffer, commit, found is None or bool(found[0]))
         return self.last_stage
-
-    def _partial_ranges(
-        self, rec: PublishedTable | None, slot: int, num_rows: int
-    ) -> tuple[list[tuple[int, int]], int] | None:
-        if rec is None:
-            return None
-        rb = self._row_bytes
-        whole = num_rows * rb
-        limit = min(self.partial_max_ranges or (
-            LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
-            self.buffer.max_ranges)
-        # Same slot: the snapshot's history is exact. Another slot's table on the same
-        # destination: compare row keys (versioned rows need no page-ID reads either way).
-        return changed_byte_ranges(
-            self.snapshots[slot], rec.keys, num_rows, rb,
-            revision=rec.revision if rec.slot == slot else None,
-            max_ranges=limit, max_bytes=int(self.partial_max_share * whole))
 
     def forget_gpu(self) -> None:
         """Forget what the GPU table holds (after a failure); the next stage sends it whole."""

@@ -1,0 +1,141 @@
+"""Where the host time of one packed decode step goes, segment by segment.
+
+Times ``begin``, the fused producer (``DecodeStepInputs.prepare``, with its block-table
+``stage`` timed apart), ``publish`` and ``finish`` of the plain-MHA decode step used by
+``publication_bench.py decode`` (bs=64, 1/16 of the rows append a page), on CUDA when
+available (real DMA and scatter) or on the CPU. Also prints a pure-Python calibration loop,
+so figures from hosts of different speed can be compared.
+
+    python benchmarks/step_segments.py [--bs 64] [--context 4096] [--steps 1500] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests-integration"))
+for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
+    src = ROOT / "packages" / pkg / "src"
+    if src.is_dir() and str(src) not in sys.path:
+        sys.path.append(str(src))
+
+from h2d_core import H2DRunnerState  # noqa: E402
+from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
+
+SEGMENTS = ("begin", "prepare", "stage", "publish", "finish", "total")
+
+
+def calibrate(n: int = 200_000) -> float:
+    """ns per iteration of a fixed loop of attribute reads, a call and a dict update."""
+
+    class Box:
+        __slots__ = ("a", "b")
+
+        def __init__(self) -> None:
+            self.a, self.b = 1, 2
+
+    def f(x: int) -> int:
+        return x + 1
+
+    box, d = Box(), {}
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter_ns()
+        for i in range(n):
+            d[i & 7] = f(box.a) + box.b
+        best = min(best, (time.perf_counter_ns() - t) / n)
+    return best
+
+
+def run(bs: int, context: int, steps: int, device: str) -> dict:
+    from decode_runner.scheduler import steady_decode_batches
+
+    page, window = 16, 256
+    per_row = -(-(context + page - 1 + window) // page)
+    gen = steady_decode_batches(bs, context, page, window=window)
+    batches = []
+    for _ in range(steps + 100):
+        b = next(gen)
+        b.columns, b.block_tables  # noqa: B018  (built outside the timed region)
+        batches.append(b)
+    st = H2DRunnerState(device, backend="packed")
+    step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row,
+                            page_size=page)
+    st.bind()
+    tables = step.decode.tables
+    real_stage = tables.stage
+    seg: dict[str, list[float]] = {k: [] for k in SEGMENTS}
+    stage_ns = [0]
+
+    def timed_stage(n: int) -> str:
+        t = time.perf_counter_ns()
+        r = real_stage(n)
+        stage_ns[0] = time.perf_counter_ns() - t
+        return r
+
+    tables.stage = timed_stage  # type: ignore[method-assign]
+    pc = time.perf_counter_ns
+    it = iter(batches)
+
+    def one() -> None:
+        b = next(it)
+        t0 = pc()
+        st.begin()
+        t1 = pc()
+        step.prepare(b)
+        t2 = pc()
+        st.publish("decode_step")
+        t3 = pc()
+        st.finish()
+        t4 = pc()
+        wait = st.last_source_wait_ns
+        for k, v in zip(SEGMENTS, (t1 - t0 - wait, t2 - t1 - stage_ns[0], stage_ns[0],
+                                   t3 - t2, t4 - t3, t4 - t0 - wait), strict=True):
+            seg[k].append(v / 1e3)
+
+    for _ in range(50):
+        one()
+    for v in seg.values():
+        v.clear()
+    for _ in range(steps):
+        one()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return {"bs": bs, "context": context, "device": device, "native": step.native,
+            **{k: round(float(np.median(v)), 2) for k, v in seg.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bs", type=int, default=64)
+    ap.add_argument("--context", type=int, nargs="+", default=[4096, 131072])
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="default: cuda when available")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cal = calibrate()
+    rows = [run(args.bs, c, args.steps, device) for c in args.context]
+    print(f"python calibration loop: {cal:.1f} ns/iter  (python {sys.version.split()[0]}, "
+          f"numpy {np.__version__}, torch {torch.__version__})")
+    print("host µs (median) | " + " | ".join(SEGMENTS))
+    for r in rows:
+        print(f"{r['device']} bs={r['bs']} ctx={r['context']} native={r['native']} | "
+              + " | ".join(f"{r[k]:.2f}" for k in SEGMENTS))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "step_segments.json").write_text(
+            json.dumps({"calibration_ns": cal, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
