@@ -3,7 +3,10 @@
 # PYTHONPATH, the compiled hot paths required. Writes logs and JSON under $OUT (default
 # results/) and prints short tables last.
 #
-#   bash benchmarks/device_session.sh [tests|bench|all]
+#   bash benchmarks/device_session.sh [tests|bench|segments|all]
+#
+# H2D_BENCH_CPU=N runs the benchmarks pinned to CPU core N (taskset), as an engine pins its
+# scheduler thread; unset, they run wherever the OS puts them.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=packages/block-tables/src:packages/h2d-kernels/src:packages/h2d-core/src:packages/h2d-runner-adapters/src
@@ -11,14 +14,24 @@ export H2D_NATIVE=1 H2D_NATIVE_CACHE="${TMPDIR:-/tmp}/h2d-native"
 out="${OUT:-results}"
 mkdir -p "$out"
 what="${1:-all}"
+pin=()
+if [[ -n "${H2D_BENCH_CPU:-}" ]]; then pin=(taskset -c "$H2D_BENCH_CPU"); fi
+tag="${H2D_BENCH_CPU:+.cpu$H2D_BENCH_CPU}"
 python3 -c "import torch, triton, sys; print('torch', torch.__version__, 'triton', triton.__version__, 'python', sys.version.split()[0], torch.cuda.get_device_name())"
 if [[ $what == tests || $what == all ]]; then
   RUN_H2D_GPU_TESTS=1 python3 -m pytest -rfE packages tests-integration >"$out/gpu_tests.log" 2>&1
   echo "gpu suites: exit $?"; tail -n 15 "$out/gpu_tests.log"
 fi
+if [[ $what == segments || $what == all ]]; then
+  "${pin[@]}" python3 benchmarks/cuda_call_costs.py >"$out/cuda_call_costs$tag.log" 2>&1
+  echo "cuda_call_costs: exit $?"; cat "$out/cuda_call_costs$tag.log"
+  "${pin[@]}" python3 benchmarks/step_segments.py --out "$out" >"$out/step_segments$tag.log" 2>&1
+  echo "step_segments: exit $?"; tail -n 4 "$out/step_segments$tag.log"
+fi
 if [[ $what == bench || $what == all ]]; then
-  python3 benchmarks/publication_bench.py all --out "$out" --steps 300 >"$out/publication_bench.log" 2>&1
-  echo "publication_bench: exit $?"; grep -A 40 "^core:" "$out/publication_bench.log"
-  python3 benchmarks/decode_bench.py --out "$out" >"$out/decode_bench.log" 2>&1
-  echo "decode_bench: exit $?"; tail -n 14 "$out/decode_bench.log"
+  "${pin[@]}" python3 benchmarks/publication_bench.py all --out "$out" --steps 300 \
+    >"$out/publication_bench$tag.log" 2>&1
+  echo "publication_bench: exit $?"; grep -A 40 "^core:" "$out/publication_bench$tag.log"
+  "${pin[@]}" python3 benchmarks/decode_bench.py --out "$out" >"$out/decode_bench$tag.log" 2>&1
+  echo "decode_bench: exit $?"; tail -n 14 "$out/decode_bench$tag.log"
 fi

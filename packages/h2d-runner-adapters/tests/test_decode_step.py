@@ -866,7 +866,7 @@ def test_compiled_pass_reads_only_the_columns_it_checked() -> None:
         np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32),
         np.array([5], np.int32), 1, page, 1e-10, snap.prepare, [Row([7])], outs[10])
     assert ctx[0] == 16 * width + 1  # the callback did run and change the column
-    assert done == (1, 0, 0, 1, 0)
+    assert done == (1, 0, 0, 1, 0, 0, 1.0)
     assert outs[7][0] == 15  # position from the checked context (16 - 1)
     assert outs[11][0] == 7 * page + 15  # slot from the row's only page
     assert outs[8][0] == 16 and outs[9][:2].tolist() == [0, 1]

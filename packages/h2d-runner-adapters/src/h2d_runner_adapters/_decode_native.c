@@ -312,8 +312,10 @@ static PyObject *decode_step(PyObject *self, PyObject *const *args, Py_ssize_t n
         lens[i] = 0;
         indptr[i + 1] = (int32_t)total;
     }
-    result = Py_BuildValue("(iiiLL)", (int)q, k_rows, p_rows, (long long)(int32_t)total,
-                           (long long)draft_tokens);
+    /* the first request's top-k / top-p: the uniform CPU scalars when no row differs */
+    result = Py_BuildValue("(iiiLLid)", (int)q, k_rows, p_rows, (long long)(int32_t)total,
+                           (long long)draft_tokens, n ? (int)top_k[0] : 0,
+                           n ? (double)top_p[0] : 1.0);
     goto release;
 
 not_covered:

@@ -200,15 +200,15 @@ class DecodeStepInputs:
             rows, self._required)
         if done is None:  # not covered: a bad batch (raises below) or other dtypes
             return self._prepare_numpy(batch, padded)
-        q, k_rows, p_rows, total, drafts = done
+        q, k_rows, p_rows, total, drafts, k0, p0 = done
         t, pt = n * q, p * q
         if self._counts is None:
             self._counts = st.count_batch(self._counted_members(), native=self._native_choice)
         self._counts.set(n, n if k_rows else None, n if p_rows else None, pt, p + 1, p, p + 1,
                          pt, pt, p, p + 1)
         stage = decode.tables.stage(p)
-        top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
-        top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
+        top_k = None if k_rows or not n or k0 <= 0 else k0
+        top_p = None if p_rows or not n or not p0 < 1.0 else p0
         return DecodeStepPlan(
             SamplingPlan(n, top_k, top_p, bool(k_rows), bool(p_rows)),
             TokenPlan(n, p, t, pt, drafts),
