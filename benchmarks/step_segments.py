@@ -1,7 +1,8 @@
 """Where the host time of one packed decode step goes, segment by segment.
 
 Times ``begin``, the fused producer (``DecodeStepInputs.prepare``, with its block-table
-``stage`` timed apart), ``publish`` and ``finish`` of the plain-MHA decode step used by
+``stage`` timed apart), ``publish`` (with the arena's DMA + scatter enqueue, ``launch``,
+timed apart) and ``finish`` of the plain-MHA decode step used by
 ``publication_bench.py decode`` (bs=64, 1/16 of the rows append a page), on CUDA when
 available (real DMA and scatter) or on the CPU. Also prints a pure-Python calibration loop,
 so figures from hosts of different speed can be compared.
@@ -30,7 +31,7 @@ for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
 
-SEGMENTS = ("begin", "prepare", "stage", "publish", "finish", "total")
+SEGMENTS = ("begin", "prepare", "stage", "publish", "launch", "finish", "total")
 
 
 def calibrate(n: int = 200_000) -> float:
@@ -82,6 +83,19 @@ def run(bs: int, context: int, steps: int, device: str) -> dict:
         return r
 
     tables.stage = timed_stage  # type: ignore[method-assign]
+    launch_ns = [0]
+    for recs in st._slot_groups:
+        for rec in recs:
+            if rec.packed is not None:
+                arena = rec.packed.arena
+                real_publish = arena.publish
+
+                def timed_publish(end: int, stream: object, real=real_publish) -> None:
+                    t = time.perf_counter_ns()
+                    real(end, stream)
+                    launch_ns[0] = time.perf_counter_ns() - t
+
+                arena.publish = timed_publish
     pc = time.perf_counter_ns
     it = iter(batches)
 
@@ -98,7 +112,8 @@ def run(bs: int, context: int, steps: int, device: str) -> dict:
         t4 = pc()
         wait = st.last_source_wait_ns
         for k, v in zip(SEGMENTS, (t1 - t0 - wait, t2 - t1 - stage_ns[0], stage_ns[0],
-                                   t3 - t2, t4 - t3, t4 - t0 - wait), strict=True):
+                                   t3 - t2 - launch_ns[0], launch_ns[0], t4 - t3,
+                                   t4 - t0 - wait), strict=True):
             seg[k].append(v / 1e3)
 
     for _ in range(50):
