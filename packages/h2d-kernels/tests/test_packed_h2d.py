@@ -602,8 +602,11 @@ def test_cuda_launch_paths_publish_exact_bytes_without_allocating(launch: str, d
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("explicit_stream", [False, True])
 @pytest.mark.parametrize("launch", ["compiled", "graph", "jit"])
-def test_cuda_publish_captured_into_a_graph_then_replayed(launch: str) -> None:
+def test_cuda_publish_captured_into_a_graph_then_replayed(launch: str,
+                                                          explicit_stream: bool) -> None:
+    # The capture check runs on the current stream (stream=None) or on the given one.
     arena, pool = _cuda_arena(launch, "torch" if launch == "jit" else "driver")
     rows = full_rows(arena)
     write_rows(arena, rows)
@@ -617,7 +620,8 @@ def test_cuda_publish_captured_into_a_graph_then_replayed(launch: str) -> None:
     pool.check()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        arena.publish(arena.total_bytes)
+        arena.publish(arena.total_bytes,
+                      torch.cuda.current_stream() if explicit_stream else None)
     # New payload and new counts travel through the captured DMA on each replay.
     rng = np.random.default_rng(11)
     for _ in range(3):

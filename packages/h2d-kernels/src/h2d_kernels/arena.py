@@ -332,7 +332,10 @@ class PackedArena:
     def _publish_graph(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
         handle = self._raw_stream(stream)
         driver = self._driver
-        if driver is not None and driver.stream_is_capturing(handle):
+        # the current stream's status through torch's C binding (~0.15 µs) instead of a
+        # ctypes call (~0.6 µs on the H200 host); another stream needs the driver query
+        if (torch._C._cuda_isCurrentStreamCapturing() if stream is None
+                else driver is not None and driver.stream_is_capturing(handle)):
             # A graph cannot be launched into a capture; the plain launch is capturable.
             self._enqueue_compiled(dma_bytes, handle)
         else:
