@@ -114,6 +114,8 @@ class PackedSlot:
     range_capacity: int
     first_extra: int
     header_addr: int = field(init=False)
+    #: the compiled pack + graph launch of this arena (launch.bind_publish), or None
+    launch: object | None = None
 
     def __post_init__(self) -> None:
         self.header_addr = self.header.ctypes.data

@@ -47,7 +47,8 @@ from .errors import (
     UnknownGroupError,
 )
 from .group import GroupCounters, GroupPlan, SlotGroup, byte_span, find_overlap, unit_view
-from .packing import arena_order, bind_packed_slot, pack
+from .launch import SlotEvents, bind_publish
+from .packing import arena_order, bind_packed_slot, native, pack
 
 if TYPE_CHECKING:
     from .count_batch import CountBatch
@@ -154,6 +155,8 @@ class H2DRunnerState:
         self._slot_groups: list[list[SlotGroup]] = []
         self._counters: dict[str, GroupCounters] = {}
         self._events: list[Any] = []
+        #: the slots' events through the driver (None: the torch events in _events)
+        self._slot_events: SlotEvents | None = None
         self._event_recorded: list[bool] = [False] * num_slots
 
         self.current_slot = 0
@@ -346,8 +349,12 @@ class H2DRunnerState:
         for recs in slot_groups:
             for rec in recs:
                 rec.clear_counts()
+                if rec.packed is not None:
+                    rec.packed.launch = bind_publish(rec.packed)
         if self._cuda:
-            self._events = [torch.cuda.Event() for _ in range(self.num_slots)]
+            self._slot_events = SlotEvents.create(self.num_slots, self.device)
+            if self._slot_events is None:
+                self._events = [torch.cuda.Event() for _ in range(self.num_slots)]
             self._acquire_event = torch.cuda.Event()
         self._bound = True
 
@@ -516,9 +523,12 @@ class H2DRunnerState:
             else:
                 s = torch.cuda.current_stream(self.device)
         if self._event_recorded[slot]:
-            t0 = time.perf_counter_ns()
-            self._events[slot].synchronize()
-            self.last_source_wait_ns = time.perf_counter_ns() - t0
+            if self._slot_events is not None:
+                self.last_source_wait_ns = self._slot_events.wait(slot)
+            else:
+                t0 = time.perf_counter_ns()
+                self._events[slot].synchronize()
+                self.last_source_wait_ns = time.perf_counter_ns() - t0
         else:
             self.last_source_wait_ns = 0
         self.current_slot = slot
@@ -542,7 +552,10 @@ class H2DRunnerState:
         if not self._epoch_open:
             raise EpochError("finish() without an open epoch: call begin() first")
         if self._cuda:
-            self._events[self.current_slot].record(self._stream)
+            if self._slot_events is not None:
+                self._slot_events.record(self.current_slot, self._stream_id)
+            else:
+                self._events[self.current_slot].record(self._stream)
             self._event_recorded[self.current_slot] = True
         self._epoch_open = False
         self._resumable = True
@@ -774,8 +787,14 @@ class H2DRunnerState:
             return self._copy_direct(rec, [b.member_index for b in covered], counters)
         packed = rec.packed
         if packed is not None and (rec.active > 1 or len(rec.ranges) > 1):
-            end = pack(packed, rec.counts, rec.ranges) if packed.staged or rec.ranges else 0
-            packed.arena.publish(end if end > rec.dma_end else rec.dma_end, stream)  # type: ignore[attr-defined]
+            if packed.launch is not None:
+                end = native.publish_packed(  # type: ignore[union-attr]
+                    packed.launch, rec.counts, rec.ranges, rec.dma_end, self._stream_id)
+                if end < 0:  # packed, but capturing (or no graph for the size): plain launch
+                    packed.arena.publish(-end, stream)  # type: ignore[attr-defined]
+            else:
+                end = pack(packed, rec.counts, rec.ranges) if packed.staged or rec.ranges else 0
+                packed.arena.publish(end if end > rec.dma_end else rec.dma_end, stream)  # type: ignore[attr-defined]
             counters.dmas += 1
             counters.scatters += 1
             return rec.count_bytes + rec.range_bytes

@@ -7,6 +7,7 @@ addresses. This package knows arenas, layouts and addresses only.
 """
 
 from h2d_kernels.arena import DEFAULT_LAUNCH, PackedArena, bind_destinations
+from h2d_kernels.driver import CudaDriver, cuda_driver
 from h2d_kernels.errors import (
     ArenaLayoutError,
     DescriptorError,
@@ -21,6 +22,7 @@ from h2d_kernels.errors import (
     PublishError,
     ScatterBackendError,
 )
+from h2d_kernels.graphs import GraphLaunchTable
 from h2d_kernels.layout import (
     DESCRIPTOR_BYTES,
     DESCRIPTOR_FIELDS,
@@ -41,6 +43,7 @@ __all__ = [
     "ArenaLayout",
     "ArenaLayoutError",
     "ArenaMember",
+    "CudaDriver",
     "DescriptorError",
     "DestinationAlignmentError",
     "DestinationBoundsError",
@@ -49,6 +52,7 @@ __all__ = [
     "DestinationError",
     "DestinationLayoutError",
     "DestinationOverlapError",
+    "GraphLaunchTable",
     "H2DKernelsError",
     "MemberRegion",
     "PackedArena",
@@ -56,6 +60,7 @@ __all__ = [
     "ScatterBackendError",
     "ScatterConfig",
     "bind_destinations",
+    "cuda_driver",
     "interpreter_enabled",
     "plan_arena",
     "scatter_reference",

@@ -26,7 +26,7 @@ from h2d_kernels.errors import (
     PublishError,
     ScatterBackendError,
 )
-from h2d_kernels.graphs import GraphPublisher, bucket_index, bucket_sizes
+from h2d_kernels.graphs import GraphLaunchTable, GraphPublisher, bucket_index, bucket_sizes
 from h2d_kernels.layout import ArenaLayout
 from h2d_kernels.reference import byte_view, scatter_bytes, validate_descriptors
 from h2d_kernels.scatter import (
@@ -213,6 +213,19 @@ class PackedArena:
                 f"header and at most the arena's {self.total_bytes} bytes"
             )
         self._publish(dma_bytes, stream)
+
+    def graph_launch_table(self) -> GraphLaunchTable | None:
+        """Raw graph handles and driver entry points for a compiled launcher that replaces
+        :meth:`publish` on its common path (h2d_core's). None unless this arena publishes
+        through captured graphs launched with ``cuGraphLaunch``.
+
+        The caller owns the rest of the contract :meth:`publish` keeps: the size must lie
+        between the header and the arena, the current device must be the arena's, and a
+        stream under capture (or a size without a graph) goes through :meth:`publish`.
+        """
+        if self.launch != "graph" or self.graph_launcher != "cuGraphLaunch":
+            return None
+        return self._graphs.launch_table()
 
     def validate(self, dma_bytes: int | None = None) -> int:
         """Debug check of the current host header (see ``validate_descriptors``)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,20 @@ def bucket_sizes(min_bytes: int, total_bytes: int) -> dict[int, int]:
     for index in range(bucket_index(max(min_bytes, 1)), bucket_index(total_bytes) + 1):
         sizes[index] = min(1 << index, total_bytes)
     return sizes
+
+
+@dataclass(frozen=True)
+class GraphLaunchTable:
+    """What a compiled caller needs to launch an arena's publication graphs itself.
+
+    ``execs[i]`` is the ``CUgraphExec`` handle of the graph that copies ``2**i`` bytes (the
+    last bucket: the whole arena), 0 where no graph covers that size. The function
+    fields are driver entry-point addresses. Handles stay valid while the arena lives.
+    """
+
+    execs: tuple[int, ...]
+    graph_launch: int
+    stream_is_capturing: int
 
 
 class GraphPublisher:
@@ -93,6 +108,16 @@ class GraphPublisher:
                 finally:
                     graph.capture_end()
                 self._graphs[index] = graph
+
+    def launch_table(self) -> GraphLaunchTable | None:
+        """The raw handles for compiled launches, or None when graphs replay through torch."""
+        if not self._execs or self._driver is None:
+            return None
+        execs = [0] * (max(self._execs) + 1)
+        for index, handle in self._execs.items():
+            execs[index] = handle
+        return GraphLaunchTable(tuple(execs), self._driver.address("cuGraphLaunch"),
+                                self._driver.address("cuStreamIsCapturing"))
 
     def replay(self, dma_bytes: int, stream: int) -> None:
         """Launch the bucket graph for ``dma_bytes`` on the raw stream handle ``stream``."""
