@@ -56,7 +56,18 @@ def calibrate(n: int = 200_000) -> float:
     return best
 
 
-def run(bs: int, context: int, steps: int, device: str) -> dict:
+def use_arena_launcher(st: H2DRunnerState) -> None:
+    """The pre-compiled-launcher path: ``PackedArena.publish`` and torch events."""
+    for recs in st._slot_groups:
+        for rec in recs:
+            if rec.packed is not None:
+                rec.packed.launch = None
+    if st._slot_events is not None:
+        st._slot_events = None
+        st._events = [torch.cuda.Event() for _ in range(st.num_slots)]
+
+
+def run(bs: int, context: int, steps: int, device: str, launcher: str = "compiled") -> dict:
     from decode_runner.scheduler import steady_decode_batches
 
     page, window = 16, 256
@@ -71,6 +82,8 @@ def run(bs: int, context: int, steps: int, device: str) -> dict:
     step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row,
                             page_size=page)
     st.bind()
+    if launcher == "arena":
+        use_arena_launcher(st)
     tables = step.decode.tables
     real_stage = tables.stage
     seg: dict[str, list[float]] = {k: [] for k in SEGMENTS}
@@ -96,6 +109,25 @@ def run(bs: int, context: int, steps: int, device: str) -> dict:
                     launch_ns[0] = time.perf_counter_ns() - t
 
                 arena.publish = timed_publish
+    compiled = any(rec.packed is not None and rec.packed.launch is not None
+                   for recs in st._slot_groups for rec in recs)
+    if compiled:  # the compiled pack + graph launch (h2d_core.launch) replaces arena.publish
+        import h2d_core.state as state_module
+
+        real_native = state_module.native
+
+        class TimedNative:
+            def __getattr__(self, name: str) -> object:
+                return getattr(real_native, name)
+
+            @staticmethod
+            def publish_packed(*args: object) -> int:
+                t = time.perf_counter_ns()
+                end = real_native.publish_packed(*args)
+                launch_ns[0] = time.perf_counter_ns() - t
+                return end
+
+        state_module.native = TimedNative()
     pc = time.perf_counter_ns
     it = iter(batches)
 
@@ -124,7 +156,10 @@ def run(bs: int, context: int, steps: int, device: str) -> dict:
         one()
     if device == "cuda":
         torch.cuda.synchronize()
+    if compiled:
+        state_module.native = real_native
     return {"bs": bs, "context": context, "device": device, "native": step.native,
+            "compiled_launch": compiled,
             **{k: round(float(np.median(v)), 2) for k, v in seg.items()}}
 
 
@@ -135,16 +170,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="default: cuda when available")
+    ap.add_argument("--launcher", choices=("compiled", "arena", "both"), default="both",
+                    help="compiled pack + cuGraphLaunch and driver events, the arena's "
+                    "publish and torch events, or both (one after the other, same run)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cal = calibrate()
-    rows = [run(args.bs, c, args.steps, device) for c in args.context]
+    launchers = ("compiled", "arena") if args.launcher == "both" else (args.launcher,)
+    rows = [run(args.bs, c, args.steps, device, lch) for c in args.context for lch in launchers]
     print(f"python calibration loop: {cal:.1f} ns/iter  (python {sys.version.split()[0]}, "
           f"numpy {np.__version__}, torch {torch.__version__})")
     print("host µs (median) | " + " | ".join(SEGMENTS))
     for r in rows:
-        print(f"{r['device']} bs={r['bs']} ctx={r['context']} native={r['native']} | "
+        print(f"{r['device']} bs={r['bs']} ctx={r['context']} native={r['native']} "
+              f"compiled_launch={r['compiled_launch']} | "
               + " | ".join(f"{r[k]:.2f}" for k in SEGMENTS))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
