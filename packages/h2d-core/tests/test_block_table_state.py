@@ -128,8 +128,7 @@ def test_failed_publication_never_marks_published(device: str, h: Any,
     bts.stage(6)
     rec = st._slot_groups[0][st.plan("mha_decode").index]
     if rec.packed is not None:
-        monkeypatch.setattr(rec.packed.arena, "publish",
-                            lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected")))
+        h.break_publication(monkeypatch, rec.packed)
     else:
         monkeypatch.setattr(bt, "_dst_units", None)
     with pytest.raises(PublicationEnqueueError):

@@ -171,7 +171,9 @@ class ContractMachine(RuleBasedStateMachine):
 
         if rec.packed is not None:
             originals.append((rec.packed.arena, "publish", rec.packed.arena.publish))
+            originals.append((rec.packed, "launch", rec.packed.launch))
             rec.packed.arena.publish = boom
+            rec.packed.launch = None  # the compiled launcher would not call the broken publish
         for b in self.s.buffers.values():
             originals.append((b, "_dst_units", b._dst_units))
             b._dst_units = _Exploding()

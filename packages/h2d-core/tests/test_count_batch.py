@@ -598,12 +598,7 @@ def test_invalidated_owner_is_rejected(device: str, h: Any, native: bool,
     s = setup.state
     packed = s._slot_groups[1][0].packed
     assert packed is not None
-    arena = packed.arena
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("injected launch failure")
-
-    monkeypatch.setattr(arena, "publish", broken)
+    h.break_publication(monkeypatch, packed, "injected launch failure")
     with pytest.raises(PublicationEnqueueError):
         s.publish("decode")
     before = _snapshot(setup, h)

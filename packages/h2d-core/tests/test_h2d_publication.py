@@ -368,13 +368,9 @@ def test_enqueue_failure_invalidates_and_retains_storage(device: str, h: Any,
     st = setup.state
     st.begin()
     rec = st._slot_groups[0][st.plan("decode").index]
-    arena = rec.packed.arena
+    arena, launch = rec.packed.arena, rec.packed.launch
     sources = {n: b.cpu.data_ptr() for n, b in setup.buffers.items()}
-
-    def broken(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("injected launch failure")
-
-    monkeypatch.setattr(arena, "publish", broken)
+    h.break_publication(monkeypatch, rec.packed, "injected launch failure")
     for b in setup.buffers.values():
         st.set_count(b, 1)
     with pytest.raises(PublicationEnqueueError, match="group 'decode' failed"):
@@ -388,7 +384,7 @@ def test_enqueue_failure_invalidates_and_retains_storage(device: str, h: Any,
     monkeypatch.undo()
     st.reset()
     assert st.invalidated is None
-    assert rec.packed.arena is arena
+    assert rec.packed.arena is arena and rec.packed.launch is launch
     assert {n: b.cpu.data_ptr() for n, b in setup.buffers.items()} == sources
     st.begin()
     counts = _publish_all(setup, h, np.random.default_rng(4))

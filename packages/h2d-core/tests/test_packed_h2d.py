@@ -283,18 +283,6 @@ BIG_MEMBERS = [
 ]
 
 
-def _capture_dma(monkeypatch: pytest.MonkeyPatch, arena: Any) -> list[int]:
-    seen: list[int] = []
-    real = arena.publish
-
-    def spy(dma_bytes: int, stream: Any = None) -> None:
-        seen.append(dma_bytes)
-        real(dma_bytes, stream)
-
-    monkeypatch.setattr(arena, "publish", spy)
-    return seen
-
-
 def test_large_members_are_staged_or_tail_and_unused_capacity_stays_home(
         device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from h2d_core.packing import Placement, placement_of
@@ -307,7 +295,7 @@ def test_large_members_are_staged_or_tail_and_unused_capacity_stays_home(
     assert [m.name for m in st.plan("g").members] == [
         "temperatures", "context_lens", "input_ids", "positions", "block_tables"]
     slot = st._slot_groups[0][0].packed
-    seen = _capture_dma(monkeypatch, slot.arena)
+    seen = h.spy_dma(monkeypatch, slot)
     rng = np.random.default_rng(20)
     for step, (ids, rows) in enumerate([(8, None), (300, 5), (20_000, 64), (1, 0)]):
         st.begin()
