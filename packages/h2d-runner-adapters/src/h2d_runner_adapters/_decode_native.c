@@ -144,7 +144,8 @@ enum { IN_QLENS, IN_CTX, IN_TEMPS, IN_TOP_K, IN_TOP_P, IN_PREV, IN_DRAFTS, IN_TO
 
 /* decode_step(outputs, qlens, ctx, temps, top_k, top_p, prev_rows, num_drafts,
  *             token_ids, padded, page_size, greedy_temperature, prepare, rows, required)
- * -> (q, per_request_top_k, per_request_top_p, total_pages, draft_tokens)
+ * -> (q, per_request_top_k (bool), per_request_top_p (bool), total_pages, draft_tokens,
+ *     first request's top_k, first request's top_p)
  *    or None (not covered; nothing written).
  * prepare(rows, required_pages=required[:padded]) is the block-table state's prepare; an
  * exception it raises propagates before any source is written. */
@@ -313,7 +314,8 @@ static PyObject *decode_step(PyObject *self, PyObject *const *args, Py_ssize_t n
         indptr[i + 1] = (int32_t)total;
     }
     /* the first request's top-k / top-p: the uniform CPU scalars when no row differs */
-    result = Py_BuildValue("(iiiLLid)", (int)q, k_rows, p_rows, (long long)(int32_t)total,
+    result = Py_BuildValue("(iOOLLid)", (int)q, k_rows ? Py_True : Py_False,
+                           p_rows ? Py_True : Py_False, (long long)(int32_t)total,
                            (long long)draft_tokens, n ? (int)top_k[0] : 0,
                            n ? (double)top_p[0] : 1.0);
     goto release;

@@ -45,6 +45,7 @@ from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan, _padded
 
 DECODE_STEP = "decode_step"
+_new = tuple.__new__
 
 
 class DecodeStepPlan(NamedTuple):
@@ -209,11 +210,12 @@ class DecodeStepInputs:
         stage = decode.tables.stage(p)
         top_k = None if k_rows or not n or k0 <= 0 else k0
         top_p = None if p_rows or not n or not p0 < 1.0 else p0
-        return DecodeStepPlan(
-            SamplingPlan(n, top_k, top_p, bool(k_rows), bool(p_rows)),
-            TokenPlan(n, p, t, pt, drafts),
-            DecodePlan(n, p, q, pt, total, stage),
-        )
+        # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
+        return _new(DecodeStepPlan, (
+            _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
+            _new(TokenPlan, (n, p, t, pt, drafts)),
+            _new(DecodePlan, (n, p, q, pt, total, stage)),
+        ))
 
     def _check(self, cols: BatchColumns, padded: int | None) -> tuple[int, int]:
         """Every rule of a fused decode step, before any write; returns (n, padded)."""
