@@ -70,7 +70,8 @@ class FakeDriver:
 
 def _state(device: str = "cpu") -> tuple[H2DRunnerState, dict[str, Any]]:
     """A combined group with in-place, staged (64 KiB ids) and a ranged tail table."""
-    st = H2DRunnerState(device, backend="packed", scatter="reference")
+    st = H2DRunnerState(device, backend="packed",
+                        scatter="reference" if device == "cpu" else "auto")
     b = {
         "temps": st.buffer("temps", (64,), torch.float32, group="tokens"),
         "ids": st.buffer("ids", (16384,), torch.int32, group="tokens"),
