@@ -1191,3 +1191,30 @@ def test_keys_out_receives_the_keys_to_remember_on_both_paths(max_ranges: int) -
     assert changed_byte_ranges(plain, then, 2, 24, revision=None, max_ranges=4,
                                max_bytes=100, keys_out=out) is not None
     np.testing.assert_array_equal(out[:2], row_keys(plain, 2))
+
+
+@requires_native
+def test_tagged_ranges_are_the_pairs_as_record_triples() -> None:
+    """The compiled ``changed_byte_ranges`` with a tag returns each range as
+    ``(tag, start, nbytes)``: the same ranges, total and None cases as without it."""
+    compiled, _ = twins(np.full((6, 8), -1, dtype=np.int32), fill_value=-1)
+    native = compiled._native
+    rows = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6]), BlockTable([7])]
+    compiled.prepare(rows)
+    keys = row_keys(compiled)
+    rows[0].append_one(9)
+    rows[2].append_one(10)
+    rows.append(BlockTable([11]))
+    compiled.prepare(rows)
+    now = compiled._row_keys
+    for max_ranges, max_bytes in ((8, 1000), (1, 1000), (8, 4)):
+        pairs = native.changed_byte_ranges(now, keys, keys.size, 5, 32, max_ranges, max_bytes)
+        triples = native.changed_byte_ranges(now, keys, keys.size, 5, 32, max_ranges,
+                                             max_bytes, None, 3)
+        if pairs is None:
+            assert triples is None
+            continue
+        assert pairs[0] == [(8, 12), (68, 72), (128, 160)]
+        assert triples == ([(3, a, b - a) for a, b in pairs[0]], pairs[1])
+    with pytest.raises(ValueError, match="tag must be >= 0"):
+        native.changed_byte_ranges(now, keys, keys.size, 5, 32, 8, 100, None, -1)

@@ -348,17 +348,19 @@ done:
     return out;
 }
 
-/* list.append((start, stop)); -1 on error */
-static int append_range(PyObject *list, int64_t start, int64_t stop)
+/* list.append((start, stop)), or (tag, start, stop - start) when tag >= 0; -1 on error */
+static int append_range(PyObject *list, int64_t start, int64_t stop, int64_t tag)
 {
-    PyObject *pair = Py_BuildValue("(LL)", (long long)start, (long long)stop);
+    PyObject *pair = tag < 0 ? Py_BuildValue("(LL)", (long long)start, (long long)stop)
+                             : Py_BuildValue("(LLL)", (long long)tag, (long long)start,
+                                             (long long)(stop - start));
     int bad = pair == NULL || PyList_Append(list, pair) < 0;
     Py_XDECREF(pair);
     return bad ? -1 : 0;
 }
 
 /* changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, max_bytes
- *                     [, keys_out]) -> (ranges, total_bytes) or None
+ *                     [, keys_out[, tag]]) -> (ranges, total_bytes) or None
  *
  * What a publisher holding rows [0, rows_then) with keys `then` must send so the GPU
  * holds rows [0, num_rows) with keys `now` (all versioned): the key_spans of rows below
@@ -367,24 +369,33 @@ static int append_range(PyObject *list, int64_t start, int64_t stop)
  * max_ranges ranges or more than max_bytes bytes would travel; NotImplemented when the
  * keys (or keys_out) are not int64 views (the Python path handles them). keys_out, when
  * given, receives now[0, num_rows) whatever the result: the keys to remember for this
- * upload, without a separate copy. */
+ * upload, without a separate copy. tag (an int >= 0), when given, makes each range the
+ * triple (tag, start, nbytes) a publication record takes (h2d_core's block-table state). */
 static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7 && nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "changed_byte_ranges takes 7 or 8 arguments");
+    if (nargs < 7 || nargs > 9) {
+        PyErr_SetString(PyExc_TypeError, "changed_byte_ranges takes 7 to 9 arguments");
         return NULL;
     }
-    int64_t rows_then, num_rows, row_bytes, max_ranges, max_bytes;
+    int64_t rows_then, num_rows, row_bytes, max_ranges, max_bytes, tag = -1;
     if (read_int64(args[2], &rows_then) < 0 || read_int64(args[3], &num_rows) < 0 ||
         read_int64(args[4], &row_bytes) < 0 || read_int64(args[5], &max_ranges) < 0 ||
         read_int64(args[6], &max_bytes) < 0)
         return NULL;
+    if (nargs == 9 && args[8] != Py_None) {
+        if (read_int64(args[8], &tag) < 0)
+            return NULL;
+        if (tag < 0) {
+            PyErr_SetString(PyExc_ValueError, "changed_byte_ranges: tag must be >= 0");
+            return NULL;
+        }
+    }
     int64_t limit = num_rows < rows_then ? num_rows : rows_then;
     const int64_t *now, *then;
     Py_ssize_t ns, ts;
     if (get_keys(args[0], &now, limit, &ns) || get_keys(args[1], &then, limit, &ts))
         return Py_NewRef(Py_NotImplemented);
-    if (nargs == 8 && args[7] != Py_None) {
+    if (nargs >= 8 && args[7] != Py_None) {
         const int64_t *all;
         Py_ssize_t as, os;
         int64_t *dst;
@@ -433,7 +444,7 @@ static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_s
                 continue;
             }
             if (cur_start >= 0) {
-                if (pass == 1 && append_range(list, cur_start, cur_stop) < 0)
+                if (pass == 1 && append_range(list, cur_start, cur_stop, tag) < 0)
                     goto done;
                 count++;
             }
@@ -441,7 +452,7 @@ static PyObject *changed_byte_ranges(PyObject *self, PyObject *const *args, Py_s
             cur_stop = e;
         }
         if (cur_start >= 0) {
-            if (pass == 1 && append_range(list, cur_start, cur_stop) < 0)
+            if (pass == 1 && append_range(list, cur_start, cur_stop, tag) < 0)
                 goto done;
             count++;
         }

@@ -51,6 +51,9 @@ LARGE_TABLE_RANGES = 32
 PARTIAL_MAX_SHARE = 0.5
 
 
+_new = tuple.__new__
+
+
 class PublishedTable(NamedTuple):
     """What the GPU destination holds: slot's snapshot, its revision, rows, row keys."""
 
@@ -98,8 +101,9 @@ class BlockTableState:
             for slot in range(state.num_slots)
         )
         self.published: PublishedTable | None = None
+        #: partial-publication limits by row count (cleared when the policy changes)
+        self._limit_cache: dict[int, tuple[int, int]] = {}
         self.partial_max_share = partial_max_share
-        #: override of the measured range-count policy (None: use it)
         self.partial_max_ranges = partial_max_ranges
         self._row_bytes = spec.unit_bytes
         self._ranged = (
@@ -112,6 +116,7 @@ class BlockTableState:
         # published record does not hold (no allocation per step).
         self._key_bufs = (np.empty(spec.shape[0], np.int64), np.empty(spec.shape[0], np.int64))
         self._spare = 0
+        self._views: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
         state._reset_hooks.append(self.forget_gpu)
 
     # -- CPU side ---------------------------------------------------------------------------
@@ -156,12 +161,12 @@ class BlockTableState:
             if isinstance(num_rows, bool) or not isinstance(num_rows, np.integer):
                 raise CountError(f"buffer {self.buffer.name!r}: num_rows must be an int")
             num_rows = int(num_rows)
-        if not 0 <= num_rows <= snap.num_rows:
+        if not 0 <= num_rows <= snap._num_rows:
             raise CountError(
                 f"buffer {self.buffer.name!r}: {num_rows} rows requested but slot {slot}'s "
                 f"snapshot prepared {snap.num_rows}; prepare() the rows (padding included) first"
             )
-        rev = snap.revision
+        rev = snap._revision
         rec = self.published
         buffer = self.buffer
         if rec is not None and rec.slot == slot and rec.revision == rev and rec.rows == num_rows:
@@ -172,28 +177,39 @@ class BlockTableState:
         keys = self._key_bufs[spare]
         found = None
         if self._ranged and rec is not None:
-            # Same slot: the snapshot's history is exact. Another slot's table on the same
-            # destination: compare row keys (versioned rows need no page-ID reads either way).
-            rb = self._row_bytes
-            whole = num_rows * rb
-            limit = min(self.partial_max_ranges or (
-                LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
-                buffer.max_ranges)
-            found = changed_byte_ranges(
-                snap, rec.keys, num_rows, rb, revision=rec.revision if rec.slot == slot else None,
-                max_ranges=limit, max_bytes=int(self.partial_max_share * whole), keys_out=keys)
+            limit, max_bytes = self._limits(num_rows)
+            native = snap._native
+            member = buffer.homes[0][1]
+            if native is not None and snap._all_versioned:
+                # spans.changed_byte_ranges' compiled branch, without its keyword wrapper,
+                # building the record's (member, offset, bytes) triples directly
+                found = native.changed_byte_ranges(
+                    snap._row_keys, rec.keys, rec.keys.size, num_rows, self._row_bytes, limit,
+                    max_bytes, keys, member)
+                if found is NotImplemented:
+                    found = None
+                    native = None
+            if native is None or not snap._all_versioned:
+                # Same slot: the snapshot's history is exact. Another slot's table on the
+                # same destination: compare row keys (versioned rows need no page-ID reads).
+                pairs = changed_byte_ranges(
+                    snap, rec.keys, num_rows, self._row_bytes,
+                    revision=rec.revision if rec.slot == slot else None,
+                    max_ranges=limit, max_bytes=max_bytes, keys_out=keys)
+                if pairs is not None:
+                    found = ([(member, a, b - a) for a, b in pairs[0]], pairs[1])
         else:
             row_keys(snap, num_rows, out=keys)
         if found is not None and not found[0]:
             state.set_count(buffer, None)
             self.last_stage = StageResult.PARTIAL
-        elif found is not None and state.try_trusted_ranges(buffer, *found):
+        elif found is not None and state._try_trusted_triples(buffer, *found):
             self.last_stage = StageResult.PARTIAL
         else:
             found = None
             state.set_count(buffer, num_rows)
             self.last_stage = StageResult.WHOLE
-        pending = PublishedTable(slot, rev, num_rows, keys[:num_rows])
+        pending = _new(PublishedTable, (slot, rev, num_rows, self._key_views(spare, num_rows)))
 
         def commit() -> None:
             # idempotent: a stage repeated before its publication registers a second one
@@ -204,6 +220,45 @@ class BlockTableState:
         # only once the group's publication succeeded.
         state._after_publish(buffer, commit, found is None or bool(found[0]))
         return self.last_stage
+
+    def _limits(self, num_rows: int) -> tuple[int, int]:
+        """(most ranges, most bytes) of a partial publication of ``num_rows`` rows."""
+        cached = self._limit_cache.get(num_rows)
+        if cached is None:
+            whole = num_rows * self._row_bytes
+            limit = min(self.partial_max_ranges or (
+                LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
+                self.buffer.max_ranges)
+            cached = self._limit_cache[num_rows] = (limit, int(self.partial_max_share * whole))
+        return cached
+
+    @property
+    def partial_max_share(self) -> float:
+        """Largest share of the table's bytes a partial publication carries."""
+        return self._partial_max_share
+
+    @partial_max_share.setter
+    def partial_max_share(self, value: float) -> None:
+        self._partial_max_share = value
+        self._limit_cache = {}
+
+    @property
+    def partial_max_ranges(self) -> int | None:
+        """Override of the measured range-count policy (None: use it)."""
+        return self._partial_max_ranges
+
+    @partial_max_ranges.setter
+    def partial_max_ranges(self, value: int | None) -> None:
+        self._partial_max_ranges = value
+        self._limit_cache = {}
+
+    def _key_views(self, spare: int, num_rows: int) -> np.ndarray:
+        """``self._key_bufs[spare][:num_rows]``, one view per size made once."""
+        views = self._views[spare]
+        view = views.get(num_rows)
+        if view is None:
+            view = views[num_rows] = self._key_bufs[spare][:num_rows]
+        return view
 
     def forget_gpu(self) -> None:
         """Forget what the GPU table holds (after a failure); the next stage sends it whole."""

@@ -614,16 +614,24 @@ class H2DRunnerState:
         """Set ``ranges`` (sorted, disjoint, element-aligned, in bounds: built by trusted
         code such as the block-table state) when they fit the buffer's ``max_ranges`` and
         the group's staging room; return False, changing nothing, when they do not."""
+        i = buffer.homes[0][1]
+        return self._try_trusted_triples(buffer, [(i, a, b - a) for a, b in ranges], total)
+
+    def _try_trusted_triples(
+        self, buffer: H2DBuffer, triples: list[tuple[int, int, int]], total: int
+    ) -> bool:
+        """:meth:`try_trusted_ranges` with the ranges already as the record's
+        ``(member index, offset, bytes)`` triples (the list is kept, not copied)."""
         if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
             self._check_ready("set_ranges")
-        if buffer.group in self._published or len(ranges) > buffer.max_ranges:
+        if buffer.group in self._published or len(triples) > buffer.max_ranges:
             return False
         gi, i = buffer.homes[0]
         rec = self._slot_groups[self.current_slot][gi]
-        if rec.packed is None or total + 16 * len(ranges) > (
+        if rec.packed is None or total + 16 * len(triples) > (
                 self.range_room(buffer) if rec.ranges else rec.packed.range_capacity):
             return False
-        _replace_ranges(rec, i, [(i, a, b - a) for a, b in ranges], total)
+        _replace_ranges(rec, i, triples, total)
         return True
 
     def range_room(self, buffer: H2DBuffer) -> int:
