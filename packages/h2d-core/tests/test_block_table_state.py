@@ -307,3 +307,26 @@ def test_repeated_stages_and_reopen_keep_the_record_exact(device: str, h: Any) -
         assert bts.published.rows == rows
         assert bts.published.revision == bts.prepared_revision
         _check_gpu(device, h, bts, rows)
+
+
+def test_changing_the_partial_policy_takes_effect_on_the_next_stage(device: str,
+                                                                    h: Any) -> None:
+    """The partial-publication limits are cached per row count; setting either policy
+    attribute must drop that cache, so the next stage follows the new policy."""
+    st, lens, _bt, bts = _setup(device, h)
+    tables = [BlockTable([i, i + 1]) for i in range(16)]
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    tables[1].append_one(50)
+    assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
+    bts.partial_max_share = 0.0  # no share of the table may travel as ranges
+    tables[2].append_one(51)
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    bts.partial_max_share = 1.0
+    bts.partial_max_ranges = 1  # one range at most: two appended rows need two
+    tables[3].append_one(52)
+    tables[9].append_one(53)
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    bts.partial_max_ranges = None
+    tables[4].append_one(54)
+    assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
+    _check_gpu(device, h, bts, 16)
