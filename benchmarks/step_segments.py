@@ -67,17 +67,23 @@ def use_arena_launcher(st: H2DRunnerState) -> None:
         st._events = [torch.cuda.Event() for _ in range(st.num_slots)]
 
 
-def run(bs: int, context: int, steps: int, device: str, launcher: str = "compiled") -> dict:
+def run(bs: int, context: int, steps: int, device: str, launcher: str = "compiled",
+        batches: str = "prebuilt") -> dict:
+    """``batches``: ``prebuilt`` makes every batch before the first step (its objects are
+    long out of the caches when stepped, as in publication_bench); ``fresh`` makes each one
+    untimed right before its step, as a scheduler hands its output to the runner."""
     from decode_runner.scheduler import steady_decode_batches
 
     page, window = 16, 256
     per_row = -(-(context + page - 1 + window) // page)
     gen = steady_decode_batches(bs, context, page, window=window)
-    batches = []
-    for _ in range(steps + 100):
+
+    def make() -> object:
         b = next(gen)
         b.columns, b.block_tables  # noqa: B018  (built outside the timed region)
-        batches.append(b)
+        return b
+
+    ready = [make() for _ in range(steps + 100)] if batches == "prebuilt" else []
     st = H2DRunnerState(device, backend="packed")
     step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row,
                             page_size=page)
@@ -129,10 +135,10 @@ def run(bs: int, context: int, steps: int, device: str, launcher: str = "compile
 
         state_module.native = TimedNative()
     pc = time.perf_counter_ns
-    it = iter(batches)
+    it = iter(ready)
 
     def one() -> None:
-        b = next(it)
+        b = next(it) if ready else make()
         t0 = pc()
         st.begin()
         t1 = pc()
@@ -159,7 +165,7 @@ def run(bs: int, context: int, steps: int, device: str, launcher: str = "compile
     if compiled:
         state_module.native = real_native
     return {"bs": bs, "context": context, "device": device, "native": step.native,
-            "compiled_launch": compiled,
+            "compiled_launch": compiled, "batches": batches,
             **{k: round(float(np.median(v)), 2) for k, v in seg.items()}}
 
 
@@ -173,18 +179,22 @@ def main() -> None:
     ap.add_argument("--launcher", choices=("compiled", "arena", "both"), default="both",
                     help="compiled pack + cuGraphLaunch and driver events, the arena's "
                     "publish and torch events, or both (one after the other, same run)")
+    ap.add_argument("--batches", choices=("prebuilt", "fresh", "both"), default="prebuilt",
+                    help="batches made before the run (cold) or right before each step")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cal = calibrate()
     launchers = ("compiled", "arena") if args.launcher == "both" else (args.launcher,)
-    rows = [run(args.bs, c, args.steps, device, lch) for c in args.context for lch in launchers]
+    kinds = ("prebuilt", "fresh") if args.batches == "both" else (args.batches,)
+    rows = [run(args.bs, c, args.steps, device, lch, kind)
+            for c in args.context for kind in kinds for lch in launchers]
     print(f"python calibration loop: {cal:.1f} ns/iter  (python {sys.version.split()[0]}, "
           f"numpy {np.__version__}, torch {torch.__version__})")
     print("host µs (median) | " + " | ".join(SEGMENTS))
     for r in rows:
         print(f"{r['device']} bs={r['bs']} ctx={r['context']} native={r['native']} "
-              f"compiled_launch={r['compiled_launch']} | "
+              f"compiled_launch={r['compiled_launch']} batches={r['batches']} | "
               + " | ".join(f"{r[k]:.2f}" for k in SEGMENTS))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
