@@ -87,7 +87,7 @@ class SlotGroup:
         """Forget every count and range (a new epoch or a reopened group)."""
         self.counts = [None] * len(self.plan.members)
         self.ranges = []
-        self.ranged = set()
+        self.ranged.clear()
         self.range_bytes = 0
         self.count_bytes = 0
         self.active = 0

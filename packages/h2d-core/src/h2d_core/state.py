@@ -105,8 +105,11 @@ def _replace_ranges(rec: SlotGroup, i: int, new: list[tuple[int, int, int]],
         rec.range_bytes = sum(n for _, _, n in new) if nbytes is None else nbytes
 
 
-def _profiler_enabled() -> bool:
-    return bool(torch._C._autograd._profiler_enabled())
+_profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
+# the raw C getters: torch.cuda.current_device() / current_stream() cost several times more
+_get_device: Callable[[], int] | None = getattr(torch._C, "_cuda_getDevice", None)
+_current_raw_stream: Callable[[int], int] | None = getattr(
+    torch._C, "_cuda_getCurrentRawStream", None)
 
 
 class H2DRunnerState:
@@ -142,6 +145,7 @@ class H2DRunnerState:
         self.backend = resolve_backend(backend)
         self.num_slots = num_slots
         self._cuda = dev.type == "cuda"
+        self._device_index = dev.index if dev.index is not None else -1
         self._scatter = scatter
         self._owner = threading.get_ident()
 
@@ -498,9 +502,10 @@ class H2DRunnerState:
         then producers may write. The current stream (or ``stream``) becomes the epoch's
         consumer stream: every publication of the epoch must be enqueued on it.
         """
-        self._check_thread()
-        self._check_bound()
-        self._check_valid()
+        if get_ident() != self._owner or not self._bound or self._invalid is not None:
+            self._check_thread()
+            self._check_bound()
+            self._check_valid()
         if self._epoch_open:
             raise EpochError(f"epoch {self.epoch} on slot {self.current_slot} is still open; "
                              "call finish() first")
@@ -508,8 +513,9 @@ class H2DRunnerState:
             slot = (self.current_slot + 1) % self.num_slots if self.epoch else 0
         elif isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
             raise EpochError(f"slot {slot!r} is not in [0, {self.num_slots})")
-        self._check_device()
         if self._cuda:
+            if _get_device() != self._device_index:  # type: ignore[misc]
+                self._check_device()
             if stream is not None:
                 s = stream
                 if s.device != self.device:
@@ -517,8 +523,8 @@ class H2DRunnerState:
                         f"stream is on {s.device}, the state on {self.device}; begin() on a "
                         "stream of the state's device"
                     )
-            elif (self._stream is not None and torch._C._cuda_getCurrentRawStream(
-                    self.device.index) == self._stream_id):
+            elif (self._stream is not None and _current_raw_stream(  # type: ignore[misc]
+                    self._device_index) == self._stream_id):
                 s = self._stream  # the same consumer stream as last epoch: no new object
             else:
                 s = torch.cuda.current_stream(self.device)
@@ -547,8 +553,9 @@ class H2DRunnerState:
 
     def finish(self) -> None:
         """Record this slot's completion after the epoch's uploads; never waits for the GPU."""
-        self._check_thread()
-        self._check_valid()
+        if get_ident() != self._owner or self._invalid is not None:
+            self._check_thread()
+            self._check_valid()
         if not self._epoch_open:
             raise EpochError("finish() without an open epoch: call begin() first")
         if self._cuda:
@@ -755,8 +762,13 @@ class H2DRunnerState:
             names: frozenset[str] = frozenset((group,))
         else:
             names = plan.names
-        self._check_device()
-        s = self._check_stream(stream)
+        if self._cuda:  # _check_device and _check_stream inline: they raise on a mismatch
+            index = self._device_index
+            if _get_device() != index:  # type: ignore[misc]
+                self._check_device()
+            if (_current_raw_stream(index) if stream is None  # type: ignore[misc]
+                    else stream.cuda_stream) != self._stream_id:
+                self._check_stream(stream)
         if not names.isdisjoint(self._published):
             raise DuplicatePublicationError(
                 f"group {group!r}: {sorted(names & self._published)} already published in "
@@ -768,9 +780,9 @@ class H2DRunnerState:
         try:
             if _profiler_enabled():
                 with torch.autograd.profiler.record_function(f"h2d.publish/{group}"):
-                    nbytes = self._enqueue(rec, covered_members, counters, s)
+                    nbytes = self._enqueue(rec, covered_members, counters, stream)
             else:
-                nbytes = self._enqueue(rec, covered_members, counters, s)
+                nbytes = self._enqueue(rec, covered_members, counters, stream)
         except H2DError:
             raise
         except Exception as exc:
@@ -783,8 +795,8 @@ class H2DRunnerState:
         counters.bytes += nbytes
         self._published |= names
         if self._on_publish:
-            for g in names:
-                for buf, fn, only_if_sent in self._on_publish.pop(g, ()):
+            for g in names.intersection(self._on_publish):
+                for buf, fn, only_if_sent in self._on_publish.pop(g):
                     if not only_if_sent or self._sent(buf):
                         fn()
 
