@@ -67,9 +67,100 @@ def use_arena_launcher(st: H2DRunnerState) -> None:
         st._events = [torch.cuda.Event() for _ in range(st.num_slots)]
 
 
-def run(bs: int, context: int, steps: int, device: str, launcher: str = "compiled",
-        batches: str = "prebuilt") -> dict:
-    """``batches``: ``prebuilt`` makes every batch before the first step (its objects are
+class Variant:
+    """One state + fused decode step with its segment timers."""
+
+    def __init__(self, bs: int, per_row: int, page: int, device: str, launcher: str) -> None:
+        self.st = st = H2DRunnerState(device, backend="packed")
+        self.step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs,
+                                     max_pages_per_req=per_row, page_size=page)
+        st.bind()
+        if launcher == "arena":
+            use_arena_launcher(st)
+        self.compiled = any(rec.packed is not None and rec.packed.launch is not None
+                            for recs in st._slot_groups for rec in recs)
+        self.seg: dict[str, list[float]] = {k: [] for k in SEGMENTS}
+        self.stage_ns = 0
+        self.launch_ns = 0
+        tables = self.step.decode.tables
+        real_stage = tables.stage
+
+        def timed_stage(n: int) -> str:
+            t = time.perf_counter_ns()
+            r = real_stage(n)
+            self.stage_ns = time.perf_counter_ns() - t
+            return r
+
+        tables.stage = timed_stage  # type: ignore[method-assign]
+        for recs in st._slot_groups:
+            for rec in recs:
+                if rec.packed is not None:
+                    real_publish = rec.packed.arena.publish
+
+                    def timed_publish(end: int, stream: object, real=real_publish) -> None:
+                        t = time.perf_counter_ns()
+                        real(end, stream)
+                        self.launch_ns = time.perf_counter_ns() - t
+
+                    rec.packed.arena.publish = timed_publish
+
+    def one(self, b: object, record: bool) -> None:
+        global _active
+        _active = self
+        pc = time.perf_counter_ns
+        st = self.st
+        t0 = pc()
+        st.begin()
+        t1 = pc()
+        self.step.prepare(b)
+        t2 = pc()
+        st.publish("decode_step")
+        t3 = pc()
+        st.finish()
+        t4 = pc()
+        if record:
+            wait = st.last_source_wait_ns
+            for k, v in zip(SEGMENTS, (t1 - t0 - wait, t2 - t1 - self.stage_ns, self.stage_ns,
+                                       t3 - t2 - self.launch_ns, self.launch_ns, t4 - t3,
+                                       t4 - t0 - wait), strict=True):
+                self.seg[k].append(v / 1e3)
+
+
+_active: Variant | None = None
+
+
+def _time_compiled_launches() -> None:
+    """Route the compiled pack + graph launch (h2d_core.launch) through a timer that
+    charges the variant stepping now."""
+    import h2d_core.state as state_module
+
+    real_native = state_module.native
+    if real_native is None or hasattr(real_native, "_timed"):
+        return
+
+    class TimedNative:
+        _timed = True
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_native, name)
+
+        @staticmethod
+        def publish_packed(*args: object) -> int:
+            t = time.perf_counter_ns()
+            end = real_native.publish_packed(*args)
+            if _active is not None:
+                _active.launch_ns = time.perf_counter_ns() - t
+            return end
+
+    state_module.native = TimedNative()
+
+
+def run(bs: int, context: int, steps: int, device: str,
+        launchers: tuple[str, ...] = ("compiled",), batches: str = "prebuilt") -> list[dict]:
+    """Step every launcher variant on the same batches, alternating which goes first, so
+    drift of the host (other load, clocks) reaches all of them alike.
+
+    ``batches``: ``prebuilt`` makes every batch before the first step (its objects are
     long out of the caches when stepped, as in publication_bench); ``fresh`` makes each one
     untimed right before its step, as a scheduler hands its output to the runner."""
     from decode_runner.scheduler import steady_decode_batches
@@ -83,90 +174,21 @@ def run(bs: int, context: int, steps: int, device: str, launcher: str = "compile
         b.columns, b.block_tables  # noqa: B018  (built outside the timed region)
         return b
 
-    ready = [make() for _ in range(steps + 100)] if batches == "prebuilt" else []
-    st = H2DRunnerState(device, backend="packed")
-    step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row,
-                            page_size=page)
-    st.bind()
-    if launcher == "arena":
-        use_arena_launcher(st)
-    tables = step.decode.tables
-    real_stage = tables.stage
-    seg: dict[str, list[float]] = {k: [] for k in SEGMENTS}
-    stage_ns = [0]
-
-    def timed_stage(n: int) -> str:
-        t = time.perf_counter_ns()
-        r = real_stage(n)
-        stage_ns[0] = time.perf_counter_ns() - t
-        return r
-
-    tables.stage = timed_stage  # type: ignore[method-assign]
-    launch_ns = [0]
-    for recs in st._slot_groups:
-        for rec in recs:
-            if rec.packed is not None:
-                arena = rec.packed.arena
-                real_publish = arena.publish
-
-                def timed_publish(end: int, stream: object, real=real_publish) -> None:
-                    t = time.perf_counter_ns()
-                    real(end, stream)
-                    launch_ns[0] = time.perf_counter_ns() - t
-
-                arena.publish = timed_publish
-    compiled = any(rec.packed is not None and rec.packed.launch is not None
-                   for recs in st._slot_groups for rec in recs)
-    if compiled:  # the compiled pack + graph launch (h2d_core.launch) replaces arena.publish
-        import h2d_core.state as state_module
-
-        real_native = state_module.native
-
-        class TimedNative:
-            def __getattr__(self, name: str) -> object:
-                return getattr(real_native, name)
-
-            @staticmethod
-            def publish_packed(*args: object) -> int:
-                t = time.perf_counter_ns()
-                end = real_native.publish_packed(*args)
-                launch_ns[0] = time.perf_counter_ns() - t
-                return end
-
-        state_module.native = TimedNative()
-    pc = time.perf_counter_ns
+    ready = [make() for _ in range(steps + 50)] if batches == "prebuilt" else []
+    _time_compiled_launches()
+    variants = [Variant(bs, per_row, page, device, lch) for lch in launchers]
     it = iter(ready)
-
-    def one() -> None:
+    for k in range(steps + 50):
         b = next(it) if ready else make()
-        t0 = pc()
-        st.begin()
-        t1 = pc()
-        step.prepare(b)
-        t2 = pc()
-        st.publish("decode_step")
-        t3 = pc()
-        st.finish()
-        t4 = pc()
-        wait = st.last_source_wait_ns
-        for k, v in zip(SEGMENTS, (t1 - t0 - wait, t2 - t1 - stage_ns[0], stage_ns[0],
-                                   t3 - t2 - launch_ns[0], launch_ns[0], t4 - t3,
-                                   t4 - t0 - wait), strict=True):
-            seg[k].append(v / 1e3)
-
-    for _ in range(50):
-        one()
-    for v in seg.values():
-        v.clear()
-    for _ in range(steps):
-        one()
+        order = variants if k % 2 else variants[::-1]
+        for v in order:
+            v.one(b, record=k >= 50)
     if device == "cuda":
         torch.cuda.synchronize()
-    if compiled:
-        state_module.native = real_native
-    return {"bs": bs, "context": context, "device": device, "native": step.native,
-            "compiled_launch": compiled, "batches": batches,
-            **{k: round(float(np.median(v)), 2) for k, v in seg.items()}}
+    return [{"bs": bs, "context": context, "device": device, "native": v.step.native,
+             "compiled_launch": v.compiled, "batches": batches,
+             **{k: round(float(np.median(x)), 2) for k, x in v.seg.items()}}
+            for v in variants]
 
 
 def main() -> None:
@@ -178,7 +200,8 @@ def main() -> None:
                     help="default: cuda when available")
     ap.add_argument("--launcher", choices=("compiled", "arena", "both"), default="both",
                     help="compiled pack + cuGraphLaunch and driver events, the arena's "
-                    "publish and torch events, or both (one after the other, same run)")
+                    "publish and torch events, or both (stepped alternately on the same "
+                    "batches)")
     ap.add_argument("--batches", choices=("prebuilt", "fresh", "both"), default="prebuilt",
                     help="batches made before the run (cold) or right before each step")
     ap.add_argument("--out", type=Path, default=None)
@@ -187,8 +210,8 @@ def main() -> None:
     cal = calibrate()
     launchers = ("compiled", "arena") if args.launcher == "both" else (args.launcher,)
     kinds = ("prebuilt", "fresh") if args.batches == "both" else (args.batches,)
-    rows = [run(args.bs, c, args.steps, device, lch, kind)
-            for c in args.context for kind in kinds for lch in launchers]
+    rows = [r for c in args.context for kind in kinds
+            for r in run(args.bs, c, args.steps, device, launchers, kind)]
     print(f"python calibration loop: {cal:.1f} ns/iter  (python {sys.version.split()[0]}, "
           f"numpy {np.__version__}, torch {torch.__version__})")
     print("host µs (median) | " + " | ".join(SEGMENTS))
