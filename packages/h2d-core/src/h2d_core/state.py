@@ -174,7 +174,8 @@ class H2DRunnerState:
         # producer group lists already checked by enter_producer (the multi-group fast path)
         self._known_group_lists: set[tuple[str, ...]] = set()
         self._invalid: str | None = None
-        #: host ns the last begin() waited for its slot's previous DMA (source reuse)
+        #: host ns the last begin() blocked on its slot's previous DMA (source reuse); 0 when
+        #: that DMA had completed (checking it is then ordinary host work)
         self.last_source_wait_ns = 0
         #: callbacks run once after a producer group's successful publication this epoch
         self._on_publish: dict[str, list[tuple[H2DBuffer, Callable[[], None], bool]]] = {}
@@ -529,12 +530,16 @@ class H2DRunnerState:
             else:
                 s = torch.cuda.current_stream(self.device)
         if self._event_recorded[slot]:
+            # last_source_wait_ns counts only the blocking wait for a pending event: the
+            # query of a completed one is host work like any other
             if self._slot_events is not None:
                 self.last_source_wait_ns = self._slot_events.wait(slot)
+            elif self._events[slot].query():
+                self.last_source_wait_ns = 0
             else:
                 t0 = time.perf_counter_ns()
                 self._events[slot].synchronize()
-                self.last_source_wait_ns = time.perf_counter_ns() - t0
+                self.last_source_wait_ns = time.perf_counter_ns() - t0 or 1
         else:
             self.last_source_wait_ns = 0
         self.current_slot = slot
