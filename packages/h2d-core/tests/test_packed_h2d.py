@@ -217,11 +217,17 @@ def test_copy_to_gpu_is_a_checked_direct_copy(device: str, h: Any) -> None:
 # ---------------------------------------------------------------------------- GPU only
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("events", ["driver", "torch"])
 @pytest.mark.parametrize("backend", ["packed", "direct"])
-def test_delayed_source_reuse(h: Any, backend: str) -> None:
-    """A slow GPU before the DMA: begin() of the same slot must wait before producers write."""
+def test_delayed_source_reuse(h: Any, backend: str, events: str) -> None:
+    """A slow GPU before the DMA: begin() of the same slot must wait before producers write,
+    with the slots' driver events (h2d_core.launch) and with the torch-event fallback."""
     setup = h.build_state("cuda", backend=backend)
     st = setup.state
+    assert st._slot_events is not None  # the compiled helpers and libcuda are there
+    if events == "torch":  # what a state without them uses
+        st._slot_events = None
+        st._events = [torch.cuda.Event() for _ in range(st.num_slots)]
     ids, pos = setup.buffers["input_ids"], setup.buffers["positions"]
     for step in range(3):
         st.begin()
@@ -233,6 +239,7 @@ def test_delayed_source_reuse(h: Any, backend: str) -> None:
         st.publish("decode")
         st.finish()
         st.begin()  # must block until the DMA above read the sources
+        assert st.last_source_wait_ns > 1_000_000, "begin() did not wait for the busy GPU"
         ids.np[:] = -1
         pos.np[:] = -1
         st.finish()
