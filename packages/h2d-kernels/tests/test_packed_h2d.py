@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from h2d_kernels import (
     ArenaLayoutError,
     ArenaMember,
+    CudaDriver,
     DescriptorError,
     DestinationAlignmentError,
     DestinationBoundsError,
@@ -288,6 +289,40 @@ def test_publish_rejects_dma_bytes_outside_the_arena(device: str) -> None:
         with pytest.raises(PublishError, match=f"dma_bytes={bad}"):
             arena.publish(bad)
     pool.check()
+
+
+def test_graph_launch_table_only_for_graph_arenas(device: str) -> None:
+    """A compiled launcher gets handles only from an arena that launches captured graphs
+    through cuGraphLaunch; every bucket from the header to the whole arena has one."""
+    pool = carve(device, [(torch.int32, 300), (torch.int64, 70)])
+    layout = plan_arena(members_for(pool))
+    arena = PackedArena(layout, pool.destinations)
+    table = arena.graph_launch_table()
+    if device == "cpu" or arena.graph_launcher != "cuGraphLaunch":
+        assert table is None
+        return
+    from h2d_kernels.graphs import bucket_index
+
+    assert table.graph_launch and table.stream_is_capturing
+    covered = range(bucket_index(arena.header_bytes), bucket_index(arena.total_bytes) + 1)
+    assert all(table.execs[i] for i in covered)
+    assert not any(table.execs[i] for i in range(len(table.execs)) if i not in covered)
+    compiled = PackedArena(layout, pool.destinations, launch="compiled")
+    assert compiled.graph_launch_table() is None
+
+
+def test_driver_hands_out_only_known_entry_points() -> None:
+    class Fn:  # stands in for a ctypes function of libcuda
+        argtypes: object = None
+        restype: object = None
+
+    class Lib:
+        def __getattr__(self, name: str) -> Fn:
+            return Fn()
+
+    driver = CudaDriver(Lib())  # type: ignore[arg-type]
+    with pytest.raises(ScatterBackendError, match="'cuMemFree' is not an entry point"):
+        driver.address("cuMemFree")
 
 
 # -- exact bytes ---------------------------------------------------------------------------------
