@@ -255,6 +255,22 @@ def test_slot_event_errors_name_the_call(case: str) -> None:
         assert fake.recorded == []
 
 
+def test_a_pack_only_binding_packs_and_never_launches() -> None:
+    """Every packed slot has a pack-only binding (``packer``, used by ``packing.pack`` on
+    the CPU and on the arena's path): ``publish_packed`` through it packs and hands the
+    launch back (a negative size)."""
+    st, b = _state()
+    st.begin()
+    st.set_count(b["ids"], 5)
+    st.set_count(b["temps"], 2)
+    rec = st._slot_groups[0][st.plan("step").index]
+    packed = rec.packed
+    assert packed.packer is not None and packed.launch is None
+    end = packing.native.publish_packed(packed.packer, rec.counts, rec.ranges, rec.dma_end, 0)
+    assert end == -max(rec.dma_end, packing.pack_python(packed, rec.counts, rec.ranges))
+    st.finish()
+
+
 def test_bind_rejects_null_driver_addresses() -> None:
     native = packing.native
     with pytest.raises(ValueError, match="null driver function address"):

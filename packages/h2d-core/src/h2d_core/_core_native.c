@@ -1,14 +1,14 @@
 /* Compiled hot paths of h2d_core (built by block_tables.native; Python fallbacks in
  * packing.py and count_batch.py produce the same state and bytes).
  *
- * pack: copy staged members' used bytes and pending ranges into a packed arena's staging
- *       region and write their header rows (packing.pack).
+ * bind_publish / pack: copy staged members' used bytes and pending ranges into a packed
+ *       arena's staging region and write their header rows (packing.pack).
  * store_counts: record a CountBatch's validated counts in one slot's group record
  *       (count_batch.CountBatch.set); any value the fast path does not accept returns
  *       None before the first write, and the Python path raises the specific error.
- * bind_publish / publish_packed: pack, then launch the arena's captured (DMA + scatter)
- *       graph with cuGraphLaunch through a function pointer (launch.py): one C call
- *       instead of the Python and ctypes layers around PackedArena.publish.
+ * publish_packed: pack, then launch the arena's captured (DMA + scatter) graph with
+ *       cuGraphLaunch through a function pointer (launch.py): one C call instead of the
+ *       Python and ctypes layers around PackedArena.publish.
  * bind_events / event_record / event_wait: the slots' completion events recorded and
  *       waited on through the driver's function pointers (launch.py).
  *
@@ -32,80 +32,6 @@ static int as_i64(PyObject *o, int64_t *out)
         return -1;
     *out = v;
     return 0;
-}
-
-/* pack(host_base, header_addr, staging_offset, first_extra, staged, counts, src_base,
- *      ranges) -> end
- * header rows are 4 int64: (src_offset, nbytes, member, dst_offset). */
-static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "pack takes 8 arguments");
-        return NULL;
-    }
-    int64_t base, header_addr, off, row;
-    if (as_i64(args[0], &base) < 0 || as_i64(args[1], &header_addr) < 0 ||
-        as_i64(args[2], &off) < 0 || as_i64(args[3], &row) < 0)
-        return NULL;
-    PyObject *staged = args[4], *counts = args[5], *src_base = args[6], *ranges = args[7];
-    if (!PyTuple_CheckExact(staged) || !PyList_CheckExact(counts) ||
-        !PyTuple_CheckExact(src_base) || !PyList_CheckExact(ranges)) {
-        PyErr_SetString(PyExc_TypeError, "pack(…, staged tuple, counts list, src_base tuple, "
-                                         "ranges list)");
-        return NULL;
-    }
-    char *host = (char *)(intptr_t)base;
-    int64_t *header = (int64_t *)(intptr_t)header_addr;
-    int64_t end = 0;
-    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(staged); k++) {
-        PyObject *e = PyTuple_GET_ITEM(staged, k);
-        int64_t i, src, unit;
-        if (!PyTuple_CheckExact(e) || PyTuple_GET_SIZE(e) != 3 ||
-            as_i64(PyTuple_GET_ITEM(e, 0), &i) < 0 || as_i64(PyTuple_GET_ITEM(e, 1), &src) < 0 ||
-            as_i64(PyTuple_GET_ITEM(e, 2), &unit) < 0)
-            goto bad;
-        if (i < 0 || i >= PyList_GET_SIZE(counts))
-            goto bad;
-        PyObject *c = PyList_GET_ITEM(counts, i);
-        if (c == Py_None)
-            continue;
-        int64_t n;
-        if (as_i64(c, &n) < 0)
-            return NULL;
-        if (n == 0)
-            continue;
-        int64_t nbytes = n * unit;
-        memmove(host + off, (const char *)(intptr_t)src, (size_t)nbytes);
-        header[4 * i] = off;
-        off = align_up(off + nbytes);
-        end = off;
-    }
-    for (Py_ssize_t k = 0; k < PyList_GET_SIZE(ranges); k++) {
-        PyObject *r = PyList_GET_ITEM(ranges, k);
-        int64_t i, dst_off, nbytes, src;
-        if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != 3 ||
-            as_i64(PyTuple_GET_ITEM(r, 0), &i) < 0 ||
-            as_i64(PyTuple_GET_ITEM(r, 1), &dst_off) < 0 ||
-            as_i64(PyTuple_GET_ITEM(r, 2), &nbytes) < 0)
-            goto bad;
-        if (i < 0 || i >= PyTuple_GET_SIZE(src_base) ||
-            as_i64(PyTuple_GET_ITEM(src_base, i), &src) < 0)
-            goto bad;
-        memmove(host + off, (const char *)(intptr_t)(src + dst_off), (size_t)nbytes);
-        int64_t *h = header + 4 * row;
-        h[0] = off;
-        h[1] = nbytes;
-        h[2] = i;
-        h[3] = dst_off;
-        row++;
-        off = align_up(off + nbytes);
-        end = off;
-    }
-    return PyLong_FromLongLong(end);
-bad:
-    if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "pack: malformed staged entry or range");
-    return NULL;
 }
 
 /* One CountBatch member in one slot's record. */
@@ -316,7 +242,8 @@ static int64_t *i64_array(PyObject *t, const char *what)
 /* bind_publish(host_base, header_addr, staging_offset, first_extra, staged, src_base,
  *              header_bytes, total_bytes, execs, launch_fn, is_capturing_fn, owner)
  * -> capsule.  staged: tuple of (member, source address, unit bytes); execs: tuple of
- * CUgraphExec handles by bucket index (0 where no graph covers that size). */
+ * CUgraphExec handles by bucket index (0 where no graph covers that size). launch_fn and
+ * is_capturing_fn both 0 (and no execs): a binding that only packs. */
 static PyObject *bind_publish(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 12) {
@@ -332,7 +259,7 @@ static PyObject *bind_publish(PyObject *self, PyObject *const *args, Py_ssize_t 
         as_i64(args[6], &p->header_bytes) < 0 || as_i64(args[7], &p->total_bytes) < 0 ||
         as_i64(args[9], &launch) < 0 || as_i64(args[10], &capturing) < 0)
         goto fail;
-    if (!launch || !capturing) {
+    if (!launch != !capturing) {
         PyErr_SetString(PyExc_ValueError, "bind_publish: null driver function address");
         goto fail;
     }
@@ -389,29 +316,16 @@ static inline Py_ssize_t bucket_of(int64_t nbytes)
     return nbytes <= 1 ? 0 : (Py_ssize_t)(64 - __builtin_clzll((unsigned long long)(nbytes - 1)));
 }
 
-/* publish_packed(capsule, counts, ranges, dma_end, stream) -> int
- * Packs exactly as pack(), then launches the graph of the bucket covering
- * max(packed end, dma_end) on the raw stream handle. Returns that DMA size when launched,
- * or its negation when nothing was launched because the stream is being captured or no
- * graph covers the size: the caller then enqueues through PackedArena.publish. A driver
- * error raises RuntimeError naming the call and the CUresult. */
-static PyObject *publish_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* Copy staged members' used bytes, then the ranges, into the staging region and write
+ * their header rows; *end is where the copied bytes end (0: nothing copied). -1 on error.
+ * ranges are (member index, byte offset in the destination, byte count), validated by the
+ * caller against capacity and the staging room. */
+static int pack_into(Publish *p, PyObject *counts, PyObject *ranges, int64_t *end_out)
 {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "publish_packed takes 5 arguments");
-        return NULL;
-    }
-    Publish *p = (Publish *)PyCapsule_GetPointer(args[0], "h2d_publish");
-    if (p == NULL)
-        return NULL;
-    PyObject *counts = args[1], *ranges = args[2];
-    int64_t dma_end, stream;
     if (!PyList_CheckExact(counts) || !PyList_CheckExact(ranges)) {
-        PyErr_SetString(PyExc_TypeError, "publish_packed(…, counts list, ranges list, …)");
-        return NULL;
+        PyErr_SetString(PyExc_TypeError, "pack: counts and ranges must be lists");
+        return -1;
     }
-    if (as_i64(args[3], &dma_end) < 0 || as_i64(args[4], &stream) < 0)
-        return NULL;
     int64_t off = p->staging_offset, row = p->first_extra, end = 0;
     for (Py_ssize_t k = 0; k < p->num_staged; k++) {
         Staged *d = &p->staged[k];
@@ -422,7 +336,7 @@ static PyObject *publish_packed(PyObject *self, PyObject *const *args, Py_ssize_
             continue;
         int64_t n;
         if (as_i64(c, &n) < 0)
-            return NULL;
+            return -1;
         if (n == 0)
             continue;
         int64_t nbytes = n * d->unit_bytes;
@@ -450,10 +364,52 @@ static PyObject *publish_packed(PyObject *self, PyObject *const *args, Py_ssize_
         off = align_up(off + nbytes);
         end = off;
     }
+    *end_out = end;
+    return 0;
+bad:
+    if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "pack: malformed count or range");
+    return -1;
+}
+
+/* pack(capsule, counts, ranges) -> end of the copied bytes (0 when nothing was copied) */
+static PyObject *pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "pack(capsule, counts list, ranges list)");
+        return NULL;
+    }
+    Publish *p = (Publish *)PyCapsule_GetPointer(args[0], "h2d_publish");
+    int64_t end;
+    if (p == NULL || pack_into(p, args[1], args[2], &end) < 0)
+        return NULL;
+    return PyLong_FromLongLong(end);
+}
+
+/* publish_packed(capsule, counts, ranges, dma_end, stream) -> int
+ * Packs as pack(), then launches the graph of the bucket covering max(packed end,
+ * dma_end) on the raw stream handle. Returns that DMA size when launched, or its negation
+ * when nothing was launched because the binding only packs, the stream is being captured
+ * or no graph covers the size: the caller then enqueues through PackedArena.publish. A
+ * driver error raises RuntimeError naming the call and the CUresult. */
+static PyObject *publish_packed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "publish_packed takes 5 arguments");
+        return NULL;
+    }
+    Publish *p = (Publish *)PyCapsule_GetPointer(args[0], "h2d_publish");
+    if (p == NULL)
+        return NULL;
+    int64_t dma_end, stream, end;
+    if (as_i64(args[3], &dma_end) < 0 || as_i64(args[4], &stream) < 0)
+        return NULL;
+    if (pack_into(p, args[1], args[2], &end) < 0)
+        return NULL;
     if (dma_end > end)
         end = dma_end;
-    if (end < p->header_bytes || end > p->total_bytes)
-        return PyLong_FromLongLong(-end); /* the arena's publish raises the size error */
+    if (p->launch == NULL || end < p->header_bytes || end > p->total_bytes)
+        return PyLong_FromLongLong(-end); /* the arena's publish launches (or raises) */
     Py_ssize_t b = bucket_of(end);
     void *exec = b < p->num_execs ? p->execs[b] : NULL;
     if (exec == NULL)
@@ -472,10 +428,6 @@ static PyObject *publish_packed(PyObject *self, PyObject *const *args, Py_ssize_
         return NULL;
     }
     return PyLong_FromLongLong(end);
-bad:
-    if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_ValueError, "publish_packed: malformed count or range");
-    return NULL;
 }
 
 /* ---------------------------------------------------------------- slot events */
@@ -612,11 +564,11 @@ static PyObject *event_wait(PyObject *self, PyObject *const *args, Py_ssize_t na
 
 static PyMethodDef methods[] = {
     {"bind_publish", (PyCFunction)(void (*)(void))bind_publish, METH_FASTCALL, NULL},
+    {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, NULL},
     {"publish_packed", (PyCFunction)(void (*)(void))publish_packed, METH_FASTCALL, NULL},
     {"bind_events", (PyCFunction)(void (*)(void))bind_events, METH_FASTCALL, NULL},
     {"event_record", (PyCFunction)(void (*)(void))event_record, METH_FASTCALL, NULL},
     {"event_wait", (PyCFunction)(void (*)(void))event_wait, METH_FASTCALL, NULL},
-    {"pack", (PyCFunction)(void (*)(void))pack, METH_FASTCALL, NULL},
     {"bind_counts", (PyCFunction)(void (*)(void))bind_counts, METH_FASTCALL, NULL},
     {"store_counts", (PyCFunction)(void (*)(void))store_counts, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},

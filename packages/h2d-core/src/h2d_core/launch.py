@@ -26,7 +26,7 @@ import torch
 
 from h2d_kernels import CudaDriver, cuda_driver
 
-from .packing import PackedSlot, native
+from .packing import PackedSlot, bind_native, native
 
 
 def bind_publish(slot: PackedSlot) -> Any | None:
@@ -34,13 +34,7 @@ def bind_publish(slot: PackedSlot) -> Any | None:
     if native is None:
         return None
     table = slot.arena.graph_launch_table()  # type: ignore[attr-defined]
-    if table is None:
-        return None
-    return native.bind_publish(
-        slot.host_base, slot.header_addr, slot.staging_offset, slot.first_extra,
-        slot.staged, slot.src_base, slot.arena.header_bytes,  # type: ignore[attr-defined]
-        slot.arena.total_bytes, table.execs, table.graph_launch,  # type: ignore[attr-defined]
-        table.stream_is_capturing, slot.arena)
+    return None if table is None else bind_native(slot, table)
 
 
 def _destroy(driver: CudaDriver, events: tuple[int, ...]) -> None:

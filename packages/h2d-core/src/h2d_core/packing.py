@@ -114,11 +114,30 @@ class PackedSlot:
     range_capacity: int
     first_extra: int
     header_addr: int = field(init=False)
+    #: the compiled packing plan of this arena (None: pack_python)
+    packer: object | None = field(init=False)
     #: the compiled pack + graph launch of this arena (launch.bind_publish), or None
     launch: object | None = None
 
     def __post_init__(self) -> None:
         self.header_addr = self.header.ctypes.data
+        self.packer = bind_native(self)
+
+
+def bind_native(slot: PackedSlot, table: object | None = None) -> object | None:
+    """The compiled helper's binding of ``slot``'s packing plan (None without the helper).
+    With ``table`` (an ``h2d_kernels.GraphLaunchTable``) it also launches the arena's
+    graphs (``publish_packed``); without, it only packs."""
+    if native is None:
+        return None
+    arena = slot.arena
+    execs, launch, capturing = (
+        (table.execs, table.graph_launch, table.stream_is_capturing)  # type: ignore[attr-defined]
+        if table is not None else ((), 0, 0))
+    return native.bind_publish(
+        slot.host_base, slot.header_addr, slot.staging_offset, slot.first_extra, slot.staged,
+        slot.src_base, arena.header_bytes, arena.total_bytes,  # type: ignore[attr-defined]
+        execs, launch, capturing, arena)
 
 
 def bind_packed_slot(
@@ -198,10 +217,8 @@ def pack(
     validated against capacity and ``range_capacity`` by the caller; counts are validated
     against capacity, and each staged member has its full size reserved.
     """
-    if native is not None:
-        return native.pack(
-            slot.host_base, slot.header_addr, slot.staging_offset, slot.first_extra,
-            slot.staged, counts, slot.src_base, ranges)
+    if slot.packer is not None:
+        return native.pack(slot.packer, counts, ranges)  # type: ignore[union-attr]
     return pack_python(slot, counts, ranges)
 
 
