@@ -70,8 +70,9 @@ def use_arena_launcher(st: H2DRunnerState) -> None:
 class Variant:
     """One state + fused decode step with its segment timers."""
 
-    def __init__(self, bs: int, per_row: int, page: int, device: str, launcher: str) -> None:
-        self.st = st = H2DRunnerState(device, backend="packed")
+    def __init__(self, bs: int, per_row: int, page: int, device: str, launcher: str,
+                 slots: int = 1) -> None:
+        self.st = st = H2DRunnerState(device, backend="packed", num_slots=slots)
         self.step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs,
                                      max_pages_per_req=per_row, page_size=page)
         st.bind()
@@ -156,13 +157,18 @@ def _time_compiled_launches() -> None:
 
 
 def run(bs: int, context: int, steps: int, device: str,
-        launchers: tuple[str, ...] = ("compiled",), batches: str = "prebuilt") -> list[dict]:
+        launchers: tuple[str, ...] = ("compiled",), batches: str = "prebuilt",
+        slots: int = 1) -> list[dict]:
     """Step every launcher variant on the same batches, alternating which goes first, so
     drift of the host (other load, clocks) reaches all of them alike.
 
     ``batches``: ``prebuilt`` makes every batch before the first step (its objects are
     long out of the caches when stepped, as in publication_bench); ``fresh`` makes each one
-    untimed right before its step, as a scheduler hands its output to the runner."""
+    untimed right before its step, as a scheduler hands its output to the runner.
+
+    ``slots``: with one slot, each ``begin`` waits on the DMA its previous step launched a
+    few µs earlier (usually still pending, so the query of a pending event is in ``begin``);
+    with two, on the step before that, as when a forward pass runs between steps."""
     from decode_runner.scheduler import steady_decode_batches
 
     page, window = 16, 256
@@ -176,7 +182,7 @@ def run(bs: int, context: int, steps: int, device: str,
 
     ready = [make() for _ in range(steps + 50)] if batches == "prebuilt" else []
     _time_compiled_launches()
-    variants = [Variant(bs, per_row, page, device, lch) for lch in launchers]
+    variants = [Variant(bs, per_row, page, device, lch, slots) for lch in launchers]
     it = iter(ready)
     for k in range(steps + 50):
         b = next(it) if ready else make()
@@ -186,7 +192,7 @@ def run(bs: int, context: int, steps: int, device: str,
     if device == "cuda":
         torch.cuda.synchronize()
     return [{"bs": bs, "context": context, "device": device, "native": v.step.native,
-             "compiled_launch": v.compiled, "batches": batches,
+             "compiled_launch": v.compiled, "batches": batches, "slots": slots,
              **{k: round(float(np.median(x)), 2) for k, x in v.seg.items()}}
             for v in variants]
 
@@ -204,6 +210,7 @@ def main() -> None:
                     "batches)")
     ap.add_argument("--batches", choices=("prebuilt", "fresh", "both"), default="prebuilt",
                     help="batches made before the run (cold) or right before each step")
+    ap.add_argument("--slots", type=int, default=1, help="runner slots (see run())")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -211,13 +218,14 @@ def main() -> None:
     launchers = ("compiled", "arena") if args.launcher == "both" else (args.launcher,)
     kinds = ("prebuilt", "fresh") if args.batches == "both" else (args.batches,)
     rows = [r for c in args.context for kind in kinds
-            for r in run(args.bs, c, args.steps, device, launchers, kind)]
+            for r in run(args.bs, c, args.steps, device, launchers, kind, args.slots)]
     print(f"python calibration loop: {cal:.1f} ns/iter  (python {sys.version.split()[0]}, "
           f"numpy {np.__version__}, torch {torch.__version__})")
     print("host µs (median) | " + " | ".join(SEGMENTS))
     for r in rows:
         print(f"{r['device']} bs={r['bs']} ctx={r['context']} native={r['native']} "
-              f"compiled_launch={r['compiled_launch']} batches={r['batches']} | "
+              f"compiled_launch={r['compiled_launch']} batches={r['batches']} "
+              f"slots={r['slots']} | "
               + " | ".join(f"{r[k]:.2f}" for k in SEGMENTS))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
