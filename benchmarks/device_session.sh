@@ -25,7 +25,8 @@ fi
 if [[ $what == segments || $what == all ]]; then
   "${pin[@]}" python3 benchmarks/cuda_call_costs.py >"$out/cuda_call_costs$tag.log" 2>&1
   echo "cuda_call_costs: exit $?"; cat "$out/cuda_call_costs$tag.log"
-  "${pin[@]}" python3 benchmarks/step_segments.py --out "$out" >"$out/step_segments$tag.log" 2>&1
+  "${pin[@]}" python3 benchmarks/step_segments.py --launcher both --out "$out" \
+    >"$out/step_segments$tag.log" 2>&1
   echo "step_segments: exit $?"; tail -n 4 "$out/step_segments$tag.log"
 fi
 if [[ $what == bench || $what == all ]]; then
