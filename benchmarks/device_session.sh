@@ -27,7 +27,7 @@ if [[ $what == segments || $what == all ]]; then
   echo "cuda_call_costs: exit $?"; cat "$out/cuda_call_costs$tag.log"
   "${pin[@]}" python3 benchmarks/step_segments.py --launcher both --out "$out" \
     >"$out/step_segments$tag.log" 2>&1
-  echo "step_segments: exit $?"; tail -n 4 "$out/step_segments$tag.log"
+  echo "step_segments: exit $?"; tail -n 6 "$out/step_segments$tag.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   "${pin[@]}" python3 benchmarks/publication_bench.py all --out "$out" --steps 300 \
