@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from threading import get_ident
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -175,29 +175,26 @@ class BlockTableState:
             return self.last_stage
         spare = self._spare
         keys = self._key_bufs[spare]
-        found = None
+        found: Any = None
         if self._ranged and rec is not None:
             limit, max_bytes = self._limits(num_rows)
-            native = snap._native
             member = buffer.homes[0][1]
-            if native is not None and snap._all_versioned:
+            found = NotImplemented
+            if snap._native is not None and snap._all_versioned:
                 # spans.changed_byte_ranges' compiled branch, without its keyword wrapper,
                 # building the record's (member, offset, bytes) triples directly
-                found = native.changed_byte_ranges(
+                found = snap._native.changed_byte_ranges(
                     snap._row_keys, rec.keys, rec.keys.size, num_rows, self._row_bytes, limit,
                     max_bytes, keys, member)
-                if found is NotImplemented:
-                    found = None
-                    native = None
-            if native is None or not snap._all_versioned:
+            if found is NotImplemented:
                 # Same slot: the snapshot's history is exact. Another slot's table on the
                 # same destination: compare row keys (versioned rows need no page-ID reads).
                 pairs = changed_byte_ranges(
                     snap, rec.keys, num_rows, self._row_bytes,
                     revision=rec.revision if rec.slot == slot else None,
                     max_ranges=limit, max_bytes=max_bytes, keys_out=keys)
-                if pairs is not None:
-                    found = ([(member, a, b - a) for a, b in pairs[0]], pairs[1])
+                found = None if pairs is None else (
+                    [(member, a, b - a) for a, b in pairs[0]], pairs[1])
         else:
             row_keys(snap, num_rows, out=keys)
         if found is not None and not found[0]:
