@@ -148,9 +148,10 @@ fail:
 /* prepare_step(bound, rows, limit, required)
  *
  * rows: list or tuple; limit: pool limit or -1; required: None or a 1-D signed/unsigned
- * 4/8-byte integer array of len(rows). Rows whose bytes changed are written to the bound
- * `changed` array, ascending.
- * Returns the number of changed rows, or None when the batch is not covered. */
+ * 4/8-byte integer array of len(rows).
+ * Returns a new int64 array of the rows whose bytes changed, ascending (empty for a hit:
+ * the snapshot's history keeps it as is, no copy in Python), or None when the batch is not
+ * covered. */
 static PyObject *prepare_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
@@ -262,7 +263,10 @@ static PyObject *prepare_step(PyObject *self, PyObject *const *args, Py_ssize_t 
             lengths[i] = new_keys[i] & length_mask;
         }
     }
-    result = PyLong_FromSsize_t(c);
+    npy_intp dims[1] = {c};
+    result = PyArray_SimpleNew(1, dims, NPY_INT64);
+    if (result != NULL && c)
+        memcpy(PyArray_DATA((PyArrayObject *)result), changed, (size_t)c * sizeof(int64_t));
     goto release_req;
 
 not_covered:

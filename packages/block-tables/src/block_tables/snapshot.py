@@ -258,16 +258,14 @@ class PageTableSnapshot:
         if native is not None:
             # The common decode step (hits and one-page appends of versioned rows) in one
             # compiled call; None means "not covered", and nothing was written.
-            num_changed = native.prepare_step(self._bound, rows, self._limit_arg,
-                                              required_pages)
-            if num_changed is not None:
+            changed = native.prepare_step(self._bound, rows, self._limit_arg, required_pages)
+            if changed is not None:  # a new array of the rows whose bytes changed
                 self._keys = None  # the next Python-path call compares keys again
                 self._all_versioned = True
                 self._num_rows = len(rows)
-                if num_changed:
+                if len(changed):
                     self._revision += 1
-                    self._history.append(
-                        (self._revision, self._changed_out[:num_changed].copy()))
+                    self._history.append((self._revision, changed))
                 return self._revision
         try:
             keys = [row._key for row in rows]  # type: ignore[union-attr]

@@ -177,7 +177,7 @@ class BlockTableState:
         keys = self._key_bufs[spare]
         found: Any = None
         if self._ranged and rec is not None:
-            limit, max_bytes = self._limits(num_rows)
+            limit, max_bytes = self._limit_cache.get(num_rows) or self._limits(num_rows)
             member = buffer.homes[0][1]
             found = NotImplemented
             if snap._native is not None and snap._all_versioned:
@@ -206,7 +206,10 @@ class BlockTableState:
             found = None
             state.set_count(buffer, num_rows)
             self.last_stage = StageResult.WHOLE
-        pending = _new(PublishedTable, (slot, rev, num_rows, self._key_views(spare, num_rows)))
+        view = self._views[spare].get(num_rows)
+        if view is None:
+            view = self._key_views(spare, num_rows)
+        pending = _new(PublishedTable, (slot, rev, num_rows, view))
 
         def commit() -> None:
             # idempotent: a stage repeated before its publication registers a second one
@@ -215,7 +218,8 @@ class BlockTableState:
 
         # With nothing to send the GPU already holds these bytes; the record still moves
         # only once the group's publication succeeded.
-        state._after_publish(buffer, commit, found is None or bool(found[0]))
+        state._on_publish.setdefault(buffer.group, []).append(  # state._after_publish
+            (buffer, commit, found is None or bool(found[0])))
         return self.last_stage
 
     def _limits(self, num_rows: int) -> tuple[int, int]:

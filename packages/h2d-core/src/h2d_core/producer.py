@@ -54,14 +54,17 @@ def h2d_producer(
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         @functools.wraps(fn)
         def producer(*args: Any, **kwargs: Any) -> Any:
-            reason = kwargs.pop("h2d_reason", None)
+            reason = kwargs.pop("h2d_reason", None) if kwargs else None
             if not args:
                 raise H2DError(f"producer {fn.__qualname__} called without its owner argument")
             names: tuple[str, ...] = (
                 tuple(g(args[0]) if callable(g) else g for g in groups)
                 if dynamic else groups  # type: ignore[assignment]
             )
-            state = _owner_state(args[0])
+            # the common owner, an adapter holding the state, without isinstance calls
+            state = getattr(args[0], "h2d_state", None)
+            if type(state) is not H2DRunnerState:
+                state = _owner_state(args[0])
             state.enter_producer(names, reason)
             try:
                 return fn(*args, **kwargs)

@@ -155,6 +155,8 @@ class H2DRunnerState:
         self._bound = False
 
         self._plans: dict[str, GroupPlan] = {}
+        self._routes: dict[str, tuple[int, frozenset[str], tuple[H2DBuffer, ...],
+                                      GroupCounters]] = {}
         self._publication_group_of: dict[str, str] = {}
         self._slot_groups: list[list[SlotGroup]] = []
         self._counters: dict[str, GroupCounters] = {}
@@ -350,6 +352,14 @@ class H2DRunnerState:
         for g in self._producer_groups:
             self._counters.setdefault(g, GroupCounters())
         self._plans = plans
+        # publish(name) -> (record index, names it publishes, members copied directly when
+        # it is a producer group covered by a combined one, counters): one lookup per call
+        self._routes = {name: (plan.index, plan.names, (), self._counters[name])
+                        for name, plan in plans.items()}
+        for g in self._producer_groups:
+            if g not in plans:
+                self._routes[g] = (plans[primary[g]].index, frozenset((g,)),
+                                   tuple(self._producer_groups[g]), self._counters[g])
         self._slot_groups = slot_groups
         for recs in slot_groups:
             for rec in recs:
@@ -757,16 +767,10 @@ class H2DRunnerState:
         """
         if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
             self._check_ready(f"publish({group!r})")
-        plan = self._plans.get(group)
-        covered_members: Sequence[H2DBuffer] = ()
-        if plan is None:
-            if group not in self._producer_groups:
-                raise UnknownGroupError(self._unknown_group(group))
-            plan = self._plans[self._publication_group_of[group]]
-            covered_members = self._producer_groups[group]
-            names: frozenset[str] = frozenset((group,))
-        else:
-            names = plan.names
+        route = self._routes.get(group)
+        if route is None:
+            raise UnknownGroupError(self._unknown_group(group))
+        index, names, covered_members, counters = route
         if self._cuda:  # _check_device and _check_stream inline: they raise on a mismatch
             index = self._device_index
             if _get_device() != index:  # type: ignore[misc]
@@ -780,8 +784,7 @@ class H2DRunnerState:
                 f"epoch {self.epoch}; supply a reason (reopen(group, reason)) for a deliberate "
                 "second publication"
             )
-        rec = self._slot_groups[self.current_slot][plan.index]
-        counters = self._counters[group]
+        rec = self._slot_groups[self.current_slot][index]
         try:
             if _profiler_enabled():
                 with torch.autograd.profiler.record_function(f"h2d.publish/{group}"):
