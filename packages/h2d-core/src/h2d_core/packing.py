@@ -114,7 +114,8 @@ class PackedSlot:
     range_capacity: int
     first_extra: int
     header_addr: int = field(init=False)
-    #: the compiled packing plan of this arena (None: pack_python)
+    #: the compiled packing plan of this arena (None: pack_python); the launcher's binding
+    #: once the state binds one (it packs the same way)
     packer: object | None = field(init=False)
     #: the compiled pack + graph launch of this arena (launch.bind_publish), or None
     launch: object | None = None

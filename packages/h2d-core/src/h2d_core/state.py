@@ -365,7 +365,9 @@ class H2DRunnerState:
             for rec in recs:
                 rec.clear_counts()
                 if rec.packed is not None:
-                    rec.packed.launch = bind_publish(rec.packed)
+                    launch = bind_publish(rec.packed)
+                    if launch is not None:  # it packs too: one binding per arena
+                        rec.packed.launch = rec.packed.packer = launch
         if self._cuda:
             self._slot_events = SlotEvents.create(self.num_slots, self.device)
             if self._slot_events is None:
