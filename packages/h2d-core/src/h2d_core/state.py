@@ -772,12 +772,12 @@ class H2DRunnerState:
         route = self._routes.get(group)
         if route is None:
             raise UnknownGroupError(self._unknown_group(group))
-        index, names, covered_members, counters = route
+        rec_index, names, covered_members, counters = route
         if self._cuda:  # _check_device and _check_stream inline: they raise on a mismatch
-            index = self._device_index
-            if _get_device() != index:  # type: ignore[misc]
+            device_index = self._device_index
+            if _get_device() != device_index:  # type: ignore[misc]
                 self._check_device()
-            if (_current_raw_stream(index) if stream is None  # type: ignore[misc]
+            if (_current_raw_stream(device_index) if stream is None  # type: ignore[misc]
                     else stream.cuda_stream) != self._stream_id:
                 self._check_stream(stream)
         if not names.isdisjoint(self._published):
@@ -786,7 +786,7 @@ class H2DRunnerState:
                 f"epoch {self.epoch}; supply a reason (reopen(group, reason)) for a deliberate "
                 "second publication"
             )
-        rec = self._slot_groups[self.current_slot][index]
+        rec = self._slot_groups[self.current_slot][rec_index]
         try:
             if _profiler_enabled():
                 with torch.autograd.profiler.record_function(f"h2d.publish/{group}"):
