@@ -157,6 +157,7 @@ class PageTableSnapshot:
         # every row of the last batch was a BlockTable: equal keys then mean equal bytes
         self._all_versioned = False
         # compiled common step (native.py), bound once to the arrays above and its own
+        # scratch (changed rows, new keys)
         self._changed_out = np.empty(rows, dtype=np.int64)
         self._limit_arg = -1 if pool_limit is None else int(pool_limit)
         self._native = module

@@ -218,7 +218,8 @@ class BlockTableState:
 
         # With nothing to send the GPU already holds these bytes; the record still moves
         # only once the group's publication succeeded.
-        state._on_publish.setdefault(buffer.group, []).append(  # state._after_publish
+        # state.on_publish without its checks (this stage made them)
+        state._on_publish.setdefault(buffer.group, []).append(
             (buffer, commit, found is None or bool(found[0])))
         return self.last_stage
 

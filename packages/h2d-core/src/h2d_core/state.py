@@ -157,7 +157,6 @@ class H2DRunnerState:
         self._plans: dict[str, GroupPlan] = {}
         self._routes: dict[str, tuple[int, frozenset[str], tuple[H2DBuffer, ...],
                                       GroupCounters]] = {}
-        self._publication_group_of: dict[str, str] = {}
         self._slot_groups: list[list[SlotGroup]] = []
         self._counters: dict[str, GroupCounters] = {}
         self._events: list[Any] = []
@@ -348,7 +347,6 @@ class H2DRunnerState:
                     buf.publication_group = name
                     buf.member_index = i
             self._counters[name] = GroupCounters()
-        self._publication_group_of = dict(primary)
         for g in self._producer_groups:
             self._counters.setdefault(g, GroupCounters())
         self._plans = plans
@@ -841,12 +839,6 @@ class H2DRunnerState:
         (a count or ranges). A failed, reopened or never-made publication never runs it."""
         self._check_ready("on_publish")
         self._check_member(buffer)
-        self._after_publish(buffer, callback, only_if_sent)
-
-    def _after_publish(
-        self, buffer: H2DBuffer, callback: Callable[[], None], only_if_sent: bool
-    ) -> None:
-        """:meth:`on_publish` for callers that already checked the epoch and membership."""
         self._on_publish.setdefault(buffer.group, []).append((buffer, callback, only_if_sent))
 
     def _sent(self, buffer: H2DBuffer) -> bool:
