@@ -32,12 +32,10 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests-integration"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
-    src = ROOT / "packages" / pkg / "src"
-    if src.is_dir() and str(src) not in sys.path:
-        sys.path.append(str(src))
+from repo_paths import use_sources  # noqa: E402
+
+use_sources()
 
 from trace_counts import count_per_step  # noqa: E402
 

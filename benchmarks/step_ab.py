@@ -31,9 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from repo_paths import ROOT, source_paths
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters")
 TOP_LEVEL = ("block_tables", "h2d_kernels", "h2d_core", "h2d_runner_adapters", "decode_runner")
 SEGMENTS = ("begin", "prepare", "publish", "finish", "total")
 
@@ -48,8 +47,7 @@ class Tree:
 
     def __init__(self, label: str, root: Path) -> None:
         self.label = label
-        self.paths = [str(root / "packages" / p / "src") for p in PACKAGES]
-        self.paths.append(str(root / "tests-integration"))
+        self.paths = source_paths(root)
         for name in [n for n in sys.modules if _ours(n)]:
             del sys.modules[name]
         self.modules: dict[str, ModuleType] = {}

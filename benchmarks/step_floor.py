@@ -29,20 +29,14 @@ on both states and are not timed.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from repo_paths import use_sources
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests-integration"))
-for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
-    src = ROOT / "packages" / pkg / "src"
-    if src.is_dir() and str(src) not in sys.path:
-        sys.path.append(str(src))
+use_sources()
 
 from decode_runner.scheduler import steady_decode_batches  # noqa: E402
 

@@ -20,13 +20,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from repo_paths import use_sources
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests-integration"))
-for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
-    src = ROOT / "packages" / pkg / "src"
-    if src.is_dir() and str(src) not in sys.path:
-        sys.path.append(str(src))
+use_sources()
 
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
