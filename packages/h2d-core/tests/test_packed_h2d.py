@@ -367,20 +367,64 @@ def test_ranges_publish_only_those_bytes(device: str, h: Any, backend: str) -> N
     h.sync(device)
     expect = before.clone()
     src = bt.cpu.reshape(-1).view(torch.uint8)
-    for a, z in ranges:
+    # packed: only the ranges travel (one DMA); direct: the spec's bulk rule, one copy of
+    # the span from the first range to the last, never one copy per range
+    spans = ranges if backend == "packed" else [(ranges[0][0], ranges[-1][1])]
+    for a, z in spans:
         expect[a:z] = src[a:z]
     assert torch.equal(h.dest_bytes(bt), expect)
+    assert torch.equal(h.dest_bytes(bt)[12 * row :], before[12 * row :])  # tail untouched
     assert torch.equal(cl.gpu[:9].cpu(), cl.cpu[:9])
     c = st.counters("g")
-    assert c.bytes == 16 + 8 + 2 * row + 9 * 4
+    assert c.bytes == sum(z - a for a, z in spans) + 9 * 4
     if backend == "packed":
         assert (c.dmas, c.direct_copies) == (1, 0)
+    else:
+        assert (c.dmas, c.direct_copies) == (0, 2)  # one per member: the table in bulk
     # a single member with a single range: one direct copy
     st.begin()
     st.set_ranges(bt, [(row, 2 * row)])
     st.publish("g")
     st.finish()
-    assert c.direct_copies == (1 if backend == "packed" else 5)
+    assert c.direct_copies == (1 if backend == "packed" else 3)
+
+
+def test_direct_backend_changed_table_is_one_bulk_copy(device: str, h: Any) -> None:
+    """Spec: "Changed tables still use one bulk publication; this does not add partial H2D
+    transfers." A block table with changed rows scattered over the table goes as one copy
+    on the direct backend, through block_table_state as through set_ranges."""
+    from h2d_core import block_table_state
+
+    setup = _build_ranged(device, h, "direct")
+    st, bt = setup.state, setup.buffers["block_tables"]
+    tables = block_table_state(bt)
+    rows = [list(range(r * 8, r * 8 + 8)) for r in range(40)]
+    st.begin()
+    tables.prepare(rows)
+    assert tables.stage(40) == "whole"
+    st.publish("g")
+    st.finish()
+    h.sync(device)
+    for changed in ([3], [2, 17, 33], list(range(0, 40, 5))):
+        before = st.counters("g").direct_copies
+        for r in changed:
+            rows[r] = [*rows[r][:7], 9000 + r]
+        st.begin()
+        tables.prepare(rows)
+        tables.stage(40)
+        st.publish("g")
+        st.finish()
+        h.sync(device)
+        assert st.counters("g").direct_copies == before + 1, changed
+        assert torch.equal(bt.gpu[:40].cpu(), bt.cpu[:40])
+    # explicit ranges on the direct backend: one copy for three ranges
+    row = 128 * 4
+    before = st.counters("g").direct_copies
+    st.begin()
+    st.set_ranges(bt, [(0, 16), (5 * row, 5 * row + 4), (20 * row, 21 * row)])
+    st.publish("g")
+    st.finish()
+    assert st.counters("g").direct_copies == before + 1
 
 
 @pytest.mark.parametrize(

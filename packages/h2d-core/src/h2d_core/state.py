@@ -672,8 +672,12 @@ class H2DRunnerState:
         For buffers declared with ``max_ranges``: sorted, disjoint, whole elements, within
         the buffer, at most ``max_ranges`` of them and within the group's staging room
         (about a quarter of the buffer). A packed group copies just these bytes into its
-        staging region and scatters them (no extra transfer); the direct backend copies each
-        range. Replaces any count or earlier ranges of this buffer for the epoch.
+        staging region and scatters them (no extra transfer). A direct publication (direct
+        backend, an ineligible group, a lone active member) copies the bytes from the first
+        range's start to the last range's end in one copy, never one copy per range (the
+        spec's bulk rule), so the source must be current over that whole span, as a
+        block-table snapshot always is. Replaces any count or earlier ranges of this buffer
+        for the epoch.
         """
         self._check_ready("set_ranges")
         if self._buffers.get(buffer.name) is not buffer:
@@ -855,13 +859,16 @@ class H2DRunnerState:
         for i in indices:
             buf = members[i]
             if i in rec.ranged:
-                dst = buf._dst_bytes
-                src = buf._src_bytes[slot]
-                for j, off, nbytes in rec.ranges:
-                    if j == i:
-                        dst[off : off + nbytes].copy_(src[off : off + nbytes], non_blocking=True)
-                        counters.direct_copies += 1
-                        total += nbytes
+                # The spec's bulk rule: a changed table is one transfer, never one per range.
+                # The span from the first range to the last travels whole; the source holds
+                # the whole CPU table, so the bytes between ranges are current too.
+                own = [(off, nbytes) for j, off, nbytes in rec.ranges if j == i]
+                start = own[0][0]
+                stop = own[-1][0] + own[-1][1]
+                buf._dst_bytes[start:stop].copy_(buf._src_bytes[slot][start:stop],
+                                                 non_blocking=True)
+                counters.direct_copies += 1
+                total += stop - start
                 continue
             n = rec.counts[i]
             if n is None:
