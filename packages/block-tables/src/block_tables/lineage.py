@@ -14,6 +14,24 @@ lengths identify a batch's page mapping without reading a single page ID.
   a private buffer instead.
 * :meth:`BlockTable.copy` is independent: same IDs, new version, private buffer.
 
+Versions are drawn per process, so a version alone means nothing outside the process that
+drew it: a forked worker continues the parent's counter and draws the same numbers for
+different rows. A pickled table therefore travels as (origin, version, IDs), where the
+origin is a random 128-bit tag of the drawing process (redrawn in every forked child), and
+the receiving process translates each (origin, version) into a version of its own:
+
+* the rows of one sender's lineage keep one local version however often they arrive, so
+  a worker decoding a growing row every step prepares it as an append (the spec's "the
+  decoder copies a growing row while preserving that lineage");
+* a received table never extends that lineage itself: its first append or change draws a
+  new version, so two copies received from the same bytes (or a round trip through pickle
+  in one process) that then diverge never pass as a hit;
+* a same-process round trip also gets a local version distinct from the original's, since
+  the original may go on appending under its own.
+
+The translation table keeps the last ``RECEIVED_LINEAGES`` lineages; a forgotten one only
+costs a row comparison when it arrives again.
+
 The version and length are packed into one int (``_key``) so a snapshot reads a whole
 batch's mapping in one attribute access per row.
 """
@@ -22,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, SupportsIndex, overload
@@ -68,6 +87,52 @@ _VERSIONS = _VersionSource()
 def draw_version() -> int:
     """Draw a fresh version from the process-wide monotonic source."""
     return _VERSIONS.draw()
+
+
+RECEIVED_LINEAGES = 1 << 16
+"""How many received (origin, version) lineages a process remembers (see the docstring)."""
+
+_origin = os.urandom(16)
+_received: dict[tuple[bytes, int], int] = {}
+_received_lock = threading.Lock()
+
+
+def _new_origin() -> None:
+    # A forked child continues the parent's version counter: its versions must not be
+    # confused with the parent's once either side pickles a table.
+    global _origin
+    _origin = os.urandom(16)
+    _received.clear()
+    _VERSIONS._lock = threading.Lock()  # the parent's lock may have been held at fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_origin)
+
+
+def _local_version(origin: bytes, version: int) -> int:
+    """This process's version for a received lineage (the same one for every arrival)."""
+    key = (origin, version)
+    with _received_lock:
+        local = _received.get(key)
+        if local is None:
+            if len(_received) >= RECEIVED_LINEAGES:
+                del _received[next(iter(_received))]  # the oldest: dicts keep insertion order
+            local = _received[key] = draw_version()
+    return local
+
+
+def _received_table(origin: bytes, version: int, ids: np.ndarray) -> BlockTable:
+    """Unpickle a :class:`BlockTable` (see "Versions are drawn per process" above)."""
+    ids = coerce_page_ids(ids)
+    n = ids.shape[0]
+    _check_length(n)
+    lin = _Lineage(_local_version(origin, version), _buffer(ids, n), n)
+    # Shared, and never the one that appended last: the first append or change by this
+    # process draws a new version instead of extending the sender's lineage.
+    lin.shared = True
+    lin.used = -1
+    return BlockTable._from_lineage(lin, n)
 
 
 class _Lineage:
@@ -311,6 +376,11 @@ class BlockTable:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> BlockTable:
         return self.copy()
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes, int, Int32Array]]:
+        """Pickle as (origin, version, IDs): the receiver keeps a growing row's lineage and
+        never lets diverging copies share a version (module docstring)."""
+        return _received_table, (_origin, self.version, self._lin.ids[: self._len].copy())
 
 
 def _normalise(index: SupportsIndex, length: int) -> int:

@@ -1,0 +1,121 @@
+"""Lineage across process boundaries: pickling and forked workers.
+
+A version is drawn per process, so it must never be trusted alone once a table crosses a
+process boundary: two diverging copies must never pass as a hit, while a worker that
+receives a growing row every step keeps preparing it as an append.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from block_tables import BlockTable, PageTableSnapshot
+from block_tables import lineage as lineage_module
+
+NATIVE = [False, None]  # the numpy path, and the compiled helper where it is present
+
+
+def _snapshot(native: bool | None) -> tuple[PageTableSnapshot, np.ndarray]:
+    storage = np.full((4, 8), -7, dtype=np.int32)
+    return PageTableSnapshot(storage, native=native), storage
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_round_trip_copies_that_diverge_are_not_a_hit(native: bool | None) -> None:
+    t = BlockTable([1, 2, 3])
+    u = pickle.loads(pickle.dumps(t))
+    assert u.tolist() == t.tolist()
+    assert u.version != t.version  # the original may go on appending under its own
+    t.append_one(5)
+    u.append_one(6)
+    snap, storage = _snapshot(native)
+    snap.prepare([t])
+    assert storage[0, :4].tolist() == [1, 2, 3, 5]
+    snap.prepare([u])
+    assert storage[0, :4].tolist() == [1, 2, 3, 6]
+
+
+@pytest.mark.parametrize("native", NATIVE)
+def test_two_receipts_of_one_pickle_diverge_safely(native: bool | None) -> None:
+    data = pickle.dumps(BlockTable([4, 5]))
+    a, b = pickle.loads(data), pickle.loads(data)
+    assert a.version == b.version  # one received lineage
+    a.append_one(8)
+    b.append_one(9)
+    assert a.version != b.version  # neither extends the received lineage in place
+    snap, storage = _snapshot(native)
+    snap.prepare([a])
+    snap.prepare([b])
+    assert storage[0, :3].tolist() == [4, 5, 9]
+
+
+def test_received_growing_row_keeps_its_lineage() -> None:
+    sender = BlockTable([10, 11])
+    first = pickle.loads(pickle.dumps(sender))
+    sender.append_one(12)
+    second = pickle.loads(pickle.dumps(sender))
+    assert second.version == first.version  # the decoder preserves the growing row's lineage
+    snap, storage = _snapshot(False)
+    rev = snap.prepare([first])
+    snap.prepare([second])
+    assert storage[0, :3].tolist() == [10, 11, 12]
+    assert snap.changed_rows_since(rev).rows().tolist() == [0]
+    # a changed row on the sender's side draws a new version there, so a new one here
+    sender[0] = 99
+    third = pickle.loads(pickle.dumps(sender))
+    assert third.version != second.version
+    snap.prepare([third])
+    assert storage[0, :3].tolist() == [99, 11, 12]
+
+
+def test_received_lineages_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lineage_module, "RECEIVED_LINEAGES", 4)
+    lineage_module._received.clear()
+    tables = [BlockTable([i]) for i in range(6)]
+    for t in tables:
+        pickle.loads(pickle.dumps(t))
+    assert len(lineage_module._received) == 4
+
+
+def _child(conn: Any, parent_next: int) -> None:
+    # The child continues the parent's counter: its next version equals the parent's next.
+    collided = BlockTable([7, 8])
+    growing = BlockTable([20])
+    conn.send((collided.version == parent_next, pickle.dumps(collided), pickle.dumps(growing)))
+    growing.append_one(21)
+    conn.send(pickle.dumps(growing))
+    conn.close()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs the fork start method")
+@pytest.mark.parametrize("native", NATIVE)
+def test_forked_worker_versions_never_pass_as_the_parents(native: bool | None) -> None:
+    probe = BlockTable([0])
+    parent_next = probe.version + 1
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(send, parent_next))
+    proc.start()
+    send.close()
+    mine = BlockTable([3, 4])  # drawn after the fork: the same number as the child's row
+    same_number, collided_bytes, growing_bytes = recv.recv()
+    grown_bytes = recv.recv()
+    proc.join(timeout=60)
+    assert proc.exitcode == 0
+    assert same_number and mine.version == parent_next  # the counters really collided
+    theirs = pickle.loads(collided_bytes)
+    snap, storage = _snapshot(native)
+    snap.prepare([mine])
+    snap.prepare([theirs])
+    assert storage[0, :2].tolist() == [7, 8]  # no false hit on the shared number
+    growing, grown = pickle.loads(growing_bytes), pickle.loads(grown_bytes)
+    assert grown.version == growing.version
+    snap.prepare([growing])
+    snap.prepare([grown])
+    assert storage[0, :2].tolist() == [20, 21]
