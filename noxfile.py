@@ -25,10 +25,11 @@ PACKAGES = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml")
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 TEST_DEPS = ["numpy", "pytest", "hypothesis"]
-# CI requires the compiled hot paths (block_tables.native): a build failure fails the run
-# instead of falling back to the numpy path. Tests that compare both paths force the numpy
-# one per object (native=False). An explicit H2D_NATIVE in the environment wins (.ci/run
-# sets 0 only on a machine without a C compiler, and says so).
+# CI requires the compiled hot paths (built into each wheel by its hatch_build.py): a build
+# failure fails the run instead of falling back to the Python path. Tests that compare both
+# paths force the Python one per object (native=False) or block the extensions in a
+# subprocess. An explicit H2D_NATIVE in the environment wins (.ci/run sets 0 only on a
+# machine without a C compiler, and says so).
 NATIVE = {"H2D_NATIVE": os.environ.get("H2D_NATIVE", "1")}
 
 nox.options.sessions = ["block_tables", "tests"]
@@ -36,8 +37,11 @@ nox.options.default_venv_backend = "venv"
 
 
 def _install_local(session: nox.Session, packages: list[Path]) -> None:
-    session.install("hatchling")
-    session.install("--no-deps", "--no-build-isolation", *[str(p) for p in packages])
+    # Each package's wheel is built here: hatch_build.py compiles its C extensions
+    # (setuptools' build_ext); H2D_NATIVE=1 makes a compiler failure fail the session.
+    session.install("hatchling", "setuptools")
+    session.install("--no-deps", "--no-build-isolation", *[str(p) for p in packages],
+                    env=NATIVE)
 
 
 def _test_dirs() -> list[str]:

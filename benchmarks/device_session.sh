@@ -3,14 +3,20 @@
 # PYTHONPATH, the compiled hot paths required. Writes logs and JSON under $OUT (default
 # results/) and prints short tables last.
 #
-#   bash benchmarks/device_session.sh [tests|bench|segments|all]
+#   bash benchmarks/device_session.sh [tests|bench|targets|segments|all]
+#
+# targets: benchmarks/step_targets.py (the anchors must be in .anchors/: copy
+# ../shared/context/anchors there and carry it); segments: the investigation tools of
+# tools/perf (not part of "all").
 #
 # H2D_BENCH_CPU=N runs the benchmarks pinned to CPU core N (taskset), as an engine pins its
 # scheduler thread; unset, they run wherever the OS puts them.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=packages/block-tables/src:packages/h2d-kernels/src:packages/h2d-core/src:packages/h2d-runner-adapters/src
-export H2D_NATIVE=1 H2D_NATIVE_CACHE="${TMPDIR:-/tmp}/h2d-native"
+export H2D_NATIVE=1
+# the compiled helpers, built in place (installed wheels carry them; a checkout does not)
+python3 tools/build_native.py || exit 1
 out="${OUT:-results}"
 mkdir -p "$out"
 what="${1:-all}"
@@ -22,10 +28,15 @@ if [[ $what == tests || $what == all ]]; then
   RUN_H2D_GPU_TESTS=1 python3 -m pytest -rfE packages tests-integration >"$out/gpu_tests.log" 2>&1
   echo "gpu suites: exit $?"; tail -n 15 "$out/gpu_tests.log"
 fi
-if [[ $what == segments || $what == all ]]; then
-  "${pin[@]}" python3 benchmarks/cuda_call_costs.py >"$out/cuda_call_costs$tag.log" 2>&1
+if [[ $what == targets || $what == all ]]; then
+  "${pin[@]}" python3 benchmarks/step_targets.py --anchors .anchors --out "$out" \
+    >"$out/step_targets$tag.log" 2>&1
+  echo "step_targets: exit $?"; tail -n 8 "$out/step_targets$tag.log"
+fi
+if [[ $what == segments ]]; then
+  "${pin[@]}" python3 tools/perf/cuda_call_costs.py >"$out/cuda_call_costs$tag.log" 2>&1
   echo "cuda_call_costs: exit $?"; cat "$out/cuda_call_costs$tag.log"
-  "${pin[@]}" python3 benchmarks/step_segments.py --launcher both --out "$out" \
+  "${pin[@]}" python3 tools/perf/step_segments.py --launcher both --out "$out" \
     >"$out/step_segments$tag.log" 2>&1
   echo "step_segments: exit $?"; tail -n 6 "$out/step_segments$tag.log"
 fi

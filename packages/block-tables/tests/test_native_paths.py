@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import sysconfig
-import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -918,35 +917,28 @@ def test_spans_accept_other_key_layouts_on_both_paths(layout: str) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# 3: native.py
+# 3: native.py (extensions built with the wheel, loaded by import, never compiled)
 # --------------------------------------------------------------------------------------
 
-GOOD_SOURCE = """
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-static PyObject *answer(PyObject *self, PyObject *args) { return PyLong_FromLong(42); }
-static PyMethodDef methods[] = {{"answer", answer, METH_NOARGS, NULL}, {NULL, NULL, 0, NULL}};
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "NAME", NULL, -1, methods};
-PyMODINIT_FUNC PyInit_NAME(void) { return PyModule_Create(&module); }
-"""
+NATIVE_NAME = "block_tables._block_tables_native"
 
-BROKEN_SOURCE = """
-#include <Python.h>
-#error deliberately_broken_source_for_the_test
-"""
+# A finder that refuses the compiled helpers: the package as installed without them.
+BLOCK_NATIVE = (
+    "import importlib.abc, sys\n"
+    "class Refuse(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.rpartition('.')[2].endswith('_native'):\n"
+    "            raise ModuleNotFoundError(f'no module named {name!r} (refused by the test)')\n"
+    "sys.meta_path.insert(0, Refuse())\n"
+)
 
 
 @pytest.fixture
-def extension(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[str, Path]]:
-    """A unique extension name and a fresh cache directory (not yet created)."""
-    name = f"_t_{uuid.uuid4().hex}"
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("H2D_NATIVE_CACHE", str(cache))
-    monkeypatch.delenv("CC", raising=False)
-    yield name, cache
-    native_module._loaded.pop(name, None)
+def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The loader's per-process memory, emptied for the test and restored after it."""
+    monkeypatch.setattr(native_module, "_loaded", {})
+    monkeypatch.setattr(native_module, "_missing", {})
+    yield
 
 
 @contextlib.contextmanager
@@ -958,10 +950,9 @@ def no_warnings() -> Iterator[None]:
     assert [str(w.message) for w in record] == []
 
 
-def write_source(directory: Path, name: str, text: str) -> Path:
-    source = directory / f"{name}.c"
-    source.write_text(text.replace("NAME", name))
-    return source
+def run_python(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", script], env={**os.environ, **env},
+                          capture_output=True, text=True, check=False)
 
 
 @pytest.mark.parametrize(("value", "mode"), [("auto", "auto"), (" 1 ", "1"), ("0", "0"),
@@ -991,124 +982,79 @@ def test_select_resolves_the_per_object_choice() -> None:
     assert select(module, True, "X") is module
 
 
-def test_load_extension_builds_caches_and_reuses(
-    extension: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_missing_helpers_warn_once_under_auto(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    name, cache = extension
     monkeypatch.setenv("H2D_NATIVE", "auto")
-    source = write_source(tmp_path, name, GOOD_SOURCE)
-    module = load_extension(name, source)
-    assert module is not None and module.answer() == 42
-    assert load_extension(name, source) is module  # once per process
-    built = sorted(cache.iterdir())
-    assert len(built) == 1 and built[0].name.startswith(f"{name}-")  # no temporary left
-    assert built[0].name.endswith(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
-    assert Path(module.__file__ or "") == built[0]
-    stamp = built[0].stat().st_mtime_ns
-
-    # Another process finds the cached build and loads it without compiling again.
-    env = {**os.environ, "H2D_NATIVE": "1", "H2D_NATIVE_CACHE": str(cache)}
-    script = (
-        "import sys; from pathlib import Path; from block_tables.native import load_extension; "
-        f"m = load_extension({name!r}, Path({str(source)!r})); print(m.answer(), m.__file__)"
-    )
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                          text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["42", str(built[0])]
-    # (that process also built block_tables' own helper into this cache: ignore it)
-    assert sorted(cache.glob(f"{name}*")) == built
-    assert built[0].stat().st_mtime_ns == stamp
-
-
-def test_broken_source_warns_under_auto(
-    extension: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    name, cache = extension
-    monkeypatch.setenv("H2D_NATIVE", "auto")
-    source = write_source(tmp_path, name, BROKEN_SOURCE)
-    with pytest.warns(NativeUnavailableWarning, match=f"building {name} failed") as record:
-        assert load_extension(name, source) is None
-    assert len(record) == 1
-    message = str(record[0].message)
-    assert "deliberately_broken_source_for_the_test" in message  # the compiler's error
-    assert "Running the numpy path instead" in message
-    assert list(cache.iterdir()) == []  # the temporary build file is removed
-    # decided once per process: no second build, no second warning
+    with pytest.warns(NativeUnavailableWarning, match="block_tables._no_such_native") as rec:
+        assert load_extension("block_tables._no_such_native") is None
+    assert len(rec) == 1
+    assert "tools/build_native.py" in str(rec[0].message)
+    # one warning per process: a second missing helper is recorded, not warned again
     with no_warnings():
-        assert load_extension(name, source) is None
+        assert load_extension("block_tables._no_such_native") is None
+        assert load_extension("block_tables._other_native") is None
+    status = native_module.native_status()
+    assert status["block_tables._other_native"].startswith("ModuleNotFoundError")
 
 
-def test_missing_compiler_warns_under_auto(
-    extension: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_missing_helper_raises_when_required(
+    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    name, cache = extension
-    monkeypatch.setenv("H2D_NATIVE", "auto")
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    source = write_source(tmp_path, name, GOOD_SOURCE)
-    with pytest.warns(NativeUnavailableWarning, match=f"building {name} failed: .*no-such"):
-        assert load_extension(name, source) is None
-    assert list(cache.iterdir()) == []
-
-
-@pytest.mark.parametrize("mode", ["auto", "1"])
-def test_built_file_that_does_not_load(
-    extension: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
-) -> None:
-    """A source that compiles but is no extension (no ``PyInit_<name>``): the import
-    failure is a build failure like any other (warning under auto, error under 1)."""
-    name, _ = extension
-    monkeypatch.setenv("H2D_NATIVE", mode)
-    source = write_source(tmp_path, name, "int not_an_extension(void) { return 1; }\n")
-    if mode == "auto":
-        with pytest.warns(NativeUnavailableWarning, match=r"loading .* failed") as record:
-            assert load_extension(name, source) is None
-        assert f"PyInit_{name}" in str(record[0].message)
-        assert native_module._loaded[name] is None
-    else:
-        with pytest.raises(NativeBuildError, match=rf"loading .* failed: .*PyInit_{name}"):
-            load_extension(name, source)
-        assert name not in native_module._loaded
-
-
-def test_broken_source_raises_when_required(
-    extension: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    name, cache = extension
     monkeypatch.setenv("H2D_NATIVE", "1")
-    source = write_source(tmp_path, name, BROKEN_SOURCE)
-    with pytest.raises(NativeBuildError, match=f"building {name} failed") as info:
-        load_extension(name, source)
-    assert "deliberately_broken_source_for_the_test" in str(info.value)
-    assert name not in native_module._loaded  # not remembered as unavailable
-    assert list(cache.iterdir()) == []
-    with pytest.raises(NativeBuildError, match=f"building {name} failed"):
-        load_extension(name, source)
+    with pytest.raises(NativeBuildError, match=r"_no_such_native is required \(H2D_NATIVE=1\)"):
+        load_extension("block_tables._no_such_native")
+    assert "block_tables._no_such_native" not in native_module._loaded  # asked again next time
 
 
-def test_switched_off_builds_nothing(
-    extension: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    name, cache = extension
+def test_switched_off_loads_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("H2D_NATIVE", "0")
-    for text in (GOOD_SOURCE, BROKEN_SOURCE):
-        source = write_source(tmp_path, name, text)
-        with no_warnings():
-            assert load_extension(name, source) is None
-        assert not cache.exists()
-        native_module._loaded.pop(name, None)
+    with no_warnings():
+        assert load_extension(NATIVE_NAME) is None
+    assert native_module.native_status() == {NATIVE_NAME: "off"}
 
 
-def test_unknown_mode_raises_from_load_extension(
-    extension: tuple[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    name, cache = extension
-    monkeypatch.setenv("H2D_NATIVE", "yes")
-    with pytest.raises(NativeBuildError, match="H2D_NATIVE='yes' is not one of"):
-        load_extension(name, write_source(tmp_path, name, GOOD_SOURCE))
-    assert name not in native_module._loaded
-    assert not cache.exists()
+@requires_native
+def test_import_runs_no_compiler_and_writes_nothing(tmp_path: Path) -> None:
+    """The helper comes from the wheel (or an in-place build): importing with no compiler
+    on PATH, an unusable CC and an unwritable HOME still loads it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o500)
+    script = (
+        "import block_tables.snapshot as s, block_tables.native as n; "
+        "assert s._native is not None, n.native_status(); print(s._native.__file__)"
+    )
+    done = run_python(script, PATH="", CC="/nonexistent/cc", HOME=str(home), H2D_NATIVE="1",
+                      XDG_CACHE_HOME=str(home / "cache"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    assert list(home.iterdir()) == []
 
+
+def test_package_works_without_its_helper_and_warns_once() -> None:
+    script = BLOCK_NATIVE + (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as rec:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import numpy as np\n"
+        "    from block_tables import BlockTable, PageTableSnapshot\n"
+        "    from block_tables.snapshot import _native\n"
+        "    assert _native is None\n"
+        "    storage = np.zeros((2, 4), np.int32)\n"
+        "    snap = PageTableSnapshot(storage)\n"
+        "    t = BlockTable([1, 2])\n"
+        "    snap.prepare([t]); t.append_one(3); snap.prepare([t])\n"
+        "    assert storage[0].tolist() == [1, 2, 3, 0], storage\n"
+        "print(len(rec), rec[0].category.__name__)\n"
+    )
+    done = run_python(script, H2D_NATIVE="auto")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["1", "NativeUnavailableWarning"]
+    required = run_python(BLOCK_NATIVE + "import block_tables.snapshot", H2D_NATIVE="1")
+    assert required.returncode != 0
+    assert "NativeBuildError" in required.stderr and "is required" in required.stderr
 
 # --------------------------------------------------------------------------------------
 # 4: native=True without the compiled module

@@ -39,7 +39,7 @@ import torch
 import triton
 
 from h2d_kernels import DEFAULT_LAUNCH, ArenaMember, PackedArena, ScatterConfig, plan_arena
-from h2d_kernels.driver import cuda_driver
+from h2d_kernels.driver import device_driver
 from h2d_kernels.scatter import CompiledScatter
 
 CASES = [(1, 16), (8, 64), (64, 128), (256, 128), (512, 512)]
@@ -219,7 +219,7 @@ def bench_case(bs: int, pages: int, steps: int, warmup: int) -> dict[str, Any]:
     # (100 µs host gap between calls) and its GPU span.
     arena = make(DEFAULT_LAUNCH, "driver")
     header, publish = arena.header_np, arena.publish
-    driver = cuda_driver()
+    driver = device_driver()
     assert driver is not None
     raw_stream = partial(torch._C._cuda_getCurrentRawStream, 0)
     dev_addr, host_addr = arena.device_arena.data_ptr(), arena.host.data_ptr()
@@ -321,7 +321,7 @@ def bench_bandwidth(nbytes: int, shape: tuple[int, int, int]) -> dict[str, Any]:
 
 def dma_sweep() -> list[dict[str, Any]]:
     """GPU span of one pinned H2D copy by size (where the copy engine's latency starts)."""
-    driver = cuda_driver()
+    driver = device_driver()
     assert driver is not None
     host = torch.zeros(1 << 20, dtype=torch.uint8, pin_memory=True)
     dev = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")

@@ -24,9 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from h2d_kernels import (
+    CUDA,
+    HIP,
     ArenaLayoutError,
     ArenaMember,
-    CudaDriver,
     DescriptorError,
     DestinationAlignmentError,
     DestinationBoundsError,
@@ -34,6 +35,8 @@ from h2d_kernels import (
     DestinationDeviceError,
     DestinationLayoutError,
     DestinationOverlapError,
+    DeviceDriver,
+    DriverSymbols,
     PackedArena,
     PublishError,
     ScatterBackendError,
@@ -311,18 +314,50 @@ def test_graph_launch_table_only_for_graph_arenas(device: str) -> None:
     assert compiled.graph_launch_table() is None
 
 
+class _FakeFn:  # stands in for a ctypes function of the runtime library
+    argtypes: object = None
+    restype: object = None
+
+
+class _FakeLib:
+    """A runtime library exporting exactly ``names`` (attribute access like ctypes.CDLL)."""
+
+    def __init__(self, names: set[str]) -> None:
+        self._fns = {n: _FakeFn() for n in names}
+
+    def __getattr__(self, name: str) -> _FakeFn:
+        try:
+            return self.__dict__["_fns"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _symbols(table: DriverSymbols) -> set[str]:
+    return {v for k, v in vars(table).items() if k not in ("runtime", "library")}
+
+
 def test_driver_hands_out_only_known_entry_points() -> None:
-    class Fn:  # stands in for a ctypes function of libcuda
-        argtypes: object = None
-        restype: object = None
-
-    class Lib:
-        def __getattr__(self, name: str) -> Fn:
-            return Fn()
-
-    driver = CudaDriver(Lib())  # type: ignore[arg-type]
+    driver = DeviceDriver(_FakeLib(_symbols(CUDA)))  # type: ignore[arg-type]
     with pytest.raises(ScatterBackendError, match="'cuMemFree' is not an entry point"):
         driver.address("cuMemFree")
+    with pytest.raises(ScatterBackendError, match="'cuGraphLaunch' is not an entry point"):
+        driver.address("cuGraphLaunch")  # runtime-neutral names only
+
+
+@pytest.mark.parametrize("table", [CUDA, HIP], ids=["cuda", "hip"])
+def test_driver_binds_each_runtimes_symbols(table: DriverSymbols) -> None:
+    """The same interface over libcuda and libamdhip64: each table binds only its own
+    runtime's names, and a library missing one fails at load, not mid-run."""
+    lib = _FakeLib(_symbols(table))
+    driver = DeviceDriver(lib, table)  # type: ignore[arg-type]
+    assert driver.symbols.runtime == table.runtime
+    assert driver._graph_launch is lib._fns[table.graph_launch]
+    other = HIP if table is CUDA else CUDA
+    with pytest.raises(AttributeError):
+        DeviceDriver(_FakeLib(_symbols(other)), table)  # type: ignore[arg-type]
+    partial = _symbols(table) - {table.event_query}
+    with pytest.raises(AttributeError, match=table.event_query):
+        DeviceDriver(_FakeLib(partial), table)  # type: ignore[arg-type]
 
 
 # -- exact bytes ---------------------------------------------------------------------------------

@@ -7,15 +7,16 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
 #include <stdint.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <numpy/arrayobject.h>
 
 static PyTypeObject *table_type = NULL;
-/* byte offsets of BlockTable's `_key` and `_last` slots: an exact-type instance stores
- * them there (read directly: a generic attribute lookup costs ~30 ns per row) */
-static Py_ssize_t key_offset = -1, last_offset = -1;
+/* BlockTable's `_key` and `_last` slot descriptors and their getters, looked up once:
+ * calling a descriptor's public tp_descr_get skips the generic attribute lookup (~30 ns a
+ * row) without reading the instance layout. */
+static PyObject *key_descr = NULL, *last_descr = NULL;
+static descrgetfunc key_get = NULL, last_get = NULL;
 static int length_bits = 24;
 static int64_t length_mask = (1 << 24) - 1;
 
@@ -29,20 +30,24 @@ static PyObject *configure(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (bits == -1 && PyErr_Occurred())
         return NULL;
     PyTypeObject *type = (PyTypeObject *)args[0];
-    Py_ssize_t offsets[2];
+    PyObject *descrs[2];
     const char *names[2] = {"_key", "_last"};
     for (int i = 0; i < 2; i++) {
-        PyObject *d = PyDict_GetItemString(type->tp_dict, names[i]);
-        if (d == NULL || !Py_IS_TYPE(d, &PyMemberDescr_Type) ||
-            ((PyMemberDescrObject *)d)->d_member->type != T_OBJECT_EX) {
-            PyErr_Format(PyExc_TypeError, "%s.%s is not a __slots__ member", type->tp_name,
-                         names[i]);
+        descrs[i] = PyObject_GetAttrString((PyObject *)type, names[i]);
+        if (descrs[i] == NULL || Py_TYPE(descrs[i])->tp_descr_get == NULL) {
+            if (descrs[i] != NULL)
+                PyErr_Format(PyExc_TypeError, "%s.%s is not a slot descriptor", type->tp_name,
+                             names[i]);
+            Py_XDECREF(descrs[i]);
+            if (i == 1)
+                Py_DECREF(descrs[0]);
             return NULL;
         }
-        offsets[i] = ((PyMemberDescrObject *)d)->d_member->offset;
     }
-    key_offset = offsets[0];
-    last_offset = offsets[1];
+    Py_XSETREF(key_descr, descrs[0]);
+    Py_XSETREF(last_descr, descrs[1]);
+    key_get = Py_TYPE(key_descr)->tp_descr_get;
+    last_get = Py_TYPE(last_descr)->tp_descr_get;
     Py_XSETREF(table_type, (PyTypeObject *)Py_NewRef(args[0]));
     length_bits = (int)bits;
     length_mask = ((int64_t)1 << bits) - 1;
@@ -62,10 +67,23 @@ static int get_array(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssi
     return 0;
 }
 
-/* the object in an exact BlockTable's slot (borrowed), or NULL when the slot is empty */
-static inline PyObject *slot(PyObject *row, Py_ssize_t offset)
+/* a BlockTable slot's value as an int64; 1 when it is unset or not an exact int (the
+ * Python path handles such a row), -1 on an error */
+static inline int slot_int64(PyObject *row, PyObject *descr, descrgetfunc get, int64_t *out)
 {
-    return *(PyObject **)((char *)row + offset);
+    PyObject *v = get(descr, row, (PyObject *)table_type);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 1;
+    }
+    int rc = 1;
+    if (PyLong_CheckExact(v)) {
+        long long x = PyLong_AsLongLong(v);
+        rc = (x == -1 && PyErr_Occurred()) ? -1 : 0;
+        *out = (int64_t)x;
+    }
+    Py_DECREF(v);
+    return rc;
 }
 
 static int read_int64(PyObject *obj, int64_t *out)
@@ -210,12 +228,12 @@ static PyObject *prepare_step(PyObject *self, PyObject *const *args, Py_ssize_t 
         PyObject *row = items[i];
         if (Py_TYPE(row) != table_type)
             goto not_covered;
-        PyObject *k = slot(row, key_offset);
-        if (k == NULL || !PyLong_CheckExact(k))
-            goto not_covered;
         int64_t key;
-        if (read_int64(k, &key) < 0)
+        int got = slot_int64(row, key_descr, key_get, &key);
+        if (got < 0)
             goto fail;
+        if (got > 0)
+            goto not_covered;
         int64_t length = key & length_mask;
         if (length > width)
             goto not_covered;
@@ -235,12 +253,12 @@ static PyObject *prepare_step(PyObject *self, PyObject *const *args, Py_ssize_t 
         if (delta == 0) {
             lasts[i] = INT64_MIN;
         } else if (delta == 1) {
-            PyObject *l = slot(row, last_offset);
-            if (l == NULL || !PyLong_CheckExact(l))
-                goto not_covered;
             int64_t last;
-            if (read_int64(l, &last) < 0)
+            got = slot_int64(row, last_descr, last_get, &last);
+            if (got < 0)
                 goto fail;
+            if (got > 0)
+                goto not_covered;
             if (limit >= 0 && (uint64_t)(uint32_t)last >= (uint64_t)limit)
                 goto not_covered;
             lasts[i] = last;

@@ -1,21 +1,20 @@
-"""Compiled hot-path helpers: build a C extension from a shipped source on first use.
+"""Compiled hot-path helpers: extensions built with the wheel, loaded by import.
 
 The per-step work of a decode step (reading 64-256 row keys, scattering a few appended
 page IDs, deriving positions and slots) is a few hundred nanoseconds of arithmetic
-wrapped in dozens of Python and numpy calls, each costing ~0.3-1 µs. The packages ship
-small C sources (CPython API, buffer protocol; no numpy headers) that do that work in one
-call. They are compiled on first use with the system C compiler (``$CC`` or ``cc``)
-against this interpreter's headers, as Triton compiles its launchers, and cached per
-source, interpreter and platform in ``$H2D_NATIVE_CACHE`` (default
-``~/.cache/h2d-native``).
+wrapped in dozens of Python and numpy calls. The packages carry small C extensions that
+do that work in one call. They are compiled when each package's wheel is built (its
+``hatch_build.py`` hook), never at import: importing runs no compiler and writes nothing.
+A checkout used through ``PYTHONPATH`` builds them in place with
+``python3 tools/build_native.py``.
 
 ``H2D_NATIVE`` (read when each helper is first loaded) selects the policy:
 
-* ``auto`` (default): use the helpers when they build; otherwise warn once
-  (:class:`NativeUnavailableWarning`, naming the compiler error) and run the numpy path,
-  which produces the same bytes;
-* ``1``: require them; a build failure raises :class:`NativeBuildError`;
-* ``0``: never build them (the numpy path only).
+* ``auto`` (default): use the helpers when they are installed; otherwise warn once per
+  process (:class:`NativeUnavailableWarning`, naming what is missing) and run the Python
+  paths, which produce the same bytes and errors;
+* ``1``: require them; a missing helper raises :class:`NativeBuildError`;
+* ``0``: never load them (the Python paths only).
 
 Every native entry point checks its whole input before its first write and hands any
 case it does not cover (and every error) back to the Python path, so errors and their
@@ -24,17 +23,10 @@ messages are the same on both paths.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
+import importlib
 import os
-import shlex
-import subprocess
-import sys
-import sysconfig
-import tempfile
 import threading
 import warnings
-from pathlib import Path
 from types import ModuleType
 
 from .errors import BlockTableError
@@ -44,20 +36,22 @@ __all__ = [
     "NativeUnavailableWarning",
     "load_extension",
     "native_mode",
+    "native_status",
     "select",
 ]
 
 _MODES = ("auto", "0", "1")
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
+_missing: dict[str, str] = {}
 
 
 class NativeBuildError(BlockTableError):
-    """A compiled helper was required (``H2D_NATIVE=1``) but could not be built or loaded."""
+    """A compiled helper was required (``H2D_NATIVE=1``) but is not installed or loadable."""
 
 
 class NativeUnavailableWarning(RuntimeWarning):
-    """A compiled helper could not be built; the (slower) numpy path runs instead."""
+    """A compiled helper is missing; the (slower) Python path runs instead."""
 
 
 def native_mode() -> str:
@@ -65,67 +59,18 @@ def native_mode() -> str:
     mode = os.environ.get("H2D_NATIVE", "auto").strip().lower() or "auto"
     if mode not in _MODES:
         raise NativeBuildError(
-            f"H2D_NATIVE={mode!r} is not one of {list(_MODES)}; use auto (build when "
-            "possible), 1 (require) or 0 (numpy only)"
+            f"H2D_NATIVE={mode!r} is not one of {list(_MODES)}; use auto (use them when "
+            "installed), 1 (require) or 0 (Python paths only)"
         )
     return mode
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("H2D_NATIVE_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "h2d-native"
-
-
-def _numpy_include() -> str:
-    import numpy
-
-    return str(numpy.get_include())
-
-
-def _compile(name: str, source: Path, target: Path, numpy_api: bool) -> None:
-    cc = shlex.split(os.environ.get("CC", "cc"))
-    include = sysconfig.get_paths()["include"]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target, then rename: concurrent processes never load a partial file
-    fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
-    os.close(fd)
-    cmd = [*cc, "-O2", "-shared", "-fPIC", "-fno-strict-aliasing", f"-I{include}",
-           *([f"-I{_numpy_include()}"] if numpy_api else []), str(source), "-o", tmp]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if done.returncode != 0:
-            raise NativeBuildError(
-                f"building {name} failed ({' '.join(cmd)}):\n{done.stderr.strip()}"
-            )
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise NativeBuildError(f"building {name} failed: {exc}") from exc
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _build_and_load(name: str, source: Path, numpy_api: bool) -> ModuleType:
-    text = source.read_bytes()
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    # built against numpy's headers: a numpy upgrade must rebuild it
-    numpy_tag = _numpy_include() + __import__("numpy").__version__ if numpy_api else ""
-    tag = hashlib.sha256(
-        text + sys.version.encode() + sys.platform.encode() + suffix.encode()
-        + os.environ.get("CC", "cc").encode() + numpy_tag.encode()
-    ).hexdigest()[:16]
-    target = _cache_dir() / f"{name}-{tag}{suffix}"
-    if not target.exists():
-        _compile(name, source, target, numpy_api)
-    spec = importlib.util.spec_from_file_location(name, target)
-    if spec is None or spec.loader is None:
-        raise NativeBuildError(f"cannot load {target} as extension {name}")
-    try:
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except ImportError as exc:
-        raise NativeBuildError(f"loading {target} failed: {exc}") from exc
-    return module
+def native_status() -> dict[str, str]:
+    """Each helper loaded so far: ``"loaded"``, ``"off"`` (``H2D_NATIVE=0``) or why it
+    is missing."""
+    with _lock:
+        return {name: "loaded" if module is not None else _missing.get(name, "off")
+                for name, module in _loaded.items()}
 
 
 def select(module: ModuleType | None, native: bool | None, what: str) -> ModuleType | None:
@@ -135,16 +80,16 @@ def select(module: ModuleType | None, native: bool | None, what: str) -> ModuleT
         return None
     if module is None and native:
         raise NativeBuildError(
-            f"{what}: native=True but the compiled helper is unavailable (H2D_NATIVE=0, or it "
-            "did not build: see the NativeUnavailableWarning)"
+            f"{what}: native=True but the compiled helper is unavailable (H2D_NATIVE=0, or "
+            "it is not installed: see the NativeUnavailableWarning)"
         )
     return module
 
 
-def load_extension(name: str, source: Path, *, numpy_api: bool = False) -> ModuleType | None:
-    """The extension module ``name`` built from ``source`` (whose init is ``PyInit_<name>``),
-    or None when ``H2D_NATIVE=0`` or (``auto``) it cannot be built. Built once per process.
-    ``numpy_api``: the source includes numpy's C headers (``numpy/arrayobject.h``)."""
+def load_extension(name: str) -> ModuleType | None:
+    """The installed extension module ``name`` (e.g. ``"block_tables._block_tables_native"``),
+    or None when ``H2D_NATIVE=0`` or (``auto``) it is not installed. Decided once per
+    process; only the first missing helper of a process warns."""
     with _lock:
         if name in _loaded:
             return _loaded[name]
@@ -152,16 +97,25 @@ def load_extension(name: str, source: Path, *, numpy_api: bool = False) -> Modul
         module: ModuleType | None = None
         if mode != "0":
             try:
-                module = _build_and_load(name, source, numpy_api)
-            except NativeBuildError as exc:
+                module = importlib.import_module(name)
+            except ImportError as exc:
+                why = f"{type(exc).__name__}: {exc}"
                 if mode == "1":
-                    raise
-                warnings.warn(
-                    f"{exc}\nRunning the numpy path instead (same results, more host time); "
-                    "install a C compiler and the Python headers, or set H2D_NATIVE=0 to "
-                    "silence this warning",
-                    NativeUnavailableWarning,
-                    stacklevel=3,
-                )
+                    raise NativeBuildError(
+                        f"the compiled helper {name} is required (H2D_NATIVE=1) but cannot "
+                        f"be imported ({why}); install the package from a wheel built with "
+                        "a C compiler, or run `python3 tools/build_native.py` in a checkout"
+                    ) from exc
+                if not _missing:
+                    warnings.warn(
+                        f"the compiled helper {name} is not installed ({why}); running the "
+                        "Python paths instead (same results, more host time per step). "
+                        "Install the packages from wheels built with a C compiler (or run "
+                        "`python3 tools/build_native.py` in a checkout), or set H2D_NATIVE=0 "
+                        "to silence this warning",
+                        NativeUnavailableWarning,
+                        stacklevel=3,
+                    )
+                _missing[name] = why
         _loaded[name] = module
         return module

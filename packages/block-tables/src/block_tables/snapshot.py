@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -64,8 +63,7 @@ _INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows alwa
 
 Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 
-_native = load_extension("_block_tables_native", Path(__file__).with_name("_snapshot_native.c"),
-                         numpy_api=True)
+_native = load_extension("block_tables._block_tables_native")
 if _native is not None:
     _native.configure(BlockTable, LENGTH_BITS)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from h2d_kernels import CudaDriver, cuda_driver
+from h2d_kernels import DeviceDriver, device_driver
 
 from .packing import PackedSlot, bind_native, native
 
@@ -37,7 +37,7 @@ def bind_publish(slot: PackedSlot) -> Any | None:
     return None if table is None else bind_native(slot, table)
 
 
-def _destroy(driver: CudaDriver, events: tuple[int, ...]) -> None:
+def _destroy(driver: DeviceDriver, events: tuple[int, ...]) -> None:
     for event in events:
         driver.event_destroy(event)
 
@@ -50,17 +50,17 @@ class SlotEvents:
     completes normally.
     """
 
-    def __init__(self, driver: CudaDriver, events: tuple[int, ...]) -> None:
+    def __init__(self, driver: DeviceDriver, events: tuple[int, ...]) -> None:
         assert native is not None
         self._bound = native.bind_events(
-            events, driver.address("cuEventRecord"), driver.address("cuEventQuery"),
-            driver.address("cuEventSynchronize"), None)
+            events, driver.address("event_record"), driver.address("event_query"),
+            driver.address("event_synchronize"), None)
         self._finalizer = weakref.finalize(self, _destroy, driver, events)
 
     @classmethod
     def create(cls, num_slots: int, device: torch.device) -> SlotEvents | None:
         """Events for ``num_slots`` slots in ``device``'s context, or None (torch events)."""
-        driver = cuda_driver()
+        driver = device_driver()
         if native is None or driver is None:
             return None
         with torch.cuda.device(device):  # the device's context is current: bind allocated there

@@ -23,7 +23,6 @@ import ctypes
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,7 +32,7 @@ from block_tables.native import load_extension
 from .buffer import CountUnit, H2DBuffer
 
 #: compiled hot paths of this package (block_tables.native), or None: the Python bodies
-native = load_extension("_h2d_core_native", Path(__file__).with_name("_core_native.c"))
+native = load_extension("h2d_core._h2d_core_native")
 
 #: members up to this many bytes are written in place in the arena
 INPLACE_LIMIT = 32 * 1024

@@ -7,7 +7,7 @@ addresses. This package knows arenas, layouts and addresses only.
 """
 
 from h2d_kernels.arena import DEFAULT_LAUNCH, PackedArena, bind_destinations
-from h2d_kernels.driver import CudaDriver, cuda_driver
+from h2d_kernels.driver import CUDA, HIP, DeviceDriver, DriverSymbols, device_driver
 from h2d_kernels.errors import (
     ArenaLayoutError,
     DescriptorError,
@@ -36,14 +36,15 @@ from h2d_kernels.reference import scatter_reference, validate_descriptors
 from h2d_kernels.scatter import ScatterConfig, interpreter_enabled
 
 __all__ = [
+    "CUDA",
     "DEFAULT_LAUNCH",
     "DESCRIPTOR_BYTES",
     "DESCRIPTOR_FIELDS",
+    "HIP",
     "PAYLOAD_ALIGN",
     "ArenaLayout",
     "ArenaLayoutError",
     "ArenaMember",
-    "CudaDriver",
     "DescriptorError",
     "DestinationAlignmentError",
     "DestinationBoundsError",
@@ -52,6 +53,8 @@ __all__ = [
     "DestinationError",
     "DestinationLayoutError",
     "DestinationOverlapError",
+    "DeviceDriver",
+    "DriverSymbols",
     "GraphLaunchTable",
     "H2DKernelsError",
     "MemberRegion",
@@ -60,7 +63,7 @@ __all__ = [
     "ScatterBackendError",
     "ScatterConfig",
     "bind_destinations",
-    "cuda_driver",
+    "device_driver",
     "interpreter_enabled",
     "plan_arena",
     "scatter_reference",

@@ -15,7 +15,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from h2d_kernels.driver import CudaDriver, context_not_current, cuda_driver
+from h2d_kernels.driver import DeviceDriver, context_not_current, device_driver
 from h2d_kernels.errors import (
     DestinationAlignmentError,
     DestinationBoundsError,
@@ -223,7 +223,7 @@ class PackedArena:
         between the header and the arena, the current device must be the arena's, and a
         stream under capture (or a size without a graph) goes through :meth:`publish`.
         """
-        if self.launch != "graph" or self.graph_launcher != "cuGraphLaunch":
+        if self.launch != "graph" or self.graph_launcher in (None, "CUDAGraph.replay"):
             return None
         return self._graphs.launch_table()
 
@@ -268,14 +268,15 @@ class PackedArena:
         self._index = self.device.index if self.device.index is not None else 0
         self._host_addr = self.host.data_ptr()
         self._device_addr = self.device_arena.data_ptr()
-        driver = cuda_driver()
+        driver = device_driver()
         if self.dma == "driver" and driver is None:
             raise ScatterBackendError(
                 "dma='driver' needs libcuda.so.1, which could not be loaded: use dma='torch'"
             )
-        self._driver: CudaDriver | None = driver
+        self._driver: DeviceDriver | None = driver
         self.graph_launcher: str | None = None
-        """How graph publications are launched ("cuGraphLaunch" or "CUDAGraph.replay")."""
+        """How graph publications are launched (the runtime's graph launch, e.g.
+        "cuGraphLaunch", or "CUDAGraph.replay")."""
         # torch DMA path: one prebuilt (device, host) view pair per size bucket.
         self._dma_views = {
             index: (self.device_arena[:nbytes], self.host[:nbytes])
@@ -404,5 +405,5 @@ def _choose_paths(
         launch_kind = DEFAULT_LAUNCH if launch == "auto" else launch
     dma_kind = dma
     if dma == "auto":
-        dma_kind = "driver" if cuda_driver() is not None else "torch"
+        dma_kind = "driver" if device_driver() is not None else "torch"
     return "triton", launch_kind, dma_kind

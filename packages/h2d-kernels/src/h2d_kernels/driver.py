@@ -1,72 +1,110 @@
-"""CUDA driver calls through ctypes: the publication's DMA, a capture query, graph launch.
+"""GPU driver calls through ctypes: the publication's DMA, a capture query, graph launch,
+events; one interface over the CUDA driver and the HIP runtime.
 
 ``Tensor.copy_`` costs ~4-6 µs of host time per H2D enqueue (dispatcher,
 argument checks, stream lookups); ``cuMemcpyHtoDAsync`` on prebuilt integer
 addresses costs a fraction of that. Both are ordinary stream work: a copy
 enqueued while the stream is being captured becomes a graph node.
 
-Compiled callers (h2d_core's launcher) take the driver's entry points as addresses
-(:meth:`CudaDriver.address`) and call them without ctypes in between.
+The entry points this library needs exist with the same signatures, argument order and
+status codes (0 success, 600 not ready, 201 invalid context) in CUDA's driver
+(``libcuda``) and in HIP's runtime (``libamdhip64``): :data:`CUDA` and :data:`HIP` name
+them, and :func:`device_driver` binds the one matching torch's build. Tested on CUDA
+(H200); the HIP table is untested here (no ROCm machine), and where it cannot load, the
+arenas fall back to torch's copy and graph replay, which still give one DMA + one
+scatter per publication.
+
+Compiled callers (h2d_core's launcher) take the entry points as addresses
+(:meth:`DeviceDriver.address`) and call them without ctypes in between.
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from functools import lru_cache
 
 from h2d_kernels.errors import ScatterBackendError
 
-_NOT_CURRENT = 201  # CUDA_ERROR_INVALID_CONTEXT: no context current on this thread
-_EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING
+_NOT_CURRENT = 201  # CUDA_ERROR_INVALID_CONTEXT / hipErrorInvalidContext
+_EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING / hipEventDisableTiming
 
-#: entry points :meth:`CudaDriver.address` hands out (exported, unversioned symbols)
+
+@dataclass(frozen=True)
+class DriverSymbols:
+    """One runtime's library and the names of the entry points this library calls."""
+
+    runtime: str
+    library: str
+    memcpy_htod_async: str
+    stream_is_capturing: str
+    graph_launch: str
+    event_create: str
+    event_destroy: str
+    event_record: str
+    event_query: str
+    event_synchronize: str
+
+
+CUDA = DriverSymbols(
+    "cuda", "libcuda.so.1", "cuMemcpyHtoDAsync_v2", "cuStreamIsCapturing", "cuGraphLaunch",
+    "cuEventCreate", "cuEventDestroy_v2", "cuEventRecord", "cuEventQuery",
+    "cuEventSynchronize")
+HIP = DriverSymbols(
+    "hip", "libamdhip64.so", "hipMemcpyHtoDAsync", "hipStreamIsCapturing", "hipGraphLaunch",
+    "hipEventCreateWithFlags", "hipEventDestroy", "hipEventRecord", "hipEventQuery",
+    "hipEventSynchronize")
+
+#: entry points :meth:`DeviceDriver.address` hands out, by their runtime-neutral names
 ADDRESSABLE = frozenset({
-    "cuGraphLaunch", "cuStreamIsCapturing", "cuEventRecord", "cuEventQuery",
-    "cuEventSynchronize",
+    "graph_launch", "stream_is_capturing", "event_record", "event_query", "event_synchronize",
 })
 
 
-class CudaDriver:
-    """ctypes bindings to ``libcuda`` for the calls the publication path needs."""
+class DeviceDriver:
+    """ctypes bindings to the GPU runtime's calls the publication path needs."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
+    def __init__(self, lib: ctypes.CDLL, symbols: DriverSymbols = CUDA) -> None:
         self._lib = lib
-        self._memcpy = lib.cuMemcpyHtoDAsync_v2
+        self.symbols = symbols
+        self._memcpy = getattr(lib, symbols.memcpy_htod_async)
         self._memcpy.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         self._memcpy.restype = ctypes.c_int
-        self._is_capturing = lib.cuStreamIsCapturing
+        self._is_capturing = getattr(lib, symbols.stream_is_capturing)
         self._is_capturing.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
         self._is_capturing.restype = ctypes.c_int
-        self._graph_launch = lib.cuGraphLaunch
+        self._graph_launch = getattr(lib, symbols.graph_launch)
         self._graph_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         self._graph_launch.restype = ctypes.c_int
         self._status = ctypes.c_int(0)
         self._status_ref = ctypes.byref(self._status)
-        self._event_create = lib.cuEventCreate
+        self._event_create = getattr(lib, symbols.event_create)
         self._event_create.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
         self._event_create.restype = ctypes.c_int
-        self._event_destroy = lib.cuEventDestroy_v2
+        self._event_destroy = getattr(lib, symbols.event_destroy)
         self._event_destroy.argtypes = [ctypes.c_void_p]
         self._event_destroy.restype = ctypes.c_int
         for name in ADDRESSABLE:
-            getattr(lib, name)  # missing symbols fail here, at load, not mid-run
+            getattr(lib, getattr(symbols, name))  # missing symbols fail here, at load
 
     def address(self, name: str) -> int:
-        """Address of driver entry point ``name`` (one of :data:`ADDRESSABLE`), for
-        compiled callers."""
+        """Address of entry point ``name`` (a runtime-neutral name of :data:`ADDRESSABLE`,
+        e.g. ``"graph_launch"``), for compiled callers."""
         if name not in ADDRESSABLE:
             raise ScatterBackendError(
                 f"{name!r} is not an entry point this binding hands out; use one of "
                 f"{sorted(ADDRESSABLE)}"
             )
-        return int(ctypes.cast(getattr(self._lib, name), ctypes.c_void_p).value or 0)
+        fn = getattr(self._lib, getattr(self.symbols, name))
+        return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
     def event_create(self) -> int:
         """A new event without timing (``CUevent`` handle) in the current context."""
         handle = ctypes.c_void_p(0)
         rc = self._event_create(ctypes.byref(handle), _EVENT_DISABLE_TIMING)
         if rc:
-            raise ScatterBackendError(f"cuEventCreate failed with CUDA error {rc}")
+            raise ScatterBackendError(
+                f"{self.symbols.event_create} failed with {self.symbols.runtime} error {rc}")
         return int(handle.value or 0)
 
     def event_destroy(self, event: int) -> int:
@@ -86,15 +124,21 @@ class CudaDriver:
         """Whether ``stream`` is being captured into a CUDA graph right now."""
         rc = self._is_capturing(stream, self._status_ref)
         if rc:
-            raise ScatterBackendError(f"cuStreamIsCapturing failed with CUDA error {rc}")
+            raise ScatterBackendError(
+                f"{self.symbols.stream_is_capturing} failed with {self.symbols.runtime} "
+                f"error {rc}")
         return self._status.value != 0
 
 
 @lru_cache(maxsize=1)
-def cuda_driver() -> CudaDriver | None:
-    """The process's driver bindings, or None when ``libcuda`` cannot be loaded."""
+def device_driver() -> DeviceDriver | None:
+    """The process's bindings for torch's GPU runtime (:data:`HIP` on a ROCm build of
+    torch, else :data:`CUDA`), or None when its library cannot be loaded."""
+    import torch
+
+    symbols = HIP if getattr(torch.version, "hip", None) else CUDA
     try:
-        return CudaDriver(ctypes.CDLL("libcuda.so.1"))
+        return DeviceDriver(ctypes.CDLL(symbols.library), symbols)
     except (OSError, AttributeError):
         return None
 

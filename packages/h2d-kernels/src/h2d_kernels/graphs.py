@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2d_kernels.driver import CudaDriver
+from h2d_kernels.driver import DeviceDriver
 from h2d_kernels.errors import PublishError, ScatterBackendError
 
 
@@ -60,7 +60,7 @@ class GraphPublisher:
         device: torch.device,
         sizes: dict[int, int],
         enqueue: Callable[[int, int], None],
-        driver: CudaDriver | None = None,
+        driver: DeviceDriver | None = None,
     ) -> None:
         """Capture ``enqueue(bucket_bytes, raw_stream)`` once per bucket on a side stream."""
         self._device = device
@@ -88,7 +88,8 @@ class GraphPublisher:
                 self._execs = {i: int(g.raw_cuda_graph_exec()) for i, g in self._graphs.items()}
             except (AttributeError, RuntimeError):
                 self._execs = {}  # older torch: replay() below
-        self.launcher = "cuGraphLaunch" if self._execs else "CUDAGraph.replay"
+        self.launcher = (driver.symbols.graph_launch if self._execs and driver is not None
+                         else "CUDAGraph.replay")
 
     def _capture(
         self,
@@ -116,8 +117,8 @@ class GraphPublisher:
         execs = [0] * (max(self._execs) + 1)
         for index, handle in self._execs.items():
             execs[index] = handle
-        return GraphLaunchTable(tuple(execs), self._driver.address("cuGraphLaunch"),
-                                self._driver.address("cuStreamIsCapturing"))
+        return GraphLaunchTable(tuple(execs), self._driver.address("graph_launch"),
+                                self._driver.address("stream_is_capturing"))
 
     def replay(self, dma_bytes: int, stream: int) -> None:
         """Launch the bucket graph for ``dma_bytes`` on the raw stream handle ``stream``."""
@@ -130,7 +131,9 @@ class GraphPublisher:
         if self._execs and self._driver is not None:
             rc = self._driver.graph_launch(self._execs[index], stream)
             if rc:
-                raise ScatterBackendError(f"cuGraphLaunch failed with CUDA error {rc}")
+                raise ScatterBackendError(
+                    f"{self._driver.symbols.graph_launch} failed with "
+                    f"{self._driver.symbols.runtime} error {rc}")
             return
         with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self._device)):
             self._graphs[index].replay()

@@ -22,7 +22,6 @@ Padding and first consumers are those of the composed adapters: ``plan.tokens`` 
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -59,8 +58,7 @@ class DecodeStepPlan(NamedTuple):
 def _load_native(native: bool | None) -> ModuleType | None:
     if native is False:
         return None
-    module = load_extension("_h2d_decode_native", Path(__file__).with_name("_decode_native.c"),
-                            numpy_api=True)
+    module = load_extension("h2d_runner_adapters._h2d_decode_native")
     return select(module, native, "DecodeStepInputs")
 
 

@@ -10,7 +10,7 @@ Each tree keeps its modules in its own table; before a tree steps, its table is 
 into ``sys.modules`` (outside the timed region), so imports made inside functions resolve
 to the same tree.
 
-    python benchmarks/step_ab.py --base /tmp/base [--bs 64] [--context 4096 131072]
+    python tools/perf/step_ab.py --base /tmp/base [--bs 64] [--context 4096 131072]
         [--steps 2000] [--slots 2] [--device cuda|cpu]
 
 Prints host µs medians per tree: begin (less any blocking wait), prepare (the fused
@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from repo_paths import ROOT, source_paths
 
 TOP_LEVEL = ("block_tables", "h2d_kernels", "h2d_core", "h2d_runner_adapters", "decode_runner")

@@ -7,7 +7,7 @@ timed apart) and ``finish`` of the plain-MHA decode step used by
 available (real DMA and scatter) or on the CPU. Also prints a pure-Python calibration loop,
 so figures from hosts of different speed can be compared.
 
-    python benchmarks/step_segments.py [--bs 64] [--context 4096] [--steps 1500] [--out DIR]
+    python tools/perf/step_segments.py [--bs 64] [--context 4096] [--steps 1500] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from repo_paths import use_sources
 
 use_sources()

@@ -4,7 +4,7 @@ Measures each call the packed decode step issues per step, through torch and thr
 ctypes, so the per-step host budget can be split into what Python costs and what the
 CUDA runtime/driver costs on this host.
 
-    python benchmarks/cuda_call_costs.py
+    python tools/perf/cuda_call_costs.py
 """
 
 from __future__ import annotations

@@ -22,18 +22,22 @@ destinations are compared bytewise, so the floor does the same work as the API. 
 compiled pass does not cover (every ``window`` steps all rows restart) go through the API
 on both states and are not timed.
 
-    python benchmarks/step_floor.py [--bs 64] [--context 4096 131072] [--steps 2000]
+    python tools/perf/step_floor.py [--bs 64] [--context 4096 131072] [--steps 2000]
         [--slots 2] [--device cuda|cpu]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from repo_paths import use_sources
 
 use_sources()

@@ -1,0 +1,174 @@
+"""The plain-MHA decode step's host time against its targets and the peers, in one process.
+
+The step: sampling + token inputs + MHA decode metadata as one combined group
+(``DecodeStepInputs``), 128K-token context rows, 1/16 of the rows append a page each step,
+two slots. Host µs from ``begin()`` to ``finish()`` (less any blocking wait for source
+reuse), median per chunk of steps, for four ways of doing the same step:
+
+* ``packed``: this library, one DMA + one scatter per step (checked from its counters);
+* ``direct``: this library with ``backend="direct"`` (one copy per member);
+* ``atom``: ``run_atom_direct`` of the anchors (``mrv2_style.py``): one copy per field and
+  the engine's full-width per-row block-table rebuild from Python lists;
+* ``mrv2``: ``run`` of the anchors: vLLM Model Runner V2's mechanism re-created (2 H2D,
+  staged block-table diffs, Triton kernels reading UVA).
+
+The GPU host's speed drifts between processes (up to 2x), so the four run in one process,
+interleaved in chunks (``--rounds`` rounds of ``--chunk`` steps each), and the table reports
+the median of the chunk medians and each peer's ratio to ``packed``. The anchors need CUDA
+and the anchors folder (``--anchors``; default ``../shared/context/anchors`` beside the
+checkout, or ``.anchors/`` inside it); without them only ``packed`` and ``direct`` run.
+
+    python benchmarks/step_targets.py [--batch-sizes 1,8,64,256] [--rounds 8] [--chunk 200]
+        [--context 131072] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+from repo_paths import ROOT, use_sources
+
+use_sources()
+
+from decode_runner.scheduler import steady_decode_batches  # noqa: E402
+
+from h2d_core import H2DRunnerState  # noqa: E402
+from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
+
+PAGE = 16
+WINDOW = 512
+#: the issue's targets (host µs at bs=1-8, 64, 256)
+TARGETS = {1: 10.0, 8: 10.0, 64: 12.0, 256: 16.0}
+
+
+class LibraryStep:
+    """The library's fused decode step on one backend, stepped ``chunk`` steps at a time."""
+
+    def __init__(self, backend: str, bs: int, context: int, device: str, warmup: int) -> None:
+        per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
+        self.state = H2DRunnerState(device, backend=backend, num_slots=2)
+        self.step = DecodeStepInputs(self.state, max_reqs=bs, max_tokens=bs,
+                                     max_pages_per_req=per_row, page_size=PAGE)
+        self.state.bind()
+        self.batches = steady_decode_batches(bs, context, PAGE, window=WINDOW)
+        self.run(warmup)
+
+    def run(self, steps: int) -> float:
+        """Step ``steps`` batches (built before the timed region); the median host µs."""
+        batches = [next(self.batches) for _ in range(steps)]
+        for b in batches:
+            b.columns, b.block_tables  # noqa: B018
+        st, prepare, pc = self.state, self.step.prepare, time.perf_counter_ns
+        times = []
+        for b in batches:
+            t0 = pc()
+            st.begin()
+            prepare(b)
+            st.publish("decode_step")
+            st.finish()
+            times.append(pc() - t0 - st.last_source_wait_ns)
+        return float(np.median(times)) / 1e3
+
+    def per_step(self) -> dict[str, float]:
+        c = self.state.counters("decode_step")
+        n = max(c.publications, 1)
+        return {"dmas": c.dmas / n, "scatters": c.scatters / n,
+                "direct_copies": c.direct_copies / n}
+
+
+def _anchors(path: Path | None) -> ModuleType | None:
+    candidates = [path] if path else [ROOT.parent / "shared" / "context" / "anchors",
+                                      ROOT / ".anchors"]
+    for folder in candidates:
+        file = folder / "mrv2_style.py" if folder else None
+        if file is not None and file.is_file():
+            spec = importlib.util.spec_from_file_location("anchors_mrv2_style", file)
+            assert spec is not None and spec.loader is not None
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    return None
+
+
+def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> dict[str, Any]:
+    device = args.device
+    max_blocks = -(-args.context // PAGE)
+    ways: dict[str, Any] = {
+        "packed": LibraryStep("packed", bs, args.context, device, args.warmup),
+        "direct": LibraryStep("direct", bs, args.context, device, args.warmup),
+    }
+    medians: dict[str, list[float]] = {k: [] for k in ways}
+    if anchors is not None:
+        medians["atom"], medians["mrv2"] = [], []
+    for r in range(args.rounds):
+        order = list(medians) if r % 2 == 0 else list(medians)[::-1]
+        for name in order:
+            if name in ways:
+                medians[name].append(ways[name].run(args.chunk))
+            elif name == "atom":
+                medians[name].append(anchors.run_atom_direct(  # type: ignore[union-attr]
+                    bs, max_blocks, steps=args.anchor_chunk)["host_us_median"])
+            else:
+                medians[name].append(anchors.run(  # type: ignore[union-attr]
+                    bs, max_blocks, steps=args.anchor_chunk)["host_us_median"])
+    if device == "cuda":
+        torch.cuda.synchronize()
+    out: dict[str, Any] = {"bs": bs, "context": args.context, "device": device,
+                           "target_us": TARGETS.get(bs)}
+    for name, values in medians.items():
+        out[f"{name}_us"] = float(np.median(values))
+        out[f"{name}_us_chunks"] = values
+    out["packed_per_step"] = ways["packed"].per_step()
+    out["direct_per_step"] = ways["direct"].per_step()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="1,8,64,256")
+    ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=200)
+    ap.add_argument("--anchor-chunk", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--anchors", type=Path, default=None)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    args = ap.parse_args()
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    anchors = _anchors(args.anchors) if args.device == "cuda" else None
+    if anchors is None:
+        print("anchors not run (they need CUDA and the anchors folder)", file=sys.stderr)
+    rows = [measure(int(bs), args, anchors) for bs in args.batch_sizes.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_targets.json").write_text(json.dumps(rows, indent=1))
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{gpu}, torch {torch.__version__}; host µs per decode step, median of "
+          f"{args.rounds} interleaved chunks; ratio = way / packed")
+    print("| bs | target | packed | direct | atom | mrv2 | DMAs+scatters/step (packed) |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        p = r["packed_us"]
+
+        def cell(k: str, r: dict[str, Any] = r, p: float = p) -> str:
+            v = r.get(f"{k}_us")
+            return "-" if v is None else f"{v:.1f} ({v / p:.1f}x)"
+
+        per = r["packed_per_step"]
+        target = "-" if r["target_us"] is None else f"≤ {r['target_us']:.0f}"
+        print(f"| {r['bs']} | {target} | **{p:.1f}** | {cell('direct')} | "
+              f"{cell('atom')} | {cell('mrv2')} | {per['dmas']:.0f} + {per['scatters']:.0f} "
+              f"(direct copies {per['direct_copies']:.0f}) |")
+
+
+if __name__ == "__main__":
+    main()

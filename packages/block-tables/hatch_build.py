@@ -1,0 +1,118 @@
+"""Hatchling build hook: compile a package's C extensions when its wheel is built.
+
+Shared by every package of the workspace that has compiled parts (``h2d-core`` and
+``h2d-runner-adapters`` link to this file). A package lists its extensions in its
+``pyproject.toml``::
+
+    [tool.hatch.build.targets.wheel.hooks.custom]
+    extensions = { "block_tables._block_tables_native" = "src/block_tables/_snapshot_native.c" }
+    numpy = ["block_tables._block_tables_native"]   # sources that include numpy's headers
+
+Each extension is compiled with setuptools' ``build_ext`` (the platform's compiler and
+flags) and added to the wheel, which then gets a platform tag. Importing the installed
+package never compiles anything.
+
+Without a working compiler the wheel is built pure (the packages then run their Python
+paths and warn once at import), unless ``H2D_NATIVE=1`` asks for the extensions: then the
+build fails. ``H2D_NATIVE=0`` builds no extension.
+
+``python3 tools/build_native.py`` uses :func:`build_extensions` to build them in place
+(``src/<package>/``) for a checkout used through ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+try:
+    from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+except ImportError:  # imported as a plain module by tools/build_native.py
+    BuildHookInterface = object  # type: ignore[assignment,misc]
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class NativeBuildFailed(RuntimeError):
+    """An extension did not compile."""
+
+
+def extensions_of(root: Path) -> tuple[dict[str, Path], frozenset[str]]:
+    """(module name -> C source, names that need numpy's headers) from ``root``'s
+    pyproject.toml."""
+    data = tomllib.loads((root / "pyproject.toml").read_text())
+    config = (data.get("tool", {}).get("hatch", {}).get("build", {}).get("targets", {})
+              .get("wheel", {}).get("hooks", {}).get("custom", {}))
+    return ({name: root / src for name, src in config.get("extensions", {}).items()},
+            frozenset(config.get("numpy", ())))
+
+
+def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
+    """Compile ``root``'s extensions under ``out_dir`` (package layout); return each
+    module name's built file. Raises :class:`NativeBuildFailed` naming the extension."""
+    from setuptools import Distribution, Extension
+    from setuptools.command.build_ext import build_ext
+
+    sources, numpy_names = extensions_of(root)
+    built: dict[str, Path] = {}
+    for name, source in sources.items():
+        include = []
+        if name in numpy_names:
+            import numpy
+
+            include.append(numpy.get_include())
+        ext = Extension(name, [str(source)], include_dirs=include,
+                        extra_compile_args=["-O2", "-fno-strict-aliasing"]
+                        if os.name != "nt" else [])
+        dist = Distribution({"name": name, "ext_modules": [ext]})
+        cmd = build_ext(dist)
+        cmd.build_lib = str(out_dir)
+        with tempfile.TemporaryDirectory() as temp:
+            cmd.build_temp = temp
+            cmd.ensure_finalized()
+            try:
+                cmd.run()
+            except Exception as exc:  # setuptools raises CompileError, LinkError, ...
+                raise NativeBuildFailed(f"building {name} from {source} failed: {exc}") from exc
+        built[name] = Path(cmd.get_ext_fullpath(name))
+    return built
+
+
+class NativeExtensionsHook(BuildHookInterface):  # type: ignore[misc,valid-type]
+    """Adds the compiled extensions to the wheel and marks it platform-specific."""
+
+    PLUGIN_NAME = "custom"
+
+    def initialize(self, version: str, build_data: dict[str, Any]) -> None:
+        if self.target_name != "wheel":
+            return
+        mode = os.environ.get("H2D_NATIVE", "auto").strip().lower() or "auto"
+        if mode == "0":
+            return
+        root = Path(self.root)
+        self._temp = tempfile.TemporaryDirectory(prefix="h2d-native-")
+        out = Path(self._temp.name)
+        try:
+            built = build_extensions(root, out)
+        except NativeBuildFailed as exc:
+            if mode == "1":
+                raise
+            warnings.warn(f"{exc}\nBuilding a pure-Python wheel: the package will run its "
+                          "slower Python paths", stacklevel=1)
+            return
+        for path in built.values():
+            build_data["force_include"][str(path)] = str(path.relative_to(out))
+        build_data["pure_python"] = False
+        build_data["infer_tag"] = True
+
+    def finalize(self, version: str, build_data: dict[str, Any], artifact_path: str) -> None:
+        temp = getattr(self, "_temp", None)
+        if temp is not None:
+            temp.cleanup()

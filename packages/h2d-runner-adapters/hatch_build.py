@@ -1,0 +1,1 @@
+../block-tables/hatch_build.py

@@ -1,0 +1,44 @@
+"""Build the packages' C extensions in place, for a checkout used through PYTHONPATH.
+
+    python3 tools/build_native.py            # every package with extensions
+
+Installed packages get their extensions from their wheels (each package's hatch_build.py);
+this does the same compilation into ``packages/*/src/<package>/`` (ignored by git), for
+the lent GPU machine and local work without installing. Needs setuptools and a C compiler.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _hook_module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(
+        "_h2d_hatch_build", ROOT / "packages" / "block-tables" / "hatch_build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> int:
+    hook = _hook_module()
+    for root in sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml")):
+        if not hook.extensions_of(root)[0]:
+            continue
+        with tempfile.TemporaryDirectory() as out:
+            for name, built in hook.build_extensions(root, Path(out)).items():
+                target = root / "src" / built.relative_to(out)
+                shutil.copyfile(built, target)
+                print(f"{name}: {target.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
