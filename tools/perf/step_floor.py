@@ -44,7 +44,7 @@ use_sources()
 
 from decode_runner.scheduler import steady_decode_batches  # noqa: E402
 
-import h2d_core.state as state_module  # noqa: E402
+import h2d_core.publish as state_module  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
 from h2d_runner_adapters.consumers import GREEDY_TEMPERATURE  # noqa: E402
@@ -144,8 +144,8 @@ class Floor:
         if found is None:  # too many changed spans: whole rows, as stage() decides
             self.whole += 1
             buf = self.tables.buffer
-            state_module._store_count(setup.state._slot_groups[slot], buf.homes,
-                                      buf._unit_bytes, n)
+            for gi, i in buf.homes:
+                setup.state._slot_groups[slot][gi].store_count(i, n, buf._unit_bytes)
         elif found[0]:
             rec.ranges = found[0]
             rec.ranged.add(self.table_member)

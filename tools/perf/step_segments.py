@@ -131,7 +131,7 @@ _active: Variant | None = None
 def _time_compiled_launches() -> None:
     """Route the compiled pack + graph launch (h2d_core.launch) through a timer that
     charges the variant stepping now."""
-    import h2d_core.state as state_module
+    import h2d_core.publish as state_module
 
     real_native = state_module.native
     if real_native is None or hasattr(real_native, "_timed"):

@@ -102,7 +102,7 @@ def break_publication(monkeypatch: Any, packed: Any, message: str = "injected") 
 def spy_dma(monkeypatch: Any, packed: Any) -> list[int]:
     """Record the DMA size of every publication of this packed slot, whichever launcher
     runs (the compiled one reports the size it launched)."""
-    import h2d_core.state as state_module
+    import h2d_core.publish as state_module
 
     seen: list[int] = []
     arena = packed.arena

@@ -36,7 +36,7 @@ from h2d_core import (
     PublicationEnqueueError,
     packing,
 )
-from h2d_core.group import SlotGroup
+from h2d_core.records import GroupRecord
 
 # (name, dtype, shape, producer group, unit). Small members live in the arena (in place);
 # ids/pos/flags (> 32 KiB, elements/bytes) are staged; "wide" (> 32 KiB rows) is a tail.
@@ -101,7 +101,7 @@ def _build(device: str, h: Any, layout: str = "combined", backend: str = "packed
     return Setup(state, bufs)
 
 
-def _record_state(rec: SlotGroup) -> dict[str, Any]:
+def _record_state(rec: GroupRecord) -> dict[str, Any]:
     return {
         "group": rec.plan.name,
         "counts": list(rec.counts),
@@ -122,7 +122,7 @@ def _records(s: H2DRunnerState) -> list[list[dict[str, Any]]]:
     return [[_record_state(r) for r in recs] for recs in s._slot_groups]
 
 
-def _check_record_invariants(rec: SlotGroup) -> None:
+def _check_record_invariants(rec: GroupRecord) -> None:
     """What the stored counts imply, whichever path stored them."""
     members = rec.plan.members
     assert all(c is None or type(c) is int for c in rec.counts), rec.counts

@@ -34,6 +34,7 @@ from block_tables.spans import changed_byte_ranges, row_keys
 from .buffer import CountUnit, H2DBuffer
 from .config import Backend
 from .errors import CountError, DeclarationError
+from .state import H2DRunnerState
 
 # When changed spans travel as ranges instead of the whole table (measured on the H200,
 # docs/benchmarks.md "block-table crossover"): each range costs a few µs of host time
@@ -91,6 +92,8 @@ class BlockTableState:
                 f"in rows, got shape {spec.shape} {spec.dtype} unit {spec.unit.value!r}"
             )
         state = buffer._state
+        if not isinstance(state, H2DRunnerState):
+            raise DeclarationError(f"buffer {buffer.name!r} is not owned by an H2DRunnerState")
         state._check_thread()
         state._check_bound()
         self.buffer = buffer

@@ -5,15 +5,20 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from .errors import CountError, DeclarationError, NotBoundError
 
-if TYPE_CHECKING:
-    from .state import H2DRunnerState
+
+class SlotOwner(Protocol):
+    """What a buffer needs of its owner: which slot's source is current."""
+
+    current_slot: int
+
+    def copy_member_direct(self, buffer: H2DBuffer, n: int | None) -> torch.Tensor: ...
 
 
 class CountUnit(str, enum.Enum):
@@ -101,7 +106,7 @@ class H2DBuffer:
     """
 
     def __init__(
-        self, spec: BufferSpec, gpu: torch.Tensor, state: H2DRunnerState, max_ranges: int = 0
+        self, spec: BufferSpec, gpu: torch.Tensor, state: SlotOwner, max_ranges: int = 0
     ) -> None:
         self.spec = spec
         #: how many byte ranges one publication may send (``set_ranges``); 0 = counts only

@@ -17,10 +17,9 @@ from block_tables.native import select
 from .buffer import H2DBuffer
 from .errors import CountError, DeclarationError, DuplicatePublicationError
 from .packing import native as _native
-from .state import _omit, _store_count
 
 if TYPE_CHECKING:
-    from .state import H2DRunnerState
+    from .owner import StateOwner
 
 
 class CountBatch:
@@ -35,7 +34,7 @@ class CountBatch:
     """
 
     def __init__(
-        self, state: H2DRunnerState, buffers: Sequence[H2DBuffer], *, native: bool | None = None
+        self, state: StateOwner, buffers: Sequence[H2DBuffer], *, native: bool | None = None
     ) -> None:
         state._check_thread()
         state._check_bound()
@@ -108,6 +107,7 @@ class CountBatch:
         for (_, homes, unit_bytes, _), c in zip(entries, values, strict=True):
             if c is None:
                 for gi, i in homes:
-                    _omit(recs[gi], i)
+                    recs[gi].omit(i)
             else:
-                _store_count(recs, homes, unit_bytes, c)
+                for gi, i in homes:
+                    recs[gi].store_count(i, c, unit_bytes)

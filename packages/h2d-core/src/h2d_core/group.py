@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
 import torch
 
 from .buffer import CountUnit, H2DBuffer
-from .packing import PackedSlot
 
 
 @dataclass
@@ -56,44 +54,6 @@ class GroupPlan:
     def names(self) -> frozenset[str]:
         """This group and the producer groups it publishes."""
         return frozenset((self.name, *self.producer_groups))
-
-
-@dataclass(eq=False)
-class SlotGroup:
-    """One publication group's per-slot, per-epoch state: counts, ranges and the arena."""
-
-    plan: GroupPlan
-    packed: PackedSlot | None
-    counts: list[int | None] = field(default_factory=list)
-    #: pending byte ranges this epoch: (member index, destination byte offset, byte count)
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)
-    #: members with ranges set (they count as active)
-    ranged: set[int] = field(default_factory=set)
-    range_bytes: int = 0
-    #: payload bytes of the counts set (the ranges' bytes are in ``range_bytes``)
-    count_bytes: int = 0
-    active: int = 0
-    dma_end: int = 0
-    #: hot-path shortcuts: the header's byte-count column and each member's fixed offset
-    header_nbytes: np.ndarray | None = None
-    inplace: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.packed is not None:
-            self.header_nbytes = self.packed.header_nbytes
-        self.inplace = self.plan.inplace_offsets
-
-    def clear_counts(self) -> None:
-        """Forget every count and range (a new epoch or a reopened group)."""
-        self.counts = [None] * len(self.plan.members)
-        self.ranges = []
-        self.ranged.clear()
-        self.range_bytes = 0
-        self.count_bytes = 0
-        self.active = 0
-        self.dma_end = self.plan.header_bytes
-        if self.packed is not None:
-            self.packed.header_nbytes.fill(0)
 
 
 def unit_view(tensor: torch.Tensor, unit: CountUnit) -> torch.Tensor:
