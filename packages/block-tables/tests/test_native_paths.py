@@ -1164,3 +1164,33 @@ def test_tagged_ranges_are_the_pairs_as_record_triples() -> None:
         assert triples == ([(3, a, b - a) for a, b in pairs[0]], pairs[1])
     with pytest.raises(ValueError, match="tag must be >= 0"):
         native.changed_byte_ranges(now, keys, keys.size, 5, 32, 8, 100, None, -1)
+
+
+def test_snapshot_method_gives_the_same_ranges_on_both_paths() -> None:
+    """``PageTableSnapshot.changed_byte_ranges``: (offset, nbytes) pairs, or tagged
+    triples, identical with and without the compiled helper and equal to the module
+    function's (start, stop) ranges; None past the limits; ``keys_out`` filled either way."""
+    results = []
+    for snap in twins(np.full((6, 8), -1, dtype=np.int32), fill_value=-1):
+        rows = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6]), BlockTable([7])]
+        snap.prepare(rows)
+        keys = row_keys(snap)
+        rows[0].append_one(9)
+        rows[2].append_one(10)
+        rows.append(BlockTable([11]))
+        snap.prepare(rows)
+        got = []
+        for max_ranges, max_bytes, tag in ((8, 1000, None), (8, 1000, 2), (1, 1000, None),
+                                           (8, 4, 5)):
+            out = np.full(6, -9, dtype=np.int64)
+            found = snap.changed_byte_ranges(keys, 5, 32, max_ranges=max_ranges,
+                                             max_bytes=max_bytes, keys_out=out, tag=tag)
+            assert out[:5].tolist() == snap._row_keys[:5].tolist()
+            got.append(found)
+        reference = changed_byte_ranges(snap, keys, 5, 32, max_ranges=8, max_bytes=1000)
+        assert reference is not None
+        assert got[0] == ([(a, b - a) for a, b in reference[0]], reference[1])
+        assert got[1] == ([(2, a, b - a) for a, b in reference[0]], reference[1])
+        assert got[2] is None and got[3] is None
+        results.append(got)
+    assert results[0] == results[1]

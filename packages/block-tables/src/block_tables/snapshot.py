@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -210,6 +211,50 @@ class PageTableSnapshot:
     def width(self) -> int:
         """Storage columns: the longest row ``prepare`` accepts."""
         return self._width
+
+    def changed_byte_ranges(
+        self,
+        keys_then: Int64Array,
+        num_rows: int,
+        row_bytes: int,
+        *,
+        revision: int | None = None,
+        max_ranges: int,
+        max_bytes: int,
+        keys_out: Int64Array | None = None,
+        tag: int | None = None,
+    ) -> tuple[list[Any], int] | None:
+        """What to send so a destination holding rows ``[0, len(keys_then))`` with those
+        row keys holds rows ``[0, num_rows)`` of this snapshot: ``(ranges, total bytes)``
+        with ranges ``(offset, nbytes)`` of the row-major table, ascending, or None when
+        more than ``max_ranges`` ranges or ``max_bytes`` bytes would travel (or the history
+        no longer tells): send whole rows then. See :func:`block_tables.spans.changed_byte_ranges`
+        for ``revision`` and ``keys_out``.
+
+        ``tag`` (an int >= 0), when given, is put first in every range (``(tag, offset,
+        nbytes)``), so a caller collecting several tables' ranges in one list (a publication
+        record) needs no second pass.
+        """
+        native = self._native
+        if native is not None and self._all_versioned:
+            found = native.changed_byte_ranges(
+                self._row_keys, keys_then, keys_then.size, num_rows, row_bytes, max_ranges,
+                max_bytes, keys_out, tag)
+            if found is not NotImplemented:  # other key dtypes: the Python path below
+                if found is None or tag is not None:
+                    return found
+                return [(a, b - a) for a, b in found[0]], found[1]
+        # spans builds on this module: imported here, on the path that is not per step
+        from .spans import changed_byte_ranges
+
+        pairs = changed_byte_ranges(self, keys_then, num_rows, row_bytes, revision=revision,
+                                    max_ranges=max_ranges, max_bytes=max_bytes,
+                                    keys_out=keys_out)
+        if pairs is None:
+            return None
+        if tag is None:
+            return [(a, b - a) for a, b in pairs[0]], pairs[1]
+        return [(tag, a, b - a) for a, b in pairs[0]], pairs[1]
 
     def changed_rows_since(self, revision: int) -> ChangedRows:
         """Rows of ``[0, num_rows)`` whose bytes changed after ``revision``.

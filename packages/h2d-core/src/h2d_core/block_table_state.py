@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from block_tables import PageTableSnapshot
-from block_tables.spans import changed_byte_ranges, row_keys
+from block_tables.spans import row_keys
 
 from .buffer import CountUnit, H2DBuffer
 from .config import Backend
@@ -181,23 +181,13 @@ class BlockTableState:
         found: Any = None
         if self._ranged and rec is not None:
             limit, max_bytes = self._limit_cache.get(num_rows) or self._limits(num_rows)
-            member = buffer.homes[0][1]
-            found = NotImplemented
-            if snap._native is not None and snap._all_versioned:
-                # spans.changed_byte_ranges' compiled branch, without its keyword wrapper,
-                # building the record's (member, offset, bytes) triples directly
-                found = snap._native.changed_byte_ranges(
-                    snap._row_keys, rec.keys, rec.keys.size, num_rows, self._row_bytes, limit,
-                    max_bytes, keys, member)
-            if found is NotImplemented:
-                # Same slot: the snapshot's history is exact. Another slot's table on the
-                # same destination: compare row keys (versioned rows need no page-ID reads).
-                pairs = changed_byte_ranges(
-                    snap, rec.keys, num_rows, self._row_bytes,
-                    revision=rec.revision if rec.slot == slot else None,
-                    max_ranges=limit, max_bytes=max_bytes, keys_out=keys)
-                found = None if pairs is None else (
-                    [(member, a, b - a) for a, b in pairs[0]], pairs[1])
+            # Same slot: the snapshot's history is exact. Another slot's table on the same
+            # destination: compare row keys (versioned rows need no page-ID reads). The
+            # member index tags each range: the record's (member, offset, bytes) triples.
+            found = snap.changed_byte_ranges(
+                rec.keys, num_rows, self._row_bytes,
+                revision=rec.revision if rec.slot == slot else None,
+                max_ranges=limit, max_bytes=max_bytes, keys_out=keys, tag=buffer.homes[0][1])
         else:
             row_keys(snap, num_rows, out=keys)
         if found is not None and not found[0]:
