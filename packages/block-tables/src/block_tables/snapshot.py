@@ -49,6 +49,7 @@ from .validation import (
     coerce_page_ids,
     raise_scalar_range_error,
 )
+from .vectors import prepare_vectors
 
 MAX_WIDTH = (1 << (LENGTH_BITS - 1)) - 1
 """Widest storage a snapshot accepts. Keeping widths below half the key's length field
@@ -290,6 +291,8 @@ class PageTableSnapshot:
         rows: Rows,
         *,
         required_pages: Sequence[int] | np.ndarray | None = None,
+        versions: Sequence[int] | np.ndarray | None = None,
+        lengths: Sequence[int] | np.ndarray | None = None,
     ) -> int:
         """Make storage rows ``[0, len(rows))`` hold ``rows``; return the prepared revision.
 
@@ -297,7 +300,16 @@ class PageTableSnapshot:
         of ints. ``required_pages[i]``, if given, is how many pages row ``i``'s request
         span needs this step; it is checked on every call, hits included. Nothing of
         ``rows`` is retained after the call.
+
+        ``versions`` and ``lengths`` (given together: one integer per row) are the caller's
+        own append-lineage versions and row lengths (:mod:`block_tables.vectors`): the
+        batch mapping is then identified from the two vectors, and only rows whose version
+        or length changed are read.
         """
+        if versions is not None or lengths is not None:
+            if versions is None or lengths is None:
+                raise RowTypeError("pass versions and lengths together (one of them is None)")
+            return prepare_vectors(self, rows, versions, lengths, required_pages)
         native = self._native
         if native is not None:
             # The common decode step (hits and one-page appends of versioned rows) in one
