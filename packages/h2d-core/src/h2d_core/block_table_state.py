@@ -115,6 +115,7 @@ class BlockTableState:
             and state.plan(buffer.publication_group).packed
         )
         self.last_stage = ""
+        self._member = buffer.homes[0][1]  # tags this table's ranges in the group record
         # Row keys remembered per upload, in two reused arrays: stage() writes the one the
         # published record does not hold (no allocation per step).
         self._key_bufs = (np.empty(spec.shape[0], np.int64), np.empty(spec.shape[0], np.int64))
@@ -185,9 +186,8 @@ class BlockTableState:
             # destination: compare row keys (versioned rows need no page-ID reads). The
             # member index tags each range: the record's (member, offset, bytes) triples.
             found = snap.changed_byte_ranges(
-                rec.keys, num_rows, self._row_bytes,
-                revision=rec.revision if rec.slot == slot else None,
-                max_ranges=limit, max_bytes=max_bytes, keys_out=keys, tag=buffer.homes[0][1])
+                rec.keys, num_rows, self._row_bytes, limit, max_bytes, keys, self._member,
+                rec.revision if rec.slot == slot else None)
         else:
             row_keys(snap, num_rows, out=keys)
         if found is not None and not found[0]:
