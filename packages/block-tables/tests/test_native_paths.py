@@ -1166,6 +1166,7 @@ def test_tagged_ranges_are_the_pairs_as_record_triples() -> None:
         native.changed_byte_ranges(now, keys, keys.size, 5, 32, 8, 100, None, -1)
 
 
+@requires_native
 def test_snapshot_method_gives_the_same_ranges_on_both_paths() -> None:
     """``PageTableSnapshot.changed_byte_ranges``: (offset, nbytes) pairs, or tagged
     triples, identical with and without the compiled helper and equal to the module
