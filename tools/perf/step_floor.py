@@ -8,7 +8,7 @@ Times, on the same bound storage and batches as ``step_ab.py`` / ``step_segments
 * ``floor``: only the compiled and driver calls that path makes, in the same order,
   on the same bound storage: the slot event's query, the compiled decode pass (the
   block-table snapshot's ``prepare_step`` included), the compiled count store, the
-  compiled key diff into range triples, ``publish_packed`` (pack + ``cuGraphLaunch``) and
+  compiled key diff into range triples, ``PackedGroup.publish`` (header, pack + graph launch) and
   the event record. Between them it keeps only the few record updates the next call needs.
 
 It leaves out the epoch contract's Python: owner, epoch, device and stream checks, the
@@ -44,8 +44,8 @@ use_sources()
 
 from decode_runner.scheduler import steady_decode_batches  # noqa: E402
 
-import h2d_core.publish as state_module  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
+from h2d_core.native import native as core_native  # noqa: E402
 from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
 from h2d_runner_adapters.consumers import GREEDY_TEMPERATURE  # noqa: E402
 
@@ -81,7 +81,7 @@ class Floor:
         st, step = setup.state, setup.step
         self.setup = setup
         self.native = step._native
-        self.core = state_module.native
+        self.core = core_native
         if self.native is None or self.core is None:
             raise SystemExit("step_floor needs the compiled helpers (H2D_NATIVE=1, a C compiler)")
         self.records = [recs[st.plan(GROUP).index] for recs in st._slot_groups]
@@ -128,11 +128,11 @@ class Floor:
             return False
         q, k_rows, p_rows = done[0], done[1], done[2]
         t = n * q
-        rec.active, rec.count_bytes, rec.dma_end = core.store_counts(
-            self.counts._bound[slot], rec.counts,
+        rec.active, rec.count_bytes = core.store_counts(
+            self.counts._binding, rec.counts,
             (n, n if k_rows else None, n if p_rows else None, t, n + 1, n, n + 1, t, t, n,
              n + 1),
-            rec.active, rec.count_bytes, rec.dma_end)
+            rec.active, rec.count_bytes)
         snap = self.tables.snapshots[slot]
         keys = self.keys[self.spare]
         limit, max_bytes = self.tables._limits(n)
@@ -151,15 +151,7 @@ class Floor:
             rec.ranged.add(self.table_member)
             rec.active += 1
             rec.range_bytes = found[1]
-        packed = rec.packed
-        if packed.launch is not None:
-            end = core.publish_packed(packed.launch, rec.counts, rec.ranges, rec.dma_end,
-                                      self.stream)
-            if end < 0:
-                packed.arena.publish(-end, None)
-        else:
-            end = core.pack(packed.packer, rec.counts, rec.ranges)
-            packed.arena.publish(max(end, rec.dma_end), None)
+        rec.packed.publish(rec.counts, rec.ranges, self.stream)  # h2d_kernels' one call
         if self.events is not None:
             self.events.record(slot, self.stream)
             setup.state._event_recorded[slot] = True

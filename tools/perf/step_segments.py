@@ -59,7 +59,7 @@ def use_arena_launcher(st: H2DRunnerState) -> None:
     for recs in st._slot_groups:
         for rec in recs:
             if rec.packed is not None:
-                rec.packed.launch = None
+                rec.packed._binding = None  # the Python packing, then the arena's publish
     if st._slot_events is not None:
         st._slot_events = None
         st._events = [torch.cuda.Event() for _ in range(st.num_slots)]
@@ -76,7 +76,7 @@ class Variant:
         st.bind()
         if launcher == "arena":
             use_arena_launcher(st)
-        self.compiled = any(rec.packed is not None and rec.packed.launch is not None
+        self.compiled = any(rec.packed is not None and rec.packed.launches_graphs
                             for recs in st._slot_groups for rec in recs)
         self.seg: dict[str, list[float]] = {k: [] for k in SEGMENTS}
         self.stage_ns = 0
@@ -129,11 +129,11 @@ _active: Variant | None = None
 
 
 def _time_compiled_launches() -> None:
-    """Route the compiled pack + graph launch (h2d_core.launch) through a timer that
-    charges the variant stepping now."""
-    import h2d_core.publish as state_module
+    """Route the compiled pack + graph launch (h2d_kernels' PackedGroup.publish) through a
+    timer that charges the variant stepping now."""
+    import h2d_kernels.packed_group as state_module
 
-    real_native = state_module.native
+    real_native = state_module._native
     if real_native is None or hasattr(real_native, "_timed"):
         return
 
@@ -151,7 +151,7 @@ def _time_compiled_launches() -> None:
                 _active.launch_ns = time.perf_counter_ns() - t
             return end
 
-    state_module.native = TimedNative()
+    state_module._native = TimedNative()  # type: ignore[assignment]
 
 
 def run(bs: int, context: int, steps: int, device: str,

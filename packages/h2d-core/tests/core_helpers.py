@@ -89,43 +89,25 @@ def sync(device: str) -> None:
 
 
 def break_publication(monkeypatch: Any, packed: Any, message: str = "injected") -> None:
-    """Make every enqueue of this packed slot raise RuntimeError(message): the arena's
-    publish, and the compiled launcher (routed to the broken publish)."""
+    """Make every enqueue of this packed slot raise RuntimeError(message): its one
+    publication call (compiled launch or the arena's publish alike)."""
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError(message)
 
-    monkeypatch.setattr(packed.arena, "publish", broken)
-    monkeypatch.setattr(packed, "launch", None)
+    monkeypatch.setattr(packed, "publish", broken)
 
 
 def spy_dma(monkeypatch: Any, packed: Any) -> list[int]:
-    """Record the DMA size of every publication of this packed slot, whichever launcher
-    runs (the compiled one reports the size it launched)."""
-    import h2d_core.publish as state_module
-
+    """Record the DMA size of every publication of this packed slot (what its one
+    publication call returns, whichever launch ran)."""
     seen: list[int] = []
-    arena = packed.arena
-    real = arena.publish
+    real = packed.publish
 
-    def spy(dma_bytes: int, stream: Any = None) -> None:
-        seen.append(dma_bytes)
-        real(dma_bytes, stream)
+    def spy(*args: Any, **kwargs: Any) -> int:
+        end = int(real(*args, **kwargs))
+        seen.append(end)
+        return end
 
-    monkeypatch.setattr(arena, "publish", spy)
-    native = state_module.native
-    if native is not None:
-        class Spy:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(native, name)
-
-            @staticmethod
-            def publish_packed(*args: Any) -> int:
-                end = int(native.publish_packed(*args))
-                # launched here; a negative end goes on to arena.publish
-                if end > 0 and args[0] is packed.launch:
-                    seen.append(end)
-                return end
-
-        monkeypatch.setattr(state_module, "native", Spy())
+    monkeypatch.setattr(packed, "publish", spy)
     return seen

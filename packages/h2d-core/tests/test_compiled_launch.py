@@ -1,4 +1,4 @@
-"""The compiled launcher (h2d_core.launch): pack + graph launch in one call, slot events.
+"""The compiled publication (h2d_kernels.PackedGroup through the state) and slot events.
 
 On the CPU the driver is replaced by ctypes callbacks standing in for ``cuGraphLaunch``,
 ``cuStreamIsCapturing`` and the event calls. The fake ``cuGraphLaunch`` runs the arena's
@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from h2d_core import H2DRunnerState, PublicationEnqueueError, packing
-from h2d_core.launch import bind_publish
+from h2d_core import H2DRunnerState, PublicationEnqueueError
+from h2d_core.native import native as core_native
 from h2d_kernels import GraphLaunchTable
 from h2d_kernels.graphs import bucket_index, bucket_sizes
+from h2d_kernels.native import helper as kernels_native
 
 pytestmark = pytest.mark.skipif(
-    packing.native is None, reason="H2D_NATIVE=0 or no compiler: the compiled helper is off")
+    core_native is None or kernels_native is None,
+    reason="H2D_NATIVE=0 or not built: the compiled helpers are off")
 
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
@@ -90,11 +92,11 @@ def _with_fake_driver(st: H2DRunnerState, monkeypatch: pytest.MonkeyPatch,
                       covered: int | None = None) -> FakeDriver:
     rec = st._slot_groups[0][st.plan("step").index]
     packed = rec.packed
-    assert packed is not None and packed.launch is None  # no graphs on the CPU
+    assert packed is not None and packed.compiled and not packed.launches_graphs  # CPU
     fake = FakeDriver(packed.arena)
     monkeypatch.setattr(packed.arena, "graph_launch_table", lambda: fake.table(covered))
-    packed.launch = bind_publish(packed)
-    assert packed.launch is not None
+    packed._binding = packed._bind_native()
+    assert packed.launches_graphs
     return fake
 
 
@@ -120,11 +122,14 @@ def _needed_end(st: H2DRunnerState) -> int:
     """Where the last published byte of the current epoch's arena lies."""
     rec = st._slot_groups[st.current_slot][st.plan("step").index]
     packed = rec.packed
-    staged = {i for i, _, _ in packed.staged}
-    end = rec.dma_end
-    for row, (off, nbytes, member, _) in enumerate(packed.header.tolist()):
-        if nbytes and (row >= packed.first_extra or member in staged):
-            end = max(end, (off + nbytes + 15) // 16 * 16)
+    end = packed.arena.header_bytes
+    for row, (off, nbytes, _, _) in enumerate(packed.header.tolist()):
+        if not nbytes:
+            continue
+        if row < len(packed.members) and packed.offsets[row] >= 0:
+            end = max(end, off + nbytes)  # in place: the DMA ends where its bytes end
+        else:
+            end = max(end, (off + nbytes + 15) // 16 * 16)  # staged or a range
     return int(end)
 
 
@@ -167,7 +172,7 @@ def test_capture_or_an_uncovered_size_takes_the_arenas_own_launch(
     assert fast.counters("step").dmas == 6
 
 
-@pytest.mark.parametrize("call", ["cuGraphLaunch", "cuStreamIsCapturing"])
+@pytest.mark.parametrize("call", ["graph launch", "stream capture query"])
 def test_a_driver_error_invalidates_the_owner_and_publishes_nothing(
         monkeypatch: pytest.MonkeyPatch, call: str) -> None:
     st, b = _state()
@@ -175,7 +180,7 @@ def test_a_driver_error_invalidates_the_owner_and_publishes_nothing(
     rng = np.random.default_rng(5)
     _step(st, b, rng, 0)
     before = _dest(b)
-    if call == "cuGraphLaunch":
+    if call == "graph launch":
         fake.launch_rc = 719
     else:
         fake.capture_rc = 900
@@ -184,7 +189,7 @@ def test_a_driver_error_invalidates_the_owner_and_publishes_nothing(
     st.set_count(b["lens"], 4)
     with pytest.raises(PublicationEnqueueError, match="call reset"):
         st.publish("step")
-    assert f"{call} failed with CUDA error" in (st.invalidated or "")
+    assert f"{call} failed with driver error" in (st.invalidated or "")
     assert not st.is_published("step")
     assert st.counters("step").dmas == 1
     assert _dest(b) == before
@@ -214,13 +219,13 @@ class FakeEvents:
         return self.sync_rc
 
     def bind(self, events: tuple[int, ...]) -> Any:
-        return packing.native.bind_events(  # type: ignore[union-attr]
+        return core_native.bind_events(  # type: ignore[union-attr]
             events, _address(self.record_fn), _address(self.query_fn),
             _address(self.sync_fn), None)
 
 
 def test_slot_events_record_and_wait_through_the_driver() -> None:
-    native = packing.native
+    native = core_native
     fake = FakeEvents()
     cap = fake.bind((0x11, 0x22))
     native.event_record(cap, 1, 0xABC)
@@ -234,7 +239,7 @@ def test_slot_events_record_and_wait_through_the_driver() -> None:
 
 @pytest.mark.parametrize("case", ["query", "sync", "record", "slot"])
 def test_slot_event_errors_name_the_call(case: str) -> None:
-    native = packing.native
+    native = core_native
     fake = FakeEvents()
     cap = fake.bind((0x11,))
     if case == "query":
@@ -255,28 +260,43 @@ def test_slot_event_errors_name_the_call(case: str) -> None:
         assert fake.recorded == []
 
 
-def test_a_pack_only_binding_packs_and_never_launches() -> None:
-    """Every packed slot has a pack-only binding (``packer``, used by ``packing.pack`` on
-    the CPU and on the arena's path): ``publish_packed`` through it packs and hands the
-    launch back (a negative size)."""
+def test_a_pack_only_binding_writes_the_python_paths_header_and_bytes() -> None:
+    """Without graphs (the CPU) the compiled binding only packs: ``publish_packed`` writes
+    the header and staging exactly as ``PackedGroup``'s Python path and hands the launch
+    back (a negative DMA size), also zeroing the range rows of an earlier publication."""
     st, b = _state()
-    st.begin()
-    st.set_count(b["ids"], 5)
-    st.set_count(b["temps"], 2)
-    rec = st._slot_groups[0][st.plan("step").index]
-    packed = rec.packed
-    assert packed.packer is not None and packed.launch is None
-    end = packing.native.publish_packed(packed.packer, rec.counts, rec.ranges, rec.dma_end, 0)
-    assert end == -max(rec.dma_end, packing.pack_python(packed, rec.counts, rec.ranges))
-    st.finish()
+    packed = st._slot_groups[0][st.plan("step").index].packed
+    assert packed.compiled and not packed.launches_graphs
+    rng = np.random.default_rng(9)
+    for buf in b.values():
+        raw = buf.source(0).view(-1).view(torch.uint8)
+        raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))
+    members = {m.name: i for i, m in enumerate(packed.members)}
+    row = 512 * 4
+    steps = [
+        ({"temps": 5, "ids": 300, "lens": 2}, [(3 * row, 3 * row + 64), (9 * row, 9 * row + 8)]),
+        ({"temps": 1, "ids": None, "lens": 64, "table": 7}, []),
+        ({"ids": 16384}, [(0, 4)]),
+    ]
+    for counts_by_name, byte_ranges in steps:
+        counts: list[int | None] = [None] * len(packed.members)
+        for name, n in counts_by_name.items():
+            counts[members[name]] = n
+        ranges = [(members["table"], a, z - a) for a, z in byte_ranges]
+        end_python = packed._pack_python(counts, ranges)
+        header, arena = packed.header.copy(), packed.arena.host.clone()
+        packed.header[: len(packed.members), 1] = -1  # a member row left unwritten shows
+        end = kernels_native.publish_packed(packed._binding, counts, ranges, 0)
+        assert end == -end_python
+        assert np.array_equal(packed.header, header)
+        assert torch.equal(packed.arena.host, arena)
 
 
 def test_bind_rejects_null_driver_addresses() -> None:
-    native = packing.native
     with pytest.raises(ValueError, match="null driver function address"):
-        native.bind_events((1,), 0, 1, 1, None)
+        core_native.bind_events((1,), 0, 1, 1, None)
     with pytest.raises(ValueError, match="null driver function address"):
-        native.bind_publish(0, 0, 0, 0, (), (), 0, 0, (), 0, 1, None)
+        kernels_native.bind_publish(0, 0, 0, 0, (), (), 0, 0, (), 0, 1, None, (), (), 0)
 
 
 def test_cuda_states_use_the_compiled_launcher(device: str) -> None:
@@ -287,7 +307,7 @@ def test_cuda_states_use_the_compiled_launcher(device: str) -> None:
     st, b = _state("cuda")
     ref, rb = _state("cpu")
     assert st._slot_events is not None
-    assert all(rec.packed.launch is not None for recs in st._slot_groups for rec in recs
+    assert all(rec.packed.launches_graphs for recs in st._slot_groups for rec in recs
                if rec.packed is not None)
     rng, rng_r = np.random.default_rng(11), np.random.default_rng(11)
     for k in range(12):

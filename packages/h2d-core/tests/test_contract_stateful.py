@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from h2d_core import H2DError, h2d_producer
-from h2d_core.packing import native as _packing_native
+from h2d_kernels.native import helper as _kernels_native
 
 sys.path.insert(0, str(Path(__file__).parent))
 import core_helpers as helpers
@@ -31,7 +31,7 @@ GROUPS = ("token_inputs", "mha_decode")
 
 def h2d_core_native() -> object:
     """The compiled helper the packed slots bind to (None when it is not loaded)."""
-    return _packing_native
+    return _kernels_native
 PUBLISHABLE = ("decode", "token_inputs", "mha_decode")
 
 
@@ -47,17 +47,17 @@ class ContractMachine(RuleBasedStateMachine):
         with pytest.MonkeyPatch.context() as patch:
             if self.python_core:  # bind without the compiled helpers: the Python twins run
                 import h2d_core.launch
-                import h2d_core.packing
+                import h2d_kernels.packed_group
 
-                patch.setattr(h2d_core.packing, "native", None)
+                patch.setattr(h2d_kernels.packed_group, "_native", None)
                 patch.setattr(h2d_core.launch, "native", None)
             self.s = helpers.build_state(self.device, backend=backend, num_slots=slots,
                                          scatter="reference" if self.device == "cpu" else None)
         if self.python_core:
-            assert all(r.packed is None or r.packed.packer is None
+            assert all(r.packed is None or not r.packed.compiled
                        for recs in self.s.state._slot_groups for r in recs)
         elif h2d_core_native() is not None:
-            assert all(r.packed is None or r.packed.packer is not None
+            assert all(r.packed is None or r.packed.compiled
                        for recs in self.s.state._slot_groups for r in recs)
         self.st = self.s.state
         self.rng = np.random.default_rng(0)
@@ -192,10 +192,8 @@ class ContractMachine(RuleBasedStateMachine):
             raise RuntimeError("injected")
 
         if rec.packed is not None:
-            originals.append((rec.packed.arena, "publish", rec.packed.arena.publish))
-            originals.append((rec.packed, "launch", rec.packed.launch))
-            rec.packed.arena.publish = boom
-            rec.packed.launch = None  # the compiled launcher would not call the broken publish
+            originals.append((rec.packed, "publish", rec.packed.publish))
+            rec.packed.publish = boom
         for b in self.s.buffers.values():
             originals.append((b, "_dst_units", b._dst_units))
             b._dst_units = _Exploding()

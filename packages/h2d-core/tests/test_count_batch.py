@@ -34,9 +34,10 @@ from h2d_core import (
     OwnerInvalidatedError,
     OwnerThreadError,
     PublicationEnqueueError,
-    packing,
 )
+from h2d_core.native import native as core_native
 from h2d_core.records import GroupRecord
+from h2d_kernels.native import helper as kernels_native
 
 # (name, dtype, shape, producer group, unit). Small members live in the arena (in place);
 # ids/pos/flags (> 32 KiB, elements/bytes) are staged; "wide" (> 32 KiB rows) is a tail.
@@ -70,7 +71,8 @@ CHEAP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCh
 
 
 NEEDS_NATIVE = pytest.mark.skipif(
-    packing.native is None, reason="H2D_NATIVE=0 or no compiler: the compiled helper is off")
+    core_native is None or kernels_native is None,
+    reason="H2D_NATIVE=0 or not built: the compiled helpers are off")
 #: ``native=`` of the object under test: the compiled store (required) or the Python one
 NATIVE_OR_PYTHON = [pytest.param(True, id="native", marks=NEEDS_NATIVE),
                     pytest.param(False, id="python")]
@@ -108,8 +110,6 @@ def _record_state(rec: GroupRecord) -> dict[str, Any]:
         "types": [type(c).__name__ for c in rec.counts],
         "active": rec.active,
         "count_bytes": rec.count_bytes,
-        "dma_end": rec.dma_end,
-        "header_nbytes": None if rec.header_nbytes is None else rec.header_nbytes.tolist(),
         "header": None if rec.packed is None else rec.packed.header.tolist(),
         "ranges": list(rec.ranges),
         "ranged": set(rec.ranged),
@@ -129,14 +129,6 @@ def _check_record_invariants(rec: GroupRecord) -> None:
     assert rec.active == sum(c is not None for c in rec.counts) + len(rec.ranged)
     assert rec.count_bytes == sum(
         c * m.spec.unit_bytes for c, m in zip(rec.counts, members, strict=True) if c is not None)
-    if rec.header_nbytes is not None:
-        assert rec.header_nbytes[: len(members)].tolist() == [
-            0 if c is None else c * m.spec.unit_bytes
-            for c, m in zip(rec.counts, members, strict=True)]
-        ends = [off + c * m.spec.unit_bytes
-                for c, m, off in zip(rec.counts, members, rec.inplace, strict=True)
-                if c and off >= 0]
-        assert rec.dma_end >= max([rec.plan.header_bytes, *ends])
 
 
 # Byte images are numpy copies: comparing them stays single-threaded and cheap on CPU.
@@ -329,20 +321,15 @@ def test_second_set_in_an_epoch_overrides_the_first(device: str, h: Any, backend
     idx = {m.name: i for i, m in enumerate(rec.plan.members)}
     batch.set(16, None, 3, 100)  # temps 16*4 B, bt 3 rows of 96 B, ids 100*4 B
     assert rec.active == 3 and rec.count_bytes == 64 + 288 + 400
-    end_after_first = rec.dma_end
     batch.set(None, 8, 1, 0)  # count -> None, None -> count (8 rows of 6 B), smaller, 0
     assert [rec.counts[idx[n]] for n in order] == [None, 8, 1, 0]
     assert rec.active == 3 and rec.count_bytes == 48 + 96
-    if rec.header_nbytes is not None:
-        assert [int(rec.header_nbytes[idx[n]]) for n in order] == [0, 48, 96, 0]
-        # the DMA end never shrinks within an epoch (set_count keeps it too)
-        assert rec.dma_end == end_after_first == rec.inplace[idx["bt"]] + 288
-    else:
-        assert rec.dma_end == 0
     after_second = _record_state(rec)
     batch.set(None, np.int64(8), np.int32(1), 0)  # type: ignore[arg-type]  # numpy ints
     assert _record_state(rec) == after_second
     s.publish("decode")
+    if rec.packed is not None:  # the arena's header holds the last counts only
+        assert [int(rec.packed.header[idx[n], 1]) for n in order] == [0, 48, 96, 0]
     s.finish()
     h.sync(device)
     assert np.array_equal(_dest(b["bf"]), _bytes(b["bf"].cpu))  # all 8 rows
@@ -371,8 +358,8 @@ def test_compiled_batch_on_an_unpacked_group(device: str, h: Any, kind: str,
     c.np[:] = np.arange(10, 16)
     batch.set(5, 6)
     rec = s._slot_groups[0][0]
-    assert (rec.counts, rec.active, rec.count_bytes, rec.dma_end) == ([5, 6], 2, 5 * 4 + 6 * 8, 0)
-    assert rec.header_nbytes is None
+    assert (rec.counts, rec.active, rec.count_bytes) == ([5, 6], 2, 5 * 4 + 6 * 8)
+    assert rec.packed is None
     s.publish("g")
     s.finish()
     h.sync(device)
@@ -700,7 +687,7 @@ def test_pack_matches_pack_python(device: str, h: Any) -> None:
         b.gpu.view(torch.uint8).fill_(h.POISON)
     rec = s._slot_groups[0][0]
     slot = rec.packed
-    assert slot is not None and len(slot.staged) == 3
+    assert slot is not None and len(slot._staged) == 3
     setup = Setup(s, bufs)
     row_elems, table_elems = 128, 64 * 128
 
@@ -736,11 +723,15 @@ def test_pack_matches_pack_python(device: str, h: Any) -> None:
         start = (host.copy(), slot.header.copy())
         counts_in, ranges_in = list(rec.counts), list(rec.ranges)
 
-        end_native = packing.pack(slot, rec.counts, rec.ranges)
+        stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
+        # the compiled publication (on CUDA it may launch the graph: the destinations are
+        # read again below, before the production publication)
+        end_native = abs(kernels_native.publish_packed(slot._binding, rec.counts, rec.ranges,
+                                                       stream))
         got_native = (host.copy(), slot.header.copy())
         host[:] = start[0]
         slot.header[:] = start[1]
-        end_python = packing.pack_python(slot, rec.counts, rec.ranges)
+        end_python = slot._pack_python(rec.counts, rec.ranges)
         got_python = (host.copy(), slot.header.copy())
         assert (rec.counts, rec.ranges) == (counts_in, ranges_in)  # inputs untouched
         assert end_native == end_python
@@ -749,7 +740,7 @@ def test_pack_matches_pack_python(device: str, h: Any) -> None:
 
         # and both put each staged member's used bytes and each range where the header says
         last = 0
-        for i, _, unit_bytes in slot.staged:
+        for i, _, unit_bytes in slot._staged:
             used = rec.counts[i]
             if used:
                 off, nbytes = int(slot.header[i, 0]), used * unit_bytes
@@ -758,13 +749,18 @@ def test_pack_matches_pack_python(device: str, h: Any) -> None:
                 assert np.array_equal(host[off : off + nbytes], src[:nbytes])
                 last = max(last, off + nbytes)
         bt_src = _bytes(bufs["bt"].cpu)
-        for row, (i, dst_off, nbytes) in enumerate(rec.ranges, start=slot.first_extra):
+        for row, (i, dst_off, nbytes) in enumerate(rec.ranges, start=len(slot.members)):
             off, size, member, dst = (int(x) for x in slot.header[row])
             assert (size, member, dst) == (nbytes, i, dst_off)
             assert off >= slot.staging_offset
             assert np.array_equal(host[off : off + size], bt_src[dst_off : dst_off + size])
             last = max(last, off + size)
-        assert end_python == (last + 15) // 16 * 16
+        # the DMA ends after the header, the used in-place bytes and the packed bytes
+        inplace_end = max([slot.arena.header_bytes] + [
+            off + c * m.spec.unit_bytes
+            for c, m, off in zip(rec.counts, rec.plan.members, slot.offsets, strict=True)
+            if c and off >= 0])
+        assert end_python == max(inplace_end, (last + 15) // 16 * 16)
         # nothing outside the staging region moved
         assert np.array_equal(host[slot.header.nbytes : slot.staging_offset],
                               start[0][slot.header.nbytes : slot.staging_offset])

@@ -368,7 +368,7 @@ def test_enqueue_failure_invalidates_and_retains_storage(device: str, h: Any,
     st = setup.state
     st.begin()
     rec = st._slot_groups[0][st.plan("decode").index]
-    arena, launch = rec.packed.arena, rec.packed.launch
+    packed, arena = rec.packed, rec.packed.arena
     sources = {n: b.cpu.data_ptr() for n, b in setup.buffers.items()}
     h.break_publication(monkeypatch, rec.packed, "injected launch failure")
     for b in setup.buffers.values():
@@ -384,7 +384,7 @@ def test_enqueue_failure_invalidates_and_retains_storage(device: str, h: Any,
     monkeypatch.undo()
     st.reset()
     assert st.invalidated is None
-    assert rec.packed.arena is arena and rec.packed.launch is launch
+    assert rec.packed is packed and rec.packed.arena is arena
     assert {n: b.cpu.data_ptr() for n, b in setup.buffers.items()} == sources
     st.begin()
     counts = _publish_all(setup, h, np.random.default_rng(4))

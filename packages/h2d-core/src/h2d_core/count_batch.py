@@ -16,7 +16,7 @@ from block_tables.native import select
 
 from .buffer import H2DBuffer
 from .errors import CountError, DeclarationError, DuplicatePublicationError
-from .packing import native as _native
+from .native import native as _native
 
 if TYPE_CHECKING:
     from .owner import StateOwner
@@ -55,20 +55,14 @@ class CountBatch:
         # (buffer, homes, unit bytes, fast capacity): fixed after bind
         self._entries = tuple((b, b.homes, b._unit_bytes, b._fast_capacity) for b in buffers)
         # One record carries every member (the usual case: one fused producer, one group):
-        # the compiled path stores all counts per slot in one call.
+        # the compiled path stores all counts in one call.
         module = select(_native, native, "CountBatch")
         gis = {gi for b in buffers for gi, _ in b.homes}
         single = module is not None and len(gis) == 1 and all(len(b.homes) == 1
                                                                for b in buffers)
+        self._binding = None if not single else module.bind_counts(  # type: ignore[union-attr]
+            tuple((b.homes[0][1], b._unit_bytes, b._fast_capacity) for b in buffers))
         self._record = gis.pop() if single else -1
-        self._bound = [] if not single else [
-            module.bind_counts(  # type: ignore[union-attr]
-                rec.header_nbytes,
-                tuple((i, b._unit_bytes, rec.inplace[i] if rec.inplace else -1,
-                       b._fast_capacity)
-                      for b in buffers for i in (b.homes[0][1],)))
-            for rec in (recs[self._record] for recs in state._slot_groups)
-        ]
 
     def set(self, *counts: int | None) -> None:
         """Set every member's count (in member order); all are checked before any is
@@ -90,13 +84,12 @@ class CountBatch:
                         "epoch; a second publication needs a reason (reopen())"
                     )
         recs = st._slot_groups[st.current_slot]
-        if self._bound:
+        if self._binding is not None:
             rec = recs[self._record]
             stored = _native.store_counts(  # type: ignore[union-attr]
-                self._bound[st.current_slot], rec.counts, counts, rec.active,
-                rec.count_bytes, rec.dma_end)
+                self._binding, rec.counts, counts, rec.active, rec.count_bytes)
             if stored is not None:
-                rec.active, rec.count_bytes, rec.dma_end = stored
+                rec.active, rec.count_bytes = stored
                 return
         values: Sequence[int | None] = counts
         for k, ((b, _, _, cap), c) in enumerate(zip(entries, counts, strict=True)):

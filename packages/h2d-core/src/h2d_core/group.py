@@ -43,10 +43,6 @@ class GroupPlan:
     producer_groups: tuple[str, ...]
     packed: bool
     why_direct: str
-    #: per member: fixed arena offset where its published bytes end up in the DMA, or -1
-    #: for staged members (their offset is decided per publication); empty when not packed
-    inplace_offsets: tuple[int, ...] = ()
-    header_bytes: int = 0
     #: members whose sources live in another publication group's arena (staged here)
     borrowed: frozenset[str] = frozenset()
 

@@ -1,40 +1,25 @@
-"""Compiled launches: a packed publication's pack + graph launch, and the slots' events.
+"""The slots' completion events through the driver.
 
-On the H200 host, ``PackedArena.publish`` through Python and ctypes costs ~6-7 µs for a
-graph launch the driver does in ~1-2 µs, and ``torch.cuda.Event.record`` /
-``synchronize`` ~1 µs each (docs/benchmarks.md, "cuda call costs"). The state has already
-checked what those layers check (owner thread, epoch, device, the epoch's stream), so the
-step's common path calls the driver from C (``_core_native.c``) with handles fixed at
-bind time:
+On the H200 host ``torch.cuda.Event.record`` / ``synchronize`` cost ~1 µs each
+(docs/benchmarks.md, "CUDA call costs"). The state has already checked what those layers
+check (owner thread, epoch, device, the epoch's stream), so ``begin`` and ``finish`` wait
+on and record one driver event per slot from C (``_core_native.c``), with the driver's
+entry points fixed at bind time (a completed event costs one query). Without the compiled
+helper or the driver library the state uses torch events: the same work, slower.
 
-* :func:`bind_publish`: per slot and packed group, the arena's graph handles and packing
-  plan; ``publish_packed`` then packs and launches in one call. A stream under capture or
-  a size without a graph hands back to ``PackedArena.publish`` (the capturable launch).
-* :class:`SlotEvents`: one driver event per slot, recorded by ``finish`` and waited on by
-  ``begin`` (a completed event costs one ``cuEventQuery``).
-
-Without the compiled helpers (``H2D_NATIVE=0``, no compiler) or ``libcuda``, the state
-uses ``PackedArena.publish`` and torch events: the same work, slower.
+The packed publication's own launch (header, packing, DMA, scatter or graph launch)
+belongs to :class:`h2d_kernels.PackedGroup`.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
 
 import torch
 
 from h2d_kernels import DeviceDriver, device_driver
 
-from .packing import PackedSlot, bind_native, native
-
-
-def bind_publish(slot: PackedSlot) -> Any | None:
-    """The compiled launcher of one slot's packed arena, or None (the arena's publish)."""
-    if native is None:
-        return None
-    table = slot.arena.graph_launch_table()  # type: ignore[attr-defined]
-    return None if table is None else bind_native(slot, table)
+from .native import native
 
 
 def _destroy(driver: DeviceDriver, events: tuple[int, ...]) -> None:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from h2d_kernels import RANGE_OVERHEAD
+
 from .buffer import CountUnit, H2DBuffer
 from .count_batch import CountBatch
 from .errors import (
@@ -28,8 +30,7 @@ from .errors import (
 )
 from .group import GroupCounters
 from .owner import StateOwner, current_raw_stream, get_device
-from .packing import native, pack
-from .records import RANGE_OVERHEAD, GroupRecord
+from .records import GroupRecord
 
 _profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
@@ -264,14 +265,7 @@ class Publication(StateOwner):
             return self._copy_direct(rec, [b.member_index for b in covered], counters)
         packed = rec.packed
         if packed is not None and (rec.active > 1 or len(rec.ranges) > 1):
-            if packed.launch is not None:
-                end = native.publish_packed(  # type: ignore[union-attr]
-                    packed.launch, rec.counts, rec.ranges, rec.dma_end, self._stream_id)
-                if end < 0:  # packed, but capturing (or no graph for the size): plain launch
-                    packed.arena.publish(-end, stream)  # type: ignore[attr-defined]
-            else:
-                end = pack(packed, rec.counts, rec.ranges) if packed.staged or rec.ranges else 0
-                packed.arena.publish(end if end > rec.dma_end else rec.dma_end, stream)  # type: ignore[attr-defined]
+            packed.publish(rec.counts, rec.ranges, self._stream_id, stream)
             counters.dmas += 1
             counters.scatters += 1
             return rec.count_bytes + rec.range_bytes

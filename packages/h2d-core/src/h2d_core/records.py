@@ -1,7 +1,8 @@
 """Group records: one publication group's counts and ranges for one slot and epoch.
 
 A record is what a publication reads: which members are active, each member's count (in
-its unit) or byte ranges, and the byte totals and DMA end the packed path needs. Every
+its unit) or byte ranges, and their byte totals. A packed record hands its counts and
+ranges to its slot's :class:`h2d_kernels.PackedGroup`, which writes the arena's header. Every
 rule that changes a record is a method here, so the state, fused count stores
 (:class:`~h2d_core.count_batch.CountBatch`) and block-table staging change records the
 same way.
@@ -11,13 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
+from h2d_kernels import RANGE_OVERHEAD, PackedGroup
 
 from .group import GroupPlan
-from .packing import PackedSlot
-
-#: staging bytes each range costs beyond its payload (its 16-byte alignment)
-RANGE_OVERHEAD = 16
 
 
 @dataclass(eq=False)
@@ -25,7 +22,7 @@ class GroupRecord:
     """One publication group's per-slot, per-epoch state: counts, ranges and the arena."""
 
     plan: GroupPlan
-    packed: PackedSlot | None
+    packed: PackedGroup | None
     counts: list[int | None] = field(default_factory=list)
     #: pending byte ranges this epoch: (member index, destination byte offset, byte count)
     ranges: list[tuple[int, int, int]] = field(default_factory=list)
@@ -35,15 +32,6 @@ class GroupRecord:
     #: payload bytes of the counts set (the ranges' bytes are in ``range_bytes``)
     count_bytes: int = 0
     active: int = 0
-    dma_end: int = 0
-    #: hot-path shortcuts: the header's byte-count column and each member's fixed offset
-    header_nbytes: np.ndarray | None = None
-    inplace: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.packed is not None:
-            self.header_nbytes = self.packed.header_nbytes
-        self.inplace = self.plan.inplace_offsets
 
     def clear_counts(self) -> None:
         """Forget every count and range (a new epoch or a reopened group)."""
@@ -53,9 +41,6 @@ class GroupRecord:
         self.range_bytes = 0
         self.count_bytes = 0
         self.active = 0
-        self.dma_end = self.plan.header_bytes
-        if self.packed is not None:
-            self.packed.header_nbytes.fill(0)
 
     def omit(self, i: int) -> None:
         """Member ``i`` publishes nothing this epoch (its count or ranges are dropped)."""
@@ -64,8 +49,6 @@ class GroupRecord:
             self.counts[i] = None
             self.active -= 1
             self.count_bytes -= old * self.plan.members[i].spec.unit_bytes
-            if self.packed is not None:
-                self.packed.header_nbytes[i] = 0
         if i in self.ranged:
             self.ranged.discard(i)
             self.active -= 1
@@ -82,11 +65,6 @@ class GroupRecord:
         else:
             self.count_bytes += nbytes - old * unit_bytes
         self.counts[i] = n
-        if self.header_nbytes is not None:
-            self.header_nbytes[i] = nbytes
-            off = self.inplace[i]
-            if nbytes and off >= 0 and off + nbytes > self.dma_end:
-                self.dma_end = off + nbytes
 
     def replace_ranges(self, i: int, new: list[tuple[int, int, int]],
                        nbytes: int | None = None) -> None:

@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
+from h2d_kernels import GroupMember, PackedGroup, arena_order
+
 from .buffer import BufferSpec, CountUnit, H2DBuffer, make_spec
 from .config import Backend, resolve_backend
 from .errors import BindingError, DeclarationError, UnknownGroupError
 from .group import GroupCounters, GroupPlan, byte_span, find_overlap, unit_view
-from .launch import SlotEvents, bind_publish
-from .packing import arena_order, bind_packed_slot
+from .launch import SlotEvents
 from .publish import Publication
 from .records import GroupRecord
 from .slot import SlotLifecycle
@@ -240,7 +241,9 @@ class H2DRunnerState(SlotLifecycle, Publication):
                     why = f"noncontiguous destination(s) {bad}"
             packed = not why
             if packed:
-                members = arena_order(members, borrowed)
+                by_name = {b.name: b for b in members}
+                members = [by_name[m.name] for m in arena_order(
+                    [_group_member(b, b.name in borrowed) for b in members])]
             plans[name] = GroupPlan(name, index, tuple(members), groups, packed, why,
                                     borrowed=borrowed)
 
@@ -284,10 +287,6 @@ class H2DRunnerState(SlotLifecycle, Publication):
         for recs in slot_groups:
             for rec in recs:
                 rec.clear_counts()
-                if rec.packed is not None:
-                    launch = bind_publish(rec.packed)
-                    if launch is not None:  # it packs too: one binding per arena
-                        rec.packed.launch = rec.packed.packer = launch
         if self._cuda:
             self._slot_events = SlotEvents.create(self.num_slots, self.device)
             if self._slot_events is None:
@@ -306,23 +305,12 @@ class H2DRunnerState(SlotLifecycle, Publication):
                 )
             return GroupRecord(plan, None), plan
         # Primary groups are bound first (publication order), so borrowed sources exist.
-        borrowed = {n: sources[n][slot] for n in plan.borrowed}
-        packed, member_sources = bind_packed_slot(
-            plan.members, self.device, self._scatter, self._cuda, borrowed
-        )
-        for buf, src in zip(plan.members, member_sources, strict=True):
+        packed = PackedGroup.bind(
+            [_group_member(b, b.name in plan.borrowed) for b in plan.members], self.device,
+            self._scatter, self._cuda, {n: sources[n][slot] for n in plan.borrowed})
+        for buf, src in zip(plan.members, packed.sources, strict=True):
             if buf.name not in plan.borrowed:
                 sources[buf.name].append(src)
-        if not plan.inplace_offsets:
-            staged = {i for i, _, _ in packed.staged}
-            inplace = tuple(
-                -1 if i in staged else off for i, off in enumerate(packed.offsets)
-            )
-            plan = GroupPlan(
-                plan.name, plan.index, plan.members, plan.producer_groups, True, "",
-                inplace, packed.arena.layout.header_bytes,  # type: ignore[attr-defined]
-                plan.borrowed,
-            )
         return GroupRecord(plan, packed), plan
 
     def buffers(self) -> Mapping[str, H2DBuffer]:
@@ -341,3 +329,10 @@ class H2DRunnerState(SlotLifecycle, Publication):
         if group not in self._counters:
             raise UnknownGroupError(self._unknown_group(group))
         return self._counters[group]
+
+
+def _group_member(buf: H2DBuffer, borrowed: bool) -> GroupMember:
+    spec = buf.spec
+    return GroupMember(spec.name, buf.gpu, spec.nbytes, spec.unit_bytes, spec.itemsize,
+                       spec.unit is CountUnit.ROWS, buf.max_ranges,
+                       borrowed)

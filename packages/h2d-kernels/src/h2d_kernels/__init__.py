@@ -3,7 +3,9 @@
 One pinned host arena holds a header of range descriptors and every member's
 payload; ``PackedArena.publish`` moves it with one H2D copy and one Triton
 scatter that writes exactly the described byte ranges to fixed destination
-addresses. This package knows arenas, layouts and addresses only.
+addresses. ``PackedGroup`` places a publication group's members in such an arena and
+publishes counts and byte ranges in one call (header, packing, DMA, scatter or graph
+launch). This package knows arenas, layouts and addresses, not groups' rules or slots.
 """
 
 from h2d_kernels.arena import DEFAULT_LAUNCH, PackedArena, bind_destinations
@@ -19,6 +21,8 @@ from h2d_kernels.errors import (
     DestinationLayoutError,
     DestinationOverlapError,
     H2DKernelsError,
+    NativeRequiredError,
+    NativeUnavailableWarning,
     PublishError,
     ScatterBackendError,
 )
@@ -32,6 +36,15 @@ from h2d_kernels.layout import (
     MemberRegion,
     plan_arena,
 )
+from h2d_kernels.packed_group import (
+    INPLACE_LIMIT,
+    RANGE_OVERHEAD,
+    GroupMember,
+    PackedGroup,
+    Placement,
+    arena_order,
+    placement_of,
+)
 from h2d_kernels.reference import scatter_reference, validate_descriptors
 from h2d_kernels.scatter import ScatterConfig, interpreter_enabled
 
@@ -41,7 +54,9 @@ __all__ = [
     "DESCRIPTOR_BYTES",
     "DESCRIPTOR_FIELDS",
     "HIP",
+    "INPLACE_LIMIT",
     "PAYLOAD_ALIGN",
+    "RANGE_OVERHEAD",
     "ArenaLayout",
     "ArenaLayoutError",
     "ArenaMember",
@@ -56,15 +71,22 @@ __all__ = [
     "DeviceDriver",
     "DriverSymbols",
     "GraphLaunchTable",
+    "GroupMember",
     "H2DKernelsError",
     "MemberRegion",
+    "NativeRequiredError",
+    "NativeUnavailableWarning",
     "PackedArena",
+    "PackedGroup",
+    "Placement",
     "PublishError",
     "ScatterBackendError",
     "ScatterConfig",
+    "arena_order",
     "bind_destinations",
     "device_driver",
     "interpreter_enabled",
+    "placement_of",
     "plan_arena",
     "scatter_reference",
     "validate_descriptors",

@@ -54,3 +54,11 @@ class PublishError(H2DKernelsError, ValueError):
 
 class ScatterBackendError(H2DKernelsError, RuntimeError):
     """The requested scatter or launch path is unavailable for this device or process."""
+
+
+class NativeRequiredError(H2DKernelsError, ImportError):
+    """``H2D_NATIVE=1`` asked for the compiled publication helper, which is not installed."""
+
+
+class NativeUnavailableWarning(RuntimeWarning):
+    """The compiled publication helper is not installed; the Python path runs instead."""
