@@ -37,9 +37,9 @@ nox.options.default_venv_backend = "venv"
 
 
 def _install_local(session: nox.Session, packages: list[Path]) -> None:
-    # Each package's wheel is built here: hatch_build.py compiles its C extensions
-    # (setuptools' build_ext); H2D_NATIVE=1 makes a compiler failure fail the session.
-    session.install("hatchling", "setuptools")
+    # Each package's wheel is built here: hatch_build.py compiles its C extensions and
+    # Cython pure-Python-mode modules; H2D_NATIVE=1 makes a build failure fail the session.
+    session.install("hatchling", "setuptools", "cython")
     session.install("--no-deps", "--no-build-isolation", *[str(p) for p in packages],
                     env=NATIVE)
 
@@ -106,6 +106,6 @@ def bench(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff over the workspace, mypy over every package's sources."""
-    session.install("ruff", "mypy", "numpy", TORCH, TRITON, "pytest", "hypothesis", "nox")
+    session.install("ruff", "mypy", "cython", "numpy", TORCH, TRITON, "pytest", "hypothesis", "nox")
     session.run("ruff", "check", ".")
     session.run("mypy", *[str(p / "src") for p in PACKAGES])

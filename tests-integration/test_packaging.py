@@ -69,6 +69,8 @@ def test_helpers_load_with_no_compiler_and_write_nothing(tmp_path: Path) -> None
         "print(sorted(n.native_status().items()))\n"
         "import h2d_kernels.native as k\n"
         "assert k.helper is not None\n"
+        "import h2d_core.records as r\n"
+        "assert r.COMPILED, r.__file__  # the Cython-compiled record rules\n"
     )
     done = _run(script, PATH="", CC="/nonexistent/cc", HOME=str(home), H2D_NATIVE="1",
                 XDG_CACHE_HOME=str(home / "cache"), TRITON_INTERPRET="1")

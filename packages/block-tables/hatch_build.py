@@ -8,9 +8,12 @@ Shared by every package of the workspace that has compiled parts (``h2d-core`` a
     extensions = { "block_tables._block_tables_native" = "src/block_tables/_snapshot_native.c" }
     numpy = ["block_tables._block_tables_native"]   # sources that include numpy's headers
 
-Each extension is compiled with setuptools' ``build_ext`` (the platform's compiler and
-flags) and added to the wheel, which then gets a platform tag. Importing the installed
-package never compiles anything.
+A source ending in ``.py`` is a module written in Cython's pure-Python mode: Cython turns
+it into C first (the ``.py`` stays in the wheel and runs interpreted where the extension
+is missing; an installed extension takes precedence over it at import). Each extension is
+compiled with setuptools' ``build_ext`` (the platform's compiler and flags) and added to
+the wheel, which then gets a platform tag. Importing the installed package never compiles
+anything.
 
 Without a working compiler the wheel is built pure (the packages then run their Python
 paths and warn once at import), unless ``H2D_NATIVE=1`` asks for the extensions: then the
@@ -68,13 +71,16 @@ def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
             import numpy
 
             include.append(numpy.get_include())
-        ext = Extension(name, [str(source)], include_dirs=include,
-                        extra_compile_args=["-O2", "-fno-strict-aliasing"]
-                        if os.name != "nt" else [])
-        dist = Distribution({"name": name, "ext_modules": [ext]})
-        cmd = build_ext(dist)
-        cmd.build_lib = str(out_dir)
         with tempfile.TemporaryDirectory() as temp:
+            c_source = source
+            if source.suffix == ".py":
+                c_source = _cythonize(name, source, Path(temp))
+            ext = Extension(name, [str(c_source)], include_dirs=include,
+                            extra_compile_args=["-O2", "-fno-strict-aliasing"]
+                            if os.name != "nt" else [])
+            dist = Distribution({"name": name, "ext_modules": [ext]})
+            cmd = build_ext(dist)
+            cmd.build_lib = str(out_dir)
             cmd.build_temp = temp
             cmd.ensure_finalized()
             try:
@@ -83,6 +89,20 @@ def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
                 raise NativeBuildFailed(f"building {name} from {source} failed: {exc}") from exc
         built[name] = Path(cmd.get_ext_fullpath(name))
     return built
+
+
+def _cythonize(name: str, source: Path, temp: Path) -> Path:
+    """C translation of a pure-Python-mode module, written under ``temp``."""
+    try:
+        from Cython.Compiler.Main import CompilationOptions, compile_single
+    except ImportError as exc:
+        raise NativeBuildFailed(f"building {name} from {source} needs Cython: {exc}") from exc
+    target = temp / f"{name.rpartition('.')[2]}.c"
+    options = CompilationOptions(language_level=3, output_file=str(target))
+    result = compile_single(str(source), options, full_module_name=name)
+    if result.num_errors:
+        raise NativeBuildFailed(f"Cython could not translate {source} ({name})")
+    return target
 
 
 class NativeExtensionsHook(BuildHookInterface):  # type: ignore[misc,valid-type]

@@ -35,7 +35,7 @@ from h2d_core import (
     OwnerThreadError,
     PublicationEnqueueError,
 )
-from h2d_core.native import native as core_native
+from h2d_core.records import COMPILED as RECORDS_COMPILED
 from h2d_core.records import GroupRecord
 from h2d_kernels.native import helper as kernels_native
 
@@ -71,8 +71,9 @@ CHEAP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCh
 
 
 NEEDS_NATIVE = pytest.mark.skipif(
-    core_native is None or kernels_native is None,
-    reason="H2D_NATIVE=0 or not built: the compiled helpers are off")
+    not RECORDS_COMPILED, reason="records.py runs interpreted (not built, or H2D_NATIVE=0)")
+NEEDS_KERNELS_NATIVE = pytest.mark.skipif(
+    kernels_native is None, reason="H2D_NATIVE=0 or not built: the compiled helper is off")
 #: ``native=`` of the object under test: the compiled store (required) or the Python one
 NATIVE_OR_PYTHON = [pytest.param(True, id="native", marks=NEEDS_NATIVE),
                     pytest.param(False, id="python")]
@@ -227,16 +228,7 @@ def test_batch_matches_set_count_state_and_bytes(
         backend: str, native: bool) -> None:
     ref = _build(device, h, layout, backend, num_slots)
     bat = _build(device, h, layout, backend, num_slots)
-    stores: list[object] = []
-    if count_batch_module._native is not None:
-        real = count_batch_module._native.store_counts
-
-        def spy(*args: Any) -> Any:
-            out = real(*args)
-            stores.append(out)
-            return out
-
-        monkeypatch.setattr(count_batch_module._native, "store_counts", spy)
+    batches: list[CountBatch] = []
 
     def run(members: list[str]) -> None:
         @FAST
@@ -246,6 +238,7 @@ def test_batch_matches_set_count_state_and_bytes(
                 _close(state)
             order = data.draw(st.permutations(members), label="batch order")
             batch = bat.state.count_batch([bat.buffers[n] for n in order], native=native)
+            batches.append(batch)
             for _ in range(data.draw(st.integers(1, 2), label="epochs")):
                 _epoch(data, order, batch)
 
@@ -301,10 +294,10 @@ def test_batch_matches_set_count_state_and_bytes(
     run(BATCHED)  # byte-unit counts are handed back to the Python check and store
     run(NON_BYTES)
     if native and layout in ("single", "combined"):
-        # one record carries every member: the compiled store ran and stored
-        assert stores and any(s is not None for s in stores)
-    if not native:
-        assert stores == []
+        # one record carries every member: the record's fused store is the path taken
+        assert batches and all(b._record >= 0 for b in batches)
+    if native is False:
+        assert all(b._record == -1 for b in batches)
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
@@ -638,30 +631,24 @@ def test_native_choice(device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> 
     setup = _build(device, h, "single")
     s, bufs = setup.state, setup.buffers
     members = [bufs[n] for n in NON_BYTES]
-    if count_batch_module._native is not None:
-        results: list[object] = []
-        real = count_batch_module._native.store_counts
-
-        def spy(*args: Any) -> Any:
-            results.append(real(*args))
-            return results[-1]
-
-        monkeypatch.setattr(count_batch_module._native, "store_counts", spy)
-        s.begin()
-        s.count_batch(members, native=False).set(*[1] * 6)
-        assert results == []  # never the compiled store
-        s.count_batch(members, native=None).set(*[2] * 6)
+    s.begin()
+    assert s.count_batch(members, native=False)._record == -1  # one store per member
+    fused = s.count_batch(members, native=None)
+    rec = s._slot_groups[s.current_slot][fused._record]
+    assert rec.store_counts(fused._fused, (2,) * 6) is True  # the record's fused store
+    assert [s.count(b) for b in members] == [2] * 6
+    # a byte-unit member's count is handed back to the Python check and store
+    with_bytes = s.count_batch([bufs["temps"], bufs["mask"]], native=None)
+    assert rec.store_counts(with_bytes._fused, (4, 12)) is False
+    assert [s.count(b) for b in members] == [2] * 6  # nothing stored
+    with_bytes.set(4, 12)
+    assert (s.count(bufs["temps"]), s.count(bufs["mask"])) == (4, 12)
+    if RECORDS_COMPILED:
         s.count_batch(members, native=True).set(*[3] * 6)
-        assert len(results) == 2 and all(isinstance(r, tuple) for r in results)
-        # a byte-unit member's count is handed back to the Python check and store
-        with_bytes = s.count_batch([bufs["temps"], bufs["mask"]], native=True)
-        with_bytes.set(4, 12)
-        assert results[-1] is None
-        assert (s.count(bufs["temps"]), s.count(bufs["mask"])) == (4, 12)
-        s.finish()
-        monkeypatch.undo()
-    # without the compiled helper: True is refused by name, None falls back to Python
-    monkeypatch.setattr(count_batch_module, "_native", None)
+        assert [s.count(b) for b in members] == [3] * 6
+    s.finish()
+    # interpreted records: True is refused by name, None still takes the fused store
+    monkeypatch.setattr(count_batch_module, "RECORDS_COMPILED", False)
     with pytest.raises(NativeBuildError, match="CountBatch: native=True but the compiled helper "
                                                "is unavailable"):
         s.count_batch(members, native=True)
@@ -672,7 +659,7 @@ def test_native_choice(device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> 
 
 # ------------------------------------------------------------------------- pack
 
-@NEEDS_NATIVE
+@NEEDS_KERNELS_NATIVE
 def test_pack_matches_pack_python(device: str, h: Any) -> None:
     s = H2DRunnerState(device, scatter=h.scatter_mode(device))
     bufs = {

@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING
 
-from block_tables.native import select
+from block_tables.native import NativeBuildError
 
 from .buffer import H2DBuffer
 from .errors import CountError, DeclarationError, DuplicatePublicationError
-from .native import native as _native
+from .records import COMPILED as RECORDS_COMPILED
 
 if TYPE_CHECKING:
     from .owner import StateOwner
@@ -28,9 +28,9 @@ class CountBatch:
     Made by :meth:`H2DRunnerState.count_batch` after ``bind()``. Members must be distinct
     buffers of the state without ``max_ranges`` (ranged members go through
     ``set_count``/``set_ranges``). ``None`` omits a member, as in ``set_count``.
-    ``native`` (None: when available; False: never; True: required) selects the compiled
-    store, used when one group record carries every member; the state and errors are
-    the same either way.
+    ``native`` (None: the record's fused store; False: one store per member; True: the
+    fused store, compiled, required) selects how counts are stored when one group record
+    carries every member; the state and errors are the same either way.
     """
 
     def __init__(
@@ -55,14 +55,17 @@ class CountBatch:
         # (buffer, homes, unit bytes, fast capacity): fixed after bind
         self._entries = tuple((b, b.homes, b._unit_bytes, b._fast_capacity) for b in buffers)
         # One record carries every member (the usual case: one fused producer, one group):
-        # the compiled path stores all counts in one call.
-        module = select(_native, native, "CountBatch")
+        # the record stores all counts in one call (compiled with records.py).
+        if native and not RECORDS_COMPILED:
+            raise NativeBuildError(
+                "CountBatch: native=True but the compiled helper is unavailable (records.py "
+                "runs interpreted: not built, or H2D_NATIVE=0 at build)"
+            )
         gis = {gi for b in buffers for gi, _ in b.homes}
-        single = module is not None and len(gis) == 1 and all(len(b.homes) == 1
+        single = native is not False and len(gis) == 1 and all(len(b.homes) == 1
                                                                for b in buffers)
-        self._binding = None if not single else module.bind_counts(  # type: ignore[union-attr]
-            tuple((b.homes[0][1], b._unit_bytes, b._fast_capacity) for b in buffers))
         self._record = gis.pop() if single else -1
+        self._fused = tuple((b.homes[0][1], b._unit_bytes, b._fast_capacity) for b in buffers)
 
     def set(self, *counts: int | None) -> None:
         """Set every member's count (in member order); all are checked before any is
@@ -84,13 +87,8 @@ class CountBatch:
                         "epoch; a second publication needs a reason (reopen())"
                     )
         recs = st._slot_groups[st.current_slot]
-        if self._binding is not None:
-            rec = recs[self._record]
-            stored = _native.store_counts(  # type: ignore[union-attr]
-                self._binding, rec.counts, counts, rec.active, rec.count_bytes)
-            if stored is not None:
-                rec.active, rec.count_bytes = stored
-                return
+        if self._record >= 0 and recs[self._record].store_counts(self._fused, counts):
+            return
         values: Sequence[int | None] = counts
         for k, ((b, _, _, cap), c) in enumerate(zip(entries, counts, strict=True)):
             if c is not None and not (type(c) is int and 0 <= c <= cap):

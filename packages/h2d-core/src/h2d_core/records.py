@@ -10,29 +10,48 @@ same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from h2d_kernels import RANGE_OVERHEAD, PackedGroup
 
 from .group import GroupPlan
 
+try:
+    import cython
+except ImportError:  # interpreted where Cython is not installed: no-op decorators
+    from . import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
-@dataclass(eq=False)
+#: whether this module runs compiled (Cython, built with the wheel) or interpreted
+COMPILED: bool = cython.compiled
+
+
+@cython.cclass
 class GroupRecord:
-    """One publication group's per-slot, per-epoch state: counts, ranges and the arena."""
+    """One publication group's per-slot, per-epoch state: counts, ranges and the arena.
 
-    plan: GroupPlan
-    packed: PackedGroup | None
-    counts: list[int | None] = field(default_factory=list)
+    Compiled by Cython when the wheel is built (the same source runs interpreted
+    otherwise): its methods are the count and range rules, and :meth:`store_counts` stores
+    a fused producer's counts in one call.
+    """
+
+    plan = cython.declare(object, visibility="public")
+    packed = cython.declare(object, visibility="public")
+    #: per member: its count this epoch (None: omitted)
+    counts = cython.declare(list, visibility="public")
     #: pending byte ranges this epoch: (member index, destination byte offset, byte count)
-    ranges: list[tuple[int, int, int]] = field(default_factory=list)
+    ranges = cython.declare(list, visibility="public")
     #: members with ranges set (they count as active)
-    ranged: set[int] = field(default_factory=set)
-    range_bytes: int = 0
+    ranged = cython.declare(set, visibility="public")
+    range_bytes = cython.declare(cython.longlong, visibility="public")
     #: payload bytes of the counts set (the ranges' bytes are in ``range_bytes``)
-    count_bytes: int = 0
-    active: int = 0
+    count_bytes = cython.declare(cython.longlong, visibility="public")
+    active = cython.declare(cython.longlong, visibility="public")
 
+    def __init__(self, plan: GroupPlan, packed: PackedGroup | None) -> None:
+        self.plan = plan
+        self.packed = packed
+        self.ranged = set()
+        self.clear_counts()
+
+    @cython.ccall
     def clear_counts(self) -> None:
         """Forget every count and range (a new epoch or a reopened group)."""
         self.counts = [None] * len(self.plan.members)
@@ -42,7 +61,8 @@ class GroupRecord:
         self.count_bytes = 0
         self.active = 0
 
-    def omit(self, i: int) -> None:
+    @cython.ccall
+    def omit(self, i: cython.Py_ssize_t) -> None:
         """Member ``i`` publishes nothing this epoch (its count or ranges are dropped)."""
         old = self.counts[i]
         if old is not None:
@@ -53,18 +73,43 @@ class GroupRecord:
             self.ranged.discard(i)
             self.active -= 1
             self.ranges = [r for r in self.ranges if r[0] != i]
-            self.range_bytes = sum(n for _, _, n in self.ranges)
+            self.range_bytes = sum([n for _, _, n in self.ranges])
 
-    def store_count(self, i: int, n: int, unit_bytes: int) -> None:
+    @cython.ccall
+    def store_count(self, i: cython.Py_ssize_t, n: cython.longlong,
+                    unit_bytes: cython.longlong) -> None:
         """Member ``i`` publishes its first ``n`` units (validated by the caller)."""
-        nbytes = n * unit_bytes
         old = self.counts[i]
         if old is None:
             self.active += 1
-            self.count_bytes += nbytes
+            self.count_bytes += n * unit_bytes
         else:
-            self.count_bytes += nbytes - old * unit_bytes
+            self.count_bytes += (n - old) * unit_bytes
         self.counts[i] = n
+
+    @cython.ccall
+    def store_counts(self, entries: tuple, values: tuple) -> cython.bint:
+        """A fused producer's counts in one call: ``entries[k]`` is ``(member index, unit
+        bytes, largest count taken here or -1)`` for ``values[k]`` (an int or None). Returns
+        False, storing nothing, when a value is not a plain int in range: the caller then
+        checks it the slow way and raises the specific error."""
+        k: cython.Py_ssize_t
+        count = len(entries)
+        if len(values) != count:
+            return False
+        for k in range(count):
+            v = values[k]
+            if v is not None and (type(v) is not int or not 0 <= v <= entries[k][2]):
+                return False
+        for k in range(count):
+            v = values[k]
+            i, unit = entries[k][0], entries[k][1]
+            if v is None:
+                if self.counts[i] is not None:
+                    self.omit(i)
+            else:
+                self.store_count(i, v, unit)
+        return True
 
     def replace_ranges(self, i: int, new: list[tuple[int, int, int]],
                        nbytes: int | None = None) -> None:
@@ -76,12 +121,13 @@ class GroupRecord:
         self.ranged.add(i)
         if self.ranges:
             self.ranges = [r for r in self.ranges if r[0] != i] + new
-            self.range_bytes = sum(n for _, _, n in self.ranges)
+            self.range_bytes = sum([n for _, _, n in self.ranges])
         else:
             self.ranges = new
-            self.range_bytes = sum(n for _, _, n in new) if nbytes is None else nbytes
+            self.range_bytes = sum([n for _, _, n in new]) if nbytes is None else nbytes
 
-    def sent(self, i: int) -> bool:
+    @cython.ccall
+    def sent(self, i: cython.Py_ssize_t) -> cython.bint:
         """Whether member ``i`` publishes anything (a count or ranges) this epoch."""
         return self.counts[i] is not None or i in self.ranged
 
@@ -89,5 +135,5 @@ class GroupRecord:
         """Staging bytes member ``i``'s ranges may still take (0 when not packed)."""
         if self.packed is None:
             return 0
-        others = sum(n + RANGE_OVERHEAD for j, _, n in self.ranges if j != i)
+        others = sum([n + RANGE_OVERHEAD for j, _, n in self.ranges if j != i])
         return max(self.packed.range_capacity - others, 0)
