@@ -9,11 +9,12 @@ Shared by every package of the workspace that has compiled parts (``h2d-core`` a
     numpy = ["block_tables._block_tables_native"]   # sources that include numpy's headers
 
 A source ending in ``.py`` is a module written in Cython's pure-Python mode: Cython turns
-it into C first (the ``.py`` stays in the wheel and runs interpreted where the extension
-is missing; an installed extension takes precedence over it at import). Each extension is
-compiled with setuptools' ``build_ext`` (the platform's compiler and flags) and added to
-the wheel, which then gets a platform tag. Importing the installed package never compiles
-anything.
+it into C first, as the extension named in the table (e.g. ``h2d_core._records_native``
+from ``records.py``). The ``.py`` stays in the wheel, runs interpreted where the extension
+is missing, and otherwise hands over to it (``H2D_NATIVE`` decides, as for the C
+helpers). Each extension is compiled with setuptools' ``build_ext`` (the platform's
+compiler and flags) and added to the wheel, which then gets a platform tag. Importing the
+installed package never compiles anything.
 
 Without a working compiler the wheel is built pure (the packages then run their Python
 paths and warn once at import), unless ``H2D_NATIVE=1`` asks for the extensions: then the

@@ -19,8 +19,6 @@ try:
 except ImportError:  # interpreted where Cython is not installed: no-op decorators
     from . import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
-#: whether this module runs compiled (Cython, built with the wheel) or interpreted
-COMPILED: bool = cython.compiled
 
 
 @cython.cclass
@@ -137,3 +135,16 @@ class GroupRecord:
             return 0
         others = sum([n + RANGE_OVERHEAD for j, _, n in self.ranges if j != i])
         return max(self.packed.range_capacity - others, 0)
+
+
+# This source is also compiled by Cython, as ``h2d_core._records_native``, when the wheel is
+# built. Run interpreted, it hands over to that build (unless H2D_NATIVE=0 or it is missing:
+# block_tables.native decides and warns), so every caller gets the compiled record rules.
+COMPILED: bool = cython.compiled
+if not cython.compiled:
+    from block_tables.native import load_extension
+
+    _compiled = load_extension("h2d_core._records_native")
+    if _compiled is not None:
+        GroupRecord = _compiled.GroupRecord  # type: ignore[misc]
+        COMPILED = True
