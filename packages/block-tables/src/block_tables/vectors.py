@@ -105,45 +105,29 @@ def prepare_vectors(
         snap._all_versioned = True
         return snap._revision
 
-    # ---- check every touched row before the first write ----------------------------------
+    # ---- check every touched row before the first write: the snapshot's write lists -----
     width, limit = snap._width, snap._limit
-    writes: list[tuple[int, int, int, Int32Array | None]] = []  # (row, start, stop, ids)
+    appends: list[tuple[int, int, int, Int32Array]] = []  # (row, start, stop, row IDs)
+    shrunk: list[int] = []
+    rewrites: list[tuple[int, Int32Array, int]] = []  # (row, IDs, length it replaces)
     stored_lengths = snap._lengths
     for i, d in zip(touched.tolist(), delta[touched].tolist(), strict=True):
         old = int(stored_lengths[i])
         new = int(lens[i])
         if abs(d) <= width and d < 0:
-            writes.append((i, new, old, None))  # same lineage, shorter: clear the tail
+            shrunk.append(i)  # same lineage, shorter: clear the tail
             continue
         ids = _row_ids(rows[i], i, new)
         start = old if abs(d) <= width else 0  # same lineage, grown: only the added IDs
         if limit is not None:
             check_page_range(ids[start:new], row=i, start=start, pool_limit=limit)
-        writes.append((i, start, max(new, old) if start == 0 else new, ids))
+        if start:
+            appends.append((i, start, new, ids))
+        else:
+            rewrites.append((i, ids, old))
 
-    # ---- write ---------------------------------------------------------------------------
-    storage, fill, fill_row = snap._storage, snap._fill, snap._fill_row
-    changed: list[int] = []
-    for i, start, stop, source in writes:
-        new = int(lens[i])
-        if source is None:
-            tail = storage[i, new:stop]
-            if tail.tobytes() != fill_row[: tail.shape[0]].tobytes():
-                tail.fill(fill)
-                changed.append(i)
-            continue
-        row_changed = False
-        target = storage[i, start:new]
-        if target.tobytes() != source[start:new].tobytes():
-            target[...] = source[start:new]
-            row_changed = True
-        if stop > new:  # a rewritten row shorter than what the storage row held
-            tail = storage[i, new:stop]
-            if tail.tobytes() != fill_row[: tail.shape[0]].tobytes():
-                tail.fill(fill)
-                row_changed = True
-        if row_changed:
-            changed.append(i)
+    # ---- write (compare first: only changed bytes count as changes) -----------------------
+    changed = snap._write_rows(appends, shrunk, stored_lengths, lens, rewrites)
     stored[...] = keys
     stored_lengths[:n] = lens
     snap._num_rows = n
@@ -151,5 +135,5 @@ def prepare_vectors(
     snap._all_versioned = True
     if changed:
         snap._revision += 1
-        snap._history.append((snap._revision, np.array(changed, dtype=np.int64)))
+        snap._history.append((snap._revision, np.array(sorted(changed), dtype=np.int64)))
     return snap._revision
