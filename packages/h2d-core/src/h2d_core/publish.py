@@ -175,8 +175,6 @@ class Publication(StateOwner):
     ) -> CountBatch:
         """A :class:`CountBatch` for ``buffers``: a producer that sets the same members'
         counts every step validates them all and stores them in one call."""
-        from .count_batch import CountBatch
-
         return CountBatch(self, buffers, native=native)
 
     def set_counts(
