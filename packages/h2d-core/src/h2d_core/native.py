@@ -1,7 +1,7 @@
-"""h2d_core's compiled helper (``_core_native.c``, built into the wheel by hatch_build.py):
-the fused count store of :class:`~h2d_core.count_batch.CountBatch` and the slots' driver
-events (:mod:`~h2d_core.launch`). None when it is not installed or ``H2D_NATIVE=0``
-(:mod:`block_tables.native` says which; the Python paths then run)."""
+"""h2d_core's C helper (``_core_native.c``, built into the wheel by hatch_build.py): the
+slots' driver events (:mod:`~h2d_core.launch`). None when it is not installed or
+``H2D_NATIVE=0`` (:mod:`block_tables.native` says which; torch events then run). The
+record rules are ``records.py``, compiled by Cython as ``h2d_core._records_native``."""
 
 from __future__ import annotations
 
