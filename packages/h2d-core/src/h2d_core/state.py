@@ -250,11 +250,9 @@ class H2DRunnerState(SlotLifecycle, Publication):
         slot_groups: list[list[GroupRecord]] = [[] for _ in range(self.num_slots)]
         sources: dict[str, list[torch.Tensor]] = {b: [] for b in self._buffers}
         try:
-            for name, plan in list(plans.items()):
+            for plan in plans.values():
                 for slot in range(self.num_slots):
-                    rec, plan = self._bind_group(plan, sources, slot)
-                    plans[name] = plan
-                    slot_groups[slot].append(rec)
+                    slot_groups[slot].append(self._bind_group(plan, sources, slot))
         except ValueError as exc:  # layout/destination rejections from h2d_kernels
             raise BindingError(f"cannot bind packed storage: {exc}") from exc
 
@@ -296,14 +294,14 @@ class H2DRunnerState(SlotLifecycle, Publication):
 
     def _bind_group(
         self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]], slot: int
-    ) -> tuple[GroupRecord, GroupPlan]:
+    ) -> GroupRecord:
         own = [b for b in plan.members if b.name not in plan.borrowed]
         if not plan.packed:
             for buf in own:
                 sources[buf.name].append(
                     torch.zeros(buf.spec.shape, dtype=buf.spec.dtype, pin_memory=self._cuda)
                 )
-            return GroupRecord(plan, None), plan
+            return GroupRecord(plan, None)
         # Primary groups are bound first (publication order), so borrowed sources exist.
         packed = PackedGroup.bind(
             [_group_member(b, b.name in plan.borrowed) for b in plan.members], self.device,
@@ -311,7 +309,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         for buf, src in zip(plan.members, packed.sources, strict=True):
             if buf.name not in plan.borrowed:
                 sources[buf.name].append(src)
-        return GroupRecord(plan, packed), plan
+        return GroupRecord(plan, packed)
 
     def buffers(self) -> Mapping[str, H2DBuffer]:
         return dict(self._buffers)

@@ -54,11 +54,9 @@ typedef struct {
     PyObject *owner; /* keeps the arena (host memory, graphs) alive */
 } Publish;
 
-static void publish_free(PyObject *capsule)
+/* everything a binding holds (a partly built one too: its unset pointers are NULL) */
+static void publish_release(Publish *p)
 {
-    Publish *p = (Publish *)PyCapsule_GetPointer(capsule, "h2d_publish");
-    if (p == NULL)
-        return;
     Py_XDECREF(p->owner);
     PyMem_Free(p->staged);
     PyMem_Free(p->src_base);
@@ -66,6 +64,13 @@ static void publish_free(PyObject *capsule)
     PyMem_Free(p->inplace);
     PyMem_Free(p->execs);
     PyMem_Free(p);
+}
+
+static void publish_free(PyObject *capsule)
+{
+    Publish *p = (Publish *)PyCapsule_GetPointer(capsule, "h2d_publish");
+    if (p != NULL)
+        publish_release(p);
 }
 
 /* i64 items of a tuple of ints into a new array (NULL + exception on failure) */
@@ -166,15 +171,8 @@ static PyObject *bind_publish(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject *capsule = PyCapsule_New(p, "h2d_publish", publish_free);
     if (capsule != NULL)
         return capsule;
-    Py_DECREF(p->owner);
-    p->owner = NULL;
 fail:
-    PyMem_Free(p->staged);
-    PyMem_Free(p->src_base);
-    PyMem_Free(p->unit_bytes);
-    PyMem_Free(p->inplace);
-    PyMem_Free(p->execs);
-    PyMem_Free(p);
+    publish_release(p);
     return NULL;
 }
 
