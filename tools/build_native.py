@@ -10,6 +10,7 @@ the lent GPU machine and local work without installing. Needs setuptools and a C
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -35,7 +36,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as out:
             for name, built in hook.build_extensions(root, Path(out)).items():
                 target = root / "src" / built.relative_to(out)
-                shutil.copyfile(built, target)
+                # a new file swapped in: a running process keeps its mapping of the old one
+                partial = target.with_name(target.name + ".partial")
+                shutil.copyfile(built, partial)
+                os.replace(partial, target)
                 print(f"{name}: {target.relative_to(ROOT)}")
     return 0
 

@@ -827,42 +827,36 @@ def test_delayed_source_reuse_keeps_what_each_step_published(
         assert kv.tolist() == expected_kv_indices(step, page), index
 
 
-def test_compiled_pass_reads_only_the_columns_it_checked() -> None:
-    """The table's prepare (Python code: here an unversioned row's ``__len__``) runs inside
-    the compiled pass; a column changed meanwhile must not steer what is written after it
-    (the pass works from a copy taken before the callback; before the fix a context
-    changed this way read the table past the row's pages)."""
-    from block_tables import PageTableSnapshot
-    from block_tables.native import load_extension
-
-    module = load_extension("h2d_runner_adapters._h2d_decode_native")
-    if module is None:
-        pytest.skip("the compiled decode step is unavailable (H2D_NATIVE=0 or not built)")
-    rows_cap, width, page = 4, 4, 16
-    storage = np.arange(rows_cap * width, dtype=np.int32).reshape(rows_cap, width) + 100
-    snap = PageTableSnapshot(storage, native=True)
-
-    def i32(k: int) -> np.ndarray:
-        return np.zeros(k, np.int32)
-
-    outs = [np.zeros(rows_cap, np.float32), i32(rows_cap), np.zeros(rows_cap, np.float32),
-            i32(rows_cap), i32(rows_cap + 1), i32(rows_cap), i32(rows_cap + 1),
-            np.zeros(rows_cap, np.int64), i32(rows_cap), i32(rows_cap + 1), i32(rows_cap),
-            np.zeros(rows_cap, np.int64)]
-    bound = module.bind_outputs(*outs, storage)
-    ctx = np.array([16], np.int32)  # one page; the row holds one page
+@pytest.mark.parametrize("kind", ["native", "numpy"])
+def test_layout_reads_only_the_columns_it_checked(kind: str) -> None:
+    """The table's prepare runs Python code (here an unversioned row's ``__len__``) between
+    the layout's plan and write; a context changed meanwhile must not steer what is written
+    (the layout works from a copy taken at plan; before that fix a context changed this
+    way read the table past the row's pages)."""
+    page = 16
+    side = build_side(kind, "cpu", page=page)
+    assert side.fused is not None
+    ctx = np.array([page], np.int32)  # one page; the row holds one page
 
     class Row(list):  # type: ignore[type-arg]
         def __len__(self) -> int:
-            ctx[0] = 16 * width + 1  # would need 5 pages
+            ctx[0] = page * MAX_PAGES + 1  # would need more pages than a row holds
             return list.__len__(self)
 
-    done = module.decode_step(
-        bound, np.array([1], np.int32), ctx, np.ones(1, np.float32), np.zeros(1, np.int32),
-        np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.int32),
-        np.array([5], np.int32), 1, page, 1e-10, snap.prepare, [Row([7])], outs[10])
-    assert ctx[0] == 16 * width + 1  # the callback did run and change the column
-    assert done == (1, 0, 0, 1, 0, 0, 1.0)
-    assert outs[7][0] == 15  # position from the checked context (16 - 1)
-    assert outs[11][0] == 7 * page + 15  # slot from the row's only page
-    assert outs[8][0] == 16 and outs[9][:2].tolist() == [0, 1]
+    cols = BatchColumns(
+        query_lens=np.array([1], np.int32), context_lens=ctx,
+        temperatures=np.ones(1, np.float32), top_k=np.full(1, -1, np.int32),
+        top_p=np.ones(1, np.float32), prev_sample_rows=np.full(1, -1, np.int32),
+        token_ids=np.array([5], np.int32), num_drafts=np.zeros(1, np.int32))
+    batch = ScheduledBatch(requests=(), is_prefill=False, page_size=page,
+                           given_columns=cols, given_block_tables=[Row([7])])
+    side.state.begin()
+    plan = side.fused.prepare(batch)
+    assert ctx[0] == page * MAX_PAGES + 1  # the callback did run and change the column
+    assert plan.decode.num_pages == 1
+    d = side.decode
+    assert d.positions.np[0] == page - 1  # from the checked context
+    assert d.slot_mapping.np[0] == 7 * page + page - 1  # the row's only page
+    assert d.context_lens.np[0] == page and d.kv_indptr.np[:2].tolist() == [0, 1]
+    side.state.publish(DECODE_STEP)
+    side.state.finish()

@@ -9,6 +9,7 @@ from .errors import (
     BlockTableError,
     MissingPagesError,
     PageIdRangeError,
+    RequestLayoutError,
     RowCountError,
     RowTypeError,
     RowWidthError,
@@ -16,6 +17,7 @@ from .errors import (
     VersionExhaustedError,
 )
 from .lineage import MAX_ROW_LENGTH, BlockTable, draw_version
+from .request_layout import LayoutColumn, RequestLayout
 from .snapshot import ChangedRows, PageTableSnapshot
 
 __all__ = [
@@ -23,9 +25,12 @@ __all__ = [
     "BlockTable",
     "BlockTableError",
     "ChangedRows",
+    "LayoutColumn",
     "MissingPagesError",
     "PageIdRangeError",
     "PageTableSnapshot",
+    "RequestLayout",
+    "RequestLayoutError",
     "RowCountError",
     "RowTypeError",
     "RowWidthError",

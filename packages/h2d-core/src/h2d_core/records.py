@@ -17,7 +17,7 @@ from .group import GroupPlan
 try:
     import cython
 except ImportError:  # interpreted where Cython is not installed: no-op decorators
-    from . import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
+    from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
 
 

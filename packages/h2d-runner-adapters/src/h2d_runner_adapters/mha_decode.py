@@ -1,7 +1,9 @@
 """MHA decode metadata: slots, context lengths, block tables, KV prefix and positions.
 
-The ``mha_decode`` producer group. First consumer: KV-index generation
-(:func:`generate_kv_indices` builds ``kv_indices`` from the block tables and ``kv_indptr``).
+The ``mha_decode`` producer group. Positions, KV slots, context lengths and the KV prefix
+come from one :class:`block_tables.RequestLayout` pass over the prepared table. First
+consumer: KV-index generation (:func:`generate_kv_indices` builds ``kv_indices`` from the
+block tables and ``kv_indptr``).
 Block tables go through :func:`h2d_core.block_table_state`: unchanged tables are not
 re-sent, appended pages travel as a few bytes, whole tables only when most rows changed.
 
@@ -18,13 +20,21 @@ A padded replay therefore reads nothing stale.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from block_tables import BlockTable
-from h2d_core import CountError, H2DRunnerState, h2d_producer
+from block_tables import (
+    BlockTable,
+    LayoutColumn,
+    RequestLayout,
+    RequestLayoutError,
+    request_layout,
+)
+from block_tables.native import select
+from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
 from .consumers import generate_kv_indices
@@ -34,11 +44,14 @@ from .token_inputs import _padded
 MHA_DECODE = "mha_decode"
 
 
-def _ceil_div(values: np.ndarray, page: int) -> np.ndarray:
-    """Pages needed for ``values`` tokens (a shift when ``page`` is a power of two)."""
-    if page & (page - 1) == 0:
-        return (values + (page - 1)) >> (page.bit_length() - 1)
-    return (values + (page - 1)) // page
+def select_layout(native: bool | None, what: str) -> type[RequestLayout]:
+    """The compiled :class:`RequestLayout` (None: when built; True: required, raising
+    ``NativeBuildError`` naming ``what``) or, for False, the same source interpreted."""
+    if native is False or (native is None and not request_layout.COMPILED):
+        return request_layout.INTERPRETED
+    if not request_layout.COMPILED:
+        select(None, True, what)  # raises NativeBuildError
+    return request_layout.RequestLayout
 
 
 class DecodePlan(NamedTuple):
@@ -80,13 +93,40 @@ class MhaDecodeInputs(PagedInputs):
         # Padded requests get this adapter's own empty row: versioned, so padding costs
         # nothing on a hit; private, so nothing can append to it.
         self._pad_rows: list[BlockTable] = [BlockTable()] * max_reqs
-        # fixed helpers of the hot path, made once
-        self._zeros = np.zeros(max_reqs, dtype=np.int32)
-        self._rows = np.arange(max_reqs)
+        self._layouts: list[RequestLayout] = []  # per slot, made on first use
 
     @h2d_producer(lambda self: self.group)
     def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodePlan:
         return self._prepare(batch, padded)
+
+    def request_layouts(
+        self,
+        name: str,
+        *,
+        cu_query: tuple[H2DBuffer, ...] = (),
+        columns: Sequence[tuple[H2DBuffer, bool, float | None, float | None]] = (),
+        native: bool | None = None,
+    ) -> list[RequestLayout]:
+        """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
+        (positions, KV slots, context lengths, KV prefix), reading the slot's prepared
+        table; plus the query prefix into each ``cu_query`` buffer and one column per
+        ``(buffer, per_token, pad, minimum)``. After ``bind()``; ``native`` as for the
+        snapshots (None: the compiled class when built, False: the interpreted one)."""
+        cls = select_layout(native, name)
+        snapshots = self.tables.snapshots
+        out = []
+        for slot in range(self.h2d_state.num_slots):
+            src = [b.source(slot).numpy() for b in (self.positions, self.slot_mapping,
+                                                    self.context_lens, self.kv_indptr)]
+            out.append(cls(
+                name, self.page_size, snapshots[slot].storage,
+                np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
+                positions=src[0], slot_mapping=src[1], context_lens=src[2],
+                kv_page_indptr=src[3],
+                cu_query=tuple(b.source(slot).numpy() for b in cu_query),
+                columns=[LayoutColumn(b.name, b.source(slot).numpy(), per_token, pad, low)
+                         for b, per_token, pad, low in columns]))
+        return out
 
     def _prepare(self, batch: ScheduledBatch, padded: int | None) -> DecodePlan:
         cols = batch.columns
@@ -99,41 +139,21 @@ class MhaDecodeInputs(PagedInputs):
                 f"{self.group}: decode expects the same number of tokens per request, got "
                 f"{sorted(set(qlens.tolist()))}"
             )
-        page = self.page_size
         st = self.h2d_state
-        ctx = cols.context_lens
-        pages = _ceil_div(ctx, page)
+        if not self._layouts:
+            self._layouts = self.request_layouts(self.group, native=self.native)
+        layout = self._layouts[st.current_slot]
+        pt = p * q
+        try:
+            layout.plan(qlens, cols.context_lens, p, pt)
+        except RequestLayoutError as exc:
+            raise CountError(str(exc)) from exc
         rows = batch.block_tables
         if p > n:
             rows = [*rows, *self._pad_rows[: p - n]]
-            required = np.concatenate((pages, self._zeros[: p - n]))
-        else:
-            required = pages
         tables = self.tables
-        tables.prepare(rows, required_pages=required)
-
-        # token positions and KV slots, from the freshly prepared (pinned) CPU table
-        t, pt = n * q, p * q
-        pos = self.positions.np
-        if q == 1:
-            np.subtract(ctx, 1, out=pos[:t])
-            req = self._rows[:n]
-        else:
-            pos[:t] = np.repeat(ctx - q, q) + np.tile(np.arange(q), n)
-            req = np.repeat(self._rows[:n], q)
-        pos[t:pt] = 0
-        token_pos = pos[:t]
-        slots = self.slot_mapping.np
-        self.kv_slots(req, token_pos, slots[:t])
-        slots[t:pt] = -1
-        lens = self.context_lens.np
-        lens[:n] = ctx
-        lens[n:p] = 0
-        indptr = self.kv_indptr.np
-        indptr[0] = 0
-        np.add.accumulate(pages, out=indptr[1 : n + 1])
-        total = int(indptr[n])
-        indptr[n + 1 : p + 1] = total
+        tables.prepare(rows, required_pages=layout.required_pages)
+        total = layout.write()  # positions, KV slots, lengths, KV prefix from the table
         st.set_count(self.positions, pt)
         st.set_count(self.slot_mapping, pt)
         st.set_count(self.context_lens, p)

@@ -19,7 +19,7 @@ import torch
 
 from h2d_core import H2DRunnerState, h2d_producer
 
-from .batch import ScheduledBatch
+from .batch import BatchColumns, ScheduledBatch
 from .consumers import GREEDY_TEMPERATURE, sample_tokens
 
 SAMPLING = "sampling"
@@ -57,29 +57,31 @@ class SamplingInputs:
         return self._produce(batch)
 
     def _produce(self, batch: ScheduledBatch) -> SamplingPlan:
-        cols = batch.columns
-        n = cols.temperatures.size
+        plan = self._fill(batch.columns)
+        n = plan.num_reqs
         st = self.h2d_state
-        np.maximum(cols.temperatures, GREEDY_TEMPERATURE, out=self.temperatures.np[:n])
         st.set_count(self.temperatures, n)
+        st.set_count(self.top_ks, n if plan.per_request_top_k else None)
+        st.set_count(self.top_ps, n if plan.per_request_top_p else None)
+        return plan
+
+    def _fill(self, cols: BatchColumns) -> SamplingPlan:
+        """Write the sources (counts are the caller's: temperatures n, each filter n when
+        per-request, else omitted)."""
+        n = cols.temperatures.size
+        np.maximum(cols.temperatures, GREEDY_TEMPERATURE, out=self.temperatures.np[:n])
         top_k: int | None = None
         top_p: float | None = None
         k_rows = not _uniform(cols.top_k)
         p_rows = not _uniform(cols.top_p)
-        if k_rows:
-            self.top_ks.np[:n] = cols.top_k
-            st.set_count(self.top_ks, n)
-        else:
-            st.set_count(self.top_ks, None)
-            if n and int(cols.top_k[0]) > 0:
-                top_k = int(cols.top_k[0])
-        if p_rows:
-            self.top_ps.np[:n] = cols.top_p
-            st.set_count(self.top_ps, n)
-        else:
-            st.set_count(self.top_ps, None)
-            if n and float(cols.top_p[0]) < 1.0:
-                top_p = float(cols.top_p[0])
+        # the filters' sources are written either way (the same bytes as the fused step's
+        # column copy); they are published only when they differ per request
+        self.top_ks.np[:n] = cols.top_k
+        self.top_ps.np[:n] = cols.top_p
+        if not k_rows and n and int(cols.top_k[0]) > 0:
+            top_k = int(cols.top_k[0])
+        if not p_rows and n and float(cols.top_p[0]) < 1.0:
+            top_p = float(cols.top_p[0])
         return SamplingPlan(n, top_k, top_p, k_rows, p_rows)
 
     def sample(

@@ -29,7 +29,7 @@ import torch
 
 from h2d_core import CountError, DeclarationError, H2DRunnerState, h2d_producer
 
-from .batch import ScheduledBatch
+from .batch import BatchColumns, ScheduledBatch
 from .consumers import assemble_token_ids, gather_draft_ids
 from .sampling import SAMPLING
 
@@ -105,20 +105,25 @@ class TokenInputs:
         q = int(cols.query_lens.max()) if n else 1
         pt = t if padded is None else max(t, p * q)
         st = self.h2d_state
-        ids = self.input_ids.np
-        ids[:t] = cols.token_ids
-        ids[t:pt] = 0
+        self._fill_ids(cols, n, p, t, pt)
         st.set_count(self.input_ids, pt)
         cu = self.decode_cu.np
         cu[0] = 0
         np.add.accumulate(cols.query_lens, out=cu[1 : n + 1])
         cu[n + 1 : p + 1] = t
         st.set_count(self.decode_cu, p + 1)
+        st.set_count(self.decode_src, p)
+        return TokenPlan(n, p, t, pt, int(cols.num_drafts.sum()))
+
+    def _fill_ids(self, cols: BatchColumns, n: int, p: int, t: int, pt: int) -> None:
+        """``input_ids[:pt]`` (padding 0) and ``decode_src[:p]`` (padding -1); the
+        caller checked the sizes and sets the counts."""
+        ids = self.input_ids.np
+        ids[:t] = cols.token_ids
+        ids[t:pt] = 0
         src = self.decode_src.np
         src[:n] = cols.prev_sample_rows
         src[n:p] = -1
-        st.set_count(self.decode_src, p)
-        return TokenPlan(n, p, t, pt, int(cols.num_drafts.sum()))
 
     @h2d_producer(QUERY_PREFIX)
     def prepare_query_prefix(self, batch: ScheduledBatch, padded: int | None = None) -> None:

@@ -1,0 +1,601 @@
+"""The per-token layout of a batch of requests over a paged KV cache, in one pass.
+
+Every attention family derives the same things from a batch's query and context lengths
+and its page table: where each token sits (position), where its key/value goes (KV slot),
+the query prefix (``cu_seqlens_q``), the KV page prefix (``kv_indptr``), which request
+owns each token, and how many pages each request needs. :class:`RequestLayout` binds the
+output arrays once and writes all of them, graph padding included, with two calls:
+
+1. :meth:`RequestLayout.plan` checks the batch, keeps a private copy of its lengths and
+   computes ``required_pages`` (for the block-table preparation); it writes no output;
+2. :meth:`RequestLayout.write`, after the page table is prepared, writes every bound
+   output from that copy and the table.
+
+Padding (requests ``n..padded_reqs``, tokens ``t..padded_tokens``): positions 0, KV slots
+-1 (no write), token owners -1, context lengths 0, required pages 0, and both prefixes
+repeat their total (padded requests own no tokens and no pages).
+
+This source is compiled by Cython when the wheel is built (``block_tables._request_layout``)
+and runs interpreted otherwise (the same rules, slower).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import RequestLayoutError
+
+try:
+    import cython
+except ImportError:  # interpreted where Cython is not installed: no-op stand-ins
+    from . import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
+
+_INT32_MAX = 2**31 - 1
+
+
+def _array(name: str, what: str, value: Any, dtype: Any, ndim: int) -> Any:
+    """``value`` if it is a C-contiguous writeable array of ``dtype`` and ``ndim``."""
+    if value is None:
+        return None
+    if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != ndim
+            or not value.flags.c_contiguous or not value.flags.writeable):
+        raise RequestLayoutError(
+            f"{name}: {what} must be a writeable C-contiguous {ndim}-D "
+            f"{np.dtype(dtype).name} array, got {_describe(value)}"
+        )
+    return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype} array of shape {value.shape}"
+    return type(value).__name__
+
+
+@dataclass(frozen=True)
+class LayoutColumn:
+    """A per-request (or per-token) column :meth:`RequestLayout.write` copies into ``out``.
+
+    ``out`` is int32, float32 or int64, 1-D C-contiguous; the batch's values fill its first
+    n (or t) entries and ``pad`` its padded ones (``None``: a column without graph
+    padding; its padded entries are left as they are). ``minimum`` (float32 only) clamps from
+    below as ``np.maximum`` does (NaN is kept).
+    """
+
+    name: str
+    out: np.ndarray
+    per_token: bool = False
+    pad: float | None = 0
+    minimum: float | None = None
+
+
+_KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
+
+
+@cython.cclass
+class RequestLayout:
+    """Positions, KV slots, prefixes and token owners of a batch, over one page table.
+
+    ``table`` is the (pinned CPU) page table the batch's rows are prepared into, int32
+    ``[rows, width]``; ``required_pages`` (int32, >= rows) receives each request's page
+    count in :meth:`plan`. Every other output is optional (``None``: not written):
+    ``positions`` / ``slot_mapping`` int64 ``[tokens]``, ``token_requests`` int32
+    ``[tokens]``, ``cu_query`` / ``kv_page_indptr`` int32 ``[requests + 1]`` (``cu_query``
+    may be a tuple of such arrays: the same prefix goes to each),
+    ``context_lens`` int32 ``[requests]``. ``name`` prefixes every error message.
+    """
+
+    name = cython.declare(str, visibility="readonly")
+    page_size = cython.declare(cython.longlong, visibility="readonly")
+    _shift = cython.declare(cython.int)
+    _table = cython.declare(cython.int[:, ::1])
+    _required = cython.declare(cython.int[::1])
+    _positions = cython.declare(cython.longlong[::1])
+    _slots = cython.declare(cython.longlong[::1])
+    _owners = cython.declare(cython.int[::1])
+    _cu_query = cython.declare(cython.int[::1])
+    _cu_copies = cython.declare(tuple)
+    _required_view = cython.declare(object)
+    _kv_indptr = cython.declare(cython.int[::1])
+    _context = cython.declare(cython.int[::1])
+    # the planned batch: a private copy of its lengths (the table's preparation runs
+    # Python code between plan and write, which could change the caller's arrays)
+    _q = cython.declare(cython.int[::1])
+    _c = cython.declare(cython.int[::1])
+    _max_reqs = cython.declare(cython.Py_ssize_t)
+    _max_tokens = cython.declare(cython.Py_ssize_t)
+    _n = cython.declare(cython.Py_ssize_t)
+    _p = cython.declare(cython.Py_ssize_t)
+    _t = cython.declare(cython.Py_ssize_t)
+    _pt = cython.declare(cython.Py_ssize_t)
+    _total = cython.declare(cython.longlong)
+    _planned = cython.declare(cython.bint)
+    # per column: (kind, out, per_token, pad, minimum or None); the planned batch's values
+    _columns = cython.declare(tuple)
+    _values = cython.declare(tuple)
+    #: the planned batch's shortest and longest query (0 for an empty batch): a uniform
+    #: width, or the widest request, without another pass over the lengths
+    min_query_len = cython.declare(cython.int, visibility="readonly")
+    max_query_len = cython.declare(cython.int, visibility="readonly")
+    #: bit k set: request column k holds one value (bit for bit) for every request of the
+    #: planned batch
+    uniform_mask = cython.declare(cython.longlong, visibility="readonly")
+    #: the arrays, as bound (the memoryviews above are their compiled views)
+    arrays = cython.declare(dict, visibility="readonly")
+
+    @cython.annotation_typing(False)  # the checks below give the specific errors
+    def __init__(
+        self,
+        name: str,
+        page_size: int,
+        table: np.ndarray,
+        required_pages: np.ndarray,
+        *,
+        positions: np.ndarray | None = None,
+        slot_mapping: np.ndarray | None = None,
+        token_requests: np.ndarray | None = None,
+        cu_query: np.ndarray | tuple[np.ndarray, ...] | None = None,
+        kv_page_indptr: np.ndarray | None = None,
+        context_lens: np.ndarray | None = None,
+        columns: Sequence[LayoutColumn] = (),
+    ) -> None:
+        copies: tuple = ()
+        if isinstance(cu_query, tuple):
+            if not cu_query:
+                cu_query = None
+            else:
+                copies = tuple(_array(name, f"cu_query[{k}]", a, np.int32, 1)
+                               for k, a in enumerate(cu_query))
+                cu_query = copies[0]
+                copies = copies[1:]
+        if type(page_size) is not int or not 1 <= page_size <= _INT32_MAX:
+            raise RequestLayoutError(
+                f"{name}: page_size must be an int in [1, 2**31), got {page_size!r}")
+        arrays = {
+            "table": _array(name, "table", table, np.int32, 2),
+            "required_pages": _array(name, "required_pages", required_pages, np.int32, 1),
+            "positions": _array(name, "positions", positions, np.int64, 1),
+            "slot_mapping": _array(name, "slot_mapping", slot_mapping, np.int64, 1),
+            "token_requests": _array(name, "token_requests", token_requests, np.int32, 1),
+            "cu_query": _array(name, "cu_query", cu_query, np.int32, 1),
+            "kv_page_indptr": _array(name, "kv_page_indptr", kv_page_indptr, np.int32, 1),
+            "context_lens": _array(name, "context_lens", context_lens, np.int32, 1),
+        }
+        if table is None or required_pages is None:
+            raise RequestLayoutError(f"{name}: table and required_pages are required")
+        self.name = name
+        self.page_size = page_size
+        self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
+        self.arrays = {k: v for k, v in arrays.items() if v is not None}
+        req_caps = [table.shape[0], required_pages.size]
+        tok_caps = []
+        for key in ("cu_query", "kv_page_indptr"):
+            if key in self.arrays:
+                req_caps.append(self.arrays[key].size - 1)
+        for k, a in enumerate(copies, 1):
+            self.arrays[f"cu_query[{k}]"] = a
+            req_caps.append(a.size - 1)
+        if context_lens is not None:
+            req_caps.append(context_lens.size)
+        for key in ("positions", "slot_mapping", "token_requests"):
+            if key in self.arrays:
+                tok_caps.append(self.arrays[key].size)
+        bound = []
+        for col in columns:
+            out = col.out
+            kind = _KINDS.get(getattr(out, "dtype", None), -1)
+            if kind < 0 or col.name in self.arrays:
+                raise RequestLayoutError(
+                    f"{name}: column {col.name!r} needs a unique name and an int32, float32 "
+                    f"or int64 array, got {_describe(out)}")
+            _array(name, f"column {col.name!r}", out, out.dtype, 1)
+            if col.minimum is not None and kind != 1:
+                raise RequestLayoutError(
+                    f"{name}: column {col.name!r}: a minimum applies to float32 columns only")
+            self.arrays[col.name] = out
+            (tok_caps if col.per_token else req_caps).append(out.size)
+            bound.append((kind, out, bool(col.per_token),
+                          None if col.pad is None else out.dtype.type(col.pad),
+                          None if col.minimum is None else float(col.minimum)))
+        if len(bound) > 62:
+            raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
+        self._columns = tuple(bound)
+        self._values = ()
+        self.uniform_mask = 0
+        self._max_reqs = max(min(req_caps), 0)
+        self._max_tokens = min(tok_caps) if tok_caps else _INT32_MAX
+        self._table = table
+        self._required = required_pages
+        self._positions = positions
+        self._slots = slot_mapping
+        self._owners = token_requests
+        self._cu_query = cu_query
+        self._cu_copies = copies
+        self._required_view = None
+        self._kv_indptr = kv_page_indptr
+        self._context = context_lens
+        self._q = np.zeros(self._max_reqs, dtype=np.int32)
+        self._c = np.zeros(self._max_reqs, dtype=np.int32)
+        self._planned = False
+
+    @property
+    def max_reqs(self) -> int:
+        """The most requests (padding included) the bound arrays hold."""
+        return self._max_reqs
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens (padding included) the bound per-token arrays hold."""
+        return self._max_tokens
+
+    @property
+    def required_pages(self) -> np.ndarray:
+        """``required_pages[:padded_reqs]`` of the planned batch (what the table's
+        ``prepare`` checks the rows against)."""
+        if self._required_view is None or self._required_view.size != self._p:
+            self._required_view = self.arrays["required_pages"][: self._p]
+        return self._required_view
+
+    @cython.ccall
+    @cython.boundscheck(False)  # every index is checked against the bound sizes first
+    @cython.wraparound(False)
+    @cython.cdivision(True)  # non-negative operands
+    def plan(self, query_lens: object, context_lens: object, padded_reqs: cython.Py_ssize_t,
+             padded_tokens: cython.Py_ssize_t, values: tuple = ()) -> cython.Py_ssize_t:
+        """Check a batch and compute its ``required_pages``; returns its token count.
+
+        ``query_lens[i]`` tokens of request ``i`` run this step at positions
+        ``[context_lens[i] - query_lens[i], context_lens[i])``; both are 1-D int32 of the
+        same length n. The batch is padded to ``padded_reqs`` requests and
+        ``padded_tokens`` tokens. ``values`` holds one array per bound column, in order
+        (n values, or t for a per-token column, of the column's dtype). Raises
+        :class:`RequestLayoutError` (naming the request or column and the rule) before
+        changing anything; sets :attr:`uniform_mask`, :attr:`min_query_len` and
+        :attr:`max_query_len`.
+        """
+        name = self.name
+        qv: cython.int[::1]
+        cv: cython.int[::1]
+        if not cython.compiled:
+            _input(name, "query_lens", query_lens)
+            _input(name, "context_lens", context_lens)
+        try:
+            qv = query_lens
+            cv = context_lens
+        except (TypeError, ValueError, BufferError):
+            # not int32 [n] C-contiguous (raises the specific error), or read-only
+            _input(name, "query_lens", query_lens)
+            _input(name, "context_lens", context_lens)
+            qv = np.array(query_lens)
+            cv = np.array(context_lens)
+        n: cython.Py_ssize_t = qv.shape[0]
+        if cv.shape[0] != n:
+            raise RequestLayoutError(
+                f"{name}: context_lens has {cv.shape[0]} entries but query_lens has {n}; "
+                "pass one of each per request")
+        if not n <= padded_reqs <= self._max_reqs:
+            raise RequestLayoutError(
+                f"{name}: {padded_reqs} padded requests for {n} requests; the padded count "
+                f"must lie in [{n}, {self._max_reqs}] (the bound arrays' capacity)")
+        i: cython.Py_ssize_t
+        t: cython.longlong = 0
+        total: cython.longlong = 0
+        lo: cython.int = 0
+        hi: cython.int = 0
+        pages: cython.longlong
+        page: cython.longlong = self.page_size
+        width: cython.Py_ssize_t = self._table.shape[1]
+        shift: cython.int = self._shift
+        q: cython.int
+        c: cython.int
+        for i in range(n):
+            q = qv[i]
+            c = cv[i]
+            if q < 1:
+                raise RequestLayoutError(
+                    f"{name}: request {i} runs {q} query tokens; a scheduled request runs "
+                    ">= 1")
+            if c < q:
+                raise RequestLayoutError(
+                    f"{name}: request {i} has context_len {c}, shorter than its {q} query "
+                    "tokens; context_len counts the tokens after this step")
+            t += cython.cast(cython.longlong, q)
+            if i == 0 or q < lo:
+                lo = q
+            if q > hi:
+                hi = q
+            pages = cython.cast(cython.longlong, c) + page - 1
+            pages = pages >> shift if shift >= 0 else pages // page  # a shift: no divide
+            if pages > width:
+                raise RequestLayoutError(
+                    f"{name}: request {i} has context_len {c}, which needs {pages} pages of "
+                    f"{page} tokens; the table holds {width} per row")
+            total += pages
+        if total > _INT32_MAX:  # needs a table of 8 GiB or more: a guard, not a limit
+            raise RequestLayoutError(
+                f"{name}: the batch needs {total} KV pages in all, more than an int32 "
+                "page prefix holds; split the batch")
+        if not t <= padded_tokens <= self._max_tokens:
+            raise RequestLayoutError(
+                f"{name}: {padded_tokens} padded tokens for {t} tokens; the padded count "
+                f"must lie in [{t}, {self._max_tokens}] (the bound arrays' capacity)")
+        mask: cython.longlong = _check_columns(name, self._columns, values, n, t)
+        own_q: cython.int[::1] = self._q
+        own_c: cython.int[::1] = self._c
+        required: cython.int[::1] = self._required
+        for i in range(n):
+            q = qv[i]
+            c = cv[i]
+            own_q[i] = q
+            own_c[i] = c
+            pages = cython.cast(cython.longlong, c) + page - 1
+            pages = pages >> shift if shift >= 0 else pages // page
+            required[i] = cython.cast(cython.int, pages)  # <= c: fits int32
+        for i in range(n, padded_reqs):
+            required[i] = 0
+        self._n = n
+        self._p = padded_reqs
+        self._t = t
+        self._pt = padded_tokens
+        self._total = total
+        self._values = values
+        self.uniform_mask = mask
+        self.min_query_len = lo
+        self.max_query_len = hi
+        self._planned = True
+        return t
+
+    @cython.ccall
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    @cython.cdivision(True)
+    def write(self) -> cython.longlong:
+        """Write every bound output for the planned batch from the prepared table;
+        returns the batch's total KV pages. Call once per :meth:`plan`, after the rows
+        were prepared into ``table`` with ``required_pages``."""
+        if not self._planned:
+            raise RequestLayoutError(
+                f"{self.name}: write() needs a planned batch; call plan() first (once "
+                "per write)")
+        self._planned = False
+        n: cython.Py_ssize_t = self._n
+        p: cython.Py_ssize_t = self._p
+        t: cython.Py_ssize_t = self._t
+        pt: cython.Py_ssize_t = self._pt
+        page: cython.longlong = self.page_size
+        shift: cython.int = self._shift
+        has_pos: cython.bint = self._positions is not None
+        has_slots: cython.bint = self._slots is not None
+        has_owners: cython.bint = self._owners is not None
+        i: cython.Py_ssize_t
+        j: cython.Py_ssize_t
+        k: cython.Py_ssize_t = 0
+        q: cython.longlong
+        c: cython.longlong
+        x: cython.longlong
+        col: cython.longlong
+        off: cython.longlong
+        own_q: cython.int[::1] = self._q
+        own_c: cython.int[::1] = self._c
+        required: cython.int[::1] = self._required
+        table: cython.int[:, ::1] = self._table
+        positions: cython.longlong[::1] = self._positions
+        slots: cython.longlong[::1] = self._slots
+        owners: cython.int[::1] = self._owners
+        if has_pos or has_slots or has_owners:
+            for i in range(n):
+                q = cython.cast(cython.longlong, own_q[i])
+                c = cython.cast(cython.longlong, own_c[i])
+                for j in range(q):
+                    x = c - q + j
+                    if has_pos:
+                        positions[k] = x
+                    if has_slots:
+                        if shift >= 0:
+                            col = x >> shift
+                            off = x & (page - 1)
+                        else:
+                            col = x // page
+                            off = x % page
+                        slots[k] = cython.cast(cython.longlong,
+                                                     table[i, col]) * page + off
+                    if has_owners:
+                        owners[k] = cython.cast(cython.int, i)
+                    k += 1
+            for k in range(t, pt):
+                if has_pos:
+                    positions[k] = 0
+                if has_slots:
+                    slots[k] = -1
+                if has_owners:
+                    owners[k] = -1
+        acc: cython.longlong = 0
+        if self._cu_query is not None:
+            self._cu_query[0] = 0
+            for i in range(n):
+                acc += cython.cast(cython.longlong, own_q[i])
+                self._cu_query[i + 1] = cython.cast(cython.int, acc)
+            for i in range(n, p):
+                self._cu_query[i + 1] = cython.cast(cython.int, acc)
+            for copy in self._cu_copies:
+                _copy_prefix(self._cu_query, copy, p + 1)
+        if self._kv_indptr is not None:
+            acc = 0
+            self._kv_indptr[0] = 0
+            for i in range(p):
+                acc += cython.cast(cython.longlong, required[i])
+                self._kv_indptr[i + 1] = cython.cast(cython.int, acc)
+        if self._context is not None:
+            for i in range(n):
+                self._context[i] = own_c[i]
+            for i in range(n, p):
+                self._context[i] = 0
+        values = self._values
+        self._values = ()
+        spec: tuple
+        for i in range(len(values)):
+            spec = self._columns[i]
+            _copy(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
+        return self._total
+
+
+@cython.cfunc
+def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_t,
+                   t: cython.Py_ssize_t) -> cython.longlong:
+    """Check each column's values (dtype, layout, length); the uniform request columns."""
+    if len(values) != len(columns):
+        raise RequestLayoutError(
+            f"{name}: {len(values)} column values for {len(columns)} bound columns; pass "
+            "one array per column, in binding order")
+    mask: cython.longlong = 0
+    k: cython.Py_ssize_t
+    size: cython.Py_ssize_t
+    for k in range(len(columns)):
+        spec = columns[k]
+        size = t if spec[2] else n
+        if _uniform(spec[0], values[k], size, name, k, spec[1]) and not spec[2]:
+            mask |= cython.cast(cython.longlong, 1) << k
+    return mask
+
+
+@cython.cfunc
+def _uniform(kind: cython.int, value: object, size: cython.Py_ssize_t, name: str,
+             k: cython.Py_ssize_t, out: object) -> cython.bint:
+    """Whether ``value`` (checked to be ``size`` items of the kind) holds one value."""
+    i: cython.Py_ssize_t
+    vi: cython.int[::1]
+    vf: cython.float[::1]
+    vl: cython.longlong[::1]
+    bits: cython.pointer[cython.uint]
+    got: cython.Py_ssize_t = -1
+    try:
+        if not cython.compiled:
+            _input_column(name, k, value, out, size)
+        if kind == 0:
+            vi = value
+            got = vi.shape[0]
+            if got == size:
+                for i in range(1, size):
+                    if vi[i] != vi[0]:
+                        return False
+        elif kind == 1:  # bit for bit, as bytes compare (NaN payloads, -0.0 != 0.0)
+            vf = value
+            got = vf.shape[0]
+            if got == size and size > 1:
+                if cython.compiled:
+                    bits = cython.cast(cython.pointer(cython.uint), cython.address(vf[0]))
+                    for i in range(1, size):
+                        if bits[i] != bits[0]:
+                            return False
+                elif value.tobytes() != value[:1].tobytes() * size:  # type: ignore[attr-defined, index]
+                    return False
+        else:
+            vl = value
+            got = vl.shape[0]
+            if got == size:
+                for i in range(1, size):
+                    if vl[i] != vl[0]:
+                        return False
+    except (TypeError, ValueError, BufferError):
+        _input_column(name, k, value, out, size)
+        raise
+    if got != size:
+        _input_column(name, k, value, out, size)
+    return True
+
+
+def _input_column(name: str, k: int, value: object, out: Any, size: int) -> None:
+    """Raise the specific error for column ``k``'s values, if they are unusable."""
+    if (not isinstance(value, np.ndarray) or value.dtype != out.dtype or value.ndim != 1
+            or not value.flags.c_contiguous):
+        raise RequestLayoutError(
+            f"{name}: column {k} must be a 1-D C-contiguous {out.dtype} array, got "
+            f"{_describe(value)}")
+    if value.size != size:
+        raise RequestLayoutError(
+            f"{name}: column {k} has {value.size} values, the batch {size}; pass one per "
+            "request (per token for a per-token column)")
+
+
+@cython.cfunc
+@cython.boundscheck(False)  # the sizes were checked at plan
+@cython.wraparound(False)
+def _copy(spec: tuple, value: object, m: cython.Py_ssize_t, end: cython.Py_ssize_t) -> None:
+    """``out[:m] = value`` (clamped for a float minimum), ``out[m:end] = pad``."""
+    if spec[3] is None:
+        end = m
+    i: cython.Py_ssize_t
+    kind: cython.int = spec[0]
+    si: cython.int[::1]
+    di: cython.int[::1]
+    sf: cython.float[::1]
+    df: cython.float[::1]
+    sl: cython.longlong[::1]
+    dl: cython.longlong[::1]
+    x: cython.float
+    lo: cython.float
+    if kind == 0:
+        si = value
+        di = spec[1]
+        for i in range(m):
+            di[i] = si[i]
+        for i in range(m, end):
+            di[i] = spec[3]
+    elif kind == 1:
+        sf = value
+        df = spec[1]
+        if spec[4] is None:
+            for i in range(m):
+                df[i] = sf[i]
+        else:
+            lo = spec[4]
+            for i in range(m):
+                x = sf[i]
+                df[i] = x if (x != x or x > lo) else lo  # np.maximum: NaN propagates
+        for i in range(m, end):
+            df[i] = spec[3]
+    else:
+        sl = value
+        dl = spec[1]
+        for i in range(m):
+            dl[i] = sl[i]
+        for i in range(m, end):
+            dl[i] = spec[3]
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _copy_prefix(src: cython.int[::1], dst: cython.int[::1], m: cython.Py_ssize_t) -> None:
+    i: cython.Py_ssize_t
+    for i in range(m):
+        dst[i] = src[i]
+
+
+def _input(name: str, what: str, value: object) -> None:
+    """Raise the specific error for an input column that is not 1-D int32 C-contiguous."""
+    if (not isinstance(value, np.ndarray) or value.dtype != np.int32 or value.ndim != 1
+            or not value.flags.c_contiguous):
+        raise RequestLayoutError(
+            f"{name}: {what} must be a 1-D C-contiguous int32 array (one entry per "
+            f"request), got {_describe(value)}")
+
+
+# Run interpreted, this source hands over to its compiled build (unless H2D_NATIVE=0 or it
+# is missing: block_tables.native decides and warns), so every caller gets the compiled
+# loops.
+COMPILED: bool = cython.compiled
+#: this source's class run interpreted (the compiled one replaces ``RequestLayout``); the
+#: tests hold the two to the same results
+INTERPRETED = RequestLayout
+if not cython.compiled:
+    from .native import load_extension
+
+    _compiled = load_extension("block_tables._request_layout")
+    if _compiled is not None:
+        RequestLayout = _compiled.RequestLayout  # type: ignore[misc]
+        COMPILED = True

@@ -1,0 +1,315 @@
+"""``RequestLayout``: positions, KV slots, prefixes and token owners of a batch, in one pass.
+
+Every output is checked against a plain per-token oracle, for the compiled class and the
+same source run interpreted; a rejected batch must leave every bound array unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from block_tables import LayoutColumn, RequestLayout, RequestLayoutError, request_layout
+
+CLASSES = sorted({request_layout.RequestLayout, request_layout.INTERPRETED},
+                 key=lambda c: c.__module__)
+ROWS, WIDTH, TOKENS = 6, 12, 40
+
+
+def bound(cls: Any, page: int, **skip: bool) -> tuple[Any, dict[str, np.ndarray]]:
+    arrays = {
+        "table": np.arange(ROWS * WIDTH, dtype=np.int32).reshape(ROWS, WIDTH) * 7 + 3,
+        "required_pages": np.full(ROWS, 99, dtype=np.int32),
+        "positions": np.full(TOKENS, 99, dtype=np.int64),
+        "slot_mapping": np.full(TOKENS, 99, dtype=np.int64),
+        "token_requests": np.full(TOKENS, 99, dtype=np.int32),
+        "cu_query": np.full(ROWS + 1, 99, dtype=np.int32),
+        "kv_page_indptr": np.full(ROWS + 1, 99, dtype=np.int32),
+        "context_lens": np.full(ROWS, 99, dtype=np.int32),
+    }
+    for name in skip:
+        del arrays[name]
+    table, required = arrays["table"], arrays["required_pages"]
+    optional = {k: v for k, v in arrays.items() if k not in ("table", "required_pages")}
+    return cls("layout", page, table, required, **optional), arrays
+
+
+def oracle(q: list[int], c: list[int], page: int, p: int, pt: int,
+           table: np.ndarray) -> dict[str, np.ndarray]:
+    pos, slots, owners = [], [], []
+    for i, (qi, ci) in enumerate(zip(q, c, strict=True)):
+        for x in range(ci - qi, ci):
+            pos.append(x)
+            slots.append(int(table[i, x // page]) * page + x % page)
+            owners.append(i)
+    pad = pt - len(pos)
+    req = [-(-ci // page) for ci in c] + [0] * (p - len(q))
+    cu = np.concatenate(([0], np.cumsum(q, dtype=np.int64), [sum(q)] * (p - len(q))))
+    return {
+        "positions": np.array(pos + [0] * pad, dtype=np.int64),
+        "slot_mapping": np.array(slots + [-1] * pad, dtype=np.int64),
+        "token_requests": np.array(owners + [-1] * pad, dtype=np.int32),
+        "cu_query": cu.astype(np.int32),
+        "kv_page_indptr": np.concatenate(([0], np.cumsum(req))).astype(np.int32),
+        "context_lens": np.array(list(c) + [0] * (p - len(c)), dtype=np.int32),
+        "required_pages": np.array(req, dtype=np.int32),
+    }
+
+
+@st.composite
+def batches(draw: Any) -> tuple[int, list[int], list[int], int, int]:
+    page = draw(st.sampled_from([1, 3, 4, 16]))
+    n = draw(st.integers(0, ROWS))
+    q = draw(st.lists(st.integers(1, 5), min_size=n, max_size=n))
+    c = [qi + draw(st.integers(0, WIDTH * page - qi)) for qi in q]
+    p = draw(st.integers(n, ROWS))
+    pt = draw(st.integers(sum(q), TOKENS))
+    return page, q, c, p, pt
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@settings(max_examples=60, deadline=None)
+@given(batch=batches())
+def test_outputs_match_the_oracle(cls: Any, batch: tuple[int, list[int], list[int], int, int]
+                                  ) -> None:
+    page, q, c, p, pt = batch
+    layout, arrays = bound(cls, page)
+    t = layout.plan(np.array(q, dtype=np.int32), np.array(c, dtype=np.int32), p, pt)
+    assert t == sum(q)
+    assert (layout.min_query_len, layout.max_query_len) == ((min(q), max(q)) if q else (0, 0))
+    want = oracle(q, c, page, p, pt, arrays["table"])
+    np.testing.assert_array_equal(layout.required_pages, want["required_pages"])
+    total = layout.write()
+    assert total == int(want["kv_page_indptr"][-1])
+    for name, expected in want.items():
+        if name == "required_pages":
+            continue
+        size = expected.size
+        np.testing.assert_array_equal(arrays[name][:size], expected, err_msg=name)
+        assert (arrays[name][size:] == 99).all(), f"{name}: the tail past the padding moved"
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_optional_outputs_are_not_written(cls: Any) -> None:
+    layout, arrays = bound(cls, 4, positions=True, token_requests=True, cu_query=True)
+    layout.plan(np.array([2, 1], np.int32), np.array([5, 9], np.int32), 3, 4)
+    layout.write()
+    assert set(layout.arrays) == {"table", "required_pages", "slot_mapping",
+                                  "kv_page_indptr", "context_lens"}
+    want = oracle([2, 1], [5, 9], 4, 3, 4, arrays["table"])
+    for name in ("slot_mapping", "kv_page_indptr", "context_lens"):
+        np.testing.assert_array_equal(arrays[name][: want[name].size], want[name])
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_the_lengths_are_copied_at_plan(cls: Any) -> None:
+    """The table's preparation runs between plan and write: a caller that reuses its
+    arrays then must not change what write produces."""
+    layout, arrays = bound(cls, 4)
+    q, c = np.array([1, 1], np.int32), np.array([5, 9], np.int32)
+    layout.plan(q, c, 2, 2)
+    q[:], c[:] = 3, 12
+    layout.write()
+    np.testing.assert_array_equal(arrays["positions"][:2], [4, 8])
+    np.testing.assert_array_equal(arrays["context_lens"][:2], [5, 9])
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_read_only_inputs_are_accepted(cls: Any) -> None:
+    layout, arrays = bound(cls, 4)
+    q, c = np.array([1, 2], np.int32), np.array([5, 9], np.int32)
+    q.flags.writeable = c.flags.writeable = False
+    assert layout.plan(q, c, 2, 3) == 3
+    layout.write()
+    np.testing.assert_array_equal(arrays["positions"][:3], [4, 7, 8])
+
+
+BAD = [
+    ("int64 query_lens", lambda: (np.array([1], np.int64), np.array([4], np.int32), 1, 1),
+     r"layout: query_lens must be a 1-D C-contiguous int32 array"),
+    ("list context_lens", lambda: (np.array([1], np.int32), [4], 1, 1),
+     r"layout: context_lens must be a 1-D C-contiguous int32 array .* got list"),
+    ("2-D query_lens", lambda: (np.ones((1, 1), np.int32), np.array([4], np.int32), 1, 1),
+     r"query_lens must be a 1-D"),
+    ("length mismatch", lambda: (np.array([1, 1], np.int32), np.array([4], np.int32), 2, 2),
+     r"context_lens has 1 entries but query_lens has 2"),
+    ("padding below n", lambda: (np.array([1, 1], np.int32), np.array([4, 4], np.int32), 1, 2),
+     r"1 padded requests for 2 requests; .* \[2, 6\]"),
+    ("padding past capacity", lambda: (np.array([1], np.int32), np.array([4], np.int32), 7, 1),
+     r"7 padded requests .* \[1, 6\]"),
+    ("zero query", lambda: (np.array([1, 0], np.int32), np.array([4, 4], np.int32), 2, 2),
+     r"request 1 runs 0 query tokens"),
+    ("short context", lambda: (np.array([3], np.int32), np.array([2], np.int32), 1, 3),
+     r"request 0 has context_len 2, shorter than its 3 query tokens"),
+    ("token padding below t", lambda: (np.array([3], np.int32), np.array([4], np.int32), 1, 2),
+     r"2 padded tokens for 3 tokens"),
+    ("token padding past capacity",
+     lambda: (np.array([3], np.int32), np.array([4], np.int32), 1, TOKENS + 1),
+     rf"{TOKENS + 1} padded tokens for 3 tokens; .* \[3, {TOKENS}\]"),
+    ("row too narrow", lambda: (np.array([1], np.int32),
+                                np.array([WIDTH * 4 + 1], np.int32), 1, 1),
+     rf"request 0 has context_len {WIDTH * 4 + 1}, which needs {WIDTH + 1} pages of 4 "
+     rf"tokens; the table holds {WIDTH} per row"),
+]
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("case", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_batch_changes_nothing(cls: Any, case: Any) -> None:
+    layout, arrays = bound(cls, 4)
+    layout.plan(np.array([1], np.int32), np.array([6], np.int32), 1, 1)  # a planned batch
+    before = {k: v.copy() for k, v in arrays.items()}
+    q, c, p, pt = case[1]()
+    with pytest.raises(RequestLayoutError, match=case[2]):
+        layout.plan(q, c, p, pt)
+    for name, value in arrays.items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+    layout.write()  # the earlier plan still stands
+    assert arrays["positions"][0] == 5
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_write_needs_a_plan(cls: Any) -> None:
+    layout, _ = bound(cls, 4)
+    with pytest.raises(RequestLayoutError, match=r"layout: write\(\) needs a planned batch"):
+        layout.write()
+    layout.plan(np.array([1], np.int32), np.array([1], np.int32), 1, 1)
+    layout.write()
+    with pytest.raises(RequestLayoutError, match=r"call plan\(\) first"):
+        layout.write()
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("kwargs, match", [
+    ({"page_size": 0}, r"lay: page_size must be an int in \[1, 2\*\*31\), got 0"),
+    ({"page_size": 4.0}, r"page_size must be an int"),
+    ({"table": np.zeros((2, 2), np.int64)}, r"lay: table must be a writeable C-contiguous "
+                                            r"2-D int32 array, got int64 array"),
+    ({"positions": np.zeros(4, np.int32)}, r"positions must be .* int64 array"),
+    ({"required_pages": None}, r"table and required_pages are required"),
+])
+def test_bad_bindings(cls: Any, kwargs: dict[str, Any], match: str) -> None:
+    args = {"page_size": 4, "table": np.zeros((2, 2), np.int32),
+            "required_pages": np.zeros(2, np.int32)} | kwargs
+    with pytest.raises(RequestLayoutError, match=match):
+        cls("lay", args.pop("page_size"), args.pop("table"), args.pop("required_pages"),
+            **args)
+
+
+def test_the_compiled_class_replaces_the_interpreted_one() -> None:
+    assert RequestLayout is request_layout.RequestLayout
+    if request_layout.COMPILED:
+        assert RequestLayout is not request_layout.INTERPRETED
+
+
+def with_columns(cls: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    outs = {
+        "ids": np.full(TOKENS, 99, np.int32),
+        "temps": np.full(ROWS, 99, np.float32),
+        "rows": np.full(ROWS, 99, np.int32),
+        "big": np.full(ROWS, 99, np.int64),
+        "eager": np.full(ROWS, 99, np.int32),
+    }
+    columns = [LayoutColumn("ids", outs["ids"], per_token=True),
+               LayoutColumn("temps", outs["temps"], pad=1.0, minimum=0.5),
+               LayoutColumn("rows", outs["rows"], pad=-1),
+               LayoutColumn("big", outs["big"], pad=7),
+               LayoutColumn("eager", outs["eager"], pad=None)]
+    layout = cls("cols", 4, np.zeros((ROWS, WIDTH), np.int32), np.zeros(ROWS, np.int32),
+                 positions=np.zeros(TOKENS, np.int64), columns=columns)
+    return layout, outs
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_columns_are_copied_clamped_and_padded(cls: Any) -> None:
+    layout, outs = with_columns(cls)
+    q, c = np.array([2, 1], np.int32), np.array([5, 3], np.int32)
+    values = (np.array([11, 12, 13], np.int32),
+              np.array([np.nan, 0.25], np.float32),
+              np.array([4, 4], np.int32),
+              np.array([2**40, 2**40], np.int64),
+              np.array([5, 6], np.int32))
+    assert layout.plan(q, c, 4, 6, values) == 3
+    assert layout.uniform_mask == 0b01100  # rows and big hold one value; ids is per token
+    assert (outs["ids"] == 99).all()  # plan writes nothing
+    layout.write()
+    np.testing.assert_array_equal(outs["ids"][:7], [11, 12, 13, 0, 0, 0, 99])
+    np.testing.assert_array_equal(outs["temps"][:5], [np.nan, 0.5, 1.0, 1.0, 99])
+    np.testing.assert_array_equal(outs["rows"][:5], [4, 4, -1, -1, 99])
+    np.testing.assert_array_equal(outs["big"][:5], [2**40, 2**40, 7, 7, 99])
+    np.testing.assert_array_equal(outs["eager"][:3], [5, 6, 99])  # no padding
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("k, bad, match", [
+    (0, np.array([1, 2], np.int32), r"cols: column 0 has 2 values, the batch 3"),
+    (1, np.array([1.0, 2.0], np.float64), r"cols: column 1 must be a 1-D C-contiguous "
+                                          r"float32 array, got float64 array"),
+    (2, [4, 4], r"column 2 must be .* int32 array, got list"),
+    (3, np.zeros((2, 1), np.int64), r"column 3 must be a 1-D"),
+    (3, np.zeros(4, np.int64)[::2], r"column 3 must be a 1-D C-contiguous"),
+])
+def test_bad_column_values_change_nothing(cls: Any, k: int, bad: Any, match: str) -> None:
+    layout, outs = with_columns(cls)
+    good: list[Any] = [np.array([1, 2, 3], np.int32), np.ones(2, np.float32),
+                       np.ones(2, np.int32), np.ones(2, np.int64), np.ones(2, np.int32)]
+    q, c = np.array([2, 1], np.int32), np.array([5, 3], np.int32)
+    layout.plan(q, c, 2, 3, tuple(good))
+    good[k] = bad
+    before = {name: v.copy() for name, v in outs.items()}
+    with pytest.raises(RequestLayoutError, match=match):
+        layout.plan(q, c, 2, 3, tuple(good))
+    with pytest.raises(RequestLayoutError, match=r"4 column values for 5 bound columns"):
+        layout.plan(q, c, 2, 3, tuple(good[:4]))
+    for name, value in outs.items():
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_bad_column_bindings(cls: Any) -> None:
+    table, req = np.zeros((2, 2), np.int32), np.zeros(2, np.int32)
+    with pytest.raises(RequestLayoutError, match=r"column 'x' needs a unique name and an "
+                                                 r"int32, float32 or int64 array, got uint8"):
+        cls("b", 4, table, req, columns=[LayoutColumn("x", np.zeros(2, np.uint8))])
+    with pytest.raises(RequestLayoutError, match=r"column 'table' needs a unique name"):
+        cls("b", 4, table, req, columns=[LayoutColumn("table", np.zeros(2, np.int32))])
+    with pytest.raises(RequestLayoutError, match=r"a minimum applies to float32 columns"):
+        cls("b", 4, table, req, columns=[LayoutColumn("x", np.zeros(2, np.int32), minimum=1)])
+    layout = cls("b", 4, table, req, columns=[LayoutColumn("x", np.zeros(1, np.int32))])
+    assert layout.max_reqs == 1  # a column bounds the capacity like any output
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_the_query_prefix_goes_to_each_array_of_a_tuple(cls: Any) -> None:
+    a, b = np.full(5, 99, np.int32), np.full(4, 99, np.int32)
+    layout = cls("cu", 4, np.zeros((4, 4), np.int32), np.zeros(4, np.int32), cu_query=(a, b))
+    assert layout.max_reqs == 3  # the shorter copy bounds it
+    layout.plan(np.array([2, 1], np.int32), np.array([5, 3], np.int32), 3, 3)
+    layout.write()
+    assert a.tolist() == [0, 2, 3, 3, 99] and b.tolist() == [0, 2, 3, 3]
+    with pytest.raises(RequestLayoutError, match=r"cu: cu_query\[1\] must be a writeable"):
+        cls("cu", 4, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
+            cu_query=(a, b.astype(np.int64)))
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("bits, uniform", [
+    ([0x3F800000] * 3, True),
+    ([0, 0x80000000, 0], False),  # 0.0 and -0.0 differ
+    ([0x7FC00000, 0x7FC00000, 0x7FC00000], True),  # one NaN
+    ([0x7FC00000, 0xFFC00001, 0x7FC00000], False),  # two NaN payloads
+])
+def test_float_columns_are_uniform_bit_for_bit(cls: Any, bits: list[int], uniform: bool
+                                               ) -> None:
+    out = np.zeros(3, np.float32)
+    layout = cls("u", 4, np.zeros((3, 2), np.int32), np.zeros(3, np.int32),
+                 columns=[LayoutColumn("f", out)])
+    values = np.array(bits, np.uint32).view(np.float32)
+    layout.plan(np.ones(3, np.int32), np.ones(3, np.int32), 3, 3, (values,))
+    assert layout.uniform_mask == int(uniform)
+    layout.write()
+    assert out.tobytes() == values.tobytes()
