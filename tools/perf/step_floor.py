@@ -6,10 +6,11 @@ Times, on the same bound storage and batches as ``step_ab.py`` / ``step_segments
 * ``api``: the public path, ``begin`` / ``DecodeStepInputs.prepare`` / ``publish`` /
   ``finish``;
 * ``floor``: only the compiled and driver calls that path makes, in the same order,
-  on the same bound storage: the slot event's query, the compiled decode pass (the
-  block-table snapshot's ``prepare_step`` included), the compiled count store, the
-  compiled key diff into range triples, ``PackedGroup.publish`` (header, pack + graph launch) and
-  the event record. Between them it keeps only the few record updates the next call needs.
+  on the same bound storage: the slot event's query, the compiled request layout's plan,
+  the block-table snapshot's prepare and the layout's write, the compiled record's count
+  store, the compiled key diff into range triples, ``PackedGroup.publish`` (header, pack
+  + graph launch) and the event record. Between them it keeps only the few record
+  updates the next call needs.
 
 It leaves out the epoch contract's Python: owner, epoch, device and stream checks, the
 produced/published sets, the table record and its on-publish commit, counters, the
@@ -47,7 +48,6 @@ from decode_runner.scheduler import steady_decode_batches  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_core.native import native as core_native  # noqa: E402
 from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
-from h2d_runner_adapters.consumers import GREEDY_TEMPERATURE  # noqa: E402
 
 GROUP = "decode_step"
 
@@ -80,10 +80,10 @@ class Floor:
     def __init__(self, setup: Setup) -> None:
         st, step = setup.state, setup.step
         self.setup = setup
-        self.native = step._native
-        self.core = core_native
-        if self.native is None or self.core is None:
-            raise SystemExit("step_floor needs the compiled helpers (H2D_NATIVE=1, a C compiler)")
+        if not step.native or core_native is None:
+            raise SystemExit("step_floor needs the compiled helpers (H2D_NATIVE=1, built)")
+        step._bind()
+        self.layouts = step._layouts
         self.records = [recs[st.plan(GROUP).index] for recs in st._slot_groups]
         self.counts = step._counts
         tables = step.decode.tables
@@ -111,28 +111,26 @@ class Floor:
 
     def one(self, batch: Any, slot: int) -> bool:
         """One step; False (nothing written) when the compiled pass does not cover it."""
-        setup, native, core = self.setup, self.native, self.core
-        step = setup.step
+        setup = self.setup
         if self.events is not None:
             self.events.wait(slot)
         rec = self.records[slot]
         rec.clear_counts()
         cols = batch.columns
-        n = cols.query_lens.size
-        done = native.decode_step(
-            step._outputs[slot], cols.query_lens, cols.context_lens, cols.temperatures,
-            cols.top_k, cols.top_p, cols.prev_sample_rows, cols.num_drafts, cols.token_ids,
-            n, step.decode.page_size, GREEDY_TEMPERATURE, step._prepare_table[slot],
-            batch.block_tables, step._required)
-        if done is None:
+        layout = self.layouts[slot]
+        layout.plan(cols.query_lens, cols.context_lens, -1, -1, (
+            cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+            cols.token_ids, cols.num_drafts))
+        if layout.min_query_len != layout.max_query_len:
             return False
-        q, k_rows, p_rows = done[0], done[1], done[2]
-        t = n * q
-        rec.active, rec.count_bytes = core.store_counts(
-            self.counts._binding, rec.counts,
-            (n, n if k_rows else None, n if p_rows else None, t, n + 1, n, n + 1, t, t, n,
-             n + 1),
-            rec.active, rec.count_bytes)
+        n, t = layout.num_reqs, layout.num_tokens
+        self.tables.snapshots[slot].prepare(batch.block_tables,
+                                            required_pages=layout.required_pages)
+        layout.write()
+        k_rows, p_rows = not layout.uniform_mask & 2, not layout.uniform_mask & 4
+        rec.store_counts(self.counts._fused, (
+            n, n if k_rows else None, n if p_rows else None, t, n + 1, n, n + 1, t, t, n,
+            n + 1))
         snap = self.tables.snapshots[slot]
         keys = self.keys[self.spare]
         limit, max_bytes = self.tables._limits(n)

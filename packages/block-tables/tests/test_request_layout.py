@@ -130,9 +130,9 @@ def test_read_only_inputs_are_accepted(cls: Any) -> None:
 
 BAD = [
     ("int64 query_lens", lambda: (np.array([1], np.int64), np.array([4], np.int32), 1, 1),
-     r"layout: query_lens must be a 1-D C-contiguous int32 array"),
+     r"layout: query_lens must be a 1-D C-contiguous aligned native int32 array"),
     ("list context_lens", lambda: (np.array([1], np.int32), [4], 1, 1),
-     r"layout: context_lens must be a 1-D C-contiguous int32 array .* got list"),
+     r"layout: context_lens must be a 1-D .* int32 array .* got list"),
     ("2-D query_lens", lambda: (np.ones((1, 1), np.int32), np.array([4], np.int32), 1, 1),
      r"query_lens must be a 1-D"),
     ("length mismatch", lambda: (np.array([1, 1], np.int32), np.array([4], np.int32), 2, 2),
@@ -248,6 +248,7 @@ def test_columns_are_copied_clamped_and_padded(cls: Any) -> None:
 @pytest.mark.parametrize("k, bad, match", [
     (0, np.array([1, 2], np.int32), r"cols: column 0 has 2 values, the batch 3"),
     (1, np.array([1.0, 2.0], np.float64), r"cols: column 1 must be a 1-D C-contiguous "
+                                          r"aligned native "
                                           r"float32 array, got float64 array"),
     (2, [4, 4], r"column 2 must be .* int32 array, got list"),
     (3, np.zeros((2, 1), np.int64), r"column 3 must be a 1-D"),
@@ -313,3 +314,46 @@ def test_float_columns_are_uniform_bit_for_bit(cls: Any, bits: list[int], unifor
     assert layout.uniform_mask == int(uniform)
     layout.write()
     assert out.tobytes() == values.tobytes()
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_byte_swapped_or_misaligned_inputs_are_refused(cls: Any) -> None:
+    layout, _ = bound(cls, 4)
+    swapped = np.array([1], dtype=">i4")
+    with pytest.raises(RequestLayoutError, match=r"query_lens must be .* native int32"):
+        layout.plan(swapped, np.array([4], np.int32), 1, 1)
+    raw = np.zeros(5, np.uint8)[1:].view(np.int32)  # 4 bytes at an odd address
+    assert not raw.flags.aligned
+    with pytest.raises(RequestLayoutError, match=r"context_lens must be .* aligned"):
+        layout.plan(np.array([1], np.int32), raw, 1, 1)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_a_column_without_output_is_checked_and_summed(cls: Any) -> None:
+    layout = cls("s", 4, np.zeros((3, 2), np.int32), np.zeros(3, np.int32),
+                 columns=[LayoutColumn("drafts"), LayoutColumn("ids", per_token=True)])
+    assert layout.plan(np.array([1, 2], np.int32), np.array([3, 3], np.int32), 3, 3,
+                       (np.array([2, 5], np.int32), np.array([7, 8, 9], np.int32))) == 3
+    assert (layout.column_sum(0), layout.column_sum(1)) == (7, 24)
+    assert layout.uniform_mask == 0
+    layout.write()
+    with pytest.raises(RequestLayoutError, match=r"column 0 must be .* int32 array, got "
+                                                 r"int64"):
+        layout.plan(np.array([1], np.int32), np.array([3], np.int32), 1, 1,
+                    (np.array([2], np.int64), np.array([7], np.int32)))
+    with pytest.raises(RequestLayoutError, match=r"takes no minimum"):
+        cls("s", 4, np.zeros((3, 2), np.int32), np.zeros(3, np.int32),
+            columns=[LayoutColumn("drafts", minimum=0.0)])
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("q, p, want", [([2, 3], -1, (2, 2, 5, 6)), ([2, 3], 4, (2, 4, 5, 12)),
+                                        ([], 3, (0, 3, 0, 3))])
+def test_default_padding_is_the_graph_grid(cls: Any, q: list[int], p: int,
+                                           want: tuple[int, int, int, int]) -> None:
+    layout, _ = bound(cls, 4)
+    c = [8] * len(q)
+    layout.plan(np.array(q, np.int32), np.array(c, np.int32), p, -1)
+    assert (layout.num_reqs, layout.padded_reqs, layout.num_tokens,
+            layout.padded_tokens) == want
+    layout.write()

@@ -34,6 +34,11 @@ try:
 except ImportError:  # interpreted where Cython is not installed: no-op stand-ins
     from . import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
+if cython.compiled:
+    from cython.cimports import numpy as cnp
+
+    cnp.import_array()
+
 _INT32_MAX = 2**31 - 1
 
 
@@ -62,12 +67,13 @@ class LayoutColumn:
 
     ``out`` is int32, float32 or int64, 1-D C-contiguous; the batch's values fill its first
     n (or t) entries and ``pad`` its padded ones (``None``: a column without graph
-    padding; its padded entries are left as they are). ``minimum`` (float32 only) clamps from
-    below as ``np.maximum`` does (NaN is kept).
+    padding; its padded entries are left as they are). Without ``out`` the column is int32,
+    checked and summed (:meth:`RequestLayout.column_sum`) but copied nowhere. ``minimum``
+    (float32 only) clamps from below as ``np.maximum`` does (NaN is kept).
     """
 
     name: str
-    out: np.ndarray
+    out: np.ndarray | None = None
     per_token: bool = False
     pad: float | None = 0
     minimum: float | None = None
@@ -117,8 +123,14 @@ class RequestLayout:
     # per column: (kind, out, per_token, pad, minimum or None); the planned batch's values
     _columns = cython.declare(tuple)
     _values = cython.declare(tuple)
+    _sums = cython.declare(list)
     #: the planned batch's shortest and longest query (0 for an empty batch): a uniform
     #: width, or the widest request, without another pass over the lengths
+    #: the planned batch's request and token counts, real and padded
+    num_reqs = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    padded_reqs = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    num_tokens = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    padded_tokens = cython.declare(cython.Py_ssize_t, visibility="readonly")
     min_query_len = cython.declare(cython.int, visibility="readonly")
     max_query_len = cython.declare(cython.int, visibility="readonly")
     #: bit k set: request column k holds one value (bit for bit) for every request of the
@@ -184,9 +196,16 @@ class RequestLayout:
         for key in ("positions", "slot_mapping", "token_requests"):
             if key in self.arrays:
                 tok_caps.append(self.arrays[key].size)
-        bound = []
+        bound: list[tuple[Any, ...]] = []
         for col in columns:
             out = col.out
+            if out is None:  # checked and summed only
+                if col.minimum is not None or col.name in self.arrays:
+                    raise RequestLayoutError(
+                        f"{name}: column {col.name!r} needs a unique name; a column without "
+                        "an output array takes no minimum")
+                bound.append((0, None, bool(col.per_token), None, None))
+                continue
             kind = _KINDS.get(getattr(out, "dtype", None), -1)
             if kind < 0 or col.name in self.arrays:
                 raise RequestLayoutError(
@@ -204,6 +223,7 @@ class RequestLayout:
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
+        self._sums = [0] * len(bound)
         self._values = ()
         self.uniform_mask = 0
         self._max_reqs = max(min(req_caps), 0)
@@ -240,6 +260,11 @@ class RequestLayout:
             self._required_view = self.arrays["required_pages"][: self._p]
         return self._required_view
 
+    def column_sum(self, k: int) -> int:
+        """The sum of column ``k``'s values in the planned batch (columns bound without
+        an output array only; 0 for the others)."""
+        return self._sums[k]
+
     @cython.ccall
     @cython.boundscheck(False)  # every index is checked against the bound sizes first
     @cython.wraparound(False)
@@ -250,33 +275,29 @@ class RequestLayout:
 
         ``query_lens[i]`` tokens of request ``i`` run this step at positions
         ``[context_lens[i] - query_lens[i], context_lens[i])``; both are 1-D int32 of the
-        same length n. The batch is padded to ``padded_reqs`` requests and
-        ``padded_tokens`` tokens. ``values`` holds one array per bound column, in order
+        same length n. The batch is padded to ``padded_reqs`` requests (-1: n) and
+        ``padded_tokens`` tokens (-1: ``padded_reqs`` times the widest query, at least 1,
+        the graph grid of a decode step). ``values`` holds one array per bound column, in order
         (n values, or t for a per-token column, of the column's dtype). Raises
         :class:`RequestLayoutError` (naming the request or column and the rule) before
         changing anything; sets :attr:`uniform_mask`, :attr:`min_query_len` and
         :attr:`max_query_len`.
         """
         name = self.name
-        qv: cython.int[::1]
-        cv: cython.int[::1]
-        if not cython.compiled:
+        n: cython.Py_ssize_t = _size(query_lens, 0)
+        if n < 0:
             _input(name, "query_lens", query_lens)
+        nc: cython.Py_ssize_t = _size(context_lens, 0)
+        if nc < 0:
             _input(name, "context_lens", context_lens)
-        try:
-            qv = query_lens
-            cv = context_lens
-        except (TypeError, ValueError, BufferError):
-            # not int32 [n] C-contiguous (raises the specific error), or read-only
-            _input(name, "query_lens", query_lens)
-            _input(name, "context_lens", context_lens)
-            qv = np.array(query_lens)
-            cv = np.array(context_lens)
-        n: cython.Py_ssize_t = qv.shape[0]
-        if cv.shape[0] != n:
+        qv: cython.pointer[cython.int] = _ints(query_lens)
+        cv: cython.pointer[cython.int] = _ints(context_lens)
+        if nc != n:
             raise RequestLayoutError(
-                f"{name}: context_lens has {cv.shape[0]} entries but query_lens has {n}; "
+                f"{name}: context_lens has {nc} entries but query_lens has {n}; "
                 "pass one of each per request")
+        if padded_reqs < 0:
+            padded_reqs = n
         if not n <= padded_reqs <= self._max_reqs:
             raise RequestLayoutError(
                 f"{name}: {padded_reqs} padded requests for {n} requests; the padded count "
@@ -319,11 +340,13 @@ class RequestLayout:
             raise RequestLayoutError(
                 f"{name}: the batch needs {total} KV pages in all, more than an int32 "
                 "page prefix holds; split the batch")
+        if padded_tokens < 0:  # the graph grid: every padded request runs the widest query
+            padded_tokens = padded_reqs * (hi if hi > 0 else 1)
         if not t <= padded_tokens <= self._max_tokens:
             raise RequestLayoutError(
                 f"{name}: {padded_tokens} padded tokens for {t} tokens; the padded count "
                 f"must lie in [{t}, {self._max_tokens}] (the bound arrays' capacity)")
-        mask: cython.longlong = _check_columns(name, self._columns, values, n, t)
+        mask: cython.longlong = _check_columns(name, self._columns, values, n, t, self._sums)
         own_q: cython.int[::1] = self._q
         own_c: cython.int[::1] = self._c
         required: cython.int[::1] = self._required
@@ -343,6 +366,8 @@ class RequestLayout:
         self._pt = padded_tokens
         self._total = total
         self._values = values
+        self.num_reqs, self.padded_reqs = n, padded_reqs
+        self.num_tokens, self.padded_tokens = t, padded_tokens
         self.uniform_mask = mask
         self.min_query_len = lo
         self.max_query_len = hi
@@ -439,14 +464,16 @@ class RequestLayout:
         spec: tuple
         for i in range(len(values)):
             spec = self._columns[i]
-            _copy(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
+            if spec[1] is not None:
+                _copy(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
         return self._total
 
 
 @cython.cfunc
 def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_t,
-                   t: cython.Py_ssize_t) -> cython.longlong:
-    """Check each column's values (dtype, layout, length); the uniform request columns."""
+                   t: cython.Py_ssize_t, sums: list) -> cython.longlong:
+    """Check each column's values (dtype, layout, length); the uniform request columns;
+    the sums of the columns without an output."""
     if len(values) != len(columns):
         raise RequestLayoutError(
             f"{name}: {len(values)} column values for {len(columns)} bound columns; pass "
@@ -454,100 +481,71 @@ def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_
     mask: cython.longlong = 0
     k: cython.Py_ssize_t
     size: cython.Py_ssize_t
+    kind: cython.int
     for k in range(len(columns)):
         spec = columns[k]
+        kind = spec[0]
+        value = values[k]
         size = t if spec[2] else n
-        if _uniform(spec[0], values[k], size, name, k, spec[1]) and not spec[2]:
+        if _size(value, kind) != size:
+            _input_column(name, k, value, spec[1], size)
+        if spec[1] is None:
+            sums[k] = _sum_ints(value, size)
+        if spec[2] or size < 2:
+            if not spec[2]:
+                mask |= cython.cast(cython.longlong, 1) << k
+            continue
+        if _uniform(value, kind, size):
             mask |= cython.cast(cython.longlong, 1) << k
     return mask
 
 
 @cython.cfunc
-def _uniform(kind: cython.int, value: object, size: cython.Py_ssize_t, name: str,
-             k: cython.Py_ssize_t, out: object) -> cython.bint:
-    """Whether ``value`` (checked to be ``size`` items of the kind) holds one value."""
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _uniform(value: object, kind: cython.int, size: cython.Py_ssize_t) -> cython.bint:
+    """Whether ``value`` (``size`` >= 2 items of the kind) holds one value, bit for bit
+    (as a bytes compare: NaN payloads count, -0.0 differs from 0.0)."""
     i: cython.Py_ssize_t
-    vi: cython.int[::1]
-    vf: cython.float[::1]
-    vl: cython.longlong[::1]
-    bits: cython.pointer[cython.uint]
-    got: cython.Py_ssize_t = -1
-    try:
-        if not cython.compiled:
-            _input_column(name, k, value, out, size)
-        if kind == 0:
-            vi = value
-            got = vi.shape[0]
-            if got == size:
-                for i in range(1, size):
-                    if vi[i] != vi[0]:
-                        return False
-        elif kind == 1:  # bit for bit, as bytes compare (NaN payloads, -0.0 != 0.0)
-            vf = value
-            got = vf.shape[0]
-            if got == size and size > 1:
-                if cython.compiled:
-                    bits = cython.cast(cython.pointer(cython.uint), cython.address(vf[0]))
-                    for i in range(1, size):
-                        if bits[i] != bits[0]:
-                            return False
-                elif value.tobytes() != value[:1].tobytes() * size:  # type: ignore[attr-defined, index]
-                    return False
-        else:
-            vl = value
-            got = vl.shape[0]
-            if got == size:
-                for i in range(1, size):
-                    if vl[i] != vl[0]:
-                        return False
-    except (TypeError, ValueError, BufferError):
-        _input_column(name, k, value, out, size)
-        raise
-    if got != size:
-        _input_column(name, k, value, out, size)
+    if kind == 2:
+        vl: cython.pointer[cython.longlong] = _longs(value)
+        for i in range(1, size):  # noqa: SIM110 - a C loop when compiled
+            if vl[i] != vl[0]:
+                return False
+        return True
+    if not cython.compiled:  # float32 bits
+        return bool(value.tobytes() == value[:1].tobytes() * size)  # type: ignore[attr-defined, index]
+    vi: cython.pointer[cython.int] = _ints(value)  # int32, or a float32's bits
+    for i in range(1, size):  # noqa: SIM110 - a C loop when compiled
+        if vi[i] != vi[0]:
+            return False
     return True
 
 
-def _input_column(name: str, k: int, value: object, out: Any, size: int) -> None:
-    """Raise the specific error for column ``k``'s values, if they are unusable."""
-    if (not isinstance(value, np.ndarray) or value.dtype != out.dtype or value.ndim != 1
-            or not value.flags.c_contiguous):
-        raise RequestLayoutError(
-            f"{name}: column {k} must be a 1-D C-contiguous {out.dtype} array, got "
-            f"{_describe(value)}")
-    if value.size != size:
-        raise RequestLayoutError(
-            f"{name}: column {k} has {value.size} values, the batch {size}; pass one per "
-            "request (per token for a per-token column)")
-
-
 @cython.cfunc
-@cython.boundscheck(False)  # the sizes were checked at plan
+@cython.boundscheck(False)
 @cython.wraparound(False)
 def _copy(spec: tuple, value: object, m: cython.Py_ssize_t, end: cython.Py_ssize_t) -> None:
     """``out[:m] = value`` (clamped for a float minimum), ``out[m:end] = pad``."""
-    if spec[3] is None:
-        end = m
     i: cython.Py_ssize_t
     kind: cython.int = spec[0]
-    si: cython.int[::1]
-    di: cython.int[::1]
-    sf: cython.float[::1]
-    df: cython.float[::1]
-    sl: cython.longlong[::1]
-    dl: cython.longlong[::1]
-    x: cython.float
-    lo: cython.float
+    out = spec[1]
+    if spec[3] is None:
+        end = m
     if kind == 0:
-        si = value
-        di = spec[1]
+        si: cython.pointer[cython.int] = _ints(value)
+        di: cython.pointer[cython.int] = _ints(out)
+        pi: cython.int = spec[3] if end > m else 0
         for i in range(m):
             di[i] = si[i]
         for i in range(m, end):
-            di[i] = spec[3]
+            di[i] = pi
     elif kind == 1:
-        sf = value
-        df = spec[1]
+        sf: cython.pointer[cython.float] = _floats(value)
+        df: cython.pointer[cython.float] = _floats(out)
+        pf: cython.float = spec[3] if end > m else 0.0
+        x: cython.float
+        lo: cython.float
         if spec[4] is None:
             for i in range(m):
                 df[i] = sf[i]
@@ -557,14 +555,84 @@ def _copy(spec: tuple, value: object, m: cython.Py_ssize_t, end: cython.Py_ssize
                 x = sf[i]
                 df[i] = x if (x != x or x > lo) else lo  # np.maximum: NaN propagates
         for i in range(m, end):
-            df[i] = spec[3]
+            df[i] = pf
     else:
-        sl = value
-        dl = spec[1]
+        sl: cython.pointer[cython.longlong] = _longs(value)
+        dl: cython.pointer[cython.longlong] = _longs(out)
+        pl: cython.longlong = spec[3] if end > m else 0
         for i in range(m):
             dl[i] = sl[i]
         for i in range(m, end):
-            dl[i] = spec[3]
+            dl[i] = pl
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _sum_ints(value: object, size: cython.Py_ssize_t) -> cython.longlong:
+    i: cython.Py_ssize_t
+    total: cython.longlong = 0
+    v: cython.pointer[cython.int] = _ints(value)
+    for i in range(size):
+        total += cython.cast(cython.longlong, v[i])
+    return total
+
+
+# Array access. Compiled, these read numpy's C fields directly (a typed memoryview costs
+# ~0.3 µs per array and step, several times the loop it feeds); interpreted, they hand
+# the array itself to the same loops.
+_TYPENUMS = (np.dtype(np.int32).num, np.dtype(np.float32).num, np.dtype(np.int64).num)
+
+
+@cython.cfunc
+@cython.inline
+def _size(value: object, kind: cython.int) -> cython.Py_ssize_t:
+    """The item count of ``value`` if it is a 1-D C-contiguous aligned native-order array
+    of the kind (0 int32, 1 float32, 2 int64), else -1."""
+    if cython.compiled:
+        if not cnp.PyArray_Check(value):
+            return -1
+        a = cython.cast(cnp.ndarray, value)
+        if (cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != _TYPENUMS[kind]
+                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
+                or not cnp.PyArray_ISNOTSWAPPED(a)):
+            return -1
+        return cnp.PyArray_DIM(a, 0)
+    if (not isinstance(value, np.ndarray) or value.ndim != 1
+            or value.dtype.num != _TYPENUMS[kind] or not value.dtype.isnative
+            or not value.flags.c_contiguous or not value.flags.aligned):
+        return -1
+    return value.size
+
+
+@cython.cfunc
+@cython.inline
+def _ints(value: object) -> cython.pointer[cython.int]:
+    if cython.compiled:
+        return cython.cast(cython.pointer[cython.int],
+                           cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
+    else:
+        return value
+
+
+@cython.cfunc
+@cython.inline
+def _floats(value: object) -> cython.pointer[cython.float]:
+    if cython.compiled:
+        return cython.cast(cython.pointer[cython.float],
+                           cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
+    else:
+        return value
+
+
+@cython.cfunc
+@cython.inline
+def _longs(value: object) -> cython.pointer[cython.longlong]:
+    if cython.compiled:
+        return cython.cast(cython.pointer[cython.longlong],
+                           cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
+    else:
+        return value
 
 
 @cython.cfunc
@@ -576,13 +644,25 @@ def _copy_prefix(src: cython.int[::1], dst: cython.int[::1], m: cython.Py_ssize_
         dst[i] = src[i]
 
 
-def _input(name: str, what: str, value: object) -> None:
-    """Raise the specific error for an input column that is not 1-D int32 C-contiguous."""
-    if (not isinstance(value, np.ndarray) or value.dtype != np.int32 or value.ndim != 1
-            or not value.flags.c_contiguous):
+def _input_column(name: str, k: int, value: object, out: Any, size: int) -> None:
+    """The specific error for column ``k``'s values, which ``_size`` refused."""
+    dtype = np.dtype(np.int32) if out is None else out.dtype
+    if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1
+            or not value.flags.c_contiguous or not value.flags.aligned
+            or not value.dtype.isnative):
         raise RequestLayoutError(
-            f"{name}: {what} must be a 1-D C-contiguous int32 array (one entry per "
-            f"request), got {_describe(value)}")
+            f"{name}: column {k} must be a 1-D C-contiguous aligned native {dtype} "
+            f"array, got {_describe(value)}")
+    raise RequestLayoutError(
+        f"{name}: column {k} has {value.size} values, the batch {size}; pass one per "
+        "request (per token for a per-token column)")
+
+
+def _input(name: str, what: str, value: object) -> None:
+    """The specific error for a length array ``_size`` refused."""
+    raise RequestLayoutError(
+        f"{name}: {what} must be a 1-D C-contiguous aligned native int32 array (one entry "
+        f"per request), got {_describe(value)}")
 
 
 # Run interpreted, this source hands over to its compiled build (unless H2D_NATIVE=0 or it

@@ -36,7 +36,7 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .batch import BatchColumns, ScheduledBatch
+from .batch import ScheduledBatch
 from .consumers import GREEDY_TEMPERATURE
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs, select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
@@ -126,11 +126,6 @@ class DecodeStepInputs:
         self._native_choice = native
         self._layout_class = select_layout(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice
-        self._max_reqs = min(b.spec.capacity for b in (
-            sampling.temperatures, sampling.top_ks, sampling.top_ps, tokens.decode_src,
-            decode.context_lens, decode.block_tables))
-        self._max_tokens = min(b.spec.capacity for b in (
-            tokens.input_ids, decode.positions, decode.slot_mapping))
         self._layouts: list[RequestLayout] = []  # per slot, made on first use (after bind)
         self._counts: CountBatch | None = None
 
@@ -153,21 +148,24 @@ class DecodeStepInputs:
         source is written: a rejected batch raises a specific error and changes nothing.
         """
         cols = batch.columns
-        n, p, q = self._check(cols, padded)
-        st = self.h2d_state
         if not self._layouts:
             self._bind()
-        layout = self._layouts[st.current_slot]
-        pt = p * q
+        layout = self._layouts[self.h2d_state.current_slot]
+        if padded is not None:
+            padded = _padded(DECODE_STEP, len(cols.query_lens), padded)
         try:
-            t = layout.plan(cols.query_lens, cols.context_lens, p, pt, (
-                cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
-                cols.token_ids))
+            # the capacities are the bound members' (every member of the step is bound)
+            layout.plan(cols.query_lens, cols.context_lens,
+                        -1 if padded is None else padded, -1, (
+                            cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+                            cols.token_ids, cols.num_drafts))
         except RequestLayoutError as exc:
             _check_one_width(cols.query_lens)  # the decode rule reports first
             raise CountError(str(exc)) from exc
         if layout.min_query_len != layout.max_query_len:
             _check_one_width(cols.query_lens)
+        n, p, t, pt = layout.num_reqs, layout.padded_reqs, layout.num_tokens, layout.padded_tokens
+        q = layout.max_query_len or 1
         decode = self.decode
         rows = batch.block_tables
         if p > n:
@@ -176,17 +174,16 @@ class DecodeStepInputs:
         decode.tables.prepare(rows, required_pages=layout.required_pages)
         total = layout.write()
         uniform = layout.uniform_mask
-        k_rows, p_rows = n > 1 and not uniform & 2, n > 1 and not uniform & 4
+        k_rows, p_rows = not uniform & 2, not uniform & 4  # per-request filters
         self._counts.set(n, n if k_rows else None, n if p_rows else None,  # type: ignore[union-attr]
                          pt, p + 1, p, p + 1, pt, pt, p, p + 1)
         top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
         top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
         stage = decode.tables.stage(p)
-        drafts = int(np.add.reduce(cols.num_drafts))
         # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
         return _new(DecodeStepPlan, (
             _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
-            _new(TokenPlan, (n, p, t, pt, drafts)),
+            _new(TokenPlan, (n, p, t, pt, layout.column_sum(5))),
             _new(DecodePlan, (n, p, q, pt, total, stage)),
         ))
 
@@ -197,35 +194,10 @@ class DecodeStepInputs:
             # sampling runs eagerly on real rows: no graph padding
             columns=[(s.temperatures, False, None, GREEDY_TEMPERATURE),
                      (s.top_ks, False, None, None), (s.top_ps, False, None, None),
-                     (t.decode_src, False, -1, None), (t.input_ids, True, 0, None)])
+                     (t.decode_src, False, -1, None), (t.input_ids, True, 0, None),
+                     (None, False, None, None)])  # num_drafts: checked and summed
         self._counts = self.h2d_state.count_batch(self._counted_members(),
                                                   native=self._native_choice)
-
-    def _check(self, cols: BatchColumns, padded: int | None) -> tuple[int, int, int]:
-        """The step's capacities, before any write; returns (n, padded, q). The
-        per-request and per-column rules are the layout's (``plan``)."""
-        qlens = cols.query_lens
-        n = qlens.size
-        p = n if padded is None else _padded(DECODE_STEP, n, padded)
-        if p > self._max_reqs:
-            raise CountError(
-                f"{DECODE_STEP}: {p} requests{' (padded)' if p > n else ''} exceed "
-                f"max_reqs={self._max_reqs} (the buffers' capacity); split the batch or "
-                "declare larger buffers"
-            )
-        if cols.num_drafts.shape != (n,):
-            raise CountError(
-                f"{DECODE_STEP}: column num_drafts has shape {cols.num_drafts.shape} but the "
-                f"batch has {n} requests; pass one value per request"
-            )
-        q = int(qlens[0]) if n else 1
-        if p * q > self._max_tokens:
-            raise CountError(
-                f"{DECODE_STEP}: {p * q} tokens{' (padded)' if p > n else ''} exceed "
-                f"max_tokens={self._max_tokens} (the buffers' capacity); split the batch or "
-                "declare larger buffers"
-            )
-        return n, p, q
 
 
 def _check_one_width(query_lens: np.ndarray) -> None:

@@ -104,13 +104,14 @@ class MhaDecodeInputs(PagedInputs):
         name: str,
         *,
         cu_query: tuple[H2DBuffer, ...] = (),
-        columns: Sequence[tuple[H2DBuffer, bool, float | None, float | None]] = (),
+        columns: Sequence[tuple[H2DBuffer | None, bool, float | None, float | None]] = (),
         native: bool | None = None,
     ) -> list[RequestLayout]:
         """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
         (positions, KV slots, context lengths, KV prefix), reading the slot's prepared
         table; plus the query prefix into each ``cu_query`` buffer and one column per
-        ``(buffer, per_token, pad, minimum)``. After ``bind()``; ``native`` as for the
+        ``(buffer, per_token, pad, minimum)`` (buffer None: an int32 column checked and
+        summed only). After ``bind()``; ``native`` as for the
         snapshots (None: the compiled class when built, False: the interpreted one)."""
         cls = select_layout(native, name)
         snapshots = self.tables.snapshots
@@ -124,8 +125,9 @@ class MhaDecodeInputs(PagedInputs):
                 positions=src[0], slot_mapping=src[1], context_lens=src[2],
                 kv_page_indptr=src[3],
                 cu_query=tuple(b.source(slot).numpy() for b in cu_query),
-                columns=[LayoutColumn(b.name, b.source(slot).numpy(), per_token, pad, low)
-                         for b, per_token, pad, low in columns]))
+                columns=[LayoutColumn(f"column {k}", None, per_token) if b is None else
+                         LayoutColumn(b.name, b.source(slot).numpy(), per_token, pad, low)
+                         for k, (b, per_token, pad, low) in enumerate(columns)]))
         return out
 
     def _prepare(self, batch: ScheduledBatch, padded: int | None) -> DecodePlan:
