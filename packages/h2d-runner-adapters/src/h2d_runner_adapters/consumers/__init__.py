@@ -16,15 +16,18 @@ from h2d_runner_adapters.consumers.sampler import (
     sample_tokens,
 )
 from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
+from h2d_runner_adapters.consumers.v4_step_indptrs import StepIndptrs, generate_v4_step_indptrs
 
 __all__ = [
     "GREEDY_TEMPERATURE",
     "ConsumerArgumentError",
     "ConsumerDeviceError",
+    "StepIndptrs",
     "assemble_token_ids",
     "fill_gumbel_noise_",
     "gather_draft_ids",
     "generate_kv_indices",
+    "generate_v4_step_indptrs",
     "prepare_prefill_attention",
     "sample_tokens",
 ]
