@@ -7,11 +7,31 @@ sizes and padding. CPU cases run the kernel in Triton's interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import sys
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from block_tables import BlockTable, MissingPagesError
+from h2d_core import CountError, H2DRunnerState
+from h2d_runner_adapters import (
+    SAMPLING,
+    TOKEN_INPUTS,
+    V4_BLOCK,
+    V41_METADATA,
+    BatchColumns,
+    RequestSpan,
+    SamplingInputs,
+    ScheduledBatch,
+    SpanColumns,
+    TokenInputs,
+    V41MetadataInputs,
+)
 from h2d_runner_adapters.consumers import ConsumerArgumentError
 from h2d_runner_adapters.consumers._launch import interpreted
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
@@ -20,6 +40,10 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
 )
+from h2d_runner_adapters.v41_metadata import V4_RATIOS
+
+sys.path.insert(0, str(Path(__file__).parent))
+import adapter_helpers as ah
 
 POISON = -7
 WINDOW, TOPK = 128, 1024
@@ -122,3 +146,245 @@ def test_bad_arguments_are_refused(dev: torch.device) -> None:
     with pytest.raises(ConsumerArgumentError, match=r"positions must have dtype torch.int64"):
         generate_v4_step_indptrs(bids, bids, lens, out, num_tokens=4, num_reqs=2,
                                  padded_reqs=2, window=WINDOW, index_topk=TOPK)
+
+
+# ------------------------------------------------------------- the v41_metadata group
+MAX_REQS, MAX_TOKENS, MAX_BLOCKS, NUM_BLOCKS = 8, 40, 6, 200
+DUMMY_SLOT, DUMMY_BLOCK = 99, NUM_BLOCKS - 1
+V4_POISON = 0x5A
+
+
+def v41_state(device: str, backend: str = "packed", num_slots: int = 1, fp8: bool = True
+              ) -> tuple[H2DRunnerState, V41MetadataInputs]:
+    st_ = H2DRunnerState(device, backend=backend, num_slots=num_slots,
+                         scatter=ah.scatter_for(device))
+    v4 = V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                           max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
+                           dummy_block=DUMMY_BLOCK, num_blocks=NUM_BLOCKS, window=WINDOW,
+                           index_topk=TOPK, fp8=fp8, max_ranges=4)
+    st_.bind()
+    for b in st_.buffers().values():
+        b.gpu.view(-1).view(torch.uint8).fill_(V4_POISON)
+    return st_, v4
+
+
+def v41_reference(spans: list[RequestSpan], rows: list[list[int]], padded: int
+                  ) -> dict[str, list[Any]]:
+    """Every published member of a step, written from the context document (§1.3-1.6):
+    tail-anchored positions, the graph grid (padded x widest query), -1 padding."""
+    n = len(spans)
+    q = max((s.num_tokens for s in spans), default=1)
+    pt = padded * q
+    pos, bids, per_req_start = [], [], []
+    for i, s in enumerate(spans):
+        per_req_start.append(len(pos))
+        for j in range(s.num_tokens):
+            pos.append(s.context_len - s.num_tokens + j)
+            bids.append(i)
+    t = len(pos)
+    out: dict[str, list[Any]] = {
+        "v41_positions": pos + [0] * (pt - t),
+        "v41_token_batch_ids": bids + [-1] * (pt - t),
+        "v41_seq_lens": [s.context_len for s in spans] + [0] * (padded - n),
+        "v41_state_slot_out": [s.state_slot for s in spans] + [DUMMY_SLOT] * (padded - n),
+        "v41_state_slot_in": [s.fork_source if s.fork_source >= 0 else s.state_slot
+                              for s in spans] + [DUMMY_SLOT] * (padded - n),
+        "v41_qo_indptr": list(range(t + 1)) + [t] * (pt - t),
+    }
+    for r, k in V4_RATIOS:
+        compress, write = [], []
+        for ti, (p, b) in enumerate(zip(pos, bids, strict=True)):
+            j = ti - per_req_start[b]
+            row = [ti, b, p, k - min(j + 1, k)]
+            if (p + 1) % r == 0:
+                compress.append(row)
+            if p >= max(0, spans[b].context_len - k):
+                write.append(row)
+        out[f"v41_compress_plan_{r}"] = compress + [[-1] * 4] * (padded * -(-q // r)
+                                                                  - len(compress))
+        out[f"v41_write_plan_{r}"] = write + [[-1] * 4] * (padded * min(q, k) - len(write))
+    table = [list(row) for row in rows] + [[DUMMY_BLOCK]] * (padded - n)
+    out["v41_block_tables"] = table
+    return out
+
+
+class Population:
+    """Requests that grow by 1-4 tokens a step (DSpark widths), appending 256-token blocks."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.next_block = 0
+        self.reqs: list[tuple[int, BlockTable, int]] = []  # (context, table, state slot)
+
+    def block(self) -> int:
+        self.next_block = (self.next_block + 1) % (NUM_BLOCKS - 1)
+        return self.next_block
+
+    def step(self, n: int, ragged: bool, q: int) -> tuple[list[RequestSpan], list[BlockTable]]:
+        while len(self.reqs) < n:
+            ctx = self.rng.randint(1, 3 * V4_BLOCK)
+            table = BlockTable([self.block() for _ in range(-(-ctx // V4_BLOCK))])
+            self.reqs.append((ctx, table, len(self.reqs)))
+        self.reqs = self.reqs[:n]
+        spans, rows = [], []
+        for i, (ctx, table, slot) in enumerate(self.reqs):
+            width = self.rng.randint(1, q) if ragged else q
+            ctx += width
+            while len(table) * V4_BLOCK < ctx:
+                table = table.lineage_copy()
+                table.append_one(self.block())
+            self.reqs[i] = (ctx, table, slot)
+            fork = slot + 50 if self.rng.random() < 0.2 else -1
+            spans.append(RequestSpan(width, ctx, slot, fork))
+            rows.append(table)
+        return spans, rows
+
+
+def check_published(st_: H2DRunnerState, want: dict[str, list[Any]],
+                    before: dict[str, bytes]) -> None:
+    bufs = st_.buffers()
+    for name, values in want.items():
+        if name not in bufs:
+            continue
+        gpu = bufs[name].gpu.cpu()
+        if name == "v41_block_tables":
+            for i, row in enumerate(values):
+                assert gpu[i, : len(row)].tolist() == row, (name, i)
+            continue
+        count = len(values)
+        assert gpu[:count].tolist() == values, name
+        tail = gpu[count:].numpy().tobytes()
+        assert tail == before[name][len(before[name]) - len(tail):], f"{name}: tail moved"
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_v41_metadata_exact_values_over_steps(device: str, backend: str) -> None:
+    ah.need_kernels(device)
+    st_, v4 = v41_state(device, backend)
+    pop = Population(3)
+    schedule = [(3, False, 1, None), (3, False, 1, 4), (5, True, 4, 8), (2, True, 3, 2),
+                (6, False, 2, None), (1, False, 1, 8), (0, False, 1, 2), (4, True, 4, 4)]
+    for n, ragged, q, padded in schedule:
+        spans, rows = pop.step(n, ragged, q)
+        p = n if padded is None else padded
+        st_.begin()
+        plan = v4.begin_step(spans, block_tables=rows, padded=padded)
+        before = {name: b.gpu.cpu().numpy().tobytes() for name, b in st_.buffers().items()}
+        st_.publish(V41_METADATA)
+        indptrs = v4.generate_step_indptrs(plan)
+        st_.finish()
+        ah.sync(device)
+        want = v41_reference(spans, [list(r) for r in rows], p)
+        check_published(st_, want, before)
+        # the first consumer, from the published rows
+        ref = generate_v4_step_indptrs_reference(
+            want["v41_positions"], want["v41_token_batch_ids"],
+            [s.context_len for s in spans], num_reqs=n, padded_reqs=p, window=WINDOW,
+            index_topk=TOPK)
+        for name, expected in ref.items():
+            assert getattr(indptrs, name).cpu().tolist()[: len(expected)] == expected, name
+        c = st_.counters(V41_METADATA)
+        if backend == "packed":
+            assert (c.dmas, c.scatters) == (c.publications, c.publications)
+
+
+def test_v41_packed_and_direct_publish_the_same_bytes(device: str) -> None:
+    ah.need_kernels(device)
+    sides = [v41_state(device, b, num_slots=2) for b in ("packed", "direct")]
+    pops = [Population(11), Population(11)]
+    for step in range(12):
+        n = 1 + step % MAX_REQS
+        padded = MAX_REQS if step % 3 == 0 else None
+        for (st_, v4), pop in zip(sides, pops, strict=True):
+            spans, rows = pop.step(n, step % 2 == 1, 1 + step % 4)
+            st_.begin()
+            v4.begin_step(SpanColumns.from_spans(spans), block_tables=rows, padded=padded)
+            st_.publish(V41_METADATA)
+            st_.finish()
+        ah.sync(device)
+        a, b = (s[0].buffers() for s in sides)
+        for name in a:
+            assert a[name].gpu.cpu().numpy().tobytes() == b[name].gpu.cpu().numpy().tobytes(), (
+                step, name)
+
+
+def test_v41_with_token_inputs_is_two_dmas_and_two_scatters(device: str) -> None:
+    ah.need_kernels(device)
+    st_ = H2DRunnerState(device, backend="packed", scatter=ah.scatter_for(device))
+    sampling = SamplingInputs(st_, MAX_REQS)
+    tokens = TokenInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
+    st_.combine(TOKEN_INPUTS, [SAMPLING, *tokens.producer_groups])
+    v4 = V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                           max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
+                           dummy_block=DUMMY_BLOCK, num_blocks=NUM_BLOCKS, fp8=True)
+    st_.bind()
+    pop = Population(5)
+    steps = 6
+    for _ in range(steps):
+        spans, rows = pop.step(4, True, 4)
+        q = max(s.num_tokens for s in spans)
+        cols = BatchColumns(
+            query_lens=np.array([s.num_tokens for s in spans], np.int32),
+            context_lens=np.array([s.context_len for s in spans], np.int32),
+            temperatures=np.ones(4, np.float32), top_k=np.full(4, -1, np.int32),
+            top_p=np.ones(4, np.float32), prev_sample_rows=np.full(4, -1, np.int32),
+            token_ids=np.arange(sum(s.num_tokens for s in spans), dtype=np.int32),
+            num_drafts=np.array([s.num_tokens - 1 for s in spans], np.int32))
+        batch = ScheduledBatch((), False, V4_BLOCK, padded_size=MAX_REQS, given_columns=cols)
+        st_.begin()
+        sampling.prepare(batch)
+        tokens.prepare_ids(batch, MAX_REQS)
+        tokens.prepare_query_prefix(batch, MAX_REQS)
+        v4.begin_step(spans, block_tables=rows, padded=MAX_REQS)
+        st_.publish(TOKEN_INPUTS)
+        st_.publish(V41_METADATA)
+        st_.finish()
+        assert q <= 4  # DSpark widths up to full_q = 4
+    ah.sync(device)
+    for group in (TOKEN_INPUTS, V41_METADATA):
+        c = st_.counters(group)
+        assert (c.publications, c.dmas, c.scatters, c.direct_copies) == (steps, steps, steps, 0)
+
+
+@pytest.mark.parametrize("case", ["short_row", "short_context", "padded_below", "rows_count",
+                                  "too_many_tokens", "bad_dtype"])
+def test_v41_rejected_step_changes_nothing(device: str, case: str) -> None:
+    ah.need_kernels(device)
+    st_, v4 = v41_state(device)
+    pop = Population(8)
+    spans, rows = pop.step(3, False, 2)
+    st_.begin()
+    v4.begin_step(spans, block_tables=rows, padded=4)
+    st_.publish(V41_METADATA)
+    st_.finish()
+    ah.sync(device)
+    spans, rows = pop.step(3, False, 2)
+    cols = SpanColumns.from_spans(spans)
+    padded: int | None = None
+    err: type[Exception] = CountError
+    if case == "short_row":
+        rows = [*rows[:2], BlockTable([1])]
+        spans[2] = RequestSpan(1, 3 * V4_BLOCK, 2)
+        cols = SpanColumns.from_spans(spans)
+        err = MissingPagesError
+    elif case == "short_context":
+        cols = dataclasses.replace(cols, context_lens=np.array([1, 1, 1], np.int32))
+    elif case == "padded_below":
+        padded = 2
+    elif case == "rows_count":
+        rows = rows[:2]
+    elif case == "too_many_tokens":
+        cols = dataclasses.replace(cols, query_lens=np.full(3, MAX_TOKENS, np.int32),
+                                   context_lens=np.full(3, MAX_TOKENS, np.int32))
+    else:
+        cols = dataclasses.replace(cols, state_slots_in=cols.state_slots_in.astype(np.int64))
+    sources = {n: b.np.tobytes() for n, b in st_.buffers().items()}
+    revision = v4.tables.prepared_revision
+    st_.begin()
+    with pytest.raises(err):
+        v4.begin_step(cols, block_tables=rows, padded=padded)
+    assert {n: b.np.tobytes() for n, b in st_.buffers().items()} == sources
+    assert v4.tables.prepared_revision == revision
+    st_.publish(V41_METADATA)  # nothing counted: an empty publication
+    st_.finish()
+    assert st_.counters(V41_METADATA).publications == 2

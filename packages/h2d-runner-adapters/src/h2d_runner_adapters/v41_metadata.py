@@ -1,0 +1,293 @@
+"""DeepSeek-V4/V4.1 decode metadata: the ``v41_metadata`` group and its producer.
+
+One group, one DMA and one scatter per step (with ``token_inputs``: the spec's "two H2Ds
+and two scatters" of an ordinary V4.1 DSpark decode), graph padding included:
+
+* ``v41_positions`` (int64, per token): ``ctx_i - L_i + j`` for token ``j`` of request ``i``
+  (tail-anchored, as the plans); 0 for padding tokens;
+* ``v41_token_batch_ids`` (int32, per token): the owning request; -1 for padding tokens;
+* ``v41_seq_lens`` (int32, per request): committed context after this step (visibility);
+  0 for padded requests;
+* ``v41_state_slot_out`` / ``v41_state_slot_in`` (int32, per request): the physical state
+  slot written, and the one read (a fork source, else the same); padded requests get the
+  adapter's private dummy slot;
+* ``v41_compress_plan_{r}`` / ``v41_write_plan_{r}`` for each ratio ``r`` (int32 rows of
+  ``[ragged_id, batch_id, position, window_len]``, counted in rows with ``set_count``): the
+  graph form, ``P * ceil(q/r)`` compress rows and ``P * min(q, K)`` write rows, real rows
+  first and ``-1`` rows after them;
+* ``v41_block_tables`` (int32 ``[S, B]``, 256-token blocks): through the shared
+  ``block_table_state`` (changed rows travel as byte ranges inside the DMA); padded requests
+  get a private row holding the dummy block;
+* ``v41_qo_indptr`` (fp8 KV only, int32 ``[T + 1]``): ``arange(t + 1)``, then ``t`` repeated.
+
+Rows, per token and per request, come from one :class:`block_tables.RequestLayout` pass
+over the prepared table. First consumer: step indptr generation
+(:func:`generate_v4_step_indptrs`), which derives the per-token SWA/CSA/HCA prefixes and
+committed counts on the GPU. The per-token block tables, the HCA index head, the window
+index tails, the indexer, PCP, Opus and TBO are not built yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from block_tables import (
+    BlockTable,
+    LayoutColumn,
+    RequestLayout,
+    RequestLayoutError,
+)
+from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
+
+from .batch import PageRow
+from .consumers import StepIndptrs, generate_v4_step_indptrs
+from .mha_decode import select_layout
+from .paged import PagedInputs
+
+V41_METADATA = "v41_metadata"
+#: V4 block size (tokens per block-table entry)
+V4_BLOCK = 256
+#: (ratio, window K): ratio 4 pools an overlapping window of 2 * 4, ratio 128 one of 128
+V4_RATIOS: tuple[tuple[int, int], ...] = ((4, 8), (128, 128))
+
+
+@dataclass(frozen=True)
+class RequestSpan:
+    """One request's interval in a V4.1 step and its state slot; nothing about its pages
+    (they arrive separately, as rows, in :meth:`V41MetadataInputs.begin_step`).
+
+    ``num_tokens`` query tokens run this step, ending at ``context_len`` (the committed
+    length after the step). ``fork_source`` (a physical state slot, or -1) is the slot whose
+    compressor ring this step reads instead of ``state_slot``.
+    """
+
+    num_tokens: int
+    context_len: int
+    state_slot: int
+    fork_source: int = -1
+
+
+@dataclass(frozen=True)
+class SpanColumns:
+    """A batch of spans as int32 columns: what a scheduler that keeps arrays passes."""
+
+    query_lens: np.ndarray
+    context_lens: np.ndarray
+    state_slots_out: np.ndarray
+    state_slots_in: np.ndarray
+
+    @classmethod
+    def from_spans(cls, spans: Sequence[RequestSpan]) -> SpanColumns:
+        n = len(spans)
+        out = np.fromiter((s.state_slot for s in spans), np.int32, n)
+        fork = np.fromiter((s.fork_source for s in spans), np.int32, n)
+        return cls(
+            query_lens=np.fromiter((s.num_tokens for s in spans), np.int32, n),
+            context_lens=np.fromiter((s.context_len for s in spans), np.int32, n),
+            state_slots_out=out,
+            state_slots_in=np.where(fork >= 0, fork, out).astype(np.int32),
+        )
+
+
+class V41Plan(NamedTuple):
+    num_reqs: int
+    padded_reqs: int
+    num_tokens: int
+    padded_tokens: int
+    max_query_len: int
+    #: per ratio, in ``ratios`` order: (real compress rows, published compress rows,
+    #: real write rows, published write rows)
+    plan_rows: tuple[tuple[int, int, int, int], ...]
+    table_stage: str
+
+
+class V41MetadataInputs(PagedInputs):
+    """Declares the ``v41_metadata`` buffers, produces them, and runs the first consumer.
+
+    ``dummy_state_slot`` and ``dummy_block`` are the engine's reserved padding storage:
+    padded requests point only at them. ``fp8`` adds ``v41_qo_indptr`` to the group.
+    """
+
+    def __init__(
+        self,
+        state: H2DRunnerState,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        max_blocks_per_req: int,
+        dummy_state_slot: int,
+        dummy_block: int,
+        num_blocks: int | None = None,
+        ratios: Sequence[tuple[int, int]] = V4_RATIOS,
+        window: int = 128,
+        index_topk: int = 1024,
+        fp8: bool = False,
+        max_ranges: int = 64,
+        native: bool | None = None,
+    ) -> None:
+        g = V41_METADATA
+        super().__init__(state, g, "v41_block_tables", max_reqs=max_reqs,
+                         max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
+                         num_pages=num_blocks, max_ranges=max_ranges)
+        self.native = native
+        self.ratios = tuple(ratios)
+        self.window = window
+        self.index_topk = index_topk
+        self.dummy_state_slot = dummy_state_slot
+        buf = state.buffer
+        self.positions = buf("v41_positions", (max_tokens,), torch.int64, group=g)
+        self.token_batch_ids = buf("v41_token_batch_ids", (max_tokens,), torch.int32,
+                                   group=g)
+        self.seq_lens = buf("v41_seq_lens", (max_reqs,), torch.int32, group=g)
+        self.state_slot_out = buf("v41_state_slot_out", (max_reqs,), torch.int32, group=g)
+        self.state_slot_in = buf("v41_state_slot_in", (max_reqs,), torch.int32, group=g)
+        self.compress_plans: list[H2DBuffer] = []
+        self.write_plans: list[H2DBuffer] = []
+        for r, k in self.ratios:
+            self.compress_plans.append(buf(
+                f"v41_compress_plan_{r}", (max_tokens // r + max_reqs, 4), torch.int32,
+                group=g, unit="rows"))
+            self.write_plans.append(buf(
+                f"v41_write_plan_{r}", (min(max_tokens, max_reqs * k), 4), torch.int32,
+                group=g, unit="rows"))
+        self.qo_indptr = (buf("v41_qo_indptr", (max_tokens + 1,), torch.int32, group=g)
+                          if fp8 else None)
+        dev = state.device
+        # written on the device by the first consumer, never uploaded
+        def zeros(k: int) -> torch.Tensor:
+            return torch.zeros(k, dtype=torch.int32, device=dev)
+        self.step_indptrs = StepIndptrs(zeros(max_tokens + 1), zeros(max_tokens + 1),
+                                        zeros(max_tokens + 1), zeros(max_tokens),
+                                        zeros(max_reqs))
+        # padded requests read only the dummy block (private: nothing appends to it)
+        self._pad_rows: list[BlockTable] = [BlockTable([dummy_block])] * max_reqs
+        self._layouts: list[RequestLayout] = []
+        self._tokens = np.arange(max_tokens + 1, dtype=np.int32)
+        self._cu: list[np.ndarray] = []
+
+    # -- binding -------------------------------------------------------------------------
+    def _bind(self) -> None:
+        cls = select_layout(self.native, V41_METADATA)
+        snapshots = self.tables.snapshots
+        for slot in range(self.h2d_state.num_slots):
+            def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
+                return b.source(slot).numpy()
+            cu = np.zeros(self.seq_lens.spec.capacity + 1, dtype=np.int32)
+            self._cu.append(cu)
+            self._layouts.append(cls(
+                V41_METADATA, V4_BLOCK, snapshots[slot].storage,
+                np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
+                positions=src(self.positions), token_requests=src(self.token_batch_ids),
+                context_lens=src(self.seq_lens), cu_query=cu,
+                columns=[LayoutColumn("state_slot_out", src(self.state_slot_out),
+                                      pad=self.dummy_state_slot),
+                         LayoutColumn("state_slot_in", src(self.state_slot_in),
+                                      pad=self.dummy_state_slot)]))
+
+    # -- the producer --------------------------------------------------------------------
+    @h2d_producer(lambda self: self.group)
+    def begin_step(
+        self,
+        spans: Sequence[RequestSpan] | SpanColumns,
+        *,
+        block_tables: Sequence[PageRow],
+        padded: int | None = None,
+    ) -> V41Plan:
+        """Write and count every member for this step's ``spans`` (padded to ``padded``
+        requests of the widest query: the graph grid) and stage the block table from
+        ``block_tables`` (one row per span, versioned or not). Everything is checked, rows
+        included, before any source is written."""
+        cols = spans if isinstance(spans, SpanColumns) else SpanColumns.from_spans(spans)
+        if not self._layouts:
+            self._bind()
+        st = self.h2d_state
+        slot = st.current_slot
+        layout = self._layouts[slot]
+        n = len(cols.query_lens)
+        if padded is not None and (isinstance(padded, bool) or not isinstance(padded, int)
+                                   or padded < n):
+            raise CountError(
+                f"{V41_METADATA}: padded={padded!r} must be an int >= the batch's {n} "
+                "requests (pad up to a captured graph size, never down)")
+        if len(block_tables) != n:
+            raise CountError(
+                f"{V41_METADATA}: {len(block_tables)} block-table rows for {n} spans; pass "
+                "one row per span")
+        try:
+            layout.plan(cols.query_lens, cols.context_lens, -1 if padded is None else padded,
+                        -1, (cols.state_slots_out, cols.state_slots_in))
+        except RequestLayoutError as exc:
+            raise CountError(str(exc)) from exc
+        p, t, pt = layout.padded_reqs, layout.num_tokens, layout.padded_tokens
+        q = layout.max_query_len or 1
+        plan_counts = [(p * -(-q // r), p * min(q, k)) for r, k in self.ratios]
+        for (r, _), b, (c, w), wb in zip(self.ratios, self.compress_plans, plan_counts,
+                                         self.write_plans, strict=True):
+            if c > b.spec.capacity or w > wb.spec.capacity:
+                raise CountError(
+                    f"{V41_METADATA}: ratio {r} plans need {c} compress / {w} write rows, "
+                    f"more than {b.name} ({b.spec.capacity}) / {wb.name} "
+                    f"({wb.spec.capacity}) hold; declare larger buffers")
+        rows = list(block_tables)
+        if p > n:
+            rows += self._pad_rows[: p - n]
+        tables = self.tables
+        tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
+        layout.write()
+        plan_rows = self._write_plans(slot, t, plan_counts)
+        if self.qo_indptr is not None:
+            qo = self.qo_indptr.np
+            qo[: t + 1] = self._tokens[: t + 1]
+            qo[t + 1 : pt + 1] = t
+            st.set_count(self.qo_indptr, pt + 1)
+        st.set_count(self.positions, pt)
+        st.set_count(self.token_batch_ids, pt)
+        st.set_count(self.seq_lens, p)
+        st.set_count(self.state_slot_out, p)
+        st.set_count(self.state_slot_in, p)
+        for b, wb, (c, w) in zip(self.compress_plans, self.write_plans, plan_counts,
+                                 strict=True):
+            st.set_count(b, c)
+            st.set_count(wb, w)
+        stage = tables.stage(p)
+        return V41Plan(layout.num_reqs, p, t, pt, q, plan_rows, stage)
+
+    def _write_plans(self, slot: int, t: int, counts: list[tuple[int, int]]
+                     ) -> tuple[tuple[int, int, int, int], ...]:
+        """Compression and write plan rows of the ``t`` real tokens, then ``-1`` rows."""
+        owner = self.token_batch_ids.np[:t]
+        pos = self.positions.np[:t]
+        j = self._tokens[:t] - self._cu[slot][owner]
+        ctx = self.seq_lens.np[owner]
+        out = []
+        for (r, k), cb, wb, (c, w) in zip(self.ratios, self.compress_plans, self.write_plans,
+                                         counts, strict=True):
+            window = k - np.minimum(j + 1, k)
+            done = []
+            for plan, pick, count in (
+                (cb.np, np.flatnonzero((pos + 1) % r == 0), c),
+                (wb.np, np.flatnonzero(pos >= np.maximum(ctx - k, 0)), w),
+            ):
+                m = pick.size
+                plan[:m, 0] = pick
+                plan[:m, 1] = owner[pick]
+                plan[:m, 2] = pos[pick]
+                plan[:m, 3] = window[pick]
+                plan[m:count] = -1
+                done.append(m)
+            out.append((done[0], c, done[1], w))
+        return tuple(out)
+
+    # -- the first consumer --------------------------------------------------------------
+    def generate_step_indptrs(self, plan: V41Plan) -> StepIndptrs:
+        """Step indptr generation: per-token SWA/CSA/HCA prefixes and committed counts,
+        on the GPU from the published rows (see :func:`generate_v4_step_indptrs`)."""
+        return generate_v4_step_indptrs(
+            self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
+            self.step_indptrs, num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs,
+            padded_reqs=plan.padded_reqs, window=self.window, index_topk=self.index_topk)
