@@ -86,7 +86,7 @@ class Library:
     """token_inputs + v41_metadata on one backend."""
 
     def __init__(self, backend: str, bs: int, context: int, device: str) -> None:
-        blocks = -(-context // V4_BLOCK) + 2
+        blocks = -(-(context + 8192) // V4_BLOCK)  # room for the steps run
         self.state = st = H2DRunnerState(device, backend=backend, num_slots=2)
         self.sampling = SamplingInputs(st, bs)
         self.tokens = TokenInputs(st, max_reqs=bs, max_tokens=bs)
@@ -140,7 +140,7 @@ class AtomStyle:
     def __init__(self, bs: int, context: int, device: str) -> None:
         self.bs = bs
         self.batches = Batches(bs, context)
-        blocks = -(-context // V4_BLOCK) + 2
+        blocks = -(-(context + 8192) // V4_BLOCK)  # room for the steps run
         self.blocks = blocks
         pin = device == "cuda"
         hca_cap = bs * (WINDOW + -(-(context + 1024) // 128))
