@@ -4,8 +4,9 @@ One ordinary decode step (one query token per request, 128K-token contexts, 256-
 blocks, 1/16 of the requests cross a block each step), three ways, interleaved in one
 process (the GPU host's speed drifts between processes):
 
-* ``packed``: ``token_inputs`` (sampling, ids, deferred sources, query prefix) and
-  ``v41_metadata`` (``V41MetadataInputs.begin_step``): two DMAs and two scatters;
+* ``packed``: ``token_inputs`` (``TokenStepInputs.prepare``: sampling, ids, deferred
+  sources, query prefix) and ``v41_metadata`` (``V41MetadataInputs.begin_step``): two
+  producer calls, two DMAs and two scatters;
 * ``direct``: the same code with ``backend="direct"`` (one copy per member);
 * ``atom``: an ATOM-style step re-created from the context document (§1.2-1.6): the host
   builds every array (positions, query prefix, full-width block-table rows from Python
@@ -38,15 +39,13 @@ use_sources()
 from block_tables import BlockTable  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import (  # noqa: E402
-    SAMPLING,
     TOKEN_INPUTS,
     V4_BLOCK,
     V41_METADATA,
     BatchColumns,
-    SamplingInputs,
     ScheduledBatch,
     SpanColumns,
-    TokenInputs,
+    TokenStepInputs,
     V41MetadataInputs,
 )
 
@@ -88,9 +87,7 @@ class Library:
     def __init__(self, backend: str, bs: int, context: int, device: str) -> None:
         blocks = -(-(context + 8192) // V4_BLOCK)  # room for the steps run
         self.state = st = H2DRunnerState(device, backend=backend, num_slots=2)
-        self.sampling = SamplingInputs(st, bs)
-        self.tokens = TokenInputs(st, max_reqs=bs, max_tokens=bs)
-        st.combine(TOKEN_INPUTS, [SAMPLING, *self.tokens.producer_groups])
+        self.tokens = TokenStepInputs(st, max_reqs=bs, max_tokens=bs)
         self.v4 = V41MetadataInputs(st, max_reqs=bs, max_tokens=bs, max_blocks_per_req=blocks,
                                     dummy_state_slot=bs, dummy_block=0, window=WINDOW,
                                     index_topk=TOPK, fp8=True)
@@ -98,7 +95,7 @@ class Library:
         self.batches = Batches(bs, context)
         n = bs
         self.columns = BatchColumns(
-            query_lens=np.ones(n, np.int32), context_lens=np.zeros(n, np.int32),
+            query_lens=np.ones(n, np.int32), context_lens=np.full(n, context, np.int32),
             temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
             top_p=np.ones(n, np.float32), prev_sample_rows=np.arange(n, dtype=np.int32),
             token_ids=np.zeros(n, np.int32), num_drafts=np.zeros(n, np.int32))
@@ -107,15 +104,13 @@ class Library:
     def run(self, steps: int) -> float:
         work = [self.batches.step()[:2] for _ in range(steps)]
         batch = ScheduledBatch((), False, V4_BLOCK, given_columns=self.columns)
-        st, v4, sampling, tokens = self.state, self.v4, self.sampling, self.tokens
+        st, v4, tokens = self.state, self.v4, self.tokens
         pc = time.perf_counter_ns
         times = []
         for spans, rows in work:
             t0 = pc()
             st.begin()
-            sampling.prepare(batch)
-            tokens.prepare_ids(batch)
-            tokens.prepare_query_prefix(batch)
+            tokens.prepare(batch)
             v4.begin_step(spans, block_tables=rows)
             st.publish(TOKEN_INPUTS)
             st.publish(V41_METADATA)

@@ -13,7 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_tables import LayoutColumn, RequestLayout, RequestLayoutError, request_layout
+from block_tables import (
+    LayoutColumn,
+    LayoutPlan,
+    RequestLayout,
+    RequestLayoutError,
+    request_layout,
+)
 
 CLASSES = sorted({request_layout.RequestLayout, request_layout.INTERPRETED},
                  key=lambda c: c.__module__)
@@ -190,7 +196,7 @@ def test_write_needs_a_plan(cls: Any) -> None:
     ({"table": np.zeros((2, 2), np.int64)}, r"lay: table must be a writeable C-contiguous "
                                             r"2-D int32 array, got int64 array"),
     ({"positions": np.zeros(4, np.int32)}, r"positions must be .* int64 array"),
-    ({"required_pages": None}, r"table and required_pages are required"),
+    ({"required_pages": None}, r"table and required_pages go together"),
 ])
 def test_bad_bindings(cls: Any, kwargs: dict[str, Any], match: str) -> None:
     args = {"page_size": 4, "table": np.zeros((2, 2), np.int32),
@@ -357,3 +363,77 @@ def test_default_padding_is_the_graph_grid(cls: Any, q: list[int], p: int,
     assert (layout.num_reqs, layout.padded_reqs, layout.num_tokens,
             layout.padded_tokens) == want
     layout.write()
+
+
+def plan_oracle(q: list[int], c: list[int], ratio: int, window: int, tail: bool,
+                count: int) -> list[list[int]]:
+    rows, t = [], 0
+    for i, (qi, ci) in enumerate(zip(q, c, strict=True)):
+        for j in range(qi):
+            x = ci - qi + j
+            if (x >= max(0, ci - window)) if tail else ((x + 1) % ratio == 0):
+                rows.append([t, i, x, window - min(j + 1, window)])
+            t += 1
+    return rows + [[-1] * 4] * (count - len(rows))
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@settings(max_examples=40, deadline=None)
+@given(batch=batches())
+def test_plans_match_the_oracle(cls: Any, batch: tuple[int, list[int], list[int], int, int]
+                                ) -> None:
+    page, q, c, p, _ = batch
+    specs = [(4, 8, False), (4, 8, True), (128, 128, False), (3, 5, True)]
+    outs = [np.full((64, 4), 99, np.int32) for _ in specs]
+    layout = cls("plans", page, np.zeros((ROWS, WIDTH), np.int32), np.zeros(ROWS, np.int32),
+                 plans=[LayoutPlan(f"p{k}", o, r, w, tail)
+                        for k, (o, (r, w, tail)) in enumerate(zip(outs, specs, strict=True))])
+    layout.plan(np.array(q, np.int32), np.array(c, np.int32), p, -1)
+    layout.write()
+    width = max(q, default=1)
+    for k, (out, (r, w, tail)) in enumerate(zip(outs, specs, strict=True)):
+        count = p * (min(width, w) if tail else -(-width // r))
+        want = plan_oracle(q, c, r, w, tail, count)
+        assert out[:count].tolist() == want, k
+        assert (out[count:] == 99).all(), f"plan {k}: rows past the count moved"
+        real = sum(1 for row in want if row[0] >= 0)
+        assert layout.plan_rows(k) == (real, count)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_plan_capacity_and_bindings(cls: Any) -> None:
+    out = np.full((3, 4), 99, np.int32)
+    layout = cls("pc", 4, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
+                 plans=[LayoutPlan("w", out, 4, 8, tail=True)])
+    with pytest.raises(RequestLayoutError, match=r"pc: plan 0 needs 4 rows \(2 requests of "
+                                                 r"up to 2 tokens\), more than its 3"):
+        layout.plan(np.array([2, 1], np.int32), np.array([5, 3], np.int32), 2, -1)
+    assert (out == 99).all()
+    with pytest.raises(RequestLayoutError, match=r"plan 'x' needs a unique name and a "
+                                                 r"writeable C-contiguous int32 \[rows, 4\]"):
+        cls("pc", 4, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
+            plans=[LayoutPlan("x", np.zeros((3, 3), np.int32), 4, 8)])
+    with pytest.raises(RequestLayoutError, match=r"ratio and window must be ints >= 1"):
+        cls("pc", 4, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
+            plans=[LayoutPlan("x", np.zeros((3, 4), np.int32), 0, 8)])
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_a_layout_without_pages(cls: Any) -> None:
+    """Token inputs: query prefixes and columns, no table (any context length)."""
+    cu, ids = np.full(4, 99, np.int32), np.full(6, 99, np.int32)
+    layout = cls("tok", 16, None, None, cu_query=cu,
+                 columns=[LayoutColumn("ids", ids, per_token=True)])
+    assert layout.max_reqs == 3
+    layout.plan(np.array([2, 1], np.int32), np.array([2**30, 5], np.int32), 3, -1,
+                (np.array([7, 8, 9], np.int32),))
+    layout.write()
+    assert cu.tolist() == [0, 2, 3, 3] and ids.tolist() == [7, 8, 9, 0, 0, 0]
+    with pytest.raises(RequestLayoutError, match=r"tok: a layout without a table has no "
+                                                 r"pages"):
+        layout.required_pages  # noqa: B018
+    with pytest.raises(RequestLayoutError, match=r"slot_mapping and kv_page_indptr need "
+                                                 r"them"):
+        cls("tok", 16, None, None, slot_mapping=np.zeros(4, np.int64))
+    with pytest.raises(RequestLayoutError, match=r"table and required_pages go together"):
+        cls("tok", 16, np.zeros((2, 2), np.int32), None)

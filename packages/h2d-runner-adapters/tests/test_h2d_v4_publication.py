@@ -30,6 +30,7 @@ from h2d_runner_adapters import (
     ScheduledBatch,
     SpanColumns,
     TokenInputs,
+    TokenStepInputs,
     V41MetadataInputs,
 )
 from h2d_runner_adapters.consumers import ConsumerArgumentError
@@ -388,3 +389,52 @@ def test_v41_rejected_step_changes_nothing(device: str, case: str) -> None:
     st_.publish(V41_METADATA)  # nothing counted: an empty publication
     st_.finish()
     assert st_.counters(V41_METADATA).publications == 2
+
+
+@pytest.mark.parametrize("padded", [None, MAX_REQS])
+def test_token_step_equals_the_separate_token_producers(device: str, padded: int | None
+                                                        ) -> None:
+    """TokenStepInputs (one producer, one layout pass) writes and counts exactly what
+    SamplingInputs + TokenInputs write, ragged widths included."""
+    ah.need_kernels(device)
+    fused_state = H2DRunnerState(device, scatter=ah.scatter_for(device))
+    fused = TokenStepInputs(fused_state, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
+    fused_state.bind()
+    sep_state = H2DRunnerState(device, scatter=ah.scatter_for(device))
+    sampling = SamplingInputs(sep_state, MAX_REQS)
+    tokens = TokenInputs(sep_state, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
+    sep_state.combine(TOKEN_INPUTS, [SAMPLING, *tokens.producer_groups])
+    sep_state.bind()
+    rng = np.random.default_rng(4)
+    for step in range(10):
+        n = int(rng.integers(0, 6))
+        q = rng.integers(1, 5, n).astype(np.int32)
+        same = step % 2 == 0
+        cols = BatchColumns(
+            query_lens=q, context_lens=q + rng.integers(0, 900, n).astype(np.int32),
+            temperatures=rng.choice([0.0, 0.7, 1.0], n).astype(np.float32),
+            top_k=np.full(n, 5, np.int32) if same else rng.integers(-1, 9, n).astype(np.int32),
+            top_p=np.full(n, 0.9, np.float32) if same else rng.random(n).astype(np.float32),
+            prev_sample_rows=rng.integers(-1, 4, n).astype(np.int32),
+            token_ids=rng.integers(0, 1000, int(q.sum())).astype(np.int32),
+            num_drafts=(q - 1).astype(np.int32))
+        batch = ScheduledBatch((), False, V4_BLOCK, given_columns=cols)
+        fused_state.begin()
+        plan = fused.prepare(batch, padded)
+        fused_state.publish(TOKEN_INPUTS)
+        fused_state.finish()
+        sep_state.begin()
+        sp = sampling.prepare(batch)
+        tp = tokens.prepare_ids(batch, padded)
+        tokens.prepare_query_prefix(batch, padded)
+        sep_state.publish(TOKEN_INPUTS)
+        sep_state.finish()
+        assert (plan.sampling, plan.tokens) == (sp, tp), step
+        a, b = fused_state.buffers(), sep_state.buffers()
+        assert a.keys() == b.keys()
+        for name in a:
+            assert fused_state.count(a[name]) == sep_state.count(b[name]), (step, name)
+            assert a[name].np.tobytes() == b[name].np.tobytes(), (step, name)
+    ah.sync(device)
+    for name in a:
+        assert a[name].gpu.cpu().numpy().tobytes() == b[name].gpu.cpu().numpy().tobytes(), name

@@ -17,7 +17,7 @@ from .errors import (
     VersionExhaustedError,
 )
 from .lineage import MAX_ROW_LENGTH, BlockTable, draw_version
-from .request_layout import LayoutColumn, RequestLayout
+from .request_layout import LayoutColumn, LayoutPlan, RequestLayout
 from .snapshot import ChangedRows, PageTableSnapshot
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "BlockTableError",
     "ChangedRows",
     "LayoutColumn",
+    "LayoutPlan",
     "MissingPagesError",
     "PageIdRangeError",
     "PageTableSnapshot",

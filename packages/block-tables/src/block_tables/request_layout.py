@@ -79,6 +79,27 @@ class LayoutColumn:
     minimum: float | None = None
 
 
+@dataclass(frozen=True)
+class LayoutPlan:
+    """Token rows for a compressed KV cache, written by :meth:`RequestLayout.write`.
+
+    Each selected real token ``t`` (request ``i``, ``j``-th token of its query, position
+    ``p``) gives one int32 row ``[t, i, p, window - min(j + 1, window)]`` in ``out``
+    (``[capacity, 4]``), in token order. ``tail=False`` selects the tokens that close a
+    block of ``ratio`` positions (``(p + 1) % ratio == 0``: the compression rows);
+    ``tail=True`` the tokens among the last ``window`` positions of their context (the
+    state-write rows). The published row count is the graph form, ``padded_reqs *
+    ceil(q / ratio)`` or ``padded_reqs * min(q, window)`` for the widest query ``q``; the
+    rows after the real ones hold -1.
+    """
+
+    name: str
+    out: np.ndarray
+    ratio: int
+    window: int
+    tail: bool = False
+
+
 _KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 
 
@@ -88,7 +109,9 @@ class RequestLayout:
 
     ``table`` is the (pinned CPU) page table the batch's rows are prepared into, int32
     ``[rows, width]``; ``required_pages`` (int32, >= rows) receives each request's page
-    count in :meth:`plan`. Every other output is optional (``None``: not written):
+    count in :meth:`plan`. Both may be None for a layout without pages (token inputs:
+    query prefixes and columns), which then takes no ``slot_mapping`` or
+    ``kv_page_indptr``. Every other output is optional (``None``: not written):
     ``positions`` / ``slot_mapping`` int64 ``[tokens]``, ``token_requests`` int32
     ``[tokens]``, ``cu_query`` / ``kv_page_indptr`` int32 ``[requests + 1]`` (``cu_query``
     may be a tuple of such arrays: the same prefix goes to each),
@@ -120,10 +143,15 @@ class RequestLayout:
     _pt = cython.declare(cython.Py_ssize_t)
     _total = cython.declare(cython.longlong)
     _planned = cython.declare(cython.bint)
+    _paged = cython.declare(cython.bint)
     # per column: (kind, out, per_token, pad, minimum or None); the planned batch's values
     _columns = cython.declare(tuple)
     _values = cython.declare(tuple)
     _sums = cython.declare(list)
+    # per plan: (flat out, ratio, window, tail, capacity); per planned batch: row counts
+    _plans = cython.declare(tuple)
+    _plan_counts = cython.declare(list)
+    _plan_real = cython.declare(list)
     #: the planned batch's shortest and longest query (0 for an empty batch): a uniform
     #: width, or the widest request, without another pass over the lengths
     #: the planned batch's request and token counts, real and padded
@@ -144,8 +172,8 @@ class RequestLayout:
         self,
         name: str,
         page_size: int,
-        table: np.ndarray,
-        required_pages: np.ndarray,
+        table: np.ndarray | None,
+        required_pages: np.ndarray | None,
         *,
         positions: np.ndarray | None = None,
         slot_mapping: np.ndarray | None = None,
@@ -154,6 +182,7 @@ class RequestLayout:
         kv_page_indptr: np.ndarray | None = None,
         context_lens: np.ndarray | None = None,
         columns: Sequence[LayoutColumn] = (),
+        plans: Sequence[LayoutPlan] = (),
     ) -> None:
         copies: tuple = ()
         if isinstance(cu_query, tuple):
@@ -177,13 +206,18 @@ class RequestLayout:
             "kv_page_indptr": _array(name, "kv_page_indptr", kv_page_indptr, np.int32, 1),
             "context_lens": _array(name, "context_lens", context_lens, np.int32, 1),
         }
-        if table is None or required_pages is None:
-            raise RequestLayoutError(f"{name}: table and required_pages are required")
+        if (table is None) != (required_pages is None) or (
+                table is None and (slot_mapping is not None or kv_page_indptr is not None)):
+            raise RequestLayoutError(
+                f"{name}: table and required_pages go together, and slot_mapping and "
+                "kv_page_indptr need them; pass both (a paged layout) or neither")
+        self._paged = table is not None
         self.name = name
         self.page_size = page_size
         self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
         self.arrays = {k: v for k, v in arrays.items() if v is not None}
-        req_caps = [table.shape[0], required_pages.size]
+        req_caps = ([table.shape[0], required_pages.size]
+                    if table is not None and required_pages is not None else [])
         tok_caps = []
         for key in ("cu_query", "kv_page_indptr"):
             if key in self.arrays:
@@ -224,10 +258,33 @@ class RequestLayout:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
         self._sums = [0] * len(bound)
+        bound_plans = []
+        for plan in plans:
+            out = plan.out
+            if (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 2
+                    or out.shape[1] != 4 or not out.flags.c_contiguous
+                    or not out.flags.writeable or plan.name in self.arrays):
+                raise RequestLayoutError(
+                    f"{name}: plan {plan.name!r} needs a unique name and a writeable "
+                    f"C-contiguous int32 [rows, 4] array, got {_describe(out)}")
+            if (type(plan.ratio) is not int or type(plan.window) is not int
+                    or plan.ratio < 1 or plan.window < 1):
+                raise RequestLayoutError(
+                    f"{name}: plan {plan.name!r}: ratio and window must be ints >= 1, got "
+                    f"{plan.ratio!r} and {plan.window!r}")
+            self.arrays[plan.name] = out
+            bound_plans.append((out.reshape(-1), plan.ratio, plan.window, bool(plan.tail),
+                                out.shape[0]))
+        self._plans = tuple(bound_plans)
+        self._plan_counts = [0] * len(bound_plans)
+        self._plan_real = [0] * len(bound_plans)
         self._values = ()
         self.uniform_mask = 0
-        self._max_reqs = max(min(req_caps), 0)
+        self._max_reqs = max(min(req_caps), 0) if req_caps else 0
         self._max_tokens = min(tok_caps) if tok_caps else _INT32_MAX
+        if not self._paged:  # private stand-ins: page counts are computed, never read
+            table = np.zeros((1, 1), dtype=np.int32)
+            required_pages = np.zeros(self._max_reqs, dtype=np.int32)
         self._table = table
         self._required = required_pages
         self._positions = positions
@@ -256,9 +313,15 @@ class RequestLayout:
     def required_pages(self) -> np.ndarray:
         """``required_pages[:padded_reqs]`` of the planned batch (what the table's
         ``prepare`` checks the rows against)."""
+        if not self._paged:
+            raise RequestLayoutError(f"{self.name}: a layout without a table has no pages")
         if self._required_view is None or self._required_view.size != self._p:
             self._required_view = self.arrays["required_pages"][: self._p]
         return self._required_view
+
+    def plan_rows(self, k: int) -> tuple[int, int]:
+        """Plan ``k``'s rows in the last written batch: (real rows, published rows)."""
+        return self._plan_real[k], self._plan_counts[k]
 
     def column_sum(self, k: int) -> int:
         """The sum of column ``k``'s values in the planned batch (columns bound without
@@ -331,7 +394,7 @@ class RequestLayout:
                 hi = q
             pages = cython.cast(cython.longlong, c) + page - 1
             pages = pages >> shift if shift >= 0 else pages // page  # a shift: no divide
-            if pages > width:
+            if pages > width and self._paged:
                 raise RequestLayoutError(
                     f"{name}: request {i} has context_len {c}, which needs {pages} pages of "
                     f"{page} tokens; the table holds {width} per row")
@@ -346,7 +409,24 @@ class RequestLayout:
             raise RequestLayoutError(
                 f"{name}: {padded_tokens} padded tokens for {t} tokens; the padded count "
                 f"must lie in [{t}, {self._max_tokens}] (the bound arrays' capacity)")
+        width_q: cython.longlong = hi if hi > 0 else 1
+        k: cython.Py_ssize_t
+        rows: cython.longlong
+        for k in range(len(self._plans)):
+            spec = self._plans[k]
+            if spec[3]:
+                rows = padded_reqs * min(width_q, cython.cast(cython.longlong, spec[2]))
+            else:
+                rows = padded_reqs * ((width_q + spec[1] - 1) // spec[1])
+            if rows > spec[4]:
+                raise RequestLayoutError(
+                    f"{name}: plan {k} needs {rows} rows ({padded_reqs} requests of up to "
+                    f"{width_q} tokens), more than its {spec[4]}; declare a larger array")
         mask: cython.longlong = _check_columns(name, self._columns, values, n, t, self._sums)
+        for k in range(len(self._plans)):
+            spec = self._plans[k]
+            self._plan_counts[k] = (padded_reqs * min(width_q, spec[2]) if spec[3] else
+                                    padded_reqs * ((width_q + spec[1] - 1) // spec[1]))
         own_q: cython.int[::1] = self._q
         own_c: cython.int[::1] = self._c
         required: cython.int[::1] = self._required
@@ -466,6 +546,9 @@ class RequestLayout:
             spec = self._columns[i]
             if spec[1] is not None:
                 _copy(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
+        for k in range(len(self._plans)):
+            self._plan_real[k] = _plan_rows(self._plans[k], own_q, own_c, n,
+                                            self._plan_counts[k])
         return self._total
 
 
@@ -564,6 +647,41 @@ def _copy(spec: tuple, value: object, m: cython.Py_ssize_t, end: cython.Py_ssize
             dl[i] = sl[i]
         for i in range(m, end):
             dl[i] = pl
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+@cython.cdivision(True)
+def _plan_rows(spec: tuple, own_q: cython.int[::1], own_c: cython.int[::1],
+               n: cython.Py_ssize_t, count: cython.Py_ssize_t) -> cython.Py_ssize_t:
+    """Write one plan's rows (see :class:`LayoutPlan`); returns the real row count."""
+    out: cython.pointer[cython.int] = _ints(spec[0])
+    ratio: cython.longlong = spec[1]
+    window: cython.longlong = spec[2]
+    tail: cython.bint = spec[3]
+    i: cython.Py_ssize_t
+    j: cython.longlong
+    q: cython.longlong
+    c: cython.longlong
+    x: cython.longlong
+    t: cython.longlong = 0
+    r: cython.Py_ssize_t = 0
+    for i in range(n):
+        q = cython.cast(cython.longlong, own_q[i])
+        c = cython.cast(cython.longlong, own_c[i])
+        for j in range(q):
+            x = c - q + j
+            if (x >= c - window) if tail else ((x + 1) % ratio == 0):
+                out[4 * r] = cython.cast(cython.int, t)
+                out[4 * r + 1] = cython.cast(cython.int, i)
+                out[4 * r + 2] = cython.cast(cython.int, x)
+                out[4 * r + 3] = cython.cast(cython.int, window - min(j + 1, window))
+                r += 1
+            t += 1
+    for i in range(4 * r, 4 * count):
+        out[i] = -1
+    return r
 
 
 @cython.cfunc

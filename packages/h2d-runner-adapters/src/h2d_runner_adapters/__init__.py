@@ -58,6 +58,7 @@ from h2d_runner_adapters.token_inputs import (
     TokenInputs,
     TokenPlan,
 )
+from h2d_runner_adapters.token_step import TokenStepInputs, TokenStepPlan
 from h2d_runner_adapters.v41_metadata import (
     V4_BLOCK,
     V41_METADATA,
@@ -100,6 +101,8 @@ __all__ = [
     "StepIndptrs",
     "TokenInputs",
     "TokenPlan",
+    "TokenStepInputs",
+    "TokenStepPlan",
     "V41MetadataInputs",
     "V41Plan",
     "assemble_token_ids",

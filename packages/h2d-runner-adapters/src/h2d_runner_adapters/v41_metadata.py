@@ -39,10 +39,11 @@ import torch
 from block_tables import (
     BlockTable,
     LayoutColumn,
+    LayoutPlan,
     RequestLayout,
     RequestLayoutError,
 )
-from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
+from h2d_core import CountBatch, CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import PageRow
 from .consumers import StepIndptrs, generate_v4_step_indptrs
@@ -168,7 +169,7 @@ class V41MetadataInputs(PagedInputs):
         self._pad_rows: list[BlockTable] = [BlockTable([dummy_block])] * max_reqs
         self._layouts: list[RequestLayout] = []
         self._tokens = np.arange(max_tokens + 1, dtype=np.int32)
-        self._cu: list[np.ndarray] = []
+        self._counts: CountBatch | None = None
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> None:
@@ -177,17 +178,26 @@ class V41MetadataInputs(PagedInputs):
         for slot in range(self.h2d_state.num_slots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
                 return b.source(slot).numpy()
-            cu = np.zeros(self.seq_lens.spec.capacity + 1, dtype=np.int32)
-            self._cu.append(cu)
             self._layouts.append(cls(
                 V41_METADATA, V4_BLOCK, snapshots[slot].storage,
                 np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
                 positions=src(self.positions), token_requests=src(self.token_batch_ids),
-                context_lens=src(self.seq_lens), cu_query=cu,
+                context_lens=src(self.seq_lens),
                 columns=[LayoutColumn("state_slot_out", src(self.state_slot_out),
                                       pad=self.dummy_state_slot),
                          LayoutColumn("state_slot_in", src(self.state_slot_in),
-                                      pad=self.dummy_state_slot)]))
+                                      pad=self.dummy_state_slot)],
+                plans=[LayoutPlan(b.name, src(b), r, k, tail)
+                       for (r, k), cb, wb in zip(self.ratios, self.compress_plans,
+                                                 self.write_plans, strict=True)
+                       for b, tail in ((cb, False), (wb, True))]))
+        members = [self.positions, self.token_batch_ids, self.seq_lens, self.state_slot_out,
+                   self.state_slot_in]
+        for cb, wb in zip(self.compress_plans, self.write_plans, strict=True):
+            members += [cb, wb]
+        if self.qo_indptr is not None:
+            members.append(self.qo_indptr)
+        self._counts = self.h2d_state.count_batch(members, native=self.native)
 
     # -- the producer --------------------------------------------------------------------
     @h2d_producer(lambda self: self.group)
@@ -224,64 +234,28 @@ class V41MetadataInputs(PagedInputs):
         except RequestLayoutError as exc:
             raise CountError(str(exc)) from exc
         p, t, pt = layout.padded_reqs, layout.num_tokens, layout.padded_tokens
-        q = layout.max_query_len or 1
-        plan_counts = [(p * -(-q // r), p * min(q, k)) for r, k in self.ratios]
-        for (r, _), b, (c, w), wb in zip(self.ratios, self.compress_plans, plan_counts,
-                                         self.write_plans, strict=True):
-            if c > b.spec.capacity or w > wb.spec.capacity:
-                raise CountError(
-                    f"{V41_METADATA}: ratio {r} plans need {c} compress / {w} write rows, "
-                    f"more than {b.name} ({b.spec.capacity}) / {wb.name} "
-                    f"({wb.spec.capacity}) hold; declare larger buffers")
         rows = list(block_tables)
         if p > n:
             rows += self._pad_rows[: p - n]
         tables = self.tables
         tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
-        layout.write()
-        plan_rows = self._write_plans(slot, t, plan_counts)
+        layout.write()  # rows, columns and plans; nothing below can fail
+        counts: list[int] = [pt, pt, p, p, p]
+        plan_rows = []
+        for k in range(0, 2 * len(self.ratios), 2):
+            real_c, c = layout.plan_rows(k)
+            real_w, w = layout.plan_rows(k + 1)
+            counts += [c, w]
+            plan_rows.append((real_c, c, real_w, w))
         if self.qo_indptr is not None:
             qo = self.qo_indptr.np
             qo[: t + 1] = self._tokens[: t + 1]
             qo[t + 1 : pt + 1] = t
-            st.set_count(self.qo_indptr, pt + 1)
-        st.set_count(self.positions, pt)
-        st.set_count(self.token_batch_ids, pt)
-        st.set_count(self.seq_lens, p)
-        st.set_count(self.state_slot_out, p)
-        st.set_count(self.state_slot_in, p)
-        for b, wb, (c, w) in zip(self.compress_plans, self.write_plans, plan_counts,
-                                 strict=True):
-            st.set_count(b, c)
-            st.set_count(wb, w)
+            counts.append(pt + 1)
+        self._counts.set(*counts)  # type: ignore[union-attr]
         stage = tables.stage(p)
-        return V41Plan(layout.num_reqs, p, t, pt, q, plan_rows, stage)
-
-    def _write_plans(self, slot: int, t: int, counts: list[tuple[int, int]]
-                     ) -> tuple[tuple[int, int, int, int], ...]:
-        """Compression and write plan rows of the ``t`` real tokens, then ``-1`` rows."""
-        owner = self.token_batch_ids.np[:t]
-        pos = self.positions.np[:t]
-        j = self._tokens[:t] - self._cu[slot][owner]
-        ctx = self.seq_lens.np[owner]
-        out = []
-        for (r, k), cb, wb, (c, w) in zip(self.ratios, self.compress_plans, self.write_plans,
-                                         counts, strict=True):
-            window = k - np.minimum(j + 1, k)
-            done = []
-            for plan, pick, count in (
-                (cb.np, np.flatnonzero((pos + 1) % r == 0), c),
-                (wb.np, np.flatnonzero(pos >= np.maximum(ctx - k, 0)), w),
-            ):
-                m = pick.size
-                plan[:m, 0] = pick
-                plan[:m, 1] = owner[pick]
-                plan[:m, 2] = pos[pick]
-                plan[:m, 3] = window[pick]
-                plan[m:count] = -1
-                done.append(m)
-            out.append((done[0], c, done[1], w))
-        return tuple(out)
+        return V41Plan(layout.num_reqs, p, t, pt, layout.max_query_len or 1,
+                       tuple(plan_rows), stage)
 
     # -- the first consumer --------------------------------------------------------------
     def generate_step_indptrs(self, plan: V41Plan) -> StepIndptrs:

@@ -1,0 +1,110 @@
+"""Sampling and token inputs as one producer call and one group.
+
+:class:`TokenStepInputs` composes :class:`SamplingInputs` and :class:`TokenInputs` (their
+buffers, padding and first consumers) into the spec's ``token_inputs`` group and produces
+all of it with one ``@h2d_producer`` call: one :class:`block_tables.RequestLayout` pass
+without pages (query prefixes, ids, deferred sources, sampling columns) and one count
+store. It is the token half of a two-group step, e.g. V4.1 decode (``token_inputs`` +
+``v41_metadata``). Ragged query widths are accepted; with ``padded`` the tokens are padded
+to the graph grid (``padded`` times the widest query).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from block_tables import LayoutColumn, RequestLayout, RequestLayoutError
+from h2d_core import CountBatch, CountError, H2DBuffer, H2DRunnerState, h2d_producer
+
+from .batch import ScheduledBatch
+from .consumers import GREEDY_TEMPERATURE
+from .mha_decode import select_layout
+from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TOKEN_INPUTS, TokenInputs, TokenPlan, _padded
+
+_new = tuple.__new__
+
+
+class TokenStepPlan(NamedTuple):
+    sampling: SamplingPlan
+    tokens: TokenPlan
+
+
+class TokenStepInputs:
+    """Declares sampling and token inputs on ``state`` (``.sampling``, ``.tokens``) and
+    combines them into ``group``; construct before ``state.bind()``. ``native`` chooses the
+    compiled helpers as for :class:`DecodeStepInputs`."""
+
+    def __init__(
+        self,
+        state: H2DRunnerState,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        group: str = TOKEN_INPUTS,
+        native: bool | None = None,
+    ) -> None:
+        self.h2d_state = state
+        self.group = group
+        self.sampling = SamplingInputs(state, max_reqs)
+        self.tokens = TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens)
+        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX])
+        self._native = native
+        self._layout_class = select_layout(native, "TokenStepInputs")
+        self._layouts: list[RequestLayout] = []
+        self._counts: CountBatch | None = None
+
+    def _bind(self) -> None:
+        s, t = self.sampling, self.tokens
+        for slot in range(self.h2d_state.num_slots):
+            def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
+                return b.source(slot).numpy()
+            self._layouts.append(self._layout_class(
+                self.group, 1, None, None,
+                cu_query=(src(t.cu_seqlens_q), src(t.decode_cu)),
+                columns=[
+                    # sampling runs eagerly on real rows: no graph padding
+                    LayoutColumn("temperatures", src(s.temperatures), pad=None,
+                                 minimum=GREEDY_TEMPERATURE),
+                    LayoutColumn("top_ks", src(s.top_ks), pad=None),
+                    LayoutColumn("top_ps", src(s.top_ps), pad=None),
+                    LayoutColumn("decode_src", src(t.decode_src), pad=-1),
+                    LayoutColumn("input_ids", src(t.input_ids), per_token=True, pad=0),
+                    LayoutColumn("num_drafts"),  # checked and summed
+                ]))
+        self._counts = self.h2d_state.count_batch(
+            [s.temperatures, s.top_ks, s.top_ps, t.input_ids, t.decode_cu, t.decode_src,
+             t.cu_seqlens_q], native=self._native)
+
+    @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX)
+    def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> TokenStepPlan:
+        """Write and count sampling, ids, deferred sources and the query prefix (padding
+        to ``padded`` requests). Everything is checked before any source is written."""
+        cols = batch.columns
+        if not self._layouts:
+            self._bind()
+        layout = self._layouts[self.h2d_state.current_slot]
+        ids = cols.token_ids
+        if padded is not None:
+            padded = _padded(self.group, len(cols.query_lens), padded)
+        try:
+            layout.plan(cols.query_lens, cols.context_lens, -1 if padded is None else padded,
+                        len(ids) if padded is None else -1, (
+                            cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+                            ids, cols.num_drafts))
+        except RequestLayoutError as exc:
+            raise CountError(str(exc)) from exc
+        layout.write()
+        n, p, t, pt = layout.num_reqs, layout.padded_reqs, layout.num_tokens, layout.padded_tokens
+        uniform = layout.uniform_mask
+        k_rows, p_rows = not uniform & 2, not uniform & 4
+        self._counts.set(n, n if k_rows else None, n if p_rows else None,  # type: ignore[union-attr]
+                         pt, p + 1, p, p + 1)
+        top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
+        top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
+        return _new(TokenStepPlan, (
+            _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
+            _new(TokenPlan, (n, p, t, pt, layout.column_sum(5))),
+        ))
