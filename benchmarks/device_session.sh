@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/device_session.sh [tests|bench|targets|segments|all]
 #
-# targets: benchmarks/step_targets.py (the anchors must be in .anchors/: copy
+# targets: benchmarks/step_targets.py and v41_step.py (the anchors must be in .anchors/: copy
 # ../shared/context/anchors there and carry it); segments: the investigation tools of
 # tools/perf (not part of "all").
 #
@@ -32,6 +32,8 @@ if [[ $what == targets || $what == all ]]; then
   "${pin[@]}" python3 benchmarks/step_targets.py --anchors .anchors --out "$out" \
     >"$out/step_targets$tag.log" 2>&1
   echo "step_targets: exit $?"; tail -n 8 "$out/step_targets$tag.log"
+  "${pin[@]}" python3 benchmarks/v41_step.py --out "$out" >"$out/v41_step$tag.log" 2>&1
+  echo "v41_step: exit $?"; tail -n 7 "$out/v41_step$tag.log"
 fi
 if [[ $what == segments ]]; then
   "${pin[@]}" python3 tools/perf/cuda_call_costs.py >"$out/cuda_call_costs$tag.log" 2>&1
