@@ -39,6 +39,7 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     StepIndptrs,
     _step_indptrs_kernel,
     generate_v4_step_indptrs,
+    expand_v4_token_tables_reference,
     generate_v4_step_indptrs_reference,
 )
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
@@ -152,6 +153,7 @@ def test_bad_arguments_are_refused(dev: torch.device) -> None:
 # ------------------------------------------------------------- the v41_metadata group
 MAX_REQS, MAX_TOKENS, MAX_BLOCKS, NUM_BLOCKS = 8, 40, 6, 200
 DUMMY_SLOT, DUMMY_BLOCK = 99, NUM_BLOCKS - 1
+ENVELOPE = 66  # compressed rows per block over the compressed layers
 V4_POISON = 0x5A
 
 
@@ -162,7 +164,7 @@ def v41_state(device: str, backend: str = "packed", num_slots: int = 1, fp8: boo
     v4 = V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                            max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
                            dummy_block=DUMMY_BLOCK, num_blocks=NUM_BLOCKS, window=WINDOW,
-                           index_topk=TOPK, fp8=fp8, max_ranges=4)
+                           index_topk=TOPK, fp8=fp8, envelope_rows=ENVELOPE, max_ranges=4)
     st_.bind()
     for b in st_.buffers().values():
         b.gpu.view(-1).view(torch.uint8).fill_(V4_POISON)
@@ -284,6 +286,13 @@ def test_v41_metadata_exact_values_over_steps(device: str, backend: str) -> None
             index_topk=TOPK)
         for name, expected in ref.items():
             assert getattr(indptrs, name).cpu().tolist()[: len(expected)] == expected, name
+        # ... and the per-token expansion: tables and the HCA index head
+        rows_want, cells_want = expand_v4_token_tables_reference(
+            want["v41_token_batch_ids"], [s.context_len for s in spans],
+            [list(r) for r in rows], ref["hca_indptr"], MAX_BLOCKS, ENVELOPE)
+        assert v4.block_tables_per_token is not None and v4.hca_indices is not None
+        assert v4.block_tables_per_token[: len(rows_want)].cpu().tolist() == rows_want
+        assert v4.hca_indices[: len(cells_want)].cpu().tolist() == cells_want
         c = st_.counters(V41_METADATA)
         if backend == "packed":
             assert (c.dmas, c.scatters) == (c.publications, c.publications)
@@ -438,3 +447,47 @@ def test_token_step_equals_the_separate_token_producers(device: str, padded: int
     ah.sync(device)
     for name in a:
         assert a[name].gpu.cpu().numpy().tobytes() == b[name].gpu.cpu().numpy().tobytes(), name
+
+
+def test_v41_decode_is_two_h2d_copies_and_two_kernels_in_a_profiler_trace(device: str) -> None:
+    """Spec: an ordinary V4.1 decode step is two H2Ds and two scatters (token inputs, V4.1
+    metadata), graph padding included; counted from a torch.profiler trace."""
+    if device != "cuda":
+        pytest.skip("a CUDA profiler trace")
+    from torch.profiler import ProfilerActivity, profile
+
+    st_ = H2DRunnerState("cuda", num_slots=2)
+    tok = TokenStepInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
+    v4 = V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                           max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
+                           dummy_block=DUMMY_BLOCK, num_blocks=NUM_BLOCKS, fp8=True)
+    st_.bind()
+    pop = Population(21)
+
+    def step() -> None:
+        spans, rows = pop.step(5, True, 4)
+        q = np.array([s.num_tokens for s in spans], np.int32)
+        cols = BatchColumns(
+            query_lens=q, context_lens=np.array([s.context_len for s in spans], np.int32),
+            temperatures=np.ones(5, np.float32), top_k=np.full(5, -1, np.int32),
+            top_p=np.ones(5, np.float32), prev_sample_rows=np.full(5, -1, np.int32),
+            token_ids=np.zeros(int(q.sum()), np.int32), num_drafts=q - 1)
+        st_.begin()
+        tok.prepare(ScheduledBatch((), False, V4_BLOCK, given_columns=cols), MAX_REQS)
+        v4.begin_step(spans, block_tables=rows, padded=MAX_REQS)
+        st_.publish(TOKEN_INPUTS)
+        st_.publish(V41_METADATA)
+        st_.finish()
+
+    for _ in range(4):  # warm up: compilation, graph capture, both slots
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()
+             if e.device_type.name == "CUDA" and not e.name.startswith("h2d.")]
+    memcpy = [n for n in names if "Memcpy" in n or "memcpy" in n]
+    kernels = [n for n in names if n not in memcpy and "Memset" not in n]
+    assert len(memcpy) == 2 and all("HtoD" in n for n in memcpy), names
+    assert len(kernels) == 2, names

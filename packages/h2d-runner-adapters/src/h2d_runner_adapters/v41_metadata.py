@@ -22,9 +22,9 @@ and two scatters" of an ordinary V4.1 DSpark decode), graph padding included:
 
 Rows, per token and per request, come from one :class:`block_tables.RequestLayout` pass
 over the prepared table. First consumer: step indptr generation
-(:func:`generate_v4_step_indptrs`), which derives the per-token SWA/CSA/HCA prefixes and
-committed counts on the GPU. The per-token block tables, the HCA index head, the window
-index tails, the indexer, PCP, Opus and TBO are not built yet.
+(:func:`generate_v4_step_indptrs`, :func:`expand_v4_token_tables`), which derives the
+per-token SWA/CSA/HCA prefixes, committed counts, per-token block tables and HCA index
+head on the GPU. The window index tails, the indexer, PCP, Opus and TBO are not built yet.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from block_tables import (
 from h2d_core import CountBatch, CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import PageRow
-from .consumers import StepIndptrs, generate_v4_step_indptrs
+from .consumers import StepIndptrs, expand_v4_token_tables, generate_v4_step_indptrs
 from .mha_decode import select_layout
 from .paged import PagedInputs
 
@@ -112,6 +112,9 @@ class V41MetadataInputs(PagedInputs):
 
     ``dummy_state_slot`` and ``dummy_block`` are the engine's reserved padding storage:
     padded requests point only at them. ``fp8`` adds ``v41_qo_indptr`` to the group.
+    ``envelope_rows`` (compressed rows per block over all compressed layers) enables the
+    per-token expansion of the first consumer (per-token block tables and the HCA index
+    head, device buffers of ``max_tokens`` rows).
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class V41MetadataInputs(PagedInputs):
         window: int = 128,
         index_topk: int = 1024,
         fp8: bool = False,
+        envelope_rows: int | None = None,
         max_ranges: int = 64,
         native: bool | None = None,
     ) -> None:
@@ -165,6 +169,14 @@ class V41MetadataInputs(PagedInputs):
         self.step_indptrs = StepIndptrs(zeros(max_tokens + 1), zeros(max_tokens + 1),
                                         zeros(max_tokens + 1), zeros(max_tokens),
                                         zeros(max_reqs))
+        self.envelope_rows = envelope_rows
+        self.block_tables_per_token: torch.Tensor | None = None
+        self.hca_indices: torch.Tensor | None = None
+        if envelope_rows is not None:
+            self.block_tables_per_token = torch.zeros(max_tokens, max_blocks_per_req,
+                                                      dtype=torch.int32, device=dev)
+            self.hca_indices = torch.zeros(max_tokens * (window + 2 * max_blocks_per_req),
+                                           dtype=torch.int32, device=dev)
         # padded requests read only the dummy block (private: nothing appends to it)
         self._pad_rows: list[BlockTable] = [BlockTable([dummy_block])] * max_reqs
         self._layouts: list[RequestLayout] = []
@@ -260,8 +272,18 @@ class V41MetadataInputs(PagedInputs):
     # -- the first consumer --------------------------------------------------------------
     def generate_step_indptrs(self, plan: V41Plan) -> StepIndptrs:
         """Step indptr generation: per-token SWA/CSA/HCA prefixes and committed counts,
-        on the GPU from the published rows (see :func:`generate_v4_step_indptrs`)."""
-        return generate_v4_step_indptrs(
+        then (with ``envelope_rows``) the per-token block tables and the HCA index head,
+        on the GPU from the published rows (:func:`generate_v4_step_indptrs`,
+        :func:`expand_v4_token_tables`)."""
+        out = generate_v4_step_indptrs(
             self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
             self.step_indptrs, num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs,
             padded_reqs=plan.padded_reqs, window=self.window, index_topk=self.index_topk)
+        if self.envelope_rows is not None:
+            assert self.block_tables_per_token is not None and self.hca_indices is not None
+            expand_v4_token_tables(
+                self.token_batch_ids.gpu, self.seq_lens.gpu, self.block_tables.gpu,
+                out.hca_indptr, self.block_tables_per_token, self.hca_indices,
+                num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs, window=self.window,
+                envelope_rows=self.envelope_rows)
+        return out

@@ -16,7 +16,11 @@ from h2d_runner_adapters.consumers.sampler import (
     sample_tokens,
 )
 from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
-from h2d_runner_adapters.consumers.v4_step_indptrs import StepIndptrs, generate_v4_step_indptrs
+from h2d_runner_adapters.consumers.v4_step_indptrs import (
+    StepIndptrs,
+    expand_v4_token_tables,
+    generate_v4_step_indptrs,
+)
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -24,6 +28,7 @@ __all__ = [
     "ConsumerDeviceError",
     "StepIndptrs",
     "assemble_token_ids",
+    "expand_v4_token_tables",
     "fill_gumbel_noise_",
     "gather_draft_ids",
     "generate_kv_indices",

@@ -175,3 +175,121 @@ def generate_v4_step_indptrs_reference(
     ncsa = [seq_lens[i] // 4 for i in range(num_reqs)] + [index_topk] * (padded_reqs - num_reqs)
     return {"swa_indptr": swa, "csa_indptr": csa, "hca_indptr": hca,
             "n_committed_per_token": committed, "n_committed_csa_per_seq": ncsa}
+
+
+BLOCK_COLUMNS = 512
+"""Columns (table entries or HCA cells) one program writes."""
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "columns", "envelope"])
+def _token_tables_kernel(  # type: ignore[no-untyped-def]
+    batch_ids_ptr,  # *i32 [>= num_tokens]
+    seq_lens_ptr,  # *i32 [>= num_reqs]
+    tables_ptr,  # *i32 [S, B]
+    tables_stride,
+    hca_indptr_ptr,  # *i32 [>= num_tokens + 1]
+    per_token_ptr,  # *i32 [>= num_tokens, B]
+    per_token_stride,
+    hca_ptr,  # *i32 [>= hca_indptr[num_tokens]]
+    num_tokens,
+    num_reqs,
+    columns,  # B
+    envelope,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    live = t < num_tokens
+    b = tl.load(batch_ids_ptr + t, mask=live, other=-1)
+    real = live & (b >= 0) & (b < num_reqs)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row = b.to(tl.int64) * tables_stride
+    # the token's own copy of its request's block-table row (zero rows for padding)
+    in_row = cols < columns
+    ids = tl.load(tables_ptr + row + cols, mask=in_row & real, other=0)
+    tl.store(per_token_ptr + t.to(tl.int64) * per_token_stride + cols, ids,
+             mask=in_row & live)
+    # HCA index head: the request's compressed rows (2 per block), then -1 for the
+    # window tail the window kernel fills
+    ctx = tl.load(seq_lens_ptr + b, mask=real, other=0)
+    n_hca = ctx // 128
+    start = tl.load(hca_indptr_ptr + t, mask=real, other=0)
+    end = tl.load(hca_indptr_ptr + t + 1, mask=real, other=0)
+    head = cols < n_hca
+    block = tl.load(tables_ptr + row + cols // 2, mask=head & real, other=0)
+    cell = tl.where(head, block * envelope + cols % 2, -1)
+    tl.store(hca_ptr + start + cols, cell, mask=real & (cols < end - start))
+
+
+def expand_v4_token_tables(
+    batch_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    hca_indptr: torch.Tensor,
+    block_tables_per_token: torch.Tensor,
+    hca_indices: torch.Tensor,
+    *,
+    num_tokens: int,
+    num_reqs: int,
+    window: int,
+    envelope_rows: int,
+) -> None:
+    """The per-token expansion, on the GPU instead of a host gather.
+
+    For each of the ``num_tokens`` (padded) tokens: ``block_tables_per_token[t]`` is its
+    request's block-table row (a zero row for a padded token), and its HCA slice
+    ``hca_indices[hca_indptr[t] : hca_indptr[t+1]]`` is the compressed head
+    ``block_tables[b, e // 2] * envelope_rows + e % 2`` for ``e < ctx_b // 128``, then
+    ``-1`` for the window tail (decode HCA layout: compress head, SWA tail). Padded tokens
+    own no HCA cells. Run after :func:`generate_v4_step_indptrs`; one launch, no sync.
+    """
+    func = "expand_v4_token_tables"
+    t = check_count(func, "num_tokens", num_tokens)
+    n = check_count(func, "num_reqs", num_reqs)
+    envelope = check_count(func, "envelope_rows", envelope_rows)
+    window = check_count(func, "window", window)
+    check_tensor(func, "batch_ids", batch_ids, dtype=torch.int32, ndim=1, min_numel=t)
+    check_tensor(func, "seq_lens", seq_lens, dtype=torch.int32, ndim=1, min_numel=n)
+    tables = check_tensor(func, "block_tables", block_tables, dtype=torch.int32, ndim=2,
+                          min_numel=n)
+    check_tensor(func, "hca_indptr", hca_indptr, dtype=torch.int32, ndim=1, min_numel=t + 1)
+    per_token = check_tensor(func, "block_tables_per_token", block_tables_per_token,
+                             dtype=torch.int32, ndim=2, min_numel=t)
+    check_tensor(func, "hca_indices", hca_indices, dtype=torch.int32, ndim=1)
+    if per_token.shape[1] < tables.shape[1]:
+        raise ConsumerArgumentError(
+            f"{func}: block_tables_per_token has {per_token.shape[1]} columns, the block "
+            f"table {tables.shape[1]}; allocate at least as many")
+    check_devices(func, _token_tables_kernel, batch_ids=batch_ids, seq_lens=seq_lens,
+                  block_tables=tables, hca_indptr=hca_indptr, block_tables_per_token=per_token,
+                  hca_indices=hca_indices)
+    # the widest HCA slice: the window plus 2 compressed rows per block of a full row
+    widest = max(tables.shape[1], window + 2 * tables.shape[1], 1)
+    grid = (next_power_of_two(t), -(-widest // BLOCK_COLUMNS))
+    _token_tables_kernel[grid](
+        batch_ids, seq_lens, tables, tables.stride(0), hca_indptr, per_token,
+        per_token.stride(0), hca_indices, t, n, tables.shape[1], envelope,
+        BLOCK=BLOCK_COLUMNS,
+    )
+
+
+def expand_v4_token_tables_reference(
+    batch_ids: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    hca_indptr: list[int],
+    width: int,
+    envelope_rows: int,
+) -> tuple[list[list[int]], list[int]]:
+    """Plain-Python oracle: the per-token rows and the HCA cells up to ``hca_indptr[T]``."""
+    rows, cells = [], []
+    for t, b in enumerate(batch_ids):
+        if b < 0:
+            rows.append([0] * width)
+            continue
+        row = block_tables[b]
+        rows.append(list(row) + [0] * (width - len(row)))
+        n_hca = seq_lens[b] // 128
+        seg = hca_indptr[t + 1] - hca_indptr[t]
+        cells += [row[e // 2] * envelope_rows + e % 2 for e in range(n_hca)]
+        cells += [-1] * (seg - n_hca)
+    return rows, cells
