@@ -38,8 +38,8 @@ from h2d_runner_adapters.consumers._launch import interpreted
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
     StepIndptrs,
     _step_indptrs_kernel,
-    generate_v4_step_indptrs,
     expand_v4_token_tables_reference,
+    generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
 )
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
@@ -250,7 +250,7 @@ def check_published(st_: H2DRunnerState, want: dict[str, list[Any]],
         if name not in bufs:
             continue
         gpu = bufs[name].gpu.cpu()
-        if name == "v41_block_tables":
+        if name.endswith("v41_block_tables"):
             for i, row in enumerate(values):
                 assert gpu[i, : len(row)].tolist() == row, (name, i)
             continue
@@ -491,3 +491,47 @@ def test_v41_decode_is_two_h2d_copies_and_two_kernels_in_a_profiler_trace(device
     kernels = [n for n in names if n not in memcpy and "Memset" not in n]
     assert len(memcpy) == 2 and all("HtoD" in n for n in memcpy), names
     assert len(kernels) == 2, names
+
+
+def test_v4_tbo_ubatches_keep_their_own_buffers_and_resume_the_epoch(device: str) -> None:
+    """Two ubatches (``ub0_``/``ub1_`` adapters): each publishes into its own buffers and
+    group; the second is prepared late, after finish(), by resuming the epoch; each
+    ubatch's widest query comes from its CPU lengths; uneven widths are accepted."""
+    ah.need_kernels(device)
+    st_ = H2DRunnerState(device, num_slots=2, scatter=ah.scatter_for(device))
+    ubs = [V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                             max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
+                             dummy_block=DUMMY_BLOCK, num_blocks=NUM_BLOCKS, window=WINDOW,
+                             index_topk=TOPK, envelope_rows=ENVELOPE, prefix=f"ub{k}_")
+           for k in range(2)]
+    st_.bind()
+    for b in st_.buffers().values():
+        b.gpu.view(-1).view(torch.uint8).fill_(V4_POISON)
+    pops = [Population(30), Population(31)]
+    views = [(ub.positions.gpu, ub.step_indptrs.swa_indptr) for ub in ubs]
+    for step in range(6):
+        plans, wants = [], []
+        for k, (ub, pop) in enumerate(zip(ubs, pops, strict=True)):
+            spans, rows = pop.step(1 + step % 3 + k, True, 1 + (step + k) % 4)
+            if k == 0:
+                st_.begin()
+            else:
+                st_.resume()  # late preparation of the second ubatch
+            before = {n: b.gpu.cpu().numpy().tobytes() for n, b in st_.buffers().items()}
+            plan = ub.begin_step(spans, block_tables=rows, padded=MAX_REQS // 2)
+            st_.publish(ub.group)
+            ub.generate_step_indptrs(plan)
+            st_.finish()
+            assert plan.max_query_len == max(s.num_tokens for s in spans)
+            want = v41_reference(spans, [list(r) for r in rows], MAX_REQS // 2)
+            plans.append(plan)
+            wants.append((want, before))
+        ah.sync(device)
+        for k, (ub, (want, before)) in enumerate(zip(ubs, wants, strict=True)):
+            prefixed = {f"ub{k}_{name}": v for name, v in want.items()}
+            check_published(st_, prefixed, before)
+            # the other ubatch's buffers were not touched by this one's publication
+            other = ubs[1 - k]
+            assert other.positions.gpu.data_ptr() != ub.positions.gpu.data_ptr()
+        assert [(a.data_ptr(), b.data_ptr()) for a, b in views] == [
+            (ub.positions.gpu.data_ptr(), ub.step_indptrs.swa_indptr.data_ptr()) for ub in ubs]

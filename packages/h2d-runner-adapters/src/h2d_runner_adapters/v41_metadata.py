@@ -112,6 +112,9 @@ class V41MetadataInputs(PagedInputs):
 
     ``dummy_state_slot`` and ``dummy_block`` are the engine's reserved padding storage:
     padded requests point only at them. ``fp8`` adds ``v41_qo_indptr`` to the group.
+    ``prefix`` (e.g. ``"ub0_"``) declares a two-batch-overlap ubatch's own buffers and
+    group (``ub0_v41_metadata``): its consumers keep views of them, and its widest query
+    comes from the CPU lengths (``V41Plan.max_query_len``), never a device reduction.
     ``envelope_rows`` (compressed rows per block over all compressed layers) enables the
     per-token expansion of the first consumer (per-token block tables and the HCA index
     head, device buffers of ``max_tokens`` rows).
@@ -134,9 +137,11 @@ class V41MetadataInputs(PagedInputs):
         envelope_rows: int | None = None,
         max_ranges: int = 64,
         native: bool | None = None,
+        prefix: str = "",
     ) -> None:
-        g = V41_METADATA
-        super().__init__(state, g, "v41_block_tables", max_reqs=max_reqs,
+        g = f"{prefix}{V41_METADATA}"
+        self.prefix = prefix
+        super().__init__(state, g, f"{prefix}v41_block_tables", max_reqs=max_reqs,
                          max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
                          num_pages=num_blocks, max_ranges=max_ranges)
         self.native = native
@@ -145,23 +150,25 @@ class V41MetadataInputs(PagedInputs):
         self.index_topk = index_topk
         self.dummy_state_slot = dummy_state_slot
         buf = state.buffer
-        self.positions = buf("v41_positions", (max_tokens,), torch.int64, group=g)
-        self.token_batch_ids = buf("v41_token_batch_ids", (max_tokens,), torch.int32,
-                                   group=g)
-        self.seq_lens = buf("v41_seq_lens", (max_reqs,), torch.int32, group=g)
-        self.state_slot_out = buf("v41_state_slot_out", (max_reqs,), torch.int32, group=g)
-        self.state_slot_in = buf("v41_state_slot_in", (max_reqs,), torch.int32, group=g)
+        self.positions = buf(f"{prefix}v41_positions", (max_tokens,), torch.int64, group=g)
+        self.token_batch_ids = buf(f"{prefix}v41_token_batch_ids", (max_tokens,),
+                                   torch.int32, group=g)
+        self.seq_lens = buf(f"{prefix}v41_seq_lens", (max_reqs,), torch.int32, group=g)
+        self.state_slot_out = buf(f"{prefix}v41_state_slot_out", (max_reqs,), torch.int32,
+                                  group=g)
+        self.state_slot_in = buf(f"{prefix}v41_state_slot_in", (max_reqs,), torch.int32,
+                                 group=g)
         self.compress_plans: list[H2DBuffer] = []
         self.write_plans: list[H2DBuffer] = []
         for r, k in self.ratios:
             self.compress_plans.append(buf(
-                f"v41_compress_plan_{r}", (max_tokens // r + max_reqs, 4), torch.int32,
+                f"{prefix}v41_compress_plan_{r}", (max_tokens // r + max_reqs, 4), torch.int32,
                 group=g, unit="rows"))
             self.write_plans.append(buf(
-                f"v41_write_plan_{r}", (min(max_tokens, max_reqs * k), 4), torch.int32,
+                f"{prefix}v41_write_plan_{r}", (min(max_tokens, max_reqs * k), 4), torch.int32,
                 group=g, unit="rows"))
-        self.qo_indptr = (buf("v41_qo_indptr", (max_tokens + 1,), torch.int32, group=g)
-                          if fp8 else None)
+        self.qo_indptr = (buf(f"{prefix}v41_qo_indptr", (max_tokens + 1,), torch.int32,
+                              group=g) if fp8 else None)
         dev = state.device
         # written on the device by the first consumer, never uploaded
         def zeros(k: int) -> torch.Tensor:
@@ -185,13 +192,13 @@ class V41MetadataInputs(PagedInputs):
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> None:
-        cls = select_layout(self.native, V41_METADATA)
+        cls = select_layout(self.native, self.group)
         snapshots = self.tables.snapshots
         for slot in range(self.h2d_state.num_slots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
                 return b.source(slot).numpy()
             self._layouts.append(cls(
-                V41_METADATA, V4_BLOCK, snapshots[slot].storage,
+                self.group, V4_BLOCK, snapshots[slot].storage,
                 np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
                 positions=src(self.positions), token_requests=src(self.token_batch_ids),
                 context_lens=src(self.seq_lens),
@@ -234,11 +241,11 @@ class V41MetadataInputs(PagedInputs):
         if padded is not None and (isinstance(padded, bool) or not isinstance(padded, int)
                                    or padded < n):
             raise CountError(
-                f"{V41_METADATA}: padded={padded!r} must be an int >= the batch's {n} "
+                f"{self.group}: padded={padded!r} must be an int >= the batch's {n} "
                 "requests (pad up to a captured graph size, never down)")
         if len(block_tables) != n:
             raise CountError(
-                f"{V41_METADATA}: {len(block_tables)} block-table rows for {n} spans; pass "
+                f"{self.group}: {len(block_tables)} block-table rows for {n} spans; pass "
                 "one row per span")
         try:
             layout.plan(cols.query_lens, cols.context_lens, -1 if padded is None else padded,
