@@ -207,16 +207,21 @@ class V41Runner:
             w = wb.gpu[: p * min(vp.max_query_len, _window(v4, r))]
             live = w[:, 2] >= 0
             dst = torch.where(live, slot_out[w[:, 1].long().clamp(min=0)], dump_slot)
-            self.state_pool.index_copy_(0, dst, 0.5 * self.state_pool[dst]
-                                        + h[w[:, 0].long().clamp(min=0)] * 0.1)
+            # amax: exact and order-free, so duplicate destinations stay deterministic
+            _amax_rows(self.state_pool, dst, h[w[:, 0].long().clamp(min=0)] * 0.1)
             c = cb.gpu[: p * -(-vp.max_query_len // r)]
             live = c[:, 2] >= 0
             blk = v4.block_tables.gpu[c[:, 1].long().clamp(min=0),
                                       (c[:, 2].long().clamp(min=0) // V4_BLOCK)]
             row = blk.long() * cfg.envelope_rows + (c[:, 2].long() // r) % cfg.envelope_rows
             dst = torch.where(live, row, self.kv_pool.shape[0] - 1)
-            self.kv_pool.index_copy_(0, dst, h[c[:, 0].long().clamp(min=0)] * 0.1)
+            _amax_rows(self.kv_pool, dst, h[c[:, 0].long().clamp(min=0)] * 0.1)
         torch.matmul(h, self.w_out, out=self.logits[:t])
+
+
+def _amax_rows(pool: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``pool[rows[i]] = max(pool[rows[i]], values[i])`` elementwise, duplicates included."""
+    pool.scatter_reduce_(0, rows[:, None].expand(-1, pool.shape[1]), values, reduce="amax")
 
 
 def _window(v4: V41MetadataInputs, ratio: int) -> int:
