@@ -437,3 +437,26 @@ def test_a_layout_without_pages(cls: Any) -> None:
         cls("tok", 16, None, None, slot_mapping=np.zeros(4, np.int64))
     with pytest.raises(RequestLayoutError, match=r"table and required_pages go together"):
         cls("tok", 16, np.zeros((2, 2), np.int32), None)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_eager_plans_publish_the_real_rows_or_the_whole_array(cls: Any) -> None:
+    comp, write = np.full((6, 4), 99, np.int32), np.full((12, 4), 99, np.int32)
+    layout = cls("eager", 16, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
+                 plans=[LayoutPlan("c", comp, 4, 8, graph=False),
+                        LayoutPlan("w", write, 4, 8, tail=True, graph=False)])
+    q, c = [9, 3], [9, 20]  # 9 + 3 tokens: more than the graph form would allow
+    layout.plan(np.array(q, np.int32), np.array(c, np.int32), 2, 12)
+    layout.write()
+    want_c = plan_oracle(q, c, 4, 8, False, 0)
+    want_w = plan_oracle(q, c, 4, 8, True, 12)
+    assert layout.plan_rows(0) == (len(want_c), len(want_c))
+    assert comp[: len(want_c)].tolist() == want_c and (comp[len(want_c):] == 99).all()
+    assert layout.plan_rows(1) == (11, 12)
+    assert write.tolist() == want_w
+    small = cls("eager", 16, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
+                plans=[LayoutPlan("w", np.zeros((10, 4), np.int32), 4, 8, tail=True,
+                                  graph=False)])
+    with pytest.raises(RequestLayoutError, match=r"eager: plan 0 needs 11 rows, more than "
+                                                 r"its 10"):
+        small.plan(np.array(q, np.int32), np.array(c, np.int32), 2, 12)

@@ -39,6 +39,7 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     StepIndptrs,
     _step_indptrs_kernel,
     expand_v4_token_tables_reference,
+    generate_v4_prefill_indptrs_reference,
     generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
 )
@@ -535,3 +536,56 @@ def test_v4_tbo_ubatches_keep_their_own_buffers_and_resume_the_epoch(device: str
             assert other.positions.gpu.data_ptr() != ub.positions.gpu.data_ptr()
         assert [(a.data_ptr(), b.data_ptr()) for a, b in views] == [
             (ub.positions.gpu.data_ptr(), ub.step_indptrs.swa_indptr.data_ptr()) for ub in ubs]
+
+
+def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
+    """V4 prefill: chunks of any width, no padding, eager plans (real compression rows,
+    the whole state-write array), chunk starts, then the prefill indptrs and the indexer's
+    committed prefix on the GPU; decode steps in between omit the chunk starts."""
+    ah.need_kernels(device)
+    st_, v4 = v41_state(device)
+    rng = random.Random(12)
+    for step in range(6):
+        n = rng.randint(1, 4)
+        spans, rows = [], []
+        for i in range(n):
+            start = rng.randint(0, 2 * V4_BLOCK)
+            width = rng.randint(1, 10)
+            ctx = start + width
+            rows.append(BlockTable(range(10 * i, 10 * i + -(-ctx // V4_BLOCK))))
+            spans.append(RequestSpan(width, ctx, i, -1))
+        st_.begin()
+        if step % 2:  # a decode step in between: chunk starts are not published
+            dec = [RequestSpan(1, s.context_len, s.state_slot) for s in spans]
+            v4.begin_step(dec, block_tables=rows)
+            assert st_.count(v4.chunk_starts) is None
+            st_.publish(V41_METADATA)
+            st_.finish()
+            continue
+        plan = v4.begin_prefill(spans, block_tables=rows)
+        before = {name: b.gpu.cpu().numpy().tobytes() for name, b in st_.buffers().items()}
+        st_.publish(V41_METADATA)
+        out = v4.generate_prefill_indptrs(plan)
+        st_.finish()
+        ah.sync(device)
+        t = sum(s.num_tokens for s in spans)
+        assert (plan.num_tokens, plan.padded_tokens, plan.padded_reqs) == (t, t, n)
+        want = v41_reference(spans, [list(r) for r in rows], n)
+        del want["v41_qo_indptr"]  # decode only
+        for name in ("v41_positions", "v41_token_batch_ids"):  # no padding in prefill
+            want[name] = want[name][:t]
+        want["v41_chunk_starts"] = [s.context_len - s.num_tokens for s in spans]
+        for r, k in V4_RATIOS:  # the eager plans
+            comp = [row for row in want[f"v41_compress_plan_{r}"] if row[0] >= 0]
+            want[f"v41_compress_plan_{r}"] = comp
+            real = [row for row in want[f"v41_write_plan_{r}"] if row[0] >= 0]
+            cap = v4.write_plans[V4_RATIOS.index((r, k))].spec.capacity
+            want[f"v41_write_plan_{r}"] = real + [[-1] * 4] * (cap - len(real))
+        check_published(st_, want, before)
+        ref = generate_v4_prefill_indptrs_reference(
+            want["v41_positions"], want["v41_token_batch_ids"],
+            [s.context_len for s in spans], want["v41_chunk_starts"], window=WINDOW,
+            index_topk=TOPK)
+        for name, expected in ref.items():
+            got = getattr(out, name).cpu().tolist()
+            assert got[: len(expected)] == expected, name

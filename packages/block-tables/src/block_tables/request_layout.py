@@ -90,7 +90,8 @@ class LayoutPlan:
     ``tail=True`` the tokens among the last ``window`` positions of their context (the
     state-write rows). The published row count is the graph form, ``padded_reqs *
     ceil(q / ratio)`` or ``padded_reqs * min(q, window)`` for the widest query ``q``; the
-    rows after the real ones hold -1.
+    rows after the real ones hold -1. ``graph=False`` is the eager (prefill) form: exactly
+    the real rows for a selection by ratio, the whole array for a tail selection.
     """
 
     name: str
@@ -98,6 +99,7 @@ class LayoutPlan:
     ratio: int
     window: int
     tail: bool = False
+    graph: bool = True
 
 
 _KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
@@ -148,7 +150,7 @@ class RequestLayout:
     _columns = cython.declare(tuple)
     _values = cython.declare(tuple)
     _sums = cython.declare(list)
-    # per plan: (flat out, ratio, window, tail, capacity); per planned batch: row counts
+    # per plan: (flat out, ratio, window, tail, capacity, graph); per planned batch: counts
     _plans = cython.declare(tuple)
     _plan_counts = cython.declare(list)
     _plan_real = cython.declare(list)
@@ -274,7 +276,7 @@ class RequestLayout:
                     f"{plan.ratio!r} and {plan.window!r}")
             self.arrays[plan.name] = out
             bound_plans.append((out.reshape(-1), plan.ratio, plan.window, bool(plan.tail),
-                                out.shape[0]))
+                                out.shape[0], bool(plan.graph)))
         self._plans = tuple(bound_plans)
         self._plan_counts = [0] * len(bound_plans)
         self._plan_real = [0] * len(bound_plans)
@@ -414,6 +416,20 @@ class RequestLayout:
         rows: cython.longlong
         for k in range(len(self._plans)):
             spec = self._plans[k]
+            if not spec[5]:  # eager: the real rows (exactly), the whole array for a tail
+                rows = 0
+                for i in range(n):
+                    q = qv[i]
+                    c = cv[i]
+                    if spec[3]:
+                        rows += min(q, spec[2])
+                    else:
+                        rows += c // spec[1] - (c - q) // spec[1]
+                if rows > spec[4]:
+                    raise RequestLayoutError(
+                        f"{name}: plan {k} needs {rows} rows, more than its {spec[4]}; "
+                        "declare a larger array")
+                continue
             if spec[3]:
                 rows = padded_reqs * min(width_q, cython.cast(cython.longlong, spec[2]))
             else:
@@ -425,8 +441,11 @@ class RequestLayout:
         mask: cython.longlong = _check_columns(name, self._columns, values, n, t, self._sums)
         for k in range(len(self._plans)):
             spec = self._plans[k]
-            self._plan_counts[k] = (padded_reqs * min(width_q, spec[2]) if spec[3] else
-                                    padded_reqs * ((width_q + spec[1] - 1) // spec[1]))
+            if not spec[5]:  # eager: the whole array for a tail, the real rows otherwise
+                self._plan_counts[k] = spec[4] if spec[3] else -1
+            else:
+                self._plan_counts[k] = (padded_reqs * min(width_q, spec[2]) if spec[3] else
+                                        padded_reqs * ((width_q + spec[1] - 1) // spec[1]))
         own_q: cython.int[::1] = self._q
         own_c: cython.int[::1] = self._c
         required: cython.int[::1] = self._required
@@ -549,6 +568,8 @@ class RequestLayout:
         for k in range(len(self._plans)):
             self._plan_real[k] = _plan_rows(self._plans[k], own_q, own_c, n,
                                             self._plan_counts[k])
+            if self._plan_counts[k] < 0:
+                self._plan_counts[k] = self._plan_real[k]
         return self._total
 
 
@@ -679,7 +700,7 @@ def _plan_rows(spec: tuple, own_q: cython.int[::1], own_c: cython.int[::1],
                 out[4 * r + 3] = cython.cast(cython.int, window - min(j + 1, window))
                 r += 1
             t += 1
-    for i in range(4 * r, 4 * count):
+    for i in range(4 * r, 4 * count):  # count -1: no -1 rows
         out[i] = -1
     return r
 

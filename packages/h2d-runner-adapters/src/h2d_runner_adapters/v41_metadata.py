@@ -46,7 +46,13 @@ from block_tables import (
 from h2d_core import CountBatch, CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import PageRow
-from .consumers import StepIndptrs, expand_v4_token_tables, generate_v4_step_indptrs
+from .consumers import (
+    PrefillIndptrs,
+    StepIndptrs,
+    expand_v4_token_tables,
+    generate_v4_prefill_indptrs,
+    generate_v4_step_indptrs,
+)
 from .mha_decode import select_layout
 from .paged import PagedInputs
 
@@ -167,6 +173,9 @@ class V41MetadataInputs(PagedInputs):
             self.write_plans.append(buf(
                 f"{prefix}v41_write_plan_{r}", (min(max_tokens, max_reqs * k), 4), torch.int32,
                 group=g, unit="rows"))
+        # prefill only (omitted from decode publications): each request's chunk start
+        self.chunk_starts = buf(f"{prefix}v41_chunk_starts", (max_reqs,), torch.int32,
+                                group=g)
         self.qo_indptr = (buf(f"{prefix}v41_qo_indptr", (max_tokens + 1,), torch.int32,
                               group=g) if fp8 else None)
         dev = state.device
@@ -176,6 +185,9 @@ class V41MetadataInputs(PagedInputs):
         self.step_indptrs = StepIndptrs(zeros(max_tokens + 1), zeros(max_tokens + 1),
                                         zeros(max_tokens + 1), zeros(max_tokens),
                                         zeros(max_reqs))
+        self.prefill_indptrs = PrefillIndptrs(zeros(max_tokens + 1), zeros(max_tokens + 1),
+                                              zeros(max_tokens + 1), zeros(max_tokens + 1),
+                                              zeros(max_reqs + 1))
         self.envelope_rows = envelope_rows
         self.block_tables_per_token: torch.Tensor | None = None
         self.hca_indices: torch.Tensor | None = None
@@ -187,6 +199,7 @@ class V41MetadataInputs(PagedInputs):
         # padded requests read only the dummy block (private: nothing appends to it)
         self._pad_rows: list[BlockTable] = [BlockTable([dummy_block])] * max_reqs
         self._layouts: list[RequestLayout] = []
+        self._prefill_layouts: list[RequestLayout] = []
         self._tokens = np.arange(max_tokens + 1, dtype=np.int32)
         self._counts: CountBatch | None = None
 
@@ -197,21 +210,29 @@ class V41MetadataInputs(PagedInputs):
         for slot in range(self.h2d_state.num_slots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
                 return b.source(slot).numpy()
-            self._layouts.append(cls(
-                self.group, V4_BLOCK, snapshots[slot].storage,
-                np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
-                positions=src(self.positions), token_requests=src(self.token_batch_ids),
-                context_lens=src(self.seq_lens),
-                columns=[LayoutColumn("state_slot_out", src(self.state_slot_out),
-                                      pad=self.dummy_state_slot),
-                         LayoutColumn("state_slot_in", src(self.state_slot_in),
-                                      pad=self.dummy_state_slot)],
-                plans=[LayoutPlan(b.name, src(b), r, k, tail)
-                       for (r, k), cb, wb in zip(self.ratios, self.compress_plans,
-                                                 self.write_plans, strict=True)
-                       for b, tail in ((cb, False), (wb, True))]))
+
+            def layout(graph: bool, slot: int = slot) -> RequestLayout:
+                # decode: the graph grid, padding to the dummy slot; prefill: eager plans,
+                # no padding, plus the chunk starts
+                pad = self.dummy_state_slot if graph else None
+                extra = [] if graph else [LayoutColumn("chunk_starts", src(self.chunk_starts),
+                                                       pad=None)]
+                return cls(
+                    self.group, V4_BLOCK, snapshots[slot].storage,
+                    np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
+                    positions=src(self.positions), token_requests=src(self.token_batch_ids),
+                    context_lens=src(self.seq_lens),
+                    columns=[LayoutColumn("state_slot_out", src(self.state_slot_out), pad=pad),
+                             LayoutColumn("state_slot_in", src(self.state_slot_in), pad=pad),
+                             *extra],
+                    plans=[LayoutPlan(b.name, src(b), r, k, tail, graph)
+                           for (r, k), cb, wb in zip(self.ratios, self.compress_plans,
+                                                     self.write_plans, strict=True)
+                           for b, tail in ((cb, False), (wb, True))])
+            self._layouts.append(layout(True))
+            self._prefill_layouts.append(layout(False))
         members = [self.positions, self.token_batch_ids, self.seq_lens, self.state_slot_out,
-                   self.state_slot_in]
+                   self.state_slot_in, self.chunk_starts]
         for cb, wb in zip(self.compress_plans, self.write_plans, strict=True):
             members += [cb, wb]
         if self.qo_indptr is not None:
@@ -259,7 +280,7 @@ class V41MetadataInputs(PagedInputs):
         tables = self.tables
         tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
         layout.write()  # rows, columns and plans; nothing below can fail
-        counts: list[int] = [pt, pt, p, p, p]
+        counts: list[int | None] = [pt, pt, p, p, p, None]
         plan_rows = []
         for k in range(0, 2 * len(self.ratios), 2):
             real_c, c = layout.plan_rows(k)
@@ -275,6 +296,56 @@ class V41MetadataInputs(PagedInputs):
         stage = tables.stage(p)
         return V41Plan(layout.num_reqs, p, t, pt, layout.max_query_len or 1,
                        tuple(plan_rows), stage)
+
+    @h2d_producer(lambda self: self.group)
+    def begin_prefill(
+        self,
+        spans: Sequence[RequestSpan] | SpanColumns,
+        *,
+        block_tables: Sequence[PageRow],
+    ) -> V41Plan:
+        """V4 prefill (eager, no graph padding): every token of each span's chunk, the
+        chunk starts, and the eager plans (the real compression rows; the whole state-write
+        array, -1 after the real rows), into the same pinned, bound buffers as decode."""
+        cols = spans if isinstance(spans, SpanColumns) else SpanColumns.from_spans(spans)
+        if not self._layouts:
+            self._bind()
+        layout = self._prefill_layouts[self.h2d_state.current_slot]
+        n = len(cols.query_lens)
+        if len(block_tables) != n:
+            raise CountError(
+                f"{self.group}: {len(block_tables)} block-table rows for {n} spans; pass "
+                "one row per span")
+        qlens, ctx = cols.query_lens, cols.context_lens
+        try:
+            t = int(np.add.reduce(qlens, dtype=np.int64)) if n else 0
+            starts = np.subtract(ctx, qlens, dtype=np.int32) if n else qlens
+            layout.plan(qlens, ctx, n, t, (cols.state_slots_out, cols.state_slots_in, starts))
+        except (RequestLayoutError, TypeError, ValueError) as exc:
+            raise CountError(f"{self.group}: {exc}") from exc
+        tables = self.tables
+        tables.prepare(list(block_tables), required_pages=layout.required_pages)
+        layout.write()
+        counts: list[int | None] = [t, t, n, n, n, n]
+        plan_rows = []
+        for k in range(0, 2 * len(self.ratios), 2):
+            real_c, c = layout.plan_rows(k)
+            real_w, w = layout.plan_rows(k + 1)
+            counts += [c, w]
+            plan_rows.append((real_c, c, real_w, w))
+        if self.qo_indptr is not None:
+            counts.append(None)
+        self._counts.set(*counts)  # type: ignore[union-attr]
+        stage = tables.stage(n)
+        return V41Plan(n, n, t, t, layout.max_query_len, tuple(plan_rows), stage)
+
+    def generate_prefill_indptrs(self, plan: V41Plan) -> PrefillIndptrs:
+        """V4 prefill's first consumer: the extend and prefix SWA/CSA/HCA indptrs and the
+        indexer's committed prefix, on the GPU (:func:`generate_v4_prefill_indptrs`)."""
+        return generate_v4_prefill_indptrs(
+            self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
+            self.chunk_starts.gpu, self.prefill_indptrs, num_tokens=plan.num_tokens,
+            num_reqs=plan.num_reqs, window=self.window, index_topk=self.index_topk)
 
     # -- the first consumer --------------------------------------------------------------
     def generate_step_indptrs(self, plan: V41Plan) -> StepIndptrs:

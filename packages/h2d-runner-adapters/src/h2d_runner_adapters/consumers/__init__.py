@@ -17,8 +17,10 @@ from h2d_runner_adapters.consumers.sampler import (
 )
 from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
+    PrefillIndptrs,
     StepIndptrs,
     expand_v4_token_tables,
+    generate_v4_prefill_indptrs,
     generate_v4_step_indptrs,
 )
 
@@ -26,12 +28,14 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "ConsumerArgumentError",
     "ConsumerDeviceError",
+    "PrefillIndptrs",
     "StepIndptrs",
     "assemble_token_ids",
     "expand_v4_token_tables",
     "fill_gumbel_noise_",
     "gather_draft_ids",
     "generate_kv_indices",
+    "generate_v4_prefill_indptrs",
     "generate_v4_step_indptrs",
     "prepare_prefill_attention",
     "sample_tokens",

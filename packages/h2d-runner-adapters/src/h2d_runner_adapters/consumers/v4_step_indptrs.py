@@ -293,3 +293,153 @@ def expand_v4_token_tables_reference(
         cells += [row[e // 2] * envelope_rows + e % 2 for e in range(n_hca)]
         cells += [-1] * (seg - n_hca)
     return rows, cells
+
+
+class PrefillIndptrs(NamedTuple):
+    """The outputs of :func:`generate_v4_prefill_indptrs` (int32 device tensors)."""
+
+    extend_indptr: torch.Tensor
+    prefix_swa_indptr: torch.Tensor
+    prefix_csa_indptr: torch.Tensor
+    prefix_hca_indptr: torch.Tensor
+    indexer_cu_committed: torch.Tensor
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "window", "topk"])
+def _prefill_indptrs_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr,  # *i64 [>= num_tokens]
+    batch_ids_ptr,  # *i32 [>= num_tokens]
+    seq_lens_ptr,  # *i32 [>= num_reqs]
+    chunk_starts_ptr,  # *i32 [>= num_reqs]
+    ext_ptr,  # *i32 [>= num_tokens + 1]
+    swa_ptr,
+    csa_ptr,
+    hca_ptr,
+    cu_committed_ptr,  # *i32 [>= num_reqs + 1]
+    num_tokens,
+    num_reqs,
+    window,
+    topk,
+    TOKENS: tl.constexpr,
+    REQS: tl.constexpr,
+):
+    t = tl.arange(0, TOKENS)
+    live = t < num_tokens
+    b = tl.load(batch_ids_ptr + t, mask=live, other=-1)
+    real = live & (b >= 0) & (b < num_reqs)
+    p = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int32)
+    ctx = tl.load(seq_lens_ptr + b, mask=real, other=0)
+    start = tl.load(chunk_starts_ptr + b, mask=real, other=0)
+    swa_low = tl.maximum(p - window + 1, 0)
+    ext = tl.where(real, tl.minimum(p - start + 1, window), 0)
+    prefix = tl.where(real, tl.maximum(start - swa_low, 0), 0)
+    csa = prefix + tl.where(real, tl.minimum(tl.minimum((p + 1) // 4, ctx // 4), topk), 0)
+    hca = prefix + tl.where(real, tl.minimum((p + 1) // 128, ctx // 128), 0)
+    head = t < 1
+    zero = tl.zeros([TOKENS], dtype=tl.int32)
+    tl.store(ext_ptr + t + 1, tl.cumsum(ext, axis=0), mask=live)
+    tl.store(swa_ptr + t + 1, tl.cumsum(prefix, axis=0), mask=live)
+    tl.store(csa_ptr + t + 1, tl.cumsum(csa, axis=0), mask=live)
+    tl.store(hca_ptr + t + 1, tl.cumsum(hca, axis=0), mask=live)
+    tl.store(ext_ptr + t, zero, mask=head)
+    tl.store(swa_ptr + t, zero, mask=head)
+    tl.store(csa_ptr + t, zero, mask=head)
+    tl.store(hca_ptr + t, zero, mask=head)
+    # the indexer's committed prefix over requests, its last entry raised to >= 1 (a
+    # zero-row launch is avoided; the extra row is never read)
+    r = tl.arange(0, REQS)
+    rlive = r < num_reqs
+    rctx = tl.load(seq_lens_ptr + r, mask=rlive, other=0)
+    cu = tl.cumsum(tl.where(rlive, rctx // 4, 0), axis=0)
+    cu = tl.where(r == num_reqs - 1, tl.maximum(cu, 1), cu)
+    tl.store(cu_committed_ptr + r + 1, cu, mask=rlive)
+    tl.store(cu_committed_ptr + r, tl.zeros([REQS], dtype=tl.int32), mask=r < 1)
+
+
+def generate_v4_prefill_indptrs(
+    positions: torch.Tensor,
+    batch_ids: torch.Tensor,
+    seq_lens: torch.Tensor,
+    chunk_starts: torch.Tensor,
+    out: PrefillIndptrs,
+    *,
+    num_tokens: int,
+    num_reqs: int,
+    window: int,
+    index_topk: int,
+) -> PrefillIndptrs:
+    """V4 prefill's per-token KV prefixes and the indexer's committed prefix, on the GPU
+    (what an engine computes on the host and uploads from pageable arrays today).
+
+    For a token at position ``p`` of request ``b`` (chunk start ``s = chunk_starts[b]``,
+    committed length ``ctx = seq_lens[b]``): ``swa_low = max(p - W + 1, 0)``,
+    ``extend = min(p - s + 1, W)``, ``prefix_swa = max(s - swa_low, 0)``,
+    ``csa = min((p + 1) // 4, ctx // 4, Kt)``, ``hca = min((p + 1) // 128, ctx // 128)``
+    (causal per token). The four ``[T + 1]`` indptrs are the exclusive prefixes of
+    ``extend``, ``prefix_swa``, ``prefix_swa + csa`` and ``prefix_swa + hca``;
+    ``indexer_cu_committed`` ``[n + 1]`` is ``[0, cumsum(ctx // 4)]`` with its last entry
+    raised to at least 1. Tokens with batch id -1 count 0. One launch, no sync.
+    """
+    func = "generate_v4_prefill_indptrs"
+    t = check_count(func, "num_tokens", num_tokens)
+    n = check_count(func, "num_reqs", num_reqs)
+    window = check_count(func, "window", window)
+    topk = check_count(func, "index_topk", index_topk)
+    if window < 1:
+        raise ConsumerArgumentError(f"{func}: window must be >= 1, got {window}")
+    check_tensor(func, "positions", positions, dtype=torch.int64, ndim=1, min_numel=t)
+    check_tensor(func, "batch_ids", batch_ids, dtype=torch.int32, ndim=1, min_numel=t)
+    check_tensor(func, "seq_lens", seq_lens, dtype=torch.int32, ndim=1, min_numel=n)
+    check_tensor(func, "chunk_starts", chunk_starts, dtype=torch.int32, ndim=1, min_numel=n)
+    for name in ("extend_indptr", "prefix_swa_indptr", "prefix_csa_indptr",
+                 "prefix_hca_indptr"):
+        check_tensor(func, name, getattr(out, name), dtype=torch.int32, ndim=1,
+                     min_numel=t + 1)
+    check_tensor(func, "indexer_cu_committed", out.indexer_cu_committed, dtype=torch.int32,
+                 ndim=1, min_numel=n + 1)
+    check_devices(func, _prefill_indptrs_kernel, positions=positions, batch_ids=batch_ids,
+                  seq_lens=seq_lens, chunk_starts=chunk_starts,
+                  extend_indptr=out.extend_indptr, prefix_swa_indptr=out.prefix_swa_indptr,
+                  prefix_csa_indptr=out.prefix_csa_indptr,
+                  prefix_hca_indptr=out.prefix_hca_indptr,
+                  indexer_cu_committed=out.indexer_cu_committed)
+    _prefill_indptrs_kernel[(1,)](
+        positions, batch_ids, seq_lens, chunk_starts, out.extend_indptr,
+        out.prefix_swa_indptr, out.prefix_csa_indptr, out.prefix_hca_indptr,
+        out.indexer_cu_committed, t, n, window, topk,
+        TOKENS=max(next_power_of_two(t), 16), REQS=max(next_power_of_two(n), 16),
+    )
+    return out
+
+
+def generate_v4_prefill_indptrs_reference(
+    positions: list[int],
+    batch_ids: list[int],
+    seq_lens: list[int],
+    chunk_starts: list[int],
+    *,
+    window: int,
+    index_topk: int,
+) -> dict[str, list[int]]:
+    """Plain-Python oracle, written from the formulas of the context document (§2, §3.2)."""
+    names = ("extend_indptr", "prefix_swa_indptr", "prefix_csa_indptr", "prefix_hca_indptr")
+    out = {name: [0] for name in names}
+    for p, b in zip(positions, batch_ids, strict=True):
+        if b < 0:
+            segs = (0, 0, 0, 0)
+        else:
+            ctx, s = seq_lens[b], chunk_starts[b]
+            low = max(p - window + 1, 0)
+            prefix = max(s - low, 0)
+            segs = (min(p - s + 1, window), prefix,
+                    prefix + min((p + 1) // 4, ctx // 4, index_topk),
+                    prefix + min((p + 1) // 128, ctx // 128))
+        for name, seg in zip(names, segs, strict=True):
+            out[name].append(out[name][-1] + seg)
+    cu = [0]
+    for ctx in seq_lens:
+        cu.append(cu[-1] + ctx // 4)
+    if len(cu) > 1:
+        cu[-1] = max(cu[-1], 1)
+    out["indexer_cu_committed"] = cu
+    return out
