@@ -589,3 +589,14 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
         for name, expected in ref.items():
             got = getattr(out, name).cpu().tolist()
             assert got[: len(expected)] == expected, name
+        # context parallelism: each rank's strided queries of the same publication
+        for size in (2, 3):
+            for rank in range(size):
+                out = v4.generate_prefill_indptrs(plan, pcp_rank=rank, pcp_size=size)
+                ref = generate_v4_prefill_indptrs_reference(
+                    want["v41_positions"][rank::size], want["v41_token_batch_ids"][rank::size],
+                    [s.context_len for s in spans], want["v41_chunk_starts"], window=WINDOW,
+                    index_topk=TOPK)
+                for name, expected in ref.items():
+                    got = getattr(out, name).cpu().tolist()
+                    assert got[: len(expected)] == expected, (size, rank, name)

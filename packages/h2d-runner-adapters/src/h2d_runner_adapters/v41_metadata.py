@@ -339,13 +339,16 @@ class V41MetadataInputs(PagedInputs):
         stage = tables.stage(n)
         return V41Plan(n, n, t, t, layout.max_query_len, tuple(plan_rows), stage)
 
-    def generate_prefill_indptrs(self, plan: V41Plan) -> PrefillIndptrs:
+    def generate_prefill_indptrs(self, plan: V41Plan, *, pcp_rank: int = 0,
+                                 pcp_size: int = 1) -> PrefillIndptrs:
         """V4 prefill's first consumer: the extend and prefix SWA/CSA/HCA indptrs and the
-        indexer's committed prefix, on the GPU (:func:`generate_v4_prefill_indptrs`)."""
+        indexer's committed prefix, on the GPU (:func:`generate_v4_prefill_indptrs`); with
+        context parallelism, over this rank's strided queries of the same publication."""
         return generate_v4_prefill_indptrs(
             self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
             self.chunk_starts.gpu, self.prefill_indptrs, num_tokens=plan.num_tokens,
-            num_reqs=plan.num_reqs, window=self.window, index_topk=self.index_topk)
+            num_reqs=plan.num_reqs, window=self.window, index_topk=self.index_topk,
+            pcp_rank=pcp_rank, pcp_size=pcp_size)
 
     # -- the first consumer --------------------------------------------------------------
     def generate_step_indptrs(self, plan: V41Plan) -> StepIndptrs:

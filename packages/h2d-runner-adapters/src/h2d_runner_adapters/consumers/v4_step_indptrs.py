@@ -305,7 +305,7 @@ class PrefillIndptrs(NamedTuple):
     indexer_cu_committed: torch.Tensor
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "window", "topk"])
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "window", "topk", "rank", "ranks"])
 def _prefill_indptrs_kernel(  # type: ignore[no-untyped-def]
     positions_ptr,  # *i64 [>= num_tokens]
     batch_ids_ptr,  # *i32 [>= num_tokens]
@@ -320,14 +320,20 @@ def _prefill_indptrs_kernel(  # type: ignore[no-untyped-def]
     num_reqs,
     window,
     topk,
+    rank,
+    ranks,
     TOKENS: tl.constexpr,
     REQS: tl.constexpr,
 ):
+    # local query t is global token rank + t * ranks (context parallel striping); past
+    # the step's tokens it is a dummy query that owns nothing
     t = tl.arange(0, TOKENS)
-    live = t < num_tokens
-    b = tl.load(batch_ids_ptr + t, mask=live, other=-1)
+    local = (num_tokens + ranks - 1 - rank) // ranks
+    live = t < local
+    g = rank + t * ranks
+    b = tl.load(batch_ids_ptr + g, mask=live, other=-1)
     real = live & (b >= 0) & (b < num_reqs)
-    p = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int32)
+    p = tl.load(positions_ptr + g, mask=real, other=0).to(tl.int32)
     ctx = tl.load(seq_lens_ptr + b, mask=real, other=0)
     start = tl.load(chunk_starts_ptr + b, mask=real, other=0)
     swa_low = tl.maximum(p - window + 1, 0)
@@ -367,6 +373,8 @@ def generate_v4_prefill_indptrs(
     num_reqs: int,
     window: int,
     index_topk: int,
+    pcp_rank: int = 0,
+    pcp_size: int = 1,
 ) -> PrefillIndptrs:
     """V4 prefill's per-token KV prefixes and the indexer's committed prefix, on the GPU
     (what an engine computes on the host and uploads from pageable arrays today).
@@ -379,6 +387,11 @@ def generate_v4_prefill_indptrs(
     ``extend``, ``prefix_swa``, ``prefix_swa + csa`` and ``prefix_swa + hca``;
     ``indexer_cu_committed`` ``[n + 1]`` is ``[0, cumsum(ctx // 4)]`` with its last entry
     raised to at least 1. Tokens with batch id -1 count 0. One launch, no sync.
+
+    Prefill context parallelism (``pcp_size`` ranks): the published metadata stays the
+    whole step's (every rank writes every token's KV); this rank's queries are the global
+    tokens ``pcp_rank + i * pcp_size``, so the indptrs cover ``ceil((T - rank) / size)``
+    local queries, gathered here by stride: no reindexed upload, no ``.item()``.
     """
     func = "generate_v4_prefill_indptrs"
     t = check_count(func, "num_tokens", num_tokens)
@@ -387,14 +400,20 @@ def generate_v4_prefill_indptrs(
     topk = check_count(func, "index_topk", index_topk)
     if window < 1:
         raise ConsumerArgumentError(f"{func}: window must be >= 1, got {window}")
+    rank = check_count(func, "pcp_rank", pcp_rank)
+    size = check_count(func, "pcp_size", pcp_size)
+    if not rank < size:
+        raise ConsumerArgumentError(
+            f"{func}: pcp_rank={rank} must lie in [0, pcp_size={size})")
     check_tensor(func, "positions", positions, dtype=torch.int64, ndim=1, min_numel=t)
     check_tensor(func, "batch_ids", batch_ids, dtype=torch.int32, ndim=1, min_numel=t)
     check_tensor(func, "seq_lens", seq_lens, dtype=torch.int32, ndim=1, min_numel=n)
     check_tensor(func, "chunk_starts", chunk_starts, dtype=torch.int32, ndim=1, min_numel=n)
+    local = (t + size - 1 - rank) // size
     for name in ("extend_indptr", "prefix_swa_indptr", "prefix_csa_indptr",
                  "prefix_hca_indptr"):
         check_tensor(func, name, getattr(out, name), dtype=torch.int32, ndim=1,
-                     min_numel=t + 1)
+                     min_numel=local + 1)
     check_tensor(func, "indexer_cu_committed", out.indexer_cu_committed, dtype=torch.int32,
                  ndim=1, min_numel=n + 1)
     check_devices(func, _prefill_indptrs_kernel, positions=positions, batch_ids=batch_ids,
@@ -406,8 +425,8 @@ def generate_v4_prefill_indptrs(
     _prefill_indptrs_kernel[(1,)](
         positions, batch_ids, seq_lens, chunk_starts, out.extend_indptr,
         out.prefix_swa_indptr, out.prefix_csa_indptr, out.prefix_hca_indptr,
-        out.indexer_cu_committed, t, n, window, topk,
-        TOKENS=max(next_power_of_two(t), 16), REQS=max(next_power_of_two(n), 16),
+        out.indexer_cu_committed, t, n, window, topk, rank, size,
+        TOKENS=max(next_power_of_two(local), 16), REQS=max(next_power_of_two(n), 16),
     )
     return out
 
