@@ -36,12 +36,15 @@ from h2d_runner_adapters import (
 from h2d_runner_adapters.consumers import ConsumerArgumentError
 from h2d_runner_adapters.consumers._launch import interpreted
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
+    PrefillIndices,
     StepIndptrs,
+    WindowGeometry,
     _step_indptrs_kernel,
     expand_v4_token_tables_reference,
     generate_v4_prefill_indptrs_reference,
     generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
+    write_v4_prefill_indices_reference,
 )
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
 
@@ -589,6 +592,27 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
         for name, expected in ref.items():
             got = getattr(out, name).cpu().tolist()
             assert got[: len(expected)] == expected, name
+        # the sparse (Opus) prefill indices, from the indptrs just derived
+        geometry = WindowGeometry(slot_rows=100, ring_positions=WINDOW + 3,
+                                  classes=((0, WINDOW + 3, 1), (40, 4, 8), (70, 2, 6)))
+        cu_q = [0]
+        for sp in spans:
+            cu_q.append(cu_q[-1] + sp.num_tokens)
+        sizes = {name: ref[f"{key}_indptr"][-1] for name, key in (
+            ("extend", "extend"), ("prefix_swa", "prefix_swa"), ("prefix_csa", "prefix_csa"),
+            ("prefix_hca", "prefix_hca"))}
+        outs = PrefillIndices(*(torch.full((sizes[f] + 4,), POISON, dtype=torch.int32,
+                                           device=device) for f in PrefillIndices._fields))
+        v4.write_prefill_indices(plan, torch.tensor(cu_q, dtype=torch.int32, device=device),
+                                 geometry, outs)
+        want_idx = write_v4_prefill_indices_reference(
+            want["v41_positions"], want["v41_token_batch_ids"],
+            [sp.context_len for sp in spans], want["v41_chunk_starts"],
+            [sp.state_slot for sp in spans], cu_q, [list(r) for r in rows], geometry,
+            window=WINDOW, index_topk=TOPK, envelope_rows=ENVELOPE)
+        for name, expected in want_idx.items():
+            got = getattr(outs, name).cpu().tolist()
+            assert got == expected + [POISON] * 4, name
         # context parallelism: each rank's strided queries of the same publication
         for size in (2, 3):
             for rank in range(size):

@@ -43,15 +43,25 @@ from block_tables import (
     RequestLayout,
     RequestLayoutError,
 )
-from h2d_core import CountBatch, CountError, H2DBuffer, H2DRunnerState, h2d_producer
+from h2d_core import (
+    CountBatch,
+    CountError,
+    DeclarationError,
+    H2DBuffer,
+    H2DRunnerState,
+    h2d_producer,
+)
 
 from .batch import PageRow
 from .consumers import (
+    PrefillIndices,
     PrefillIndptrs,
     StepIndptrs,
+    WindowGeometry,
     expand_v4_token_tables,
     generate_v4_prefill_indptrs,
     generate_v4_step_indptrs,
+    write_v4_prefill_indices,
 )
 from .mha_decode import select_layout
 from .paged import PagedInputs
@@ -349,6 +359,23 @@ class V41MetadataInputs(PagedInputs):
             self.chunk_starts.gpu, self.prefill_indptrs, num_tokens=plan.num_tokens,
             num_reqs=plan.num_reqs, window=self.window, index_topk=self.index_topk,
             pcp_rank=pcp_rank, pcp_size=pcp_size)
+
+    def write_prefill_indices(self, plan: V41Plan, cu_seqlens_q: torch.Tensor,
+                              geometry: WindowGeometry, out: PrefillIndices
+                              ) -> PrefillIndices:
+        """The sparse (Opus) prefill indices after :meth:`generate_prefill_indptrs`
+        (:func:`write_v4_prefill_indices`); ``cu_seqlens_q`` is the token inputs' query
+        prefix, ``out`` the four index arrays sized by the indptrs' capacities."""
+        if self.envelope_rows is None:
+            raise DeclarationError(
+                f"{self.group}: write_prefill_indices needs envelope_rows (the compressed "
+                "rows per block); pass it to the constructor")
+        return write_v4_prefill_indices(
+            self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
+            self.chunk_starts.gpu, self.state_slot_out.gpu, cu_seqlens_q,
+            self.block_tables.gpu, self.prefill_indptrs, out, geometry,
+            num_tokens=plan.num_tokens, num_reqs=plan.num_reqs, window=self.window,
+            index_topk=self.index_topk, envelope_rows=self.envelope_rows)
 
     # -- the first consumer --------------------------------------------------------------
     def generate_step_indptrs(self, plan: V41Plan) -> StepIndptrs:

@@ -17,19 +17,24 @@ from h2d_runner_adapters.consumers.sampler import (
 )
 from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
+    PrefillIndices,
     PrefillIndptrs,
     StepIndptrs,
+    WindowGeometry,
     expand_v4_token_tables,
     generate_v4_prefill_indptrs,
     generate_v4_step_indptrs,
+    write_v4_prefill_indices,
 )
 
 __all__ = [
     "GREEDY_TEMPERATURE",
     "ConsumerArgumentError",
     "ConsumerDeviceError",
+    "PrefillIndices",
     "PrefillIndptrs",
     "StepIndptrs",
+    "WindowGeometry",
     "assemble_token_ids",
     "expand_v4_token_tables",
     "fill_gumbel_noise_",
@@ -39,4 +44,5 @@ __all__ = [
     "generate_v4_step_indptrs",
     "prepare_prefill_attention",
     "sample_tokens",
+    "write_v4_prefill_indices",
 ]
