@@ -624,3 +624,42 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
                 for name, expected in ref.items():
                     got = getattr(out, name).cpu().tolist()
                     assert got[: len(expected)] == expected, (size, rank, name)
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_v41_delayed_source_reuse_keeps_what_each_step_published(device: str,
+                                                                  backend: str) -> None:
+    """Two slots; each publication queues behind a busy GPU while the host runs ahead and
+    rewrites the sources: a GPU-side copy taken right after each publication (and the
+    first consumer's outputs) still hold what that step published."""
+    if device != "cuda":
+        pytest.skip("delayed source reuse needs asynchronous copies (CUDA)")
+    st_, v4 = v41_state(device, backend, num_slots=2)
+    pop = Population(40)
+    taken = []
+    for index in range(8):
+        spans, rows = pop.step(1 + index % MAX_REQS, index % 2 == 1, 1 + index % 4)
+        slot = st_.begin()
+        assert slot == index % 2
+        plan = v4.begin_step(spans, block_tables=rows, padded=MAX_REQS)
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU work the DMA queues behind
+        st_.publish(V41_METADATA)
+        ind = v4.generate_step_indptrs(plan)
+        copies = {name: b.gpu.clone() for name, b in st_.buffers().items()}
+        taken.append((spans, [list(r) for r in rows], copies, ind.hca_indptr.clone()))
+        st_.finish()
+    torch.cuda.synchronize()
+    for index, (spans, rows, copies, hca) in enumerate(taken):
+        want = v41_reference(spans, rows, MAX_REQS)
+        for name, values in want.items():
+            got = copies[name].cpu()
+            if name.endswith("v41_block_tables"):
+                for i, row in enumerate(values):
+                    assert got[i, : len(row)].tolist() == row, (index, name, i)
+            else:
+                assert got[: len(values)].tolist() == values, (index, name)
+        ref = generate_v4_step_indptrs_reference(
+            want["v41_positions"], want["v41_token_batch_ids"],
+            [s.context_len for s in spans], num_reqs=len(spans), padded_reqs=MAX_REQS,
+            window=WINDOW, index_topk=TOPK)
+        assert hca[: len(ref["hca_indptr"])].tolist() == ref["hca_indptr"], index

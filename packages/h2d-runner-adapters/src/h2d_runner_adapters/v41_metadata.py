@@ -197,7 +197,8 @@ class V41MetadataInputs(PagedInputs):
                                         zeros(max_reqs))
         self.prefill_indptrs = PrefillIndptrs(zeros(max_tokens + 1), zeros(max_tokens + 1),
                                               zeros(max_tokens + 1), zeros(max_tokens + 1),
-                                              zeros(max_reqs + 1))
+                                              zeros(max_reqs + 1), zeros(max_tokens),
+                                              zeros(max_tokens), zeros(max_tokens))
         self.envelope_rows = envelope_rows
         self.block_tables_per_token: torch.Tensor | None = None
         self.hca_indices: torch.Tensor | None = None

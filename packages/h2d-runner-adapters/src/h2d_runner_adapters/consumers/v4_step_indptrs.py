@@ -304,6 +304,11 @@ class PrefillIndptrs(NamedTuple):
     prefix_csa_indptr: torch.Tensor
     prefix_hca_indptr: torch.Tensor
     indexer_cu_committed: torch.Tensor
+    #: per local query: ``cu_committed[b]``, ``min((p+1)//4, ctx_b//4)`` and their sum
+    #: (the indexer's gather and logits ranges; 0 for dummy queries)
+    indexer_seq_base: torch.Tensor
+    indexer_visible_end: torch.Tensor
+    indexer_cu_ends: torch.Tensor
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "window", "topk", "rank", "ranks"])
@@ -317,6 +322,9 @@ def _prefill_indptrs_kernel(  # type: ignore[no-untyped-def]
     csa_ptr,
     hca_ptr,
     cu_committed_ptr,  # *i32 [>= num_reqs + 1]
+    seq_base_ptr,  # *i32 [>= local tokens]
+    visible_ptr,
+    cu_ends_ptr,
     num_tokens,
     num_reqs,
     window,
@@ -361,6 +369,12 @@ def _prefill_indptrs_kernel(  # type: ignore[no-untyped-def]
     cu = tl.where(r == num_reqs - 1, tl.maximum(cu, 1), cu)
     tl.store(cu_committed_ptr + r + 1, cu, mask=rlive)
     tl.store(cu_committed_ptr + r, tl.zeros([REQS], dtype=tl.int32), mask=r < 1)
+    tl.debug_barrier()  # the prefix above is read back per query below
+    base = tl.load(cu_committed_ptr + b, mask=real, other=0)
+    visible = tl.where(real, tl.minimum((p + 1) // 4, ctx // 4), 0)
+    tl.store(seq_base_ptr + t, base, mask=live)
+    tl.store(visible_ptr + t, visible, mask=live)
+    tl.store(cu_ends_ptr + t, base + visible, mask=live)
 
 
 def generate_v4_prefill_indptrs(
@@ -387,7 +401,9 @@ def generate_v4_prefill_indptrs(
     (causal per token). The four ``[T + 1]`` indptrs are the exclusive prefixes of
     ``extend``, ``prefix_swa``, ``prefix_swa + csa`` and ``prefix_swa + hca``;
     ``indexer_cu_committed`` ``[n + 1]`` is ``[0, cumsum(ctx // 4)]`` with its last entry
-    raised to at least 1. Tokens with batch id -1 count 0. One launch, no sync.
+    raised to at least 1, and per query the indexer's ``seq_base = cu_committed[b]``,
+    ``visible_end = min((p + 1) // 4, ctx // 4)`` and ``cu_ends = seq_base + visible_end``.
+    Tokens with batch id -1 count 0. One launch, no sync.
 
     Prefill context parallelism (``pcp_size`` ranks): the published metadata stays the
     whole step's (every rank writes every token's KV); this rank's queries are the global
@@ -417,6 +433,9 @@ def generate_v4_prefill_indptrs(
                      min_numel=local + 1)
     check_tensor(func, "indexer_cu_committed", out.indexer_cu_committed, dtype=torch.int32,
                  ndim=1, min_numel=n + 1)
+    for name in ("indexer_seq_base", "indexer_visible_end", "indexer_cu_ends"):
+        check_tensor(func, name, getattr(out, name), dtype=torch.int32, ndim=1,
+                     min_numel=local)
     check_devices(func, _prefill_indptrs_kernel, positions=positions, batch_ids=batch_ids,
                   seq_lens=seq_lens, chunk_starts=chunk_starts,
                   extend_indptr=out.extend_indptr, prefix_swa_indptr=out.prefix_swa_indptr,
@@ -426,7 +445,8 @@ def generate_v4_prefill_indptrs(
     _prefill_indptrs_kernel[(1,)](
         positions, batch_ids, seq_lens, chunk_starts, out.extend_indptr,
         out.prefix_swa_indptr, out.prefix_csa_indptr, out.prefix_hca_indptr,
-        out.indexer_cu_committed, t, n, window, topk, rank, size,
+        out.indexer_cu_committed, out.indexer_seq_base, out.indexer_visible_end,
+        out.indexer_cu_ends, t, n, window, topk, rank, size,
         TOKENS=max(next_power_of_two(local), 16), REQS=max(next_power_of_two(n), 16),
     )
     return out
@@ -462,6 +482,12 @@ def generate_v4_prefill_indptrs_reference(
     if len(cu) > 1:
         cu[-1] = max(cu[-1], 1)
     out["indexer_cu_committed"] = cu
+    base = [cu[b] if b >= 0 else 0 for b in batch_ids]
+    visible = [min((p + 1) // 4, seq_lens[b] // 4) if b >= 0 else 0
+               for p, b in zip(positions, batch_ids, strict=True)]
+    out["indexer_seq_base"] = base
+    out["indexer_visible_end"] = visible
+    out["indexer_cu_ends"] = [x + y for x, y in zip(base, visible, strict=True)]
     return out
 
 
