@@ -36,6 +36,7 @@ from h2d_runner_adapters import (
 from h2d_runner_adapters.consumers import ConsumerArgumentError
 from h2d_runner_adapters.consumers._launch import interpreted
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
+    DecodeWindowIndices,
     PrefillIndices,
     StepIndptrs,
     WindowGeometry,
@@ -44,6 +45,7 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     generate_v4_prefill_indptrs_reference,
     generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
+    write_v4_decode_window_indices_reference,
     write_v4_prefill_indices_reference,
 )
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
@@ -158,6 +160,8 @@ def test_bad_arguments_are_refused(dev: torch.device) -> None:
 MAX_REQS, MAX_TOKENS, MAX_BLOCKS, NUM_BLOCKS = 8, 40, 6, 200
 DUMMY_SLOT, DUMMY_BLOCK = 99, NUM_BLOCKS - 1
 ENVELOPE = 66  # compressed rows per block over the compressed layers
+GEOMETRY = WindowGeometry(slot_rows=1000, ring_positions=WINDOW + 3,
+                          classes=((0, WINDOW + 3, 1), (400, 4, 8), (700, 2, 6)))
 V4_POISON = 0x5A
 
 
@@ -297,6 +301,26 @@ def test_v41_metadata_exact_values_over_steps(device: str, backend: str) -> None
         assert v4.block_tables_per_token is not None and v4.hca_indices is not None
         assert v4.block_tables_per_token[: len(rows_want)].cpu().tolist() == rows_want
         assert v4.hca_indices[: len(cells_want)].cpu().tolist() == cells_want
+        # ... and the window tails and own rows (the HCA slices are then complete)
+        t_pad = plan.padded_tokens
+        win = DecodeWindowIndices(
+            torch.full((ref["swa_indptr"][-1] + 3,), POISON, dtype=torch.int32, device=device),
+            torch.full((ref["csa_indptr"][-1] + 3,), POISON, dtype=torch.int32, device=device),
+            v4.hca_indices,
+            *(torch.full((t_pad + 3,), POISON, dtype=torch.int32, device=device)
+              for _ in range(3)))
+        v4.write_decode_window_indices(plan, GEOMETRY, win)
+        cells = write_v4_decode_window_indices_reference(
+            want["v41_positions"], want["v41_token_batch_ids"], want["v41_state_slot_out"],
+            ref, GEOMETRY, window=WINDOW)
+        for name, written in cells.items():
+            got = getattr(win, name).cpu().tolist()
+            for index, value in written.items():
+                assert got[index] == value, (name, index)
+            if name != "hca_indices":  # everything else kept its poison
+                assert all(v == POISON for k, v in enumerate(got) if k not in written), name
+        hca_final = win.hca_indices[: ref["hca_indptr"][-1]].cpu().tolist()
+        assert -1 not in hca_final  # compressed head + window tail: nothing left unset
         c = st_.counters(V41_METADATA)
         if backend == "packed":
             assert (c.dmas, c.scatters) == (c.publications, c.publications)

@@ -54,6 +54,7 @@ from h2d_core import (
 
 from .batch import PageRow
 from .consumers import (
+    DecodeWindowIndices,
     PrefillIndices,
     PrefillIndptrs,
     StepIndptrs,
@@ -61,6 +62,7 @@ from .consumers import (
     expand_v4_token_tables,
     generate_v4_prefill_indptrs,
     generate_v4_step_indptrs,
+    write_v4_decode_window_indices,
     write_v4_prefill_indices,
 )
 from .mha_decode import select_layout
@@ -360,6 +362,17 @@ class V41MetadataInputs(PagedInputs):
             self.chunk_starts.gpu, self.prefill_indptrs, num_tokens=plan.num_tokens,
             num_reqs=plan.num_reqs, window=self.window, index_topk=self.index_topk,
             pcp_rank=pcp_rank, pcp_size=pcp_size)
+
+    def write_decode_window_indices(self, plan: V41Plan, geometry: WindowGeometry,
+                                    out: DecodeWindowIndices) -> DecodeWindowIndices:
+        """The window tails of each decode token's SWA/CSA/HCA slices and its own rows
+        (``dest``), after :meth:`generate_step_indptrs`
+        (:func:`write_v4_decode_window_indices`); pass :attr:`hca_indices` as
+        ``out.hca_indices`` to complete the HCA slices the expansion began."""
+        return write_v4_decode_window_indices(
+            self.positions.gpu, self.token_batch_ids.gpu, self.state_slot_out.gpu,
+            self.step_indptrs, out, geometry, num_tokens=plan.padded_tokens,
+            num_reqs=plan.num_reqs, window=self.window)
 
     def write_prefill_indices(self, plan: V41Plan, cu_seqlens_q: torch.Tensor,
                               geometry: WindowGeometry, out: PrefillIndices

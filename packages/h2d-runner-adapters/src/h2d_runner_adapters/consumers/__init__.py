@@ -17,6 +17,7 @@ from h2d_runner_adapters.consumers.sampler import (
 )
 from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
+    DecodeWindowIndices,
     PrefillIndices,
     PrefillIndptrs,
     StepIndptrs,
@@ -24,6 +25,7 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     expand_v4_token_tables,
     generate_v4_prefill_indptrs,
     generate_v4_step_indptrs,
+    write_v4_decode_window_indices,
     write_v4_prefill_indices,
 )
 
@@ -31,6 +33,7 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "ConsumerArgumentError",
     "ConsumerDeviceError",
+    "DecodeWindowIndices",
     "PrefillIndices",
     "PrefillIndptrs",
     "StepIndptrs",
@@ -44,5 +47,6 @@ __all__ = [
     "generate_v4_step_indptrs",
     "prepare_prefill_attention",
     "sample_tokens",
+    "write_v4_decode_window_indices",
     "write_v4_prefill_indices",
 ]

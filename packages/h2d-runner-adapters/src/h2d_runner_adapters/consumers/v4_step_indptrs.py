@@ -676,3 +676,129 @@ def write_v4_prefill_indices_reference(
         out["prefix_hca"] += [geometry.row(2, slot, x) for x in win] + [
             block_tables[b][e // 2] * envelope_rows + e % 2 for e in range(hca_n)]
     return out
+
+
+class DecodeWindowIndices(NamedTuple):
+    """The window outputs of :func:`write_v4_decode_window_indices` (int32 tensors):
+    per class (dense/SWA, CSA, HCA) the index buffer whose slices the step indptrs give,
+    and the row each token's own KV goes to (``dest``)."""
+
+    swa_indices: torch.Tensor
+    csa_indices: torch.Tensor
+    hca_indices: torch.Tensor
+    dest_dense: torch.Tensor
+    dest_csa: torch.Tensor
+    dest_hca: torch.Tensor
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "window", "slot_rows", "ring",
+                               "d_start", "d_stride", "d_run", "c_start", "c_stride",
+                               "c_run", "h_start", "h_stride", "h_run"])
+def _decode_window_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr, batch_ids_ptr, slots_ptr, swa_ptr, csa_ptr, hca_ptr,
+    swa_out, csa_out, hca_out, dest_d, dest_c, dest_h,
+    num_tokens, num_reqs, window, slot_rows, ring,
+    d_start, d_stride, d_run, c_start, c_stride, c_run, h_start, h_stride, h_run,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    live = t < num_tokens
+    b = tl.load(batch_ids_ptr + t, mask=live, other=-1)
+    real = live & (b >= 0) & (b < num_reqs)
+    p = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int32)
+    slot = tl.load(slots_ptr + b, mask=real, other=0)
+    n = tl.minimum(p + 1, window)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    w = real & (i < n)
+    pos_i = p - n + 1 + i
+    # the window at each slice's tail: [ptr[t+1] - n, ptr[t+1])
+    e = tl.load(swa_ptr + t + 1, mask=real, other=0) - n
+    tl.store(swa_out + e + i,
+             _window_row(slot, pos_i, slot_rows, ring, d_start, d_stride, d_run), mask=w)
+    e = tl.load(csa_ptr + t + 1, mask=real, other=0) - n
+    tl.store(csa_out + e + i,
+             _window_row(slot, pos_i, slot_rows, ring, c_start, c_stride, c_run), mask=w)
+    e = tl.load(hca_ptr + t + 1, mask=real, other=0) - n
+    tl.store(hca_out + e + i,
+             _window_row(slot, pos_i, slot_rows, ring, h_start, h_stride, h_run), mask=w)
+    first = real & (i < 1)  # one lane writes the token's own rows
+    zero = i * 0
+    tl.store(dest_d + t + zero,
+             _window_row(slot, p + zero, slot_rows, ring, d_start, d_stride, d_run),
+             mask=first)
+    tl.store(dest_c + t + zero,
+             _window_row(slot, p + zero, slot_rows, ring, c_start, c_stride, c_run),
+             mask=first)
+    tl.store(dest_h + t + zero,
+             _window_row(slot, p + zero, slot_rows, ring, h_start, h_stride, h_run),
+             mask=first)
+
+
+def write_v4_decode_window_indices(
+    positions: torch.Tensor,
+    batch_ids: torch.Tensor,
+    state_slots: torch.Tensor,
+    indptrs: StepIndptrs,
+    out: DecodeWindowIndices,
+    geometry: WindowGeometry,
+    *,
+    num_tokens: int,
+    num_reqs: int,
+    window: int,
+) -> DecodeWindowIndices:
+    """The window part of each decode token's index slices, after
+    :func:`generate_v4_step_indptrs`: for a real token at position ``p`` of request ``b``
+    (state slot ``s = state_slots[b]``, ``n = min(p + 1, W)``), the last ``n`` entries of
+    its SWA, CSA and HCA slices are the window rows of positions ``p - n + 1 .. p`` in the
+    dense, CSA and HCA classes, and ``dest_c[t]`` is the row of ``p`` itself. The slice
+    heads (HCA compressed rows, CSA top-k) are not touched. Padded tokens write nothing.
+    """
+    func = "write_v4_decode_window_indices"
+    t = check_count(func, "num_tokens", num_tokens)
+    n = check_count(func, "num_reqs", num_reqs)
+    window = check_count(func, "window", window)
+    check_tensor(func, "positions", positions, dtype=torch.int64, ndim=1, min_numel=t)
+    check_tensor(func, "batch_ids", batch_ids, dtype=torch.int32, ndim=1, min_numel=t)
+    check_tensor(func, "state_slots", state_slots, dtype=torch.int32, ndim=1, min_numel=n)
+    for name in DecodeWindowIndices._fields:
+        check_tensor(func, name, getattr(out, name), dtype=torch.int32, ndim=1,
+                     min_numel=t if name.startswith("dest") else 0)
+    check_devices(func, _decode_window_kernel, positions=positions, batch_ids=batch_ids,
+                  state_slots=state_slots, swa_indices=out.swa_indices,
+                  dest_dense=out.dest_dense)
+    (ds, dst, dr), (cs, cst, cr), (hs, hst, hr) = geometry.classes
+    grid = (next_power_of_two(t), -(-max(window, 1) // BLOCK_COLUMNS))
+    _decode_window_kernel[grid](
+        positions, batch_ids, state_slots, indptrs.swa_indptr, indptrs.csa_indptr,
+        indptrs.hca_indptr, out.swa_indices, out.csa_indices, out.hca_indices,
+        out.dest_dense, out.dest_csa, out.dest_hca, t, n, window, geometry.slot_rows,
+        geometry.ring_positions, ds, dst, dr, cs, cst, cr, hs, hst, hr,
+        BLOCK=BLOCK_COLUMNS,
+    )
+    return out
+
+
+def write_v4_decode_window_indices_reference(
+    positions: list[int],
+    batch_ids: list[int],
+    state_slots: list[int],
+    indptrs: dict[str, list[int]],
+    geometry: WindowGeometry,
+    *,
+    window: int,
+) -> dict[str, dict[int, int]]:
+    """Plain-Python oracle: the cells written (index -> value) per output."""
+    out: dict[str, dict[int, int]] = {name: {} for name in DecodeWindowIndices._fields}
+    for t, (p, b) in enumerate(zip(positions, batch_ids, strict=True)):
+        if b < 0:
+            continue
+        s = state_slots[b]
+        n = min(p + 1, window)
+        for cls, (idx, ptr, dest) in enumerate((("swa_indices", "swa_indptr", "dest_dense"),
+                                               ("csa_indices", "csa_indptr", "dest_csa"),
+                                               ("hca_indices", "hca_indptr", "dest_hca"))):
+            end = indptrs[ptr][t + 1]
+            for i in range(n):
+                out[idx][end - n + i] = geometry.row(cls, s, p - n + 1 + i)
+            out[dest][t] = geometry.row(cls, s, p)
+    return out
