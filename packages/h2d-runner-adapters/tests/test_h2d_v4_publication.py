@@ -46,6 +46,8 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
     write_v4_decode_window_indices_reference,
+    write_v4_indexer_rectangle,
+    write_v4_indexer_rectangle_reference,
     write_v4_prefill_indices_reference,
 )
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
@@ -687,3 +689,28 @@ def test_v41_delayed_source_reuse_keeps_what_each_step_published(device: str,
             [s.context_len for s in spans], num_reqs=len(spans), padded_reqs=MAX_REQS,
             window=WINDOW, index_topk=TOPK)
         assert hca[: len(ref["hca_indptr"])].tolist() == ref["hca_indptr"], index
+
+
+@pytest.mark.parametrize("lens, rect_reqs, full_q", [
+    ([1, 4, 2], 3, 4), ([4, 4], 5, 4), ([1], 1, 1), ([], 2, 3), ([2, 1, 3, 3], 4, 3),
+])
+def test_indexer_rectangle_right_aligns_each_request(dev: torch.device, lens: list[int],
+                                                      rect_reqs: int, full_q: int) -> None:
+    """FP8 DSpark ragged indexer: each request's committed counts, right-aligned in its
+    full_q rows; rows of requests past the batch map to -1."""
+    rng = random.Random(sum(lens) + rect_reqs)
+    committed = [rng.randint(0, 500) for _ in range(sum(lens))]
+    cu = [0]
+    for x in lens:
+        cu.append(cu[-1] + x)
+    rows = rect_reqs * full_q
+    rect = torch.full((rows + 3,), POISON, dtype=torch.int32, device=dev)
+    batch = torch.full((rows + 3,), POISON, dtype=torch.int32, device=dev)
+    write_v4_indexer_rectangle(torch.tensor(cu, dtype=torch.int32, device=dev),
+                               torch.tensor([*committed, 0], dtype=torch.int32, device=dev),
+                               rect, batch, num_reqs=len(lens), rect_reqs=rect_reqs,
+                               full_q=full_q)
+    want_rect, want_batch = write_v4_indexer_rectangle_reference(lens, committed, rect_reqs,
+                                                                 full_q)
+    assert rect.cpu().tolist() == want_rect + [POISON] * 3
+    assert batch.cpu().tolist() == want_batch + [POISON] * 3

@@ -26,6 +26,7 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     generate_v4_prefill_indptrs,
     generate_v4_step_indptrs,
     write_v4_decode_window_indices,
+    write_v4_indexer_rectangle,
     write_v4_prefill_indices,
 )
 
@@ -48,5 +49,6 @@ __all__ = [
     "prepare_prefill_attention",
     "sample_tokens",
     "write_v4_decode_window_indices",
+    "write_v4_indexer_rectangle",
     "write_v4_prefill_indices",
 ]
