@@ -294,12 +294,7 @@ class V41MetadataInputs(PagedInputs):
         tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
         layout.write()  # rows, columns and plans; nothing below can fail
         counts: list[int | None] = [pt, pt, p, p, p, None]
-        plan_rows = []
-        for k in range(0, 2 * len(self.ratios), 2):
-            real_c, c = layout.plan_rows(k)
-            real_w, w = layout.plan_rows(k + 1)
-            counts += [c, w]
-            plan_rows.append((real_c, c, real_w, w))
+        plan_rows = self._plan_rows(layout, counts)
         if self.qo_indptr is not None:
             qo = self.qo_indptr.np
             qo[: t + 1] = self._tokens[: t + 1]
@@ -307,8 +302,8 @@ class V41MetadataInputs(PagedInputs):
             counts.append(pt + 1)
         self._counts.set(*counts)  # type: ignore[union-attr]
         stage = tables.stage(p)
-        return V41Plan(layout.num_reqs, p, t, pt, layout.max_query_len or 1,
-                       tuple(plan_rows), stage)
+        return V41Plan(layout.num_reqs, p, t, pt, layout.max_query_len or 1, plan_rows,
+                       stage)
 
     @h2d_producer(lambda self: self.group)
     def begin_prefill(
@@ -340,17 +335,12 @@ class V41MetadataInputs(PagedInputs):
         tables.prepare(list(block_tables), required_pages=layout.required_pages)
         layout.write()
         counts: list[int | None] = [t, t, n, n, n, n]
-        plan_rows = []
-        for k in range(0, 2 * len(self.ratios), 2):
-            real_c, c = layout.plan_rows(k)
-            real_w, w = layout.plan_rows(k + 1)
-            counts += [c, w]
-            plan_rows.append((real_c, c, real_w, w))
+        plan_rows = self._plan_rows(layout, counts)
         if self.qo_indptr is not None:
             counts.append(None)
         self._counts.set(*counts)  # type: ignore[union-attr]
         stage = tables.stage(n)
-        return V41Plan(n, n, t, t, layout.max_query_len, tuple(plan_rows), stage)
+        return V41Plan(n, n, t, t, layout.max_query_len, plan_rows, stage)
 
     def generate_prefill_indptrs(self, plan: V41Plan, *, pcp_rank: int = 0,
                                  pcp_size: int = 1) -> PrefillIndptrs:
@@ -362,6 +352,18 @@ class V41MetadataInputs(PagedInputs):
             self.chunk_starts.gpu, self.prefill_indptrs, num_tokens=plan.num_tokens,
             num_reqs=plan.num_reqs, window=self.window, index_topk=self.index_topk,
             pcp_rank=pcp_rank, pcp_size=pcp_size)
+
+    def _plan_rows(self, layout: RequestLayout, counts: list[int | None]
+                   ) -> tuple[tuple[int, int, int, int], ...]:
+        """Per ratio (real compress rows, published, real write rows, published) of the
+        written batch; appends the published counts to ``counts`` in member order."""
+        out = []
+        for k in range(0, 2 * len(self.ratios), 2):
+            real_c, c = layout.plan_rows(k)
+            real_w, w = layout.plan_rows(k + 1)
+            counts += [c, w]
+            out.append((real_c, c, real_w, w))
+        return tuple(out)
 
     def write_decode_window_indices(self, plan: V41Plan, geometry: WindowGeometry,
                                     out: DecodeWindowIndices) -> DecodeWindowIndices:
