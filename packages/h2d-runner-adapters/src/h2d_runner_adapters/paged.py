@@ -1,9 +1,8 @@
-"""What the attention adapters share: a block table published through its page-map state,
-and token -> KV slot mapping from the prepared CPU table."""
+"""What the attention adapters share: a block table published through its page-map state
+(token positions and KV slots come from :class:`block_tables.RequestLayout` over it)."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from h2d_core import BlockTableState, H2DRunnerState, block_table_state
@@ -36,10 +35,8 @@ class PagedInputs:
                                          torch.int32, group=group, unit="rows",
                                          max_ranges=max_ranges)
         self._tables: BlockTableState | None = None
-        #: the snapshots' compiled common step: None = when available, False = never
+        #: the compiled helpers (snapshots, request layout): None = when built, False = never
         self.native: bool | None = None
-        pow2 = page_size & (page_size - 1) == 0
-        self._page_shift = page_size.bit_length() - 1 if pow2 else -1
 
     @property
     def tables(self) -> BlockTableState:
@@ -48,15 +45,3 @@ class PagedInputs:
             self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit,
                                              native=self.native)
         return self._tables
-
-    def kv_slots(self, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
-        """``out[t] = page(rows[t], positions[t] // page) * page + positions[t] % page``,
-        read from the current slot's prepared CPU table (prepare the rows first)."""
-        page = self.page_size
-        table = self.tables.snapshot.storage
-        if self._page_shift >= 0:
-            np.multiply(table[rows, positions >> self._page_shift], page, out=out)
-            out += positions & (page - 1)
-        else:
-            np.multiply(table[rows, positions // page], page, out=out)
-            out += positions % page

@@ -22,10 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h2d_core import H2DRunnerState, h2d_producer
+from block_tables import RequestLayout, RequestLayoutError
+from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
 from .consumers import prepare_prefill_attention
+from .mha_decode import select_layout
 from .paged import PagedInputs
 
 PREFILL_INPUTS = "prefill_inputs"
@@ -66,6 +68,19 @@ class PrefillInputs(PagedInputs):
         self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=dev)
+        self._layouts: list[RequestLayout] = []  # per slot, made on first use
+
+    def _bind_layouts(self) -> list[RequestLayout]:
+        cls = select_layout(self.native, self.group)
+        out = []
+        for slot, snap in enumerate(self.tables.snapshots):
+            def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
+                return b.source(slot).numpy()
+            out.append(cls(self.group, self.page_size, snap.storage,
+                           np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
+                           positions=src(self.positions), slot_mapping=src(self.slot_mapping),
+                           context_lens=src(self.context_lens)))
+        return out
 
     @h2d_producer(PREFILL_INPUTS)
     def prepare(
@@ -82,30 +97,25 @@ class PrefillInputs(PagedInputs):
         """
         cols = batch.columns
         n = cols.query_lens.size
-        t = cols.token_ids.size
-        page = self.page_size
         st = self.h2d_state
-        ctx = cols.context_lens.astype(np.int64)
-        q = cols.query_lens.astype(np.int64)
+        if not self._layouts:
+            self._layouts = self._bind_layouts()
+        layout = self._layouts[st.current_slot]
+        try:  # positions and KV slots: the same rule as decode, one compiled pass
+            layout.plan(cols.query_lens, cols.context_lens, n, cols.token_ids.size)
+        except RequestLayoutError as exc:
+            raise CountError(str(exc)) from exc
+        t = layout.padded_tokens
         tables = self.tables
-        tables.prepare(list(batch.block_tables), required_pages=(ctx + page - 1) // page)
-
+        tables.prepare(batch.block_tables, required_pages=layout.required_pages)
+        layout.write()
         cu = self.cu_seqlens_k.np
         cu[0] = 0
-        np.cumsum(ctx, out=cu[1 : n + 1])
+        np.cumsum(cols.context_lens, out=cu[1 : n + 1])
         st.set_count(self.cu_seqlens_k, n + 1)
-        self.context_lens.np[:n] = cols.context_lens
         st.set_count(self.context_lens, n)
-
-        starts = np.zeros(n, dtype=np.int64)
-        np.cumsum(q[:-1], out=starts[1:])
-        req = np.repeat(np.arange(n), q)
-        pos = self.positions.np
-        pos[:t] = np.repeat(ctx - q, q) + (np.arange(t) - np.repeat(starts, q))
         st.set_count(self.positions, t)
-        token_pos = pos[:t]
         slots = self.slot_mapping.np[:t]
-        self.kv_slots(req, token_pos, slots)
         if owns_slot is not None:
             slots[~owns_slot(slots)] = -1
         st.set_count(self.slot_mapping, t)

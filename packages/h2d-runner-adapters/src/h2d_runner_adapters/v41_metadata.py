@@ -287,9 +287,7 @@ class V41MetadataInputs(PagedInputs):
         except RequestLayoutError as exc:
             raise CountError(str(exc)) from exc
         p, t, pt = layout.padded_reqs, layout.num_tokens, layout.padded_tokens
-        rows = list(block_tables)
-        if p > n:
-            rows += self._pad_rows[: p - n]
+        rows = block_tables if p == n else [*block_tables, *self._pad_rows[: p - n]]
         tables = self.tables
         tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
         layout.write()  # rows, columns and plans; nothing below can fail
@@ -332,7 +330,7 @@ class V41MetadataInputs(PagedInputs):
         except (RequestLayoutError, TypeError, ValueError) as exc:
             raise CountError(f"{self.group}: {exc}") from exc
         tables = self.tables
-        tables.prepare(list(block_tables), required_pages=layout.required_pages)
+        tables.prepare(block_tables, required_pages=layout.required_pages)
         layout.write()
         counts: list[int | None] = [t, t, n, n, n, n]
         plan_rows = self._plan_rows(layout, counts)
