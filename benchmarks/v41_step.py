@@ -18,6 +18,13 @@ Host µs per step (median of chunk medians): for the library from ``begin()`` to
 ``finish()``, less any blocking wait for source reuse; for ``atom`` the host work and its
 copies. The first consumers' launches are outside both. Ratio = way / packed.
 
+GPU span per step (CUDA only, a separate pass): CUDA events from the first publication
+work to where the first attention kernel could start: for the library the DMAs, scatters
+and the first consumer (step indptrs and the per-token expansion: per-token tables, HCA
+index head), for ``atom`` its 27 copies (its host already built those arrays). Each step
+is queued behind a ~1 ms ``torch.cuda._sleep`` so the host has enqueued all of it: the
+span is GPU work, not host gaps.
+
     python benchmarks/v41_step.py [--batch-sizes 1,8,64,256] [--rounds 6] [--chunk 100]
         [--context 131072] [--device cuda|cpu] [--out DIR]
 """
@@ -51,6 +58,7 @@ from h2d_runner_adapters import (  # noqa: E402
 
 WINDOW, TOPK, ENVELOPE = 128, 1024, 66  # SWA window, index top-k, compressed rows per block
 TARGET_US = {64: 20.0}
+SLEEP_CYCLES = 2_000_000  # ~1 ms on the H200: longer than any way's host enqueue
 
 
 class Batches:
@@ -90,7 +98,7 @@ class Library:
         self.tokens = TokenStepInputs(st, max_reqs=bs, max_tokens=bs)
         self.v4 = V41MetadataInputs(st, max_reqs=bs, max_tokens=bs, max_blocks_per_req=blocks,
                                     dummy_state_slot=bs, dummy_block=0, window=WINDOW,
-                                    index_topk=TOPK, fp8=True)
+                                    index_topk=TOPK, fp8=True, envelope_rows=ENVELOPE)
         st.bind()
         self.batches = Batches(bs, context)
         n = bs
@@ -117,6 +125,28 @@ class Library:
             st.finish()
             times.append(pc() - t0 - st.last_source_wait_ns)
         return float(np.median(times)) / 1e3
+
+    def gpu_span(self, steps: int) -> float:
+        """Median GPU µs from the first publication work through the first consumer."""
+        work = [self.batches.step()[:2] for _ in range(steps)]
+        batch = ScheduledBatch((), False, V4_BLOCK, given_columns=self.columns)
+        st, v4, tokens = self.state, self.v4, self.tokens
+        events = []
+        for spans, rows in work:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            e0.record()
+            st.begin()
+            tokens.prepare(batch)
+            plan = v4.begin_step(spans, block_tables=rows)
+            st.publish(TOKEN_INPUTS)
+            st.publish(V41_METADATA)
+            v4.generate_step_indptrs(plan)
+            st.finish()
+            e1.record()
+            events.append((e0, e1))
+        torch.cuda.synchronize()
+        return float(np.median([a.elapsed_time(b) * 1e3 for a, b in events]))
 
     def per_step(self) -> dict[str, float]:
         out = {}
@@ -211,6 +241,20 @@ class AtomStyle:
         for cpu, gpu in self.m.values():
             gpu.copy_(cpu, non_blocking=True)
 
+    def gpu_span(self, steps: int) -> float:
+        """Median GPU µs of the step's copies (queued behind a sleep)."""
+        work = [self.batches.step() for _ in range(steps)]
+        events = []
+        for spans, _, lists in work:
+            torch.cuda._sleep(SLEEP_CYCLES)
+            e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            e0.record()
+            self.step(spans, lists)
+            e1.record()
+            events.append((e0, e1))
+        torch.cuda.synchronize()
+        return float(np.median([a.elapsed_time(b) * 1e3 for a, b in events]))
+
     def run(self, steps: int) -> float:
         work = [self.batches.step() for _ in range(steps)]
         pc = time.perf_counter_ns
@@ -240,6 +284,9 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, Any]:
         out[f"{name}_us"] = float(np.median(values))
         out[f"{name}_us_chunks"] = values
     out["packed_per_step"] = ways["packed"].per_step()
+    if args.device == "cuda":
+        for name, way in ways.items():
+            out[f"{name}_gpu_span_us"] = way.gpu_span(args.chunk)
     return out
 
 
@@ -260,8 +307,9 @@ def main() -> None:
     print(f"{gpu}, torch {torch.__version__}; V4.1 decode step (q=1, {args.context}-token "
           f"contexts): host µs, median of {args.rounds} interleaved chunks; ratio = way / "
           "packed")
-    print("| bs | target | packed | direct | atom | DMAs+scatters/step (packed) |")
-    print("|---:|---:|---:|---:|---:|---|")
+    print("| bs | target | packed | direct | atom | DMAs+scatters/step (packed) | GPU span µs "
+          "packed / direct / atom |")
+    print("|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         p = r["packed_us"]
         per = r["packed_per_step"]
@@ -269,9 +317,11 @@ def main() -> None:
         scatters = sum(g["scatters"] for g in per.values())
         copies = sum(g["direct_copies"] for g in per.values())
         target = "-" if r["target_us"] is None else f"≤ {r['target_us']:.0f}"
+        span = " / ".join(f"{r[k + '_gpu_span_us']:.1f}" if k + "_gpu_span_us" in r else "-"
+                          for k in ("packed", "direct", "atom"))
         print(f"| {r['bs']} | {target} | **{p:.1f}** | {r['direct_us']:.1f} "
               f"({r['direct_us'] / p:.1f}x) | {r['atom_us']:.1f} ({r['atom_us'] / p:.1f}x) | "
-              f"{dmas:.0f} + {scatters:.0f} (direct copies {copies:.0f}) |")
+              f"{dmas:.0f} + {scatters:.0f} (direct copies {copies:.0f}) | {span} |")
 
 
 if __name__ == "__main__":

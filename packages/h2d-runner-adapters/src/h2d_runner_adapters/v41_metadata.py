@@ -24,7 +24,10 @@ Rows, per token and per request, come from one :class:`block_tables.RequestLayou
 over the prepared table. First consumer: step indptr generation
 (:func:`generate_v4_step_indptrs`, :func:`expand_v4_token_tables`), which derives the
 per-token SWA/CSA/HCA prefixes, committed counts, per-token block tables and HCA index
-head on the GPU. The window index tails, the indexer, PCP, Opus and TBO are not built yet.
+head on the GPU. Further consumers: the decode window tails
+(:meth:`V41MetadataInputs.write_decode_window_indices`), prefill indptrs with context
+parallelism (:meth:`~V41MetadataInputs.generate_prefill_indptrs`), the sparse (Opus)
+prefill indices and the FP8 DSpark indexer rectangle; ``prefix=`` declares a TBO ubatch.
 """
 
 from __future__ import annotations
@@ -215,6 +218,7 @@ class V41MetadataInputs(PagedInputs):
         self._prefill_layouts: list[RequestLayout] = []
         self._tokens = np.arange(max_tokens + 1, dtype=np.int32)
         self._counts: CountBatch | None = None
+        self._qo_written: list[tuple[int, int] | None] = [None] * state.num_slots
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> None:
@@ -294,9 +298,12 @@ class V41MetadataInputs(PagedInputs):
         counts: list[int | None] = [pt, pt, p, p, p, None]
         plan_rows = self._plan_rows(layout, counts)
         if self.qo_indptr is not None:
-            qo = self.qo_indptr.np
-            qo[: t + 1] = self._tokens[: t + 1]
-            qo[t + 1 : pt + 1] = t
+            # only this producer writes the slot's source: same shape, same bytes
+            if self._qo_written[slot] != (t, pt):
+                qo = self.qo_indptr.np
+                qo[: t + 1] = self._tokens[: t + 1]
+                qo[t + 1 : pt + 1] = t
+                self._qo_written[slot] = (t, pt)
             counts.append(pt + 1)
         self._counts.set(*counts)  # type: ignore[union-attr]
         stage = tables.stage(p)
