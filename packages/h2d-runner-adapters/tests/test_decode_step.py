@@ -202,7 +202,7 @@ class Population:
             c, r = self._fresh()
             self.ctx.append(c)
             self.rows.append(r)
-        self.last: tuple[int, np.ndarray, int | None] | None = None
+        self.last: tuple[np.ndarray, np.ndarray, int | None] | None = None
 
     def _pages(self, k: int) -> list[int]:
         return [int(x) for x in self.rng.integers(0, NUM_PAGES, k)]
@@ -234,9 +234,9 @@ class Population:
         else:
             self.rows[i] = [*row, *ids]
 
-    def _grow(self, order: np.ndarray, q: int, steady: bool) -> None:
+    def _grow(self, order: np.ndarray, qlens: np.ndarray, steady: bool) -> None:
         rng = self.rng
-        for i in order.tolist():
+        for i, q in zip(order.tolist(), qlens.tolist(), strict=True):
             ctx = self.ctx[i] + q
             need = -(-ctx // self.page)
             if need > MAX_PAGES:  # finished: a new request takes the row
@@ -263,15 +263,23 @@ class Population:
         steady = self.last is not None and index % 5 == 4
         if steady:  # same shape as the last step: the table is often reusable
             assert self.last is not None
-            q, order, padded = self.last
+            qlens, order, padded = self.last
         else:
-            q = int(rng.integers(1, 4))
+            q = 1 if index == 7 else int(rng.integers(1, 4))  # 7: a full batch
             cap = min(MAX_REQS, MAX_TOKENS // q)
             n = 0 if index == 3 else cap if index == 7 else int(rng.integers(0, cap + 1))
             order = rng.permutation(MAX_REQS)[:n] if rng.random() < 0.3 else np.arange(n)
             padded = None if rng.random() < 0.4 else int(rng.integers(n, cap + 1))
-        self.last = (q, order, padded)
-        self._grow(order, q, steady)
+            if index in (5, 6):  # uneven widths, eager and padded, in every sequence
+                q, n, padded = 3, MAX_TOKENS // 3, None if index == 5 else MAX_TOKENS // 3
+                order = np.arange(n)
+            # uneven widths (TBO ubatches, ragged verify) in a third of the steps
+            qlens = (rng.integers(1, q + 1, n) if rng.random() < 0.35 or index in (5, 6)
+                     else np.full(n, q)).astype(np.int32)
+            if index in (5, 6):
+                qlens[0] = 1 if qlens[1:].min(initial=3) > 1 else 3
+        self.last = (qlens, order, padded)
+        self._grow(order, qlens, steady)
         n = order.size
         if rng.random() < 0.5:  # uniform filters stay CPU scalars
             top_k = np.full(n, rng.choice([-1, 0, 5]), np.int32)
@@ -285,9 +293,9 @@ class Population:
         prev = np.where(deferred, rng.integers(0, PREV_ROWS + 2, n), -1).astype(np.int32)
         return make_step(
             self.page, [self.ctx[i] for i in order.tolist()],
-            [self.rows[i] for i in order.tolist()], q=q, padded=padded, temps=temps,
+            [self.rows[i] for i in order.tolist()], qlens=qlens, padded=padded, temps=temps,
             top_k=top_k, top_p=top_p, prev=prev,
-            tokens=rng.integers(1, 50_000, n * q).astype(np.int32),
+            tokens=rng.integers(1, 50_000, int(qlens.sum())).astype(np.int32),
             drafts=rng.integers(0, 3, n).astype(np.int32))
 
 
@@ -297,18 +305,23 @@ def expected(step: Step, page: int) -> dict[str, np.ndarray]:
     only when per request), and the block-table rows ``[0, padded)``."""
     cols = step.batch.columns
     n = int(cols.query_lens.size)
-    q = int(cols.query_lens[0]) if n else 1
+    qlens = [int(x) for x in cols.query_lens]
+    q = max(qlens, default=1)  # the graph grid's width: the widest query
     p = n if step.padded is None else step.padded
     ctx = [int(c) for c in cols.context_lens]
     t = cols.temperatures
+    cu = [0]
+    for x in qlens:
+        cu.append(cu[-1] + x)
+    pad_tokens = 0 if step.padded is None else p * q - cu[-1]
     out: dict[str, np.ndarray] = {
         # NaN stays NaN with its bits; everything at or below the greedy marker becomes it
         "temperatures": np.where(np.isnan(t) | (t > GREEDY_TEMPERATURE), t,
                                  np.float32(GREEDY_TEMPERATURE)).astype(np.float32),
-        "input_ids": np.concatenate((cols.token_ids, np.zeros((p - n) * q, np.int32))),
-        "decode_cu": np.asarray([min(i, n) * q for i in range(p + 1)], np.int32),
+        "input_ids": np.concatenate((cols.token_ids, np.zeros(pad_tokens, np.int32))),
+        "decode_cu": np.asarray([cu[min(i, n)] for i in range(p + 1)], np.int32),
         "decode_src": np.concatenate((cols.prev_sample_rows, np.full(p - n, -1, np.int32))),
-        "cu_seqlens_q": np.asarray([min(i, n) * q for i in range(p + 1)], np.int32),
+        "cu_seqlens_q": np.asarray([cu[min(i, n)] for i in range(p + 1)], np.int32),
     }
     if cols.top_k.tobytes() != cols.top_k[:1].tobytes() * n:
         out["top_ks"] = cols.top_k.copy()
@@ -317,13 +330,12 @@ def expected(step: Step, page: int) -> dict[str, np.ndarray]:
     pos: list[int] = []
     slots: list[int] = []
     pages: list[int] = []
-    for i, c in enumerate(ctx):
+    for i, (c, w) in enumerate(zip(ctx, qlens, strict=True)):
         pages.append(-(-c // page))
-        for j in range(q):
-            x = c - q + j
+        for j in range(w):
+            x = c - w + j
             pos.append(x)
             slots.append(step.row_ids[i][x // page] * page + x % page)
-    pad_tokens = (p - n) * q
     out["positions"] = np.asarray(pos + [0] * pad_tokens, np.int64)
     out["slot_mapping"] = np.asarray(slots + [-1] * pad_tokens, np.int64)
     out["context_lens"] = np.asarray(ctx + [0] * (p - n), np.int32)
@@ -346,13 +358,13 @@ def expected_kv_indices(step: Step, page: int) -> list[int]:
 def expected_assembled(step: Step, prev: np.ndarray, page: int) -> list[int]:
     """``input_ids[:padded_tokens]`` after token assembly from ``prev`` [PREV_ROWS, W]."""
     cols = step.batch.columns
-    n = int(cols.query_lens.size)
-    q = int(cols.query_lens[0]) if n else 1
     ids = expected(step, page)["input_ids"].tolist()
-    for r, s in enumerate(cols.prev_sample_rows.tolist()):
+    start = 0
+    for q, s in zip(cols.query_lens.tolist(), cols.prev_sample_rows.tolist(), strict=True):
         if 0 <= s < prev.shape[0]:
             for j in range(min(q, prev.shape[1])):
-                ids[r * q + j] = int(prev[s, j])
+                ids[start + j] = int(prev[s, j])
+        start += q
     return ids
 
 
@@ -394,7 +406,8 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
     sides = [build_side(k, device, backend=backend, page=page, num_slots=slots)
              for k in ("native", "numpy", "separate")]
     pop = Population(seed=100 * page + len(backend), page=page)
-    seen: dict[str, set[object]] = {"stage": set(), "q": set(), "n": set(), "pad": set()}
+    seen: dict[str, set[object]] = {"stage": set(), "q": set(), "n": set(), "pad": set(),
+                                    "ragged": set()}
     for index in range(36):
         step = pop.step(index)
         prev_np = (np.arange(PREV_ROWS * PREV_WIDTH, dtype=np.int32).reshape(
@@ -421,8 +434,13 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
         plan = plans[2]
         n = step.batch.num_reqs
         p = n if step.padded is None else step.padded
-        q = int(step.batch.columns.query_lens[0]) if n else 1
-        assert (plan.tokens.padded_reqs, plan.decode.tokens_per_req) == (p, q)
+        qlens = step.batch.columns.query_lens
+        q = int(qlens.max()) if n else 1
+        # the widest query comes from the CPU lengths
+        assert (plan.tokens.padded_reqs, plan.decode.max_query_len) == (p, q)
+        assert plan.decode.num_tokens == int(qlens.sum())
+        assert plan.decode.padded_tokens == (int(qlens.sum()) if step.padded is None
+                                             else p * q)
         assert plan.tokens.num_draft_tokens == int(step.batch.columns.num_drafts.sum())
         # counts, pinned source bytes (counted prefixes and beyond), table state, counters
         assert a.counts() == b.counts() == c.counts(), index
@@ -448,12 +466,15 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
         seen["q"].add(q)
         seen["n"].add(n)
         seen["pad"].add(p > n)
+        seen["ragged"].add((n > 0 and int(qlens.min()) != q, step.padded is None))
     # the sequence exercised what it is meant to (a table is reused only by the slot whose
     # snapshot the GPU holds; changed spans travel only inside a packed DMA)
     stages = {StageResult.WHOLE} | ({StageResult.REUSED} if slots == 1 else set())
     if backend == "packed":
         stages.add(StageResult.PARTIAL)
     assert stages <= seen["stage"], seen
+    # uneven widths, eager and padded to the graph grid
+    assert {(True, True), (True, False)} <= seen["ragged"], seen["ragged"]
     assert seen["q"] == {1, 2, 3} and {0, MAX_REQS} <= seen["n"] and seen["pad"] == {
         True, False}, seen
 
@@ -556,9 +577,6 @@ def _bad_steps(page: int) -> dict[str, tuple[Step, type[Exception], str]]:
     regular expression naming the rule, the row or the buffer)."""
     c = page  # one full page of context
     return {
-        "mixed_query_lengths": (
-            make_step(page, [c, c, c], _rows(1, 1, 1), qlens=[1, 2, 1]),
-            CountError, r"same number of tokens per request, got \[1, 2\]"),
         "padded_below_requests": (
             make_step(page, [c, c, c], _rows(1, 1, 1), padded=2),
             CountError, r"padded=2 must be an int >= the batch's 3 requests"),

@@ -16,7 +16,7 @@ from h2d_core import H2DRunnerState, StageResult
 sys.path.insert(0, str(Path(__file__).parent))
 import adapter_helpers as ah
 
-from h2d_runner_adapters import MhaDecodeInputs
+from h2d_runner_adapters import BatchColumns, MhaDecodeInputs, ScheduledBatch
 from h2d_runner_adapters.consumers.reference import (
     generate_kv_indices_reference,
     prepare_prefill_attention_reference,
@@ -219,3 +219,68 @@ def test_two_batch_overlap_buffers_and_late_preparation(device: str) -> None:
             assert ub.context_lens.gpu[:2].tolist() == reqs.ctx[2 * i: 2 * i + 2]
         assert ubs[0].tables is not ubs[1].tables
         reqs.grow(1)
+
+
+def test_uneven_tbo_ubatches_take_the_widest_query_from_cpu_lengths(device: str) -> None:
+    """Uneven TBO: each ubatch's requests run different query widths (and the two ubatches
+    different maxima); each publishes the graph grid of its own widest query, taken from
+    the CPU lengths (``plan.max_query_len``), and KV-index generation reads it exactly."""
+    ah.need_kernels(device)
+    st = H2DRunnerState(device, scatter=ah.scatter_for(device))
+    ubs = [MhaDecodeInputs(st, max_reqs=4, max_tokens=16, max_pages_per_req=16,
+                           page_size=ah.PAGE, prefix=f"ub{i}_") for i in range(2)]
+    st.bind()
+    for b in st.buffers().values():
+        b.gpu.view(-1).view(torch.uint8).fill_(ah.POISON)
+    reqs = ah.Requests(23)
+    for c in (6, 9, 13, 3, 17):
+        reqs.add(c)
+    rng = np.random.default_rng(5)
+    split = (slice(0, 2), slice(2, 5))
+    for step in range(5):
+        widths = [int(x) for x in rng.integers(1, 4, 5)]
+        widths[step % 5] = 3 if step % 2 else 1  # never all equal
+        for i in range(5):
+            reqs.ctx[i] += widths[i]
+        reqs.grow(0)  # pages for the new tokens
+        padded = [None, 4][step % 2]
+        st.begin()
+        plans = []
+        for k, (ub, s) in enumerate(zip(ubs, split, strict=True)):
+            if k:
+                st.resume()  # late preparation of the second ubatch
+            q = np.asarray(widths[s], np.int32)
+            n = q.size
+            cols = BatchColumns(
+                query_lens=q, context_lens=np.asarray(reqs.ctx[s], np.int32),
+                temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
+                top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
+                token_ids=np.zeros(int(q.sum()), np.int32), num_drafts=np.zeros(n, np.int32))
+            batch = ScheduledBatch((), False, ah.PAGE, given_columns=cols,
+                                   given_block_tables=reqs.tables[s])
+            plans.append(ub.prepare(batch, padded))
+            st.publish(ub.group)
+            ub.generate_kv_indices(plans[-1])
+            st.finish()
+        ah.sync(device)
+        for ub, s, plan in zip(ubs, split, plans, strict=True):
+            w, ctx, tables = widths[s], reqs.ctx[s], reqs.tables[s]
+            n, q = len(w), max(w)
+            p = n if padded is None else padded
+            assert (plan.max_query_len, plan.num_tokens) == (q, sum(w)), step
+            pt = sum(w) if padded is None else p * q
+            assert plan.padded_tokens == pt
+            pos = [c - wi + j for c, wi in zip(ctx, w, strict=True) for j in range(wi)]
+            slots = [int(tables[i][x // ah.PAGE]) * ah.PAGE + x % ah.PAGE
+                     for i, (c, wi) in enumerate(zip(ctx, w, strict=True))
+                     for x in range(c - wi, c)]
+            pages = [-(-c // ah.PAGE) for c in ctx]
+            indptr = np.concatenate(([0], np.cumsum(pages))).tolist()
+            pad = pt - len(pos)
+            assert ub.positions.gpu[:pt].tolist() == pos + [0] * pad
+            assert ub.slot_mapping.gpu[:pt].tolist() == slots + [-1] * pad
+            assert ub.kv_indptr.gpu[: p + 1].tolist() == indptr + [indptr[-1]] * (p - n)
+            assert ub.context_lens.gpu[:p].tolist() == list(ctx) + [0] * (p - n)
+            want = [int(x) for t, c in zip(tables, ctx, strict=True)
+                    for x in t[: -(-c // ah.PAGE)]]
+            assert ub.kv_indices[: plan.num_pages].tolist() == want

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
-
 from block_tables import RequestLayout, RequestLayoutError
 from h2d_core import (
     CountBatch,
@@ -153,17 +151,19 @@ class DecodeStepInputs:
         layout = self._layouts[self.h2d_state.current_slot]
         if padded is not None:
             padded = _padded(DECODE_STEP, len(cols.query_lens), padded)
+        values = (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+                  cols.token_ids, cols.num_drafts)
         try:
-            # the capacities are the bound members' (every member of the step is bound)
+            # the capacities are the bound members' (every member of the step is bound);
+            # -1 tokens: the graph grid (exactly the tokens when eager and uniform)
             layout.plan(cols.query_lens, cols.context_lens,
-                        -1 if padded is None else padded, -1, (
-                            cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
-                            cols.token_ids, cols.num_drafts))
+                        -1 if padded is None else padded, -1, values)
+            if padded is None and layout.min_query_len != layout.max_query_len:
+                # eager with uneven widths: exactly the real tokens
+                layout.plan(cols.query_lens, cols.context_lens, -1, layout.num_tokens,
+                            values)
         except RequestLayoutError as exc:
-            _check_one_width(cols.query_lens)  # the decode rule reports first
             raise CountError(str(exc)) from exc
-        if layout.min_query_len != layout.max_query_len:
-            _check_one_width(cols.query_lens)
         n, p, t, pt = layout.num_reqs, layout.padded_reqs, layout.num_tokens, layout.padded_tokens
         q = layout.max_query_len or 1
         decode = self.decode
@@ -184,7 +184,7 @@ class DecodeStepInputs:
         return _new(DecodeStepPlan, (
             _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
             _new(TokenPlan, (n, p, t, pt, layout.column_sum(5))),
-            _new(DecodePlan, (n, p, q, pt, total, stage)),
+            _new(DecodePlan, (n, p, q, t, pt, total, stage)),
         ))
 
     def _bind(self) -> None:
@@ -199,11 +199,3 @@ class DecodeStepInputs:
         self._counts = self.h2d_state.count_batch(self._counted_members(),
                                                   native=self._native_choice)
 
-
-def _check_one_width(query_lens: np.ndarray) -> None:
-    widths = sorted(set(np.asarray(query_lens).tolist()))
-    if len(widths) > 1:
-        raise CountError(
-            f"{DECODE_STEP}: decode expects the same number of tokens per request, got "
-            f"{widths}"
-        )

@@ -7,7 +7,13 @@ block tables and ``kv_indptr``).
 Block tables go through :func:`h2d_core.block_table_state`: unchanged tables are not
 re-sent, appended pages travel as a few bytes, whole tables only when most rows changed.
 
-CUDA-graph padding (``padded`` = P > n real requests, q tokens per request):
+Query widths may differ per request (uneven TBO ubatches, DSpark-style ragged verify): the
+tokens are the requests' spans back to back, and the widest query (``max_query_len``, the
+attention kernels' maximum query width) comes from the CPU lengths, never from a device
+reduction or readback. Eager steps publish exactly the real tokens.
+
+CUDA-graph padding (``padded`` = P > n real requests, q = the widest query): the graph grid
+of ``P * q`` tokens, real tokens first:
 
 * ``slot_mapping[:P*q]``: -1 for padding tokens (no KV write);
 * ``context_lens[:P]``: 0 for padded requests;
@@ -55,9 +61,13 @@ def select_layout(native: bool | None, what: str) -> type[RequestLayout]:
 
 
 class DecodePlan(NamedTuple):
+    """What a decode step published: requests (real, padded), the widest query (from the
+    CPU lengths), tokens (real, padded), KV pages and the block table's stage."""
+
     num_reqs: int
     padded_reqs: int
-    tokens_per_req: int
+    max_query_len: int
+    num_tokens: int
     padded_tokens: int
     num_pages: int
     table_stage: str
@@ -135,21 +145,19 @@ class MhaDecodeInputs(PagedInputs):
         qlens = cols.query_lens
         n = qlens.size
         p = _padded(self.group, n, padded)
-        q = int(qlens[0]) if n else 1
-        if n and qlens.tobytes() != qlens[:1].tobytes() * n:
-            raise CountError(
-                f"{self.group}: decode expects the same number of tokens per request, got "
-                f"{sorted(set(qlens.tolist()))}"
-            )
         st = self.h2d_state
         if not self._layouts:
             self._layouts = self.request_layouts(self.group, native=self.native)
         layout = self._layouts[st.current_slot]
-        pt = p * q
         try:
-            layout.plan(qlens, cols.context_lens, p, pt)
+            # -1: the graph grid, p times the widest query (exactly the tokens when eager
+            # and uniform)
+            layout.plan(qlens, cols.context_lens, p, -1)
+            if padded is None and layout.min_query_len != layout.max_query_len:
+                layout.plan(qlens, cols.context_lens, p, layout.num_tokens)  # eager ragged
         except RequestLayoutError as exc:
             raise CountError(str(exc)) from exc
+        pt = layout.padded_tokens
         rows = batch.block_tables
         if p > n:
             rows = [*rows, *self._pad_rows[: p - n]]
@@ -161,7 +169,7 @@ class MhaDecodeInputs(PagedInputs):
         st.set_count(self.context_lens, p)
         st.set_count(self.kv_indptr, p + 1)
         stage = tables.stage(p)
-        return DecodePlan(n, p, q, pt, total, stage)
+        return DecodePlan(n, p, layout.max_query_len or 1, layout.num_tokens, pt, total, stage)
 
     def generate_kv_indices(self, plan: DecodePlan) -> torch.Tensor:
         """First consumer: ``kv_indices`` for the plan's rows (padding included)."""
