@@ -10,7 +10,10 @@ reuse), median per chunk of steps, for four ways of doing the same step:
 * ``atom``: ``run_atom_direct`` of the anchors (``mrv2_style.py``): one copy per field and
   the engine's full-width per-row block-table rebuild from Python lists;
 * ``mrv2``: ``run`` of the anchors: vLLM Model Runner V2's mechanism re-created (2 H2D,
-  staged block-table diffs, Triton kernels reading UVA).
+  staged block-table diffs, Triton kernels reading UVA);
+* ``packed+ctx``: ``packed`` run under ``torch.set_default_device("cpu")`` (a
+  ``DeviceContext`` on the mode stack, as an engine that restores ``"cpu"`` instead of
+  ``None`` after GPU initialization): what that default costs per step.
 
 The GPU host's speed drifts between processes (up to 2x), so the four run in one process,
 interleaved in chunks (``--rounds`` rounds of ``--chunk`` steps each), and the table reports
@@ -85,6 +88,20 @@ class LibraryStep:
                 "direct_copies": c.direct_copies / n}
 
 
+class UnderDeviceContext:
+    """A way run with ``set_default_device("cpu")`` active (a DeviceContext)."""
+
+    def __init__(self, inner: LibraryStep) -> None:
+        self.inner = inner
+
+    def run(self, steps: int) -> float:
+        torch.set_default_device("cpu")
+        try:
+            return self.inner.run(steps)
+        finally:
+            torch.set_default_device(None)
+
+
 def _anchors(path: Path | None) -> ModuleType | None:
     candidates = [path] if path else [ROOT.parent / "shared" / "context" / "anchors",
                                       ROOT / ".anchors"]
@@ -105,6 +122,8 @@ def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> di
     ways: dict[str, Any] = {
         "packed": LibraryStep("packed", bs, args.context, device, args.warmup),
         "direct": LibraryStep("direct", bs, args.context, device, args.warmup),
+        "packed+ctx": UnderDeviceContext(LibraryStep("packed", bs, args.context, device,
+                                                     args.warmup)),
     }
     medians: dict[str, list[float]] = {k: [] for k in ways}
     if anchors is not None:
@@ -154,8 +173,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{gpu}, torch {torch.__version__}; host µs per decode step, median of "
           f"{args.rounds} interleaved chunks; ratio = way / packed")
-    print("| bs | target | packed | direct | atom | mrv2 | DMAs+scatters/step (packed) |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    print("| bs | target | packed | direct | atom | mrv2 | packed+ctx | DMAs+scatters/step "
+          "(packed) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         p = r["packed_us"]
 
@@ -166,7 +186,8 @@ def main() -> None:
         per = r["packed_per_step"]
         target = "-" if r["target_us"] is None else f"≤ {r['target_us']:.0f}"
         print(f"| {r['bs']} | {target} | **{p:.1f}** | {cell('direct')} | "
-              f"{cell('atom')} | {cell('mrv2')} | {per['dmas']:.0f} + {per['scatters']:.0f} "
+              f"{cell('atom')} | {cell('mrv2')} | {cell('packed+ctx')} | "
+              f"{per['dmas']:.0f} + {per['scatters']:.0f} "
               f"(direct copies {per['direct_copies']:.0f}) |")
 
 

@@ -131,3 +131,33 @@ def test_pipeline_slots_with_a_delayed_gpu_match_one_slot() -> None:
     l2, t2, _ = _run("cuda", "packed", steps, num_slots=2, gpu_delay_cycles=2_000_000)
     assert t1 == t2
     assert all(torch.equal(a, b) for a, b in zip(l1, l2, strict=True))
+
+
+def test_steps_run_without_a_default_device_mode(device: str) -> None:
+    """The engine pattern: a default device set for GPU initialization (as ATOM does), the
+    implicit CPU default restored when the runner is built, so no step dispatches through
+    a DeviceContext."""
+    from h2d_core import device_context_active
+
+    _needs_kernels(device)
+    sched_cfg, run_cfg = _configs(device)
+    torch.set_default_device(device)
+    try:
+        runner = DecodeRunner(run_cfg, device, "packed")
+        assert not device_context_active()
+        seen: list[bool] = []
+        begin = runner.state.begin
+
+        def probe() -> int:
+            seen.append(device_context_active())
+            return begin()
+
+        runner.state.begin = probe  # type: ignore[method-assign]
+        sched, sampled = Scheduler(sched_cfg), None
+        for _ in range(6):
+            batch = sched.step(sampled)
+            assert batch is not None
+            sampled = runner.step(batch).sampled.cpu().tolist()
+        assert seen and not any(seen)
+    finally:
+        torch.set_default_device(None)

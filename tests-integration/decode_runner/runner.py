@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from h2d_core import H2DRunnerState
+from h2d_core import H2DRunnerState, restore_implicit_cpu_default
 from h2d_runner_adapters import (
     DecodeStepInputs,
     MhaDecodeInputs,
@@ -127,6 +127,9 @@ class DecodeRunner:
             self.graph_inputs[p] = self._decode_inputs(self.decode, p, 0)
         if cuda and cfg.graph_sizes:
             self._capture()
+        # GPU initialization is over: leave any default-device mode the engine set for it,
+        # so no torch call of a step dispatches through a DeviceContext
+        restore_implicit_cpu_default()
 
     # -- inputs over fixed destinations -----------------------------------------------------
     def _decode_inputs(self, d: MhaDecodeInputs, rows: int, first_token: int) -> DecoderInputs:

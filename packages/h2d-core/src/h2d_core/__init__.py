@@ -12,17 +12,21 @@ Public API::
 
     @h2d_producer("mha_decode")
     def prepare_decode(adapter, batch): ...     # adapter.h2d_state is the owner
+
+    restore_implicit_cpu_default()   # after GPU initialization: no DeviceContext per call
 """
 
 from .block_table_state import BlockTableState, PublishedTable, StageResult, block_table_state
 from .buffer import BufferSpec, CountUnit, H2DBuffer
 from .config import ENV_VAR, Backend, resolve_backend
 from .count_batch import CountBatch
+from .default_device import device_context_active, restore_implicit_cpu_default
 from .errors import (
     BackendError,
     BindingError,
     CountError,
     DeclarationError,
+    DeviceContextError,
     DeviceMismatchError,
     DuplicatePublicationError,
     EpochError,
@@ -51,6 +55,7 @@ __all__ = [
     "CountError",
     "CountUnit",
     "DeclarationError",
+    "DeviceContextError",
     "DeviceMismatchError",
     "DuplicatePublicationError",
     "EpochError",
@@ -70,6 +75,8 @@ __all__ = [
     "StreamMismatchError",
     "UnknownGroupError",
     "block_table_state",
+    "device_context_active",
     "h2d_producer",
     "resolve_backend",
+    "restore_implicit_cpu_default",
 ]

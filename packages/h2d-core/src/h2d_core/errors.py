@@ -46,6 +46,11 @@ class DeviceMismatchError(H2DError):
     """The current device is not the runner state's device."""
 
 
+class DeviceContextError(H2DError):
+    """A default-device mode (``DeviceContext``) is active where the runner needs the
+    implicit CPU default."""
+
+
 class StreamMismatchError(H2DError):
     """Publication on a stream other than the epoch's consumer stream."""
 
