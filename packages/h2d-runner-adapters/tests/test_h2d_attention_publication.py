@@ -11,12 +11,17 @@ import numpy as np
 import pytest
 import torch
 
-from h2d_core import H2DRunnerState, StageResult
+from h2d_core import CountError, H2DRunnerState, StageResult
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adapter_helpers as ah
 
-from h2d_runner_adapters import BatchColumns, MhaDecodeInputs, ScheduledBatch
+from h2d_runner_adapters import BatchColumns, MhaDecodeInputs, PrefillInputs, ScheduledBatch
+from h2d_runner_adapters.consumers import ConsumerArgumentError
+from h2d_runner_adapters.consumers.mrope import (
+    select_mrope_positions,
+    select_mrope_positions_reference,
+)
 from h2d_runner_adapters.consumers.reference import (
     generate_kv_indices_reference,
     prepare_prefill_attention_reference,
@@ -284,3 +289,125 @@ def test_uneven_tbo_ubatches_take_the_widest_query_from_cpu_lengths(device: str)
             want = [int(x) for t, c in zip(tables, ctx, strict=True)
                     for x in t[: -(-c // ah.PAGE)]]
             assert ub.kv_indices[: plan.num_pages].tolist() == want
+
+
+# ------------------------------------------------------------------------------ MRoPE
+SECTIONS = (2, 3, 3)  # time, height, width rotary frequencies
+
+
+def _columns(q: np.ndarray, ctx: list[int]) -> BatchColumns:
+    n = q.size
+    return BatchColumns(
+        query_lens=q, context_lens=np.asarray(ctx, np.int32),
+        temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
+        top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
+        token_ids=np.zeros(int(q.sum()), np.int32), num_drafts=np.zeros(n, np.int32))
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_mrope_decode_planes_use_the_running_width(device: str, backend: str) -> None:
+    """MRoPE decode: three planes at the step's running width (graph padding included)
+    replace the positions; widths change between steps (wide to narrow and back, eager
+    and padded) and the first reader, viewing the planes at the width the step ran,
+    always gets this step's positions."""
+    ah.need_kernels(device)
+    st = H2DRunnerState(device, backend=backend, scatter=ah.scatter_for(device))
+    dec = MhaDecodeInputs(st, max_reqs=6, max_tokens=18, max_pages_per_req=16,
+                          page_size=ah.PAGE, mrope=True)
+    st.bind()
+    assert dec.mrope_positions is not None
+    dec.mrope_positions.gpu.fill_(-5)
+    reqs = ah.Requests(29)
+    for c in (6, 9, 13, 3, 17, 8):
+        reqs.add(c)
+    rng = np.random.default_rng(8)
+    out = torch.full((18 + 2, 10), -9, dtype=torch.int64, device=device)
+    schedule = [(6, 3, None), (2, 1, None), (3, 2, 6), (1, 1, 4), (6, 2, None), (2, 3, 3)]
+    for n, q, padded in schedule:
+        widths = rng.integers(1, q + 1, n).astype(np.int32)
+        widths[0] = q
+        ctx = [reqs.ctx[i] + int(w) for i, w in enumerate(widths)]
+        for i in range(n):
+            reqs.ctx[i] = ctx[i]
+        reqs.grow(0)
+        deltas = rng.integers(-40, 40, n).astype(np.int64)
+        batch = ScheduledBatch((), False, ah.PAGE, given_columns=_columns(widths, ctx),
+                               given_block_tables=reqs.tables[:n])
+        st.begin()
+        plan = dec.prepare(batch, padded, mrope_deltas=deltas)
+        assert st.count(dec.positions) is None  # the planes replace the positions
+        st.publish(dec.group)
+        out.fill_(-9)
+        got = dec.select_mrope_positions(plan, SECTIONS, out)
+        st.finish()
+        ah.sync(device)
+        pt = plan.padded_tokens
+        plane = [c - int(w) + j + int(d) for c, w, d in zip(ctx, widths, deltas, strict=True)
+                 for j in range(int(w))]
+        plane += [0] * (pt - len(plane))
+        planes = dec.mrope_planes(plan)
+        assert tuple(planes.shape) == (3, pt) and planes.stride() == (pt, 1)
+        assert planes.cpu().tolist() == [plane] * 3
+        assert got.cpu().tolist() == select_mrope_positions_reference([plane] * 3, SECTIONS, pt)
+        assert out[pt:].cpu().unique().tolist() == [-9]  # rows past the width: untouched
+        assert out[:, 8:].cpu().unique().tolist() == [-9]  # columns past sum(sections)
+
+
+def test_mrope_prefill_planes_and_bad_inputs(device: str) -> None:
+    """MRoPE prefill: a request's planes are its prompt positions' chunk columns, or its
+    ordinary positions on every plane; bad MRoPE inputs are refused before any write."""
+    ah.need_kernels(device)
+    st = H2DRunnerState(device, scatter=ah.scatter_for(device))
+    pre = PrefillInputs(st, max_reqs=4, max_tokens=32, max_pages_per_req=16,
+                        page_size=ah.PAGE, mrope=True)
+    dec = MhaDecodeInputs(st, max_reqs=4, max_tokens=32, max_pages_per_req=16,
+                          page_size=ah.PAGE)
+    st.bind()
+    reqs = ah.Requests(31)
+    for c in (10, 7, 12):
+        reqs.add(c)
+    image = np.stack([np.arange(20) // 4, np.arange(20) % 4, np.arange(20) % 3 + 7])
+    chunk = np.asarray([6, 7, 5], np.int32)
+    batch = ScheduledBatch((), True, ah.PAGE, given_columns=_columns(chunk, reqs.ctx),
+                           given_block_tables=reqs.tables)
+    sources = [image.astype(np.int64), None, image[:, :12].astype(np.int32)]
+    st.begin()
+    snapshot = {k: b.np.tobytes() for k, b in st.buffers().items()}
+    for bad, match in (([image], r"one entry per request \(3\)"),
+                       ([image, None, image[:, :5]], r"request 2 .* context length 12"),
+                       ([image.astype(np.float32), None, None], r"request 0 must be an int")):
+        with pytest.raises(CountError, match=match):
+            pre.prepare(batch, mrope_positions=bad)
+        assert {k: b.np.tobytes() for k, b in st.buffers().items()} == snapshot
+    with pytest.raises(CountError, match=r"no MRoPE planes; construct it with mrope=True"):
+        dec.prepare(ScheduledBatch((), False, ah.PAGE,
+                                   given_columns=_columns(np.ones(3, np.int32), reqs.ctx),
+                                   given_block_tables=reqs.tables),
+                    mrope_deltas=np.zeros(3, np.int64))
+    plan = pre.prepare(batch, mrope_positions=sources)
+    st.publish(pre.group)
+    st.finish()
+    ah.sync(device)
+    t = int(chunk.sum())
+    want: list[list[int]] = [[], [], []]
+    for q, c, src in zip(chunk.tolist(), reqs.ctx, sources, strict=True):
+        for a in range(3):
+            want[a] += (list(range(c - q, c)) if src is None
+                        else [int(x) for x in src[a, c - q : c]])
+    assert pre.mrope_planes(plan).cpu().tolist() == want
+    assert st.count(pre.positions) is None and plan.num_tokens == t
+
+
+def test_mrope_reader_refuses_bad_arguments(device: str) -> None:
+    ah.need_kernels(device)
+    planes = torch.zeros(3, 4, dtype=torch.int64, device=device)
+    out = torch.zeros(4, 8, dtype=torch.int64, device=device)
+    with pytest.raises(ConsumerArgumentError, match=r"sections must be a tuple of three"):
+        select_mrope_positions(planes, (2, 3), out, 4)  # type: ignore[arg-type]
+    with pytest.raises(ConsumerArgumentError, match=r"shape \(3, n\) with n >= num_tokens=5"):
+        select_mrope_positions(planes, SECTIONS, out, 5)
+    with pytest.raises(ConsumerArgumentError, match=r"out has 8 columns, needs "
+                                                    r"sum\(sections\)=9"):
+        select_mrope_positions(planes, (3, 3, 3), out, 4)
+    with pytest.raises(ConsumerArgumentError, match=r"planes must have dtype torch.int64"):
+        select_mrope_positions(planes.int(), SECTIONS, out, 4)

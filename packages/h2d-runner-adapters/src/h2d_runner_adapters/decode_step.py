@@ -109,6 +109,11 @@ class DecodeStepInputs:
                 "DecodeStepInputs: the sampling, token and decode adapters must be declared on "
                 "the same H2DRunnerState"
             )
+        if decode.mrope_positions is not None:
+            raise DeclarationError(
+                "DecodeStepInputs: the decode adapter carries MRoPE planes; the fused step "
+                "publishes 1-D positions (use the adapters separately for MRoPE models)"
+            )
         if decode.group != MHA_DECODE:
             raise DeclarationError(
                 f"DecodeStepInputs: the decode adapter publishes {decode.group!r}; the fused "

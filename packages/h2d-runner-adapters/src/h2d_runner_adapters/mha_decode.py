@@ -22,6 +22,10 @@ of ``P * q`` tokens, real tokens first:
 * ``positions[:P*q]``: 0 for padding tokens.
 
 A padded replay therefore reads nothing stale.
+
+With ``mrope=True`` the group carries ``mrope_positions`` (three planes at the running
+width, see :mod:`h2d_runner_adapters.mrope`) in place of ``positions``: the MRoPE
+decode planes of a multimodal model.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
 from .consumers import generate_kv_indices
+from .consumers.mrope import select_mrope_positions
+from .mrope import check_deltas, declare_mrope, mrope_planes, write_decode_planes
 from .paged import PagedInputs
 from .token_inputs import _padded
 
@@ -87,6 +93,7 @@ class MhaDecodeInputs(PagedInputs):
         num_pages: int | None = None,
         max_ranges: int = 64,
         prefix: str = "",
+        mrope: bool = False,
     ) -> None:
         g = MHA_DECODE if not prefix else f"{prefix}{MHA_DECODE}"
         super().__init__(state, g, f"{prefix}block_tables", max_reqs=max_reqs,
@@ -97,6 +104,9 @@ class MhaDecodeInputs(PagedInputs):
         self.context_lens = buf(f"{prefix}context_lens", (max_reqs,), torch.int32, group=g)
         self.kv_indptr = buf(f"{prefix}kv_indptr", (max_reqs + 1,), torch.int32, group=g)
         self.positions = buf(f"{prefix}positions", (max_tokens,), torch.int64, group=g)
+        #: MRoPE planes (published instead of ``positions``), when declared with mrope=True
+        self.mrope_positions: H2DBuffer | None = (
+            declare_mrope(state, f"{prefix}mrope_positions", max_tokens, g) if mrope else None)
         # written on the device by the first consumer, never uploaded
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=state.device)
@@ -106,8 +116,12 @@ class MhaDecodeInputs(PagedInputs):
         self._layouts: list[RequestLayout] = []  # per slot, made on first use
 
     @h2d_producer(lambda self: self.group)
-    def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodePlan:
-        return self._prepare(batch, padded)
+    def prepare(self, batch: ScheduledBatch, padded: int | None = None, *,
+                mrope_deltas: np.ndarray | None = None) -> DecodePlan:
+        """Write and count the step's members (padding to ``padded`` requests of the
+        widest query) and stage the block table. An MRoPE adapter needs ``mrope_deltas``
+        (one integer per request). The batch is checked before any source is written."""
+        return self._prepare(batch, padded, mrope_deltas)
 
     def request_layouts(
         self,
@@ -140,11 +154,19 @@ class MhaDecodeInputs(PagedInputs):
                          for k, (b, per_token, pad, low) in enumerate(columns)]))
         return out
 
-    def _prepare(self, batch: ScheduledBatch, padded: int | None) -> DecodePlan:
+    def _prepare(self, batch: ScheduledBatch, padded: int | None,
+                 mrope_deltas: np.ndarray | None = None) -> DecodePlan:
         cols = batch.columns
         qlens = cols.query_lens
         n = qlens.size
         p = _padded(self.group, n, padded)
+        mrope = self.mrope_positions
+        if mrope is not None:
+            mrope_deltas = check_deltas(self.group, mrope_deltas, n)
+        elif mrope_deltas is not None:
+            raise CountError(
+                f"{self.group}: mrope_deltas given but the adapter has no MRoPE planes; "
+                "construct it with mrope=True")
         st = self.h2d_state
         if not self._layouts:
             self._layouts = self.request_layouts(self.group, native=self.native)
@@ -164,12 +186,31 @@ class MhaDecodeInputs(PagedInputs):
         tables = self.tables
         tables.prepare(rows, required_pages=layout.required_pages)
         total = layout.write()  # positions, KV slots, lengths, KV prefix from the table
-        st.set_count(self.positions, pt)
+        if mrope is not None:  # the planes replace the 1-D positions
+            write_decode_planes(mrope.np, self.positions.np, qlens, mrope_deltas,  # type: ignore[arg-type]
+                                layout.num_tokens, pt)
+            st.set_count(mrope, 3 * pt)
+            st.set_count(self.positions, None)
+        else:
+            st.set_count(self.positions, pt)
         st.set_count(self.slot_mapping, pt)
         st.set_count(self.context_lens, p)
         st.set_count(self.kv_indptr, p + 1)
         stage = tables.stage(p)
         return DecodePlan(n, p, layout.max_query_len or 1, layout.num_tokens, pt, total, stage)
+
+    def mrope_planes(self, plan: DecodePlan) -> torch.Tensor:
+        """The step's MRoPE planes as a ``(3, padded_tokens)`` view (the running width)."""
+        if self.mrope_positions is None:
+            raise CountError(f"{self.group}: no MRoPE planes; construct with mrope=True")
+        return mrope_planes(self.mrope_positions, plan.padded_tokens)
+
+    def select_mrope_positions(self, plan: DecodePlan, sections: tuple[int, int, int],
+                               out: torch.Tensor) -> torch.Tensor:
+        """The MRoPE planes' first reader: each rotary frequency's position per token
+        (:func:`~h2d_runner_adapters.consumers.mrope.select_mrope_positions`)."""
+        return select_mrope_positions(self.mrope_planes(plan), sections, out,
+                                      plan.padded_tokens)
 
     def generate_kv_indices(self, plan: DecodePlan) -> torch.Tensor:
         """First consumer: ``kv_indices`` for the plan's rows (padding included)."""

@@ -12,11 +12,14 @@ padding. The block tables are needed by this runner's paged attention whether or
 prefix hit exists; an engine whose prefill attention reads the current chunk directly can
 omit them when no request has cached tokens (``publish_tables=False``) while still
 preparing the CPU rows.
+
+With ``mrope=True`` the group carries ``prefill_mrope_positions`` (three planes at the
+chunk's token width, see :mod:`h2d_runner_adapters.mrope`) in place of the positions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +31,7 @@ from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 from .batch import ScheduledBatch
 from .consumers import prepare_prefill_attention
 from .mha_decode import select_layout
+from .mrope import check_prompt_positions, declare_mrope, mrope_planes, write_prefill_planes
 from .paged import PagedInputs
 
 PREFILL_INPUTS = "prefill_inputs"
@@ -53,6 +57,7 @@ class PrefillInputs(PagedInputs):
         page_size: int,
         num_pages: int | None = None,
         max_ranges: int = 64,
+        mrope: bool = False,
     ) -> None:
         g = PREFILL_INPUTS
         super().__init__(state, g, "prefill_block_tables", max_reqs=max_reqs,
@@ -63,6 +68,8 @@ class PrefillInputs(PagedInputs):
         self.context_lens = buf("prefill_context_lens", (max_reqs,), torch.int32, group=g)
         self.slot_mapping = buf("prefill_slot_mapping", (max_tokens,), torch.int64, group=g)
         self.positions = buf("prefill_positions", (max_tokens,), torch.int64, group=g)
+        self.mrope_positions: H2DBuffer | None = (
+            declare_mrope(state, "prefill_mrope_positions", max_tokens, g) if mrope else None)
         dev = state.device
         self.token_request = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
@@ -89,15 +96,28 @@ class PrefillInputs(PagedInputs):
         *,
         publish_tables: bool = True,
         owns_slot: Callable[[np.ndarray], np.ndarray] | None = None,
+        mrope_positions: Sequence[np.ndarray | None] | None = None,
     ) -> PrefillPlan:
         """Stage one prefill (chunk) batch.
 
         ``owns_slot`` (optional) maps the token positions' KV slots to a bool mask of the
-        ones this rank writes (context-parallel KV); the others get -1.
+        ones this rank writes (context-parallel KV); the others get -1. An MRoPE adapter
+        takes ``mrope_positions``: per request its ``[3, L]`` prompt positions, or None
+        (text only: its ordinary positions on every plane).
         """
         cols = batch.columns
         n = cols.query_lens.size
         st = self.h2d_state
+        mrope = self.mrope_positions
+        sources: list[np.ndarray | None] = []
+        if mrope is not None:
+            sources = check_prompt_positions(
+                self.group, [None] * n if mrope_positions is None else mrope_positions,
+                cols.context_lens)
+        elif mrope_positions is not None:
+            raise CountError(
+                f"{self.group}: mrope_positions given but the adapter has no MRoPE planes; "
+                "construct it with mrope=True")
         if not self._layouts:
             self._layouts = self._bind_layouts()
         layout = self._layouts[st.current_slot]
@@ -114,7 +134,13 @@ class PrefillInputs(PagedInputs):
         np.cumsum(cols.context_lens, out=cu[1 : n + 1])
         st.set_count(self.cu_seqlens_k, n + 1)
         st.set_count(self.context_lens, n)
-        st.set_count(self.positions, t)
+        if mrope is not None:  # the planes replace the 1-D positions
+            write_prefill_planes(mrope.np, self.positions.np, cols.query_lens,
+                                 cols.context_lens, sources, t)
+            st.set_count(mrope, 3 * t)
+            st.set_count(self.positions, None)
+        else:
+            st.set_count(self.positions, t)
         slots = self.slot_mapping.np[:t]
         if owns_slot is not None:
             slots[~owns_slot(slots)] = -1
@@ -123,6 +149,12 @@ class PrefillInputs(PagedInputs):
         if not publish_tables:
             st.set_count(self.block_tables, None)
         return PrefillPlan(n, t, stage)
+
+    def mrope_planes(self, plan: PrefillPlan) -> torch.Tensor:
+        """The chunk's MRoPE planes as a ``(3, num_tokens)`` view."""
+        if self.mrope_positions is None:
+            raise CountError(f"{self.group}: no MRoPE planes; construct with mrope=True")
+        return mrope_planes(self.mrope_positions, plan.num_tokens)
 
     def prepare_attention(self, plan: PrefillPlan, cu_seqlens_q: torch.Tensor) -> None:
         """First consumer: token owners, KV page prefix and ``kv_indices``."""
