@@ -22,6 +22,7 @@ Padding and first consumers are those of the composed adapters: ``plan.tokens`` 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from block_tables import RequestLayout, RequestLayoutError
@@ -38,7 +39,14 @@ from .batch import ScheduledBatch
 from .consumers import GREEDY_TEMPERATURE
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs, select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
-from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan, _padded
+from .token_inputs import (
+    QUERY_PREFIX,
+    SPEC_INDICES,
+    TOKEN_IDS,
+    TokenInputs,
+    TokenPlan,
+    _padded,
+)
 
 DECODE_STEP = "decode_step"
 _new = tuple.__new__
@@ -73,15 +81,18 @@ class DecodeStepInputs:
         page_size: int,
         num_pages: int | None = None,
         max_ranges: int = 64,
+        max_drafts: int = 0,
+        extra_groups: Sequence[str] = (),
         native: bool | None = None,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
-            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens),
+            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                        max_drafts=max_drafts),
             MhaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                             max_pages_per_req=max_pages_per_req, page_size=page_size,
                             num_pages=num_pages, max_ranges=max_ranges),
-            DECODE_STEP, native,
+            DECODE_STEP, native, tuple(extra_groups),
         )
 
     @classmethod
@@ -92,17 +103,17 @@ class DecodeStepInputs:
         decode: MhaDecodeInputs,
         *,
         group: str = DECODE_STEP,
+        extra_groups: Sequence[str] = (),
         native: bool | None = None,
     ) -> DecodeStepInputs:
         """Compose adapters declared on one state and combine their groups into ``group``
-        (before ``bind()``). The decode adapter must be the plain (unprefixed) one;
-        speculative indices, if the token adapter has them, stay in their own group."""
+        (before ``bind()``). The decode adapter must be the plain (unprefixed) one."""
         self = cls.__new__(cls)
-        self._compose(sampling, tokens, decode, group, native)
+        self._compose(sampling, tokens, decode, group, native, tuple(extra_groups))
         return self
 
     def _compose(self, sampling: SamplingInputs, tokens: TokenInputs, decode: MhaDecodeInputs,
-                 group: str, native: bool | None) -> None:
+                 group: str, native: bool | None, extra_groups: tuple[str, ...]) -> None:
         state = decode.h2d_state
         if sampling.h2d_state is not state or tokens.h2d_state is not state:
             raise DeclarationError(
@@ -125,7 +136,12 @@ class DecodeStepInputs:
         self.sampling = sampling
         self.tokens = tokens
         self.decode = decode
-        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE])
+        # speculative verification indices belong to the token inputs (the spec's group
+        # table): with drafts they ride in the same DMA, produced by
+        # tokens.prepare_spec_indices; extra groups (e.g. GDN state indices) likewise
+        spec = (SPEC_INDICES,) if tokens.max_drafts else ()
+        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, MHA_DECODE,
+                              *extra_groups])
         self._native_choice = native
         self._layout_class = select_layout(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice

@@ -148,17 +148,36 @@ class TokenInputs:
         ``cu[r]``: target logits are rows ``cu[r] .. cu[r] + d_r - 1``, the bonus row is
         ``cu[r] + d_r``; ``cu_num_draft_tokens`` is the inclusive prefix of ``d``.
         """
-        if not self.max_drafts:
+        if not self.max_drafts:  # (checked first: nothing below exists without drafts)
             raise DeclarationError(
                 f"{SPEC_INDICES}: TokenInputs was built with max_drafts=0, so it has no "
                 "speculative buffers; pass max_drafts=k to the constructor"
             )
         cols = batch.columns
-        n = cols.query_lens.size
+        q = cols.query_lens
+        n = q.size
         d = cols.num_drafts.astype(np.int64)
-        starts = np.zeros(n, dtype=np.int64)
-        np.cumsum(cols.query_lens[:-1], out=starts[1:])
+        # everything checked before any write: a refused batch changes nothing
+        if n > self.max_reqs or d.size != n:
+            raise CountError(
+                f"{SPEC_INDICES}: {n} requests with {d.size} draft counts; at most "
+                f"max_reqs={self.max_reqs}, one count per request")
+        if n:
+            bad = np.flatnonzero((d < 0) | (d >= q))
+            if bad.size:
+                i = int(bad[0])
+                raise CountError(
+                    f"{SPEC_INDICES}: request {i} verifies {int(d[i])} drafts with "
+                    f"{int(q[i])} query tokens; a request verifies 0 <= drafts < its query "
+                    "tokens (the last token is the bonus row)")
         total = int(d.sum())
+        cap = self.target_logits_indices.spec.capacity
+        if total > cap:
+            raise CountError(
+                f"{SPEC_INDICES}: {total} draft tokens exceed target_logits_indices' "
+                f"capacity {cap} (max_reqs * max_drafts); raise max_drafts")
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(q[:-1], out=starts[1:])
         first = np.repeat(starts - np.concatenate(([0], np.cumsum(d)[:-1])), d)
         self.target_logits_indices.np[:total] = first + np.arange(total)
         np.cumsum(d, out=self.cu_num_draft_tokens.np[:n])

@@ -22,7 +22,15 @@ from .batch import ScheduledBatch
 from .consumers import GREEDY_TEMPERATURE
 from .mha_decode import select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
-from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TOKEN_INPUTS, TokenInputs, TokenPlan, _padded
+from .token_inputs import (
+    QUERY_PREFIX,
+    SPEC_INDICES,
+    TOKEN_IDS,
+    TOKEN_INPUTS,
+    TokenInputs,
+    TokenPlan,
+    _padded,
+)
 
 _new = tuple.__new__
 
@@ -44,13 +52,18 @@ class TokenStepInputs:
         max_reqs: int,
         max_tokens: int,
         group: str = TOKEN_INPUTS,
+        max_drafts: int = 0,
         native: bool | None = None,
     ) -> None:
         self.h2d_state = state
         self.group = group
         self.sampling = SamplingInputs(state, max_reqs)
-        self.tokens = TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens)
-        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX])
+        self.tokens = TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                                  max_drafts=max_drafts)
+        # with drafts, the verification indices ride in the same DMA
+        # (tokens.prepare_spec_indices produces them)
+        spec = (SPEC_INDICES,) if max_drafts else ()
+        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec])
         self._native = native
         self._layout_class = select_layout(native, "TokenStepInputs")
         self._layouts: list[RequestLayout] = []
