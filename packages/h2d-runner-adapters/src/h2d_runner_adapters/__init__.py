@@ -45,7 +45,12 @@ from h2d_runner_adapters.consumers import (
     prepare_prefill_attention,
     sample_tokens,
 )
+from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata, advance_draft_step
+from h2d_runner_adapters.consumers.gdn_states import gather_gdn_states
+from h2d_runner_adapters.consumers.mrope import select_mrope_positions
 from h2d_runner_adapters.decode_step import DECODE_STEP, DecodeStepInputs, DecodeStepPlan
+from h2d_runner_adapters.draft import MhaDraftLoop
+from h2d_runner_adapters.gdn import GDN_STATE, GdnPlan, GdnStateInputs
 from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
@@ -70,6 +75,7 @@ from h2d_runner_adapters.v41_metadata import (
 
 __all__ = [
     "DECODE_STEP",
+    "GDN_STATE",
     "GREEDY_TEMPERATURE",
     "MHA_DECODE",
     "PREFILL_INPUTS",
@@ -86,7 +92,11 @@ __all__ = [
     "DecodePlan",
     "DecodeStepInputs",
     "DecodeStepPlan",
+    "DraftStepMetadata",
+    "GdnPlan",
+    "GdnStateInputs",
     "MhaDecodeInputs",
+    "MhaDraftLoop",
     "PageRow",
     "PagedInputs",
     "PrefillInputs",
@@ -105,11 +115,14 @@ __all__ = [
     "TokenStepPlan",
     "V41MetadataInputs",
     "V41Plan",
+    "advance_draft_step",
     "assemble_token_ids",
     "fill_gumbel_noise_",
     "gather_draft_ids",
+    "gather_gdn_states",
     "generate_kv_indices",
     "generate_v4_step_indptrs",
     "prepare_prefill_attention",
     "sample_tokens",
+    "select_mrope_positions",
 ]
