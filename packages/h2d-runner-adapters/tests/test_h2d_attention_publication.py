@@ -16,7 +16,14 @@ from h2d_core import CountError, H2DRunnerState, StageResult
 sys.path.insert(0, str(Path(__file__).parent))
 import adapter_helpers as ah
 
-from h2d_runner_adapters import BatchColumns, MhaDecodeInputs, PrefillInputs, ScheduledBatch
+from block_tables import BlockTable
+from h2d_runner_adapters import (
+    BatchColumns,
+    MhaDecodeInputs,
+    MlaDecodeInputs,
+    PrefillInputs,
+    ScheduledBatch,
+)
 from h2d_runner_adapters.consumers import ConsumerArgumentError
 from h2d_runner_adapters.consumers.mrope import (
     select_mrope_positions,
@@ -411,3 +418,60 @@ def test_mrope_reader_refuses_bad_arguments(device: str) -> None:
         select_mrope_positions(planes, (3, 3, 3), out, 4)
     with pytest.raises(ConsumerArgumentError, match=r"planes must have dtype torch.int64"):
         select_mrope_positions(planes.int(), SECTIONS, out, 4)
+
+
+# ------------------------------------------------------------------------------ MLA
+@pytest.mark.parametrize("page, topk", [(1, None), (8, 12)])
+def test_mla_decode_members_and_kv_indices(device: str, page: int, topk: int | None) -> None:
+    """MLA decode at its page size: the MHA members plus the last-page lengths (and DSA's
+    sparse KV prefix), graph padding included; KV-index generation reads them."""
+    ah.need_kernels(device)
+    st = H2DRunnerState(device, scatter=ah.scatter_for(device))
+    mla = MlaDecodeInputs(st, max_reqs=6, max_tokens=6, max_pages_per_req=64, page_size=page,
+                          index_topk=topk)
+    st.bind()
+    for b in st.buffers().values():
+        b.gpu.view(-1).view(torch.uint8).fill_(ah.POISON)
+    rng = np.random.default_rng(page)
+    tables: list[BlockTable] = []
+    ctx: list[int] = []
+    next_page = 0
+    for n, padded in ((3, None), (5, 6), (1, 4), (6, None)):
+        while len(ctx) < n:
+            c = int(rng.integers(1, 40))
+            k = -(-c // page)
+            tables.append(BlockTable(range(next_page, next_page + k)))
+            next_page += k
+            ctx.append(c)
+        for i in range(n):
+            ctx[i] += 1
+            if -(-ctx[i] // page) > len(tables[i]):
+                tables[i].append_one(next_page)
+                next_page += 1
+        batch = ScheduledBatch((), False, page, given_columns=_columns(
+            np.ones(n, np.int32), ctx[:n]), given_block_tables=tables[:n])
+        st.begin()
+        plan = mla.prepare(batch, padded)
+        st.publish(mla.group)
+        mla.generate_kv_indices(plan)
+        st.finish()
+        ah.sync(device)
+        p = n if padded is None else padded
+        c = ctx[:n]
+        assert mla.group == "mla_decode"
+        assert mla.kv_last_page_lens.gpu[:p].tolist() == [(x - 1) % page + 1 for x in c] + [
+            0] * (p - n)
+        if topk is not None:
+            assert mla.sparse_kv_indptr is not None
+            want = np.concatenate(([0], np.cumsum(np.minimum(c, topk)))).tolist()
+            assert mla.sparse_kv_indptr.gpu[: p + 1].tolist() == want + [want[-1]] * (p - n)
+        else:
+            assert mla.sparse_kv_indptr is None
+        pages = [-(-x // page) for x in c]
+        indptr = np.concatenate(([0], np.cumsum(pages))).tolist()
+        assert mla.kv_indptr.gpu[: p + 1].tolist() == indptr + [indptr[-1]] * (p - n)
+        want_kv = [int(x) for t, k in zip(tables, pages, strict=False) for x in list(t)[:k]]
+        assert mla.kv_indices[: len(want_kv)].tolist() == want_kv
+        assert mla.slot_mapping.gpu[:n].tolist() == [
+            int(list(t)[(x - 1) // page]) * page + (x - 1) % page
+            for t, x in zip(tables, c, strict=False)]

@@ -52,6 +52,7 @@ from h2d_runner_adapters.decode_step import DECODE_STEP, DecodeStepInputs, Decod
 from h2d_runner_adapters.draft import MhaDraftLoop
 from h2d_runner_adapters.gdn import GDN_STATE, GdnPlan, GdnStateInputs
 from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
+from h2d_runner_adapters.mla_decode import MLA_DECODE, MlaDecodeInputs
 from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from h2d_runner_adapters.sampling import SAMPLING, SamplingInputs, SamplingPlan
@@ -78,6 +79,7 @@ __all__ = [
     "GDN_STATE",
     "GREEDY_TEMPERATURE",
     "MHA_DECODE",
+    "MLA_DECODE",
     "PREFILL_INPUTS",
     "QUERY_PREFIX",
     "SAMPLING",
@@ -97,6 +99,7 @@ __all__ = [
     "GdnStateInputs",
     "MhaDecodeInputs",
     "MhaDraftLoop",
+    "MlaDecodeInputs",
     "PageRow",
     "PagedInputs",
     "PrefillInputs",

@@ -94,8 +94,9 @@ class MhaDecodeInputs(PagedInputs):
         max_ranges: int = 64,
         prefix: str = "",
         mrope: bool = False,
+        group: str | None = None,
     ) -> None:
-        g = MHA_DECODE if not prefix else f"{prefix}{MHA_DECODE}"
+        g = group or f"{prefix}{MHA_DECODE}"
         super().__init__(state, g, f"{prefix}block_tables", max_reqs=max_reqs,
                          max_pages_per_req=max_pages_per_req, page_size=page_size,
                          num_pages=num_pages, max_ranges=max_ranges)

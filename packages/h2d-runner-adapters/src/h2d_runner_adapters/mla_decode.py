@@ -1,0 +1,84 @@
+"""MLA decode metadata (DeepSeek-V3 / Kimi class): the ``mla_decode`` group.
+
+The MHA decode members (KV slots, context lengths, changed block-table rows through the
+shared ``block_table_state``, KV page prefix, positions; see :mod:`.mha_decode`) at MLA's
+page size, plus:
+
+* ``mla_kv_last_page_lens`` (int32, per request): tokens in each request's last page,
+  ``(ctx - 1) % page + 1``; 0 for padded requests (they own no pages);
+* ``mla_sparse_kv_indptr`` (int32 ``[P + 1]``, DSA sparse attention only, when
+  ``index_topk`` is given): the prefix of ``min(ctx, index_topk)``; the tail repeats the
+  total.
+
+One group, one DMA and one scatter (with ``token_inputs``: two). First consumer: KV-index
+generation at MLA's page size (:meth:`generate_kv_indices`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
+
+from .batch import ScheduledBatch
+from .mha_decode import DecodePlan, MhaDecodeInputs
+
+MLA_DECODE = "mla_decode"
+
+
+class MlaDecodeInputs(MhaDecodeInputs):
+    """Declares the MLA decode buffers (``mla_``-prefixed names, group ``mla_decode``),
+    produces them and runs KV-index generation. ``index_topk`` adds DSA's sparse KV
+    prefix; ``prefix`` declares a TBO ubatch's own buffers and group."""
+
+    def __init__(
+        self,
+        state: H2DRunnerState,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        max_pages_per_req: int,
+        page_size: int,
+        num_pages: int | None = None,
+        index_topk: int | None = None,
+        max_ranges: int = 64,
+        prefix: str = "",
+    ) -> None:
+        g = f"{prefix}{MLA_DECODE}"
+        super().__init__(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                         max_pages_per_req=max_pages_per_req, page_size=page_size,
+                         num_pages=num_pages, max_ranges=max_ranges, prefix=f"{prefix}mla_",
+                         group=g)
+        buf = state.buffer
+        self.kv_last_page_lens = buf(f"{prefix}mla_kv_last_page_lens", (max_reqs,),
+                                     torch.int32, group=g)
+        if index_topk is not None and (isinstance(index_topk, bool)
+                                       or not isinstance(index_topk, int) or index_topk < 1):
+            raise DeclarationError(f"{g}: index_topk must be an int >= 1 or None, got "
+                                   f"{index_topk!r}")
+        self.index_topk = index_topk or 0
+        self.sparse_kv_indptr = (buf(f"{prefix}mla_sparse_kv_indptr", (max_reqs + 1,),
+                                     torch.int32, group=g) if index_topk else None)
+
+    @h2d_producer(lambda self: self.group)
+    def prepare(self, batch: ScheduledBatch, padded: int | None = None, *,
+                mrope_deltas: np.ndarray | None = None) -> DecodePlan:
+        """Write and count the MLA decode members (see the module docstring); the batch
+        is checked before any source is written."""
+        plan = self._prepare(batch, padded, mrope_deltas)
+        n, p = plan.num_reqs, plan.padded_reqs
+        ctx = self.context_lens.np[:n]  # written by the layout pass
+        last = self.kv_last_page_lens.np
+        np.remainder(ctx - 1, self.page_size, out=last[:n])
+        last[:n] += 1
+        last[n:p] = 0
+        st = self.h2d_state
+        st.set_count(self.kv_last_page_lens, p)
+        if self.sparse_kv_indptr is not None:
+            sp = self.sparse_kv_indptr.np
+            sp[0] = 0
+            np.cumsum(np.minimum(ctx, self.index_topk), out=sp[1 : n + 1])
+            sp[n + 1 : p + 1] = sp[n]
+            st.set_count(self.sparse_kv_indptr, p + 1)
+        return plan
