@@ -218,3 +218,147 @@ def test_delayed_source_reuse_through_adapters() -> None:
         assert r.tokens.input_ids.gpu[:4].tolist() == expect, step
         assert r.decode.positions.gpu[:4].tolist() == [c - 1 for c in reqs.ctx], step
         reqs.grow(1)
+
+
+# ------------------------------------------------------------------------------ Engram
+def _engram_state(device: str, backend: str, num_slots: int) -> tuple[Any, Any, Any, Any]:
+    from h2d_core import H2DRunnerState
+    from h2d_runner_adapters import (
+        ENGRAM,
+        QUERY_PREFIX,
+        SAMPLING,
+        TOKEN_IDS,
+        EngramInputs,
+        SamplingInputs,
+        TokenInputs,
+    )
+
+    st = H2DRunnerState(device, backend=backend, num_slots=num_slots,
+                        scatter=ah.scatter_for(device))
+    sampling = SamplingInputs(st, 8)
+    tokens = TokenInputs(st, max_reqs=8, max_tokens=40)
+    eng = EngramInputs(st, max_reqs=8, max_drafts=3, history_rows=12, history_len=200)
+    st.combine("token_inputs", [SAMPLING, TOKEN_IDS, QUERY_PREFIX, ENGRAM])
+    st.bind()
+    return st, sampling, tokens, eng
+
+
+def _engram_batch(rng: np.random.Generator, n: int) -> Any:
+    from h2d_runner_adapters import BatchColumns, ScheduledBatch
+
+    d = rng.integers(0, 4, n).astype(np.int32)
+    q = d + 1
+    cols = BatchColumns(
+        query_lens=q, context_lens=np.full(n, 100, np.int32),
+        temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
+        top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
+        token_ids=rng.integers(1, 5000, int(q.sum())).astype(np.int32), num_drafts=d)
+    return ScheduledBatch((), False, 16, given_columns=cols)
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_engram_rejected_tentative_steps_keep_every_accepted_prefix(device: str,
+                                                                    backend: str) -> None:
+    """Verify steps write their tokens tentatively from the published snapshot; the commit
+    selects the cursor candidate of the accepted count on the GPU. After every step each
+    request's history holds exactly its accepted tokens below the committed cursor, with
+    fully rejected steps (nothing but the first token kept) among them."""
+    ah.need_kernels(device)
+    st, sampling, tokens, eng = _engram_state(device, backend, 1)
+    rng = np.random.default_rng(3)
+    rows = np.array([5, 2, 9, 0, 11, 7], np.int32)
+    accepted_tokens: list[list[int]] = [[] for _ in rows]
+    for step in range(10):
+        n = int(rng.integers(1, rows.size + 1))
+        batch = _engram_batch(rng, n)
+        cols = batch.columns
+        cursors = np.asarray([len(a) for a in accepted_tokens[:n]], np.int32)
+        # all drafts rejected on even steps: only the non-draft token commits
+        acc = (np.zeros(n, np.int32) if step % 2 == 0
+               else np.asarray([int(rng.integers(0, d + 1)) for d in cols.num_drafts],
+                               np.int32))
+        st.begin()
+        sampling.prepare(batch)
+        tokens.prepare_ids(batch)
+        tokens.prepare_query_prefix(batch)
+        plan = eng.prepare(batch, rows[:n], cursors)
+        st.publish("token_inputs")
+        eng.write_tentative(plan, tokens.cu_seqlens_q.gpu, tokens.input_ids.gpu)
+        committed = eng.commit(plan, torch.from_numpy(acc).to(device))
+        st.finish()
+        ah.sync(device)
+        start = 0
+        for i, (q, d, a) in enumerate(zip(cols.query_lens.tolist(), cols.num_drafts.tolist(),
+                                          acc.tolist(), strict=True)):
+            accepted_tokens[i] += cols.token_ids[start : start + q - d + a].tolist()
+            start += q
+        assert committed.tolist() == [len(a) for a in accepted_tokens[:n]], step
+        hist = eng.history.cpu()
+        for i, toks in enumerate(accepted_tokens):
+            assert hist[int(rows[i]), : len(toks)].tolist() == toks, (step, i)
+
+
+def test_engram_bad_inputs_change_nothing(device: str) -> None:
+    from h2d_core import CountError
+
+    st, _, _, eng = _engram_state(device, "packed", 1)
+    rng = np.random.default_rng(1)
+    batch = _engram_batch(rng, 3)
+    st.begin()
+    sources = {k: b.np.tobytes() for k, b in st.buffers().items()}
+    for rows, cursors, match in (
+            (np.array([0, 12, 1], np.int32), np.zeros(3, np.int32),
+             r"request 1 has a history row outside \[0, 12\)"),
+            (np.array([0, 1, 2], np.int32), np.array([0, -1, 0], np.int32),
+             r"request 1 has a negative cursor"),
+            (np.array([0, 1, 2], np.int32), np.array([0, 0, 199], np.int32),
+             r"request 2 has cursor \+ query tokens past the history length 200"),
+            (np.array([0, 1], np.int32), np.zeros(3, np.int32),
+             r"rows must be a 1-D integer numpy array with one entry per request \(3\)")):
+        with pytest.raises(CountError, match=match):
+            eng.prepare(batch, rows, cursors)
+        assert {k: b.np.tobytes() for k, b in st.buffers().items()} == sources
+    eng.prepare(batch, np.arange(3, dtype=np.int32), np.zeros(3, np.int32))
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_engram_commit_is_never_overtaken_by_a_later_snapshot(device: str,
+                                                              backend: str) -> None:
+    """CUDA, two slots, the GPU delayed before every publication: the host prepares and
+    publishes the next steps' snapshots while earlier commits have not run; each commit
+    (read on the GPU right after it) is its own step's candidate, and the history keeps
+    every accepted prefix."""
+    if device != "cuda":
+        pytest.skip("a delayed GPU needs asynchronous copies (CUDA)")
+    st, sampling, tokens, eng = _engram_state(device, backend, 2)
+    rng = np.random.default_rng(6)
+    rows = np.array([3, 1, 8, 4], np.int32)
+    accepted_tokens: list[list[int]] = [[] for _ in rows]
+    seen = []
+    for _ in range(8):
+        batch = _engram_batch(rng, rows.size)
+        cols = batch.columns
+        cursors = np.asarray([len(a) for a in accepted_tokens], np.int32)
+        acc = np.asarray([int(rng.integers(0, d + 1)) for d in cols.num_drafts], np.int32)
+        st.begin()
+        sampling.prepare(batch)
+        tokens.prepare_ids(batch)
+        tokens.prepare_query_prefix(batch)
+        plan = eng.prepare(batch, rows, cursors)
+        torch.cuda._sleep(10_000_000)
+        st.publish("token_inputs")
+        eng.write_tentative(plan, tokens.cu_seqlens_q.gpu, tokens.input_ids.gpu)
+        seen.append(eng.commit(plan, torch.from_numpy(acc).to(device)).clone())
+        st.finish()
+        start = 0
+        for i, (q, d, a) in enumerate(zip(cols.query_lens.tolist(), cols.num_drafts.tolist(),
+                                          acc.tolist(), strict=True)):
+            accepted_tokens[i] += cols.token_ids[start : start + q - d + a].tolist()
+            start += q
+        seen[-1] = (seen[-1], [len(a) for a in accepted_tokens])
+    torch.cuda.synchronize()
+    for got, want in seen:
+        assert got.tolist() == want
+    hist = eng.history.cpu()
+    for i, toks in enumerate(accepted_tokens):
+        assert hist[int(rows[i]), : len(toks)].tolist() == toks

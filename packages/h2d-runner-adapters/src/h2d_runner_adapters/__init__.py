@@ -50,6 +50,7 @@ from h2d_runner_adapters.consumers.gdn_states import gather_gdn_states
 from h2d_runner_adapters.consumers.mrope import select_mrope_positions
 from h2d_runner_adapters.decode_step import DECODE_STEP, DecodeStepInputs, DecodeStepPlan
 from h2d_runner_adapters.draft import MhaDraftLoop
+from h2d_runner_adapters.engram import ENGRAM, EngramInputs, EngramPlan
 from h2d_runner_adapters.gdn import GDN_STATE, GdnPlan, GdnStateInputs
 from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from h2d_runner_adapters.mla_decode import MLA_DECODE, MlaDecodeInputs
@@ -76,6 +77,7 @@ from h2d_runner_adapters.v41_metadata import (
 
 __all__ = [
     "DECODE_STEP",
+    "ENGRAM",
     "GDN_STATE",
     "GREEDY_TEMPERATURE",
     "MHA_DECODE",
@@ -95,6 +97,8 @@ __all__ = [
     "DecodeStepInputs",
     "DecodeStepPlan",
     "DraftStepMetadata",
+    "EngramInputs",
+    "EngramPlan",
     "GdnPlan",
     "GdnStateInputs",
     "MhaDecodeInputs",
