@@ -347,3 +347,89 @@ def test_verify_step_delayed_source_reuse(device: str, backend: str) -> None:
         assert bonus.tolist() == spec_reference(q, drafts)[2]
         assert spec.tolist() == [[g * 3 + j for j in range(3)] for g in groups]
         assert ctx_gpu.tolist() == ctx
+
+
+@pytest.mark.parametrize("policy", ["uniform", "per_request"])
+def test_speculative_sampling_keeps_uniform_filters_on_the_host(device: str,
+                                                                policy: str) -> None:
+    """A verify step's sampling: the bonus rows through the ordinary sampler (uniform
+    top-k/top-p as host scalars, never uploaded; per-request ones uploaded), greedy rows
+    corrected on the GPU, acceptance against the target's argmax, then the draft loop from
+    the rejection counts: all on the device (CUDA: under sync-debug "error")."""
+    ah.need_kernels(device)
+    from h2d_runner_adapters import accept_draft_tokens
+    from h2d_runner_adapters.consumers.acceptance import accept_draft_tokens_reference
+    from h2d_runner_adapters.consumers.reference import sample_tokens_reference
+
+    k, vocab = 3, 64
+    st, step, _, loop = build(device, "packed", k, gdn=False)
+    pop = Verify(31, k)
+    rng = np.random.default_rng(4)
+    for index in range(3):
+        batch, _, drafts = pop.step(5, True, None)
+        cols = batch.columns
+        n = drafts.size
+        uniform = policy == "uniform"
+        top_k = np.full(n, 5, np.int32) if uniform else rng.integers(-1, 9, n).astype(np.int32)
+        top_p = np.full(n, 0.9, np.float32) if uniform else rng.random(n).astype(np.float32)
+        temps = rng.choice([0.0, 0.8], n).astype(np.float32)  # greedy and sampled rows
+        batch = ScheduledBatch((), False, PAGE, given_columns=BatchColumns(
+            **{**vars(cols), "top_k": top_k, "top_p": top_p, "temperatures": temps}),
+            given_block_tables=batch.block_tables)
+        st.begin()
+        plan = step.prepare(batch)
+        step.tokens.prepare_spec_indices(batch)
+        st.publish(DECODE_STEP)
+        st.finish()
+        assert (plan.sampling.per_request_top_k, plan.sampling.per_request_top_p) == (
+            not uniform, not uniform)
+        if uniform:  # host scalars: the filters' members were not published
+            assert (plan.sampling.top_k, plan.sampling.top_p) == (5, pytest.approx(0.9))
+            assert st.count(step.sampling.top_ks) is None
+        # the model's logits: drafts made the target's argmax with probability 0.6
+        ids = cols.token_ids
+        total = int(drafts.sum())
+        logits_np = rng.standard_normal((int(cols.query_lens.sum()), vocab)).astype(np.float32)
+        t = step.tokens
+        target_rows = t.target_logits_indices.gpu[:total].cpu().tolist()
+        for row in target_rows:
+            if rng.random() < 0.6:
+                logits_np[row, int(ids[row + 1]) % vocab] = 50.0
+        logits = torch.from_numpy(logits_np).to(device)
+        draft_vocab = torch.from_numpy(ids % vocab).to(device)
+        noise = torch.from_numpy(rng.gumbel(size=(n, vocab)).astype(np.float32)).to(device)
+        outs = (torch.full((n, k + 1), POISON, dtype=torch.int32, device=device),
+                torch.full((n,), POISON, dtype=torch.int32, device=device),
+                torch.full((n + 1,), 0, dtype=torch.int32, device=device))
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            draft_ids = torch.empty(total, dtype=torch.int32, device=device)
+            from h2d_runner_adapters import gather_draft_ids
+            gather_draft_ids(torch.cat((draft_vocab, draft_vocab[:1])),
+                             t.target_logits_indices.gpu[:total], draft_ids)
+            target_argmax = torch.argmax(logits.index_select(0, t.target_logits_indices.gpu[
+                :total]), dim=-1)
+            bonus_logits = logits.index_select(0, t.bonus_logits_indices.gpu[:n])
+            bonus = step.sampling.sample(bonus_logits, plan.sampling, noise)
+            accept_draft_tokens(draft_ids, target_argmax, t.cu_num_draft_tokens.gpu, bonus,
+                                *outs, num_reqs=n)
+            meta = loop.advance(plan.decode, outs[2], 1)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        ah.sync(device)
+        want_bonus = sample_tokens_reference(
+            bonus_logits, step.sampling.temperatures.gpu,
+            top_k=step.sampling.top_ks.gpu if not uniform else 5,
+            top_p=step.sampling.top_ps.gpu if not uniform else 0.9, noise=noise)
+        assert bonus.cpu().tolist() == want_bonus.tolist(), index
+        rows, acc, rej = accept_draft_tokens_reference(
+            draft_ids.cpu().tolist(), target_argmax.cpu().tolist(), drafts.tolist(),
+            bonus.cpu().tolist(), k + 1)
+        assert outs[0].cpu().tolist() == rows, index
+        assert outs[1].cpu().tolist() == acc and outs[2][:n].cpu().tolist() == rej, index
+        ctx = cols.context_lens.tolist()
+        assert meta.context_lens[:n].cpu().tolist() == [c - r + 1 for c, r in zip(
+            ctx, rej, strict=True)], index
+        assert 0 < sum(acc) < total, (index, acc)  # both outcomes occur

@@ -45,6 +45,7 @@ from h2d_runner_adapters.consumers import (
     prepare_prefill_attention,
     sample_tokens,
 )
+from h2d_runner_adapters.consumers.acceptance import accept_draft_tokens
 from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata, advance_draft_step
 from h2d_runner_adapters.consumers.gdn_states import gather_gdn_states
 from h2d_runner_adapters.consumers.mrope import select_mrope_positions
@@ -122,6 +123,7 @@ __all__ = [
     "TokenStepPlan",
     "V41MetadataInputs",
     "V41Plan",
+    "accept_draft_tokens",
     "advance_draft_step",
     "assemble_token_ids",
     "fill_gumbel_noise_",
