@@ -5,7 +5,7 @@
 #
 #   bash benchmarks/device_session.sh [tests|bench|targets|segments|all]
 #
-# targets: benchmarks/step_targets.py and v41_step.py (the anchors must be in .anchors/: copy
+# targets: benchmarks/step_targets.py, v41_step.py and mtp_step.py (the anchors must be in .anchors/: copy
 # ../shared/context/anchors there and carry it); segments: the investigation tools of
 # tools/perf (not part of "all").
 #
@@ -34,6 +34,11 @@ if [[ $what == targets || $what == all ]]; then
   echo "step_targets: exit $?"; tail -n 8 "$out/step_targets$tag.log"
   "${pin[@]}" python3 benchmarks/v41_step.py --out "$out" >"$out/v41_step$tag.log" 2>&1
   echo "v41_step: exit $?"; tail -n 7 "$out/v41_step$tag.log"
+  for mtp in "--k 1" "--k 3" "--k 1 --gdn"; do
+    log="$out/mtp_step${mtp// /}$tag.log"
+    "${pin[@]}" python3 benchmarks/mtp_step.py $mtp --out "$out" >"$log" 2>&1
+    echo "mtp_step $mtp: exit $?"; tail -n 7 "$log"
+  done
 fi
 if [[ $what == segments ]]; then
   "${pin[@]}" python3 tools/perf/cuda_call_costs.py >"$out/cuda_call_costs$tag.log" 2>&1

@@ -1,0 +1,298 @@
+"""The speculative (MTP) verify step's host time, and the copies of verify and draft steps.
+
+One verify step of ``k`` drafts per request (q = k + 1 tokens), 32K-token contexts, 16-token
+pages, 1/16 of the requests cross a page each step, three ways interleaved in one process
+(the GPU host's speed drifts between processes):
+
+* ``packed``: ``DecodeStepInputs(max_drafts=k)`` (+ ``GdnStateInputs`` riding in the same
+  group for GDN+MTP): the fused producer, the speculative indices, the GDN state indices,
+  one publication: one DMA and one scatter;
+* ``direct``: the same code with ``backend="direct"`` (one copy per member);
+* ``atom``: the ATOM-style GDN+MTP verify step from the context document (§7, §9, §11): the
+  host builds every array (full-width block-table rows from Python lists), 15 copies, one
+  scalar store per request for ``num_accepted_tokens`` and the ``.item()`` readback of the
+  spec token count.
+
+Host µs per step (median of chunk medians) from ``begin()`` to ``finish()`` for the
+library (less any blocking wait for source reuse), the host work and copies for ``atom``.
+Ratio = way / packed. CUDA only, from a ``torch.profiler`` trace: host-to-device copies and
+kernels of one packed verify step, and of the ``k`` draft steps after it
+(``MhaDraftLoop.advance``: metadata and KV indices on the GPU).
+
+    python benchmarks/mtp_step.py [--batch-sizes 1,8,64,256] [--k 1] [--gdn] [--rounds 6]
+        [--chunk 100] [--context 32768] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from repo_paths import ROOT, use_sources
+
+use_sources()
+
+from block_tables import BlockTable  # noqa: E402
+from h2d_core import H2DRunnerState  # noqa: E402
+from h2d_runner_adapters import (  # noqa: E402
+    DECODE_STEP,
+    GDN_STATE,
+    BatchColumns,
+    DecodeStepInputs,
+    GdnStateInputs,
+    MhaDraftLoop,
+    ScheduledBatch,
+)
+
+PAGE = 16
+
+
+class Batches:
+    """Steady verify steps: ``bs`` requests near ``context`` tokens, ``k + 1`` tokens a
+    step; a request crosses into a new page every ``PAGE / (k + 1)`` steps on average."""
+
+    def __init__(self, bs: int, context: int, k: int) -> None:
+        self.bs, self.k = bs, k
+        self.ctx = np.array([context + (i * 3) % PAGE for i in range(bs)], np.int32)
+        self.tables = [BlockTable(range(i * 5000, i * 5000 + -(-int(c + 2 * k + 2) // PAGE)))
+                       for i, c in enumerate(self.ctx)]
+        self.lists = [list(t) for t in self.tables]
+        self.next_page = 10**7
+        self.window = 0
+
+    def step(self) -> tuple[ScheduledBatch, list[list[int]]]:
+        n, q = self.bs, self.k + 1
+        self.window += 1
+        if self.window > 200:  # stay inside the declared rows: restart the contexts
+            self.window = 0
+            self.ctx -= 200 * q
+        self.ctx += q
+        for i in range(n):
+            need = -(-(int(self.ctx[i]) + 2 * self.k + 2) // PAGE)
+            if need > len(self.tables[i]):
+                t = self.tables[i].lineage_copy()
+                t.append_one(self.next_page)
+                self.tables[i] = t
+                self.lists[i] = [*self.lists[i], self.next_page]
+                self.next_page += 1
+        cols = BatchColumns(
+            query_lens=np.full(n, q, np.int32), context_lens=self.ctx.copy(),
+            temperatures=np.zeros(n, np.float32), top_k=np.full(n, -1, np.int32),
+            top_p=np.ones(n, np.float32), prev_sample_rows=np.arange(n, dtype=np.int32),
+            token_ids=np.zeros(n * q, np.int32), num_drafts=np.full(n, self.k, np.int32))
+        return (ScheduledBatch((), False, PAGE, given_columns=cols,
+                               given_block_tables=list(self.tables)), self.lists)
+
+
+class Library:
+    def __init__(self, backend: str, bs: int, args: argparse.Namespace) -> None:
+        k = args.k
+        per_row = -(-(args.context + 200 * (k + 1) + 4 * k + 64) // PAGE)
+        self.state = st = H2DRunnerState(args.device, backend=backend, num_slots=2)
+        self.gdn = (GdnStateInputs(st, max_reqs=bs, num_spec=k) if args.gdn else None)
+        self.step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs * (k + 1),
+                                     max_pages_per_req=per_row, page_size=PAGE, max_drafts=k,
+                                     extra_groups=[GDN_STATE] if args.gdn else ())
+        st.bind()
+        self.loop = MhaDraftLoop(self.step.decode, self.step.tokens)
+        self.batches = Batches(bs, args.context, k)
+        self.groups = np.arange(bs, dtype=np.int32)
+        self.accepted = np.ones(bs, np.int32)
+        self.run(20)
+
+    def publish(self, batch: ScheduledBatch) -> Any:
+        st, step = self.state, self.step
+        st.begin()
+        plan = step.prepare(batch)
+        step.tokens.prepare_spec_indices(batch)
+        if self.gdn is not None:
+            self.gdn.prepare(self.groups, num_accepted=self.accepted)
+        st.publish(DECODE_STEP)
+        st.finish()
+        return plan
+
+    def run(self, steps: int) -> float:
+        work = [self.batches.step()[0] for _ in range(steps)]
+        for b in work:
+            b.columns, b.block_tables  # noqa: B018
+        pc, st = time.perf_counter_ns, self.state
+        times = []
+        for batch in work:
+            t0 = pc()
+            self.publish(batch)
+            times.append(pc() - t0 - st.last_source_wait_ns)
+        return float(np.median(times)) / 1e3
+
+
+class AtomStyle:
+    """The host side of an ATOM-style GDN+MTP verify step (15 copies, per-request scalar
+    stores of the accepted counts, one ``.item()``)."""
+
+    def __init__(self, bs: int, args: argparse.Namespace) -> None:
+        k, dev = args.k, args.device
+        self.bs, self.k = bs, k
+        self.batches = Batches(bs, args.context, k)
+        per_row = -(-(args.context + 200 * (k + 1) + 4 * k + 64) // PAGE)
+        t = bs * (k + 1)
+        pin = dev == "cuda"
+
+        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
+            return (torch.zeros(shape, dtype=dtype, pin_memory=pin),
+                    torch.zeros(shape, dtype=dtype, device=dev))
+
+        i32, i64 = torch.int32, torch.int64
+        self.m = {
+            "temperatures": pair((bs,), torch.float32), "input_ids": pair((t,), i32),
+            "decode_cu": pair((bs + 1,), i32), "decode_src": pair((bs,), i32),
+            "slot_mapping": pair((t,), i64), "context_lens": pair((bs,), i32),
+            "cu_seqlens_q": pair((bs + 1,), i32), "block_tables": pair((bs, per_row), i32),
+            "kv_indptr": pair((bs + 1,), i32), "positions": pair((t,), i64),
+            "gdn_cu_seqlens_q": pair((bs + 1,), i32),
+            "spec_state_indices": pair((bs, k + 1), i32),
+            "target_logits_indices": pair((bs * k,), i64),
+            "cu_num_draft_tokens": pair((bs,), i32), "bonus_logits_indices": pair((bs,), i64),
+        }
+        self.np = {name: c.numpy() for name, (c, _) in self.m.items()}
+        self.num_accepted = torch.ones(bs, dtype=i32, device=dev)
+        self.run(20)
+
+    def step(self, batch: ScheduledBatch, lists: list[list[int]]) -> None:
+        a, n, k = self.np, self.bs, self.k
+        q = k + 1
+        cols = batch.columns
+        ctx = cols.context_lens.astype(np.int64)
+        a["temperatures"][:] = cols.temperatures
+        a["input_ids"][:] = cols.token_ids
+        a["decode_cu"][:] = np.arange(n + 1) * q
+        a["decode_src"][:] = cols.prev_sample_rows
+        pos = (ctx[:, None] - q + np.arange(q)[None, :]).reshape(-1)
+        bt = a["block_tables"]
+        for i, row in enumerate(lists):  # the per-row full-width rebuild
+            bt[i, :] = 0
+            bt[i, : len(row)] = row
+        req = np.repeat(np.arange(n), q)
+        a["slot_mapping"][:] = bt[req, pos // PAGE].astype(np.int64) * PAGE + pos % PAGE
+        a["context_lens"][:] = ctx
+        a["cu_seqlens_q"][:] = np.arange(n + 1) * q
+        a["kv_indptr"][0] = 0
+        np.cumsum(-(-ctx // PAGE), out=a["kv_indptr"][1:])
+        a["positions"][:] = pos
+        a["gdn_cu_seqlens_q"][:] = a["cu_seqlens_q"]
+        a["spec_state_indices"][:] = np.arange(n)[:, None] * q + np.arange(q)[None, :]
+        starts = np.arange(n) * q
+        a["target_logits_indices"][:] = (starts[:, None] + np.arange(k)[None, :]).reshape(-1)
+        a["cu_num_draft_tokens"][:] = np.arange(1, n + 1) * k
+        a["bonus_logits_indices"][:] = starts + k
+        for cpu, gpu in self.m.values():
+            gpu.copy_(cpu, non_blocking=True)
+        self.num_accepted.fill_(1)
+        for i in range(n):  # one scalar store per request
+            self.num_accepted[i] = 1 + (i % q)
+        self.m["gdn_cu_seqlens_q"][1][-1].item()  # the spec token count read back
+
+    def run(self, steps: int) -> float:
+        work = [self.batches.step() for _ in range(steps)]
+        pc = time.perf_counter_ns
+        times = []
+        for batch, lists in work:
+            t0 = pc()
+            self.step(batch, lists)
+            times.append(pc() - t0)
+        return float(np.median(times)) / 1e3
+
+
+def trace_counts(lib: Library, k: int) -> dict[str, int]:
+    """Host-to-device copies and kernels of one verify publication and of its k draft
+    steps, from a torch.profiler trace (CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = lib.batches.step()[0]
+    rejected = torch.zeros(lib.batches.bs, dtype=torch.int32, device="cuda")
+    plan = lib.publish(batch)
+    for s in range(1, k + 1):
+        lib.loop.advance(plan.decode, rejected, s)
+    torch.cuda.synchronize()
+    out = {}
+    for what in ("verify", "draft"):
+        batch = lib.batches.step()[0]
+        if what == "draft":
+            plan = lib.publish(batch)
+            torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if what == "verify":
+                lib.publish(batch)
+            else:
+                for s in range(1, k + 1):
+                    lib.loop.advance(plan.decode, rejected, s)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"
+                 and not e.name.startswith("h2d.")]
+        h2d = [n for n in names if "HtoD" in n]
+        other_copies = [n for n in names if "Memcpy" in n and "HtoD" not in n]
+        out[f"{what}_h2d"] = len(h2d)
+        out[f"{what}_kernels"] = len([n for n in names if "Memcpy" not in n
+                                      and "Memset" not in n])
+        out[f"{what}_other_copies"] = len(other_copies)
+    return out
+
+
+def measure(bs: int, args: argparse.Namespace) -> dict[str, Any]:
+    ways: dict[str, Any] = {"packed": Library("packed", bs, args),
+                            "direct": Library("direct", bs, args),
+                            "atom": AtomStyle(bs, args)}
+    medians: dict[str, list[float]] = {k: [] for k in ways}
+    for r in range(args.rounds):
+        for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            medians[name].append(ways[name].run(args.chunk))
+    out: dict[str, Any] = {"bs": bs, "k": args.k, "gdn": args.gdn, "context": args.context}
+    for name, values in medians.items():
+        out[f"{name}_us"] = float(np.median(values))
+        out[f"{name}_us_chunks"] = values
+    c = ways["packed"].state.counters(DECODE_STEP)
+    out["packed_dmas_per_step"] = c.dmas / max(c.publications, 1)
+    out["packed_scatters_per_step"] = c.scatters / max(c.publications, 1)
+    if args.device == "cuda":
+        out.update(trace_counts(ways["packed"], args.k))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", default="1,8,64,256")
+    ap.add_argument("--k", type=int, default=1)
+    ap.add_argument("--gdn", action="store_true")
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--chunk", type=int, default=100)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    ap.add_argument("--out", type=Path, default=ROOT / "results")
+    args = ap.parse_args()
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = [measure(int(bs), args) for bs in args.batch_sizes.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = f"k{args.k}{'_gdn' if args.gdn else ''}"
+    (args.out / f"mtp_step_{tag}.json").write_text(json.dumps(rows, indent=1))
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"{gpu}, torch {torch.__version__}; {'GDN+' if args.gdn else 'MHA+'}MTP verify "
+          f"step, k={args.k}, {args.context}-token contexts: host µs, median of "
+          f"{args.rounds} interleaved chunks; ratio = way / packed")
+    print("| bs | packed | direct | atom | verify: H2D + kernels (packed) | "
+          f"{args.k} draft steps: H2D + kernels |")
+    print("|---:|---:|---:|---:|---|---|")
+    for r in rows:
+        p = r["packed_us"]
+        trace = (f"{r['verify_h2d']} + {r['verify_kernels']} | {r['draft_h2d']} + "
+                 f"{r['draft_kernels']}" if "verify_h2d" in r else
+                 f"{r['packed_dmas_per_step']:.0f} DMA + {r['packed_scatters_per_step']:.0f} "
+                 "scatter (counters) | -")
+        print(f"| {r['bs']} | **{p:.1f}** | {r['direct_us']:.1f} ({r['direct_us'] / p:.1f}x) "
+              f"| {r['atom_us']:.1f} ({r['atom_us'] / p:.1f}x) | {trace} |")
+
+
+if __name__ == "__main__":
+    main()
