@@ -197,11 +197,12 @@ class TinyDecoder:
         qkv = cfg.heads * cfg.head_dim
 
         def rand(*shape: int, scale: float) -> torch.Tensor:
-            w = torch.randn(*shape, generator=gen, dtype=torch.float32) * scale
+            w = torch.randn(*shape, generator=gen, dtype=torch.float32, device="cpu") * scale
             return w.to(device=self.device, dtype=cfg.dtype)
 
         def norm_weight() -> torch.Tensor:
-            w = 1.0 + 0.1 * torch.randn(cfg.hidden, generator=gen, dtype=torch.float32)
+            w = 1.0 + 0.1 * torch.randn(cfg.hidden, generator=gen, dtype=torch.float32,
+                                     device="cpu")
             return w.to(device=self.device, dtype=cfg.dtype)
 
         self.embed = rand(cfg.vocab, cfg.hidden, scale=1.0)
@@ -224,8 +225,11 @@ class TinyDecoder:
         self.kv_cache = torch.zeros(cfg.layers, 2, cfg.num_slots + 1, cfg.heads, cfg.head_dim,
                                     dtype=cfg.dtype, device=self.device)
         half = cfg.head_dim // 2
-        inv_freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.head_dim)
-        angles = torch.arange(cfg.num_slots, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        # host tables (device="cpu": the runner may be built under a CUDA default device)
+        inv_freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64, device="cpu") * 2
+                                      / cfg.head_dim)
+        angles = (torch.arange(cfg.num_slots, dtype=torch.float64, device="cpu")[:, None]
+                  * inv_freq[None, :])
         self._cos = angles.cos().to(device=self.device, dtype=torch.float32)
         self._sin = angles.sin().to(device=self.device, dtype=torch.float32)
         # Index vectors every forward uses, made once.

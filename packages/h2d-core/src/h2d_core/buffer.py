@@ -53,7 +53,7 @@ class BufferSpec:
     capacity: int = field(init=False)
 
     def __post_init__(self) -> None:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         numel = math.prod(self.shape)
         if self.unit is CountUnit.ROWS:
             unit_bytes, capacity = math.prod(self.shape[1:]) * itemsize, self.shape[0]

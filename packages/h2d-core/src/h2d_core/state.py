@@ -299,7 +299,8 @@ class H2DRunnerState(SlotLifecycle, Publication):
         if not plan.packed:
             for buf in own:
                 sources[buf.name].append(
-                    torch.zeros(buf.spec.shape, dtype=buf.spec.dtype, pin_memory=self._cuda)
+                    torch.zeros(buf.spec.shape, dtype=buf.spec.dtype, device="cpu",
+                                pin_memory=self._cuda)
                 )
             return GroupRecord(plan, None)
         # Primary groups are bound first (publication order), so borrowed sources exist.

@@ -167,7 +167,9 @@ class PackedArena:
 
         cuda = dev.type == "cuda"
         # Zeroed so every descriptor starts as a no-op and no stale byte is ever published.
-        self.host = torch.zeros(layout.total_bytes, dtype=torch.uint8, pin_memory=cuda)
+        # device="cpu": an engine may still hold a CUDA default device while it binds.
+        self.host = torch.zeros(layout.total_bytes, dtype=torch.uint8, device="cpu",
+                                pin_memory=cuda)
         self.host_np: np.ndarray = self.host.numpy()
         self.device_arena = torch.zeros(layout.total_bytes, dtype=torch.uint8, device=dev)
         self.dest_table = torch.tensor([a for a, _ in spans], dtype=torch.int64, device=dev)

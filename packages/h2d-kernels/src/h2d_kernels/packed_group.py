@@ -149,7 +149,7 @@ class PackedGroup:
                 src = borrowed_sources[m.name]
             elif p is Placement.STAGED:
                 dst = m.destination
-                src = torch.zeros(dst.shape, dtype=dst.dtype, pin_memory=pin)
+                src = torch.zeros(dst.shape, dtype=dst.dtype, device="cpu", pin_memory=pin)
             else:
                 dst = m.destination
                 src = arena.payload_host(i)[: m.nbytes].view(dst.dtype).view(dst.shape)
