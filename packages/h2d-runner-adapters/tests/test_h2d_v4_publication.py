@@ -236,7 +236,8 @@ def test_v41_with_token_inputs_is_two_dmas_and_two_scatters(device: str) -> None
     ah.need_kernels(device)
     st_ = H2DRunnerState(device, backend="packed", scatter=ah.scatter_for(device))
     sampling = SamplingInputs(st_, MAX_REQS)
-    tokens = TokenInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
+    # DSpark verify: the speculative verification indices ride in the token inputs
+    tokens = TokenInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_drafts=3)
     st_.combine(TOKEN_INPUTS, [SAMPLING, *tokens.producer_groups])
     v4 = V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                            max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
@@ -259,6 +260,7 @@ def test_v41_with_token_inputs_is_two_dmas_and_two_scatters(device: str) -> None
         sampling.prepare(batch)
         tokens.prepare_ids(batch, MAX_REQS)
         tokens.prepare_query_prefix(batch, MAX_REQS)
+        tokens.prepare_spec_indices(batch)
         v4.begin_step(spans, block_tables=rows, padded=MAX_REQS)
         st_.publish(TOKEN_INPUTS)
         st_.publish(V41_METADATA)
@@ -371,7 +373,7 @@ def test_v41_decode_is_two_h2d_copies_and_two_kernels_in_a_profiler_trace(device
     from torch.profiler import ProfilerActivity, profile
 
     st_ = H2DRunnerState("cuda", num_slots=2)
-    tok = TokenStepInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
+    tok = TokenStepInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_drafts=3)
     v4 = V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                            max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
                            dummy_block=DUMMY_BLOCK, num_blocks=NUM_BLOCKS, fp8=True)
@@ -387,7 +389,9 @@ def test_v41_decode_is_two_h2d_copies_and_two_kernels_in_a_profiler_trace(device
             top_p=np.ones(5, np.float32), prev_sample_rows=np.full(5, -1, np.int32),
             token_ids=np.zeros(int(q.sum()), np.int32), num_drafts=q - 1)
         st_.begin()
-        tok.prepare(ScheduledBatch((), False, V4_BLOCK, given_columns=cols), MAX_REQS)
+        batch = ScheduledBatch((), False, V4_BLOCK, given_columns=cols)
+        tok.prepare(batch, MAX_REQS)
+        tok.tokens.prepare_spec_indices(batch)  # the DSpark verify trio, same group
         v4.begin_step(spans, block_tables=rows, padded=MAX_REQS)
         st_.publish(TOKEN_INPUTS)
         st_.publish(V41_METADATA)
