@@ -8,10 +8,11 @@ pages, 1/16 of the requests cross a page each step, three ways interleaved in on
   group for GDN+MTP): the fused producer, the speculative indices, the GDN state indices,
   one publication: one DMA and one scatter;
 * ``direct``: the same code with ``backend="direct"`` (one copy per member);
-* ``atom``: the ATOM-style GDN+MTP verify step from the context document (§7, §9, §11): the
-  host builds every array (full-width block-table rows from Python lists), 15 copies, one
-  scalar store per request for ``num_accepted_tokens`` and the ``.item()`` readback of the
-  spec token count.
+* ``atom``: the ATOM-style verify step from the context document (§7, §9, §11): the host
+  builds every array (full-width block-table rows from Python lists) and copies each member:
+  13 copies for MHA+MTP (the plain-MHA 10 and the verify trio); for GDN+MTP 15 (plus the
+  second query prefix and the spec state indices), one scalar store per request for
+  ``num_accepted_tokens`` and the ``.item()`` readback of the spec token count.
 
 Host µs per step (median of chunk medians) from ``begin()`` to ``finish()`` for the
 library (less any blocking wait for source reuse), the host work and copies for ``atom``.
@@ -130,12 +131,12 @@ class Library:
 
 
 class AtomStyle:
-    """The host side of an ATOM-style GDN+MTP verify step (15 copies, per-request scalar
-    stores of the accepted counts, one ``.item()``)."""
+    """The host side of an ATOM-style verify step: MHA+MTP 13 copies; GDN+MTP 15 copies,
+    per-request scalar stores of the accepted counts and one ``.item()``."""
 
     def __init__(self, bs: int, args: argparse.Namespace) -> None:
         k, dev = args.k, args.device
-        self.bs, self.k = bs, k
+        self.bs, self.k, self.gdn = bs, k, args.gdn
         self.batches = Batches(bs, args.context, k)
         per_row = -(-(args.context + 200 * (k + 1) + 4 * k + 64) // PAGE)
         t = bs * (k + 1)
@@ -157,6 +158,8 @@ class AtomStyle:
             "target_logits_indices": pair((bs * k,), i64),
             "cu_num_draft_tokens": pair((bs,), i32), "bonus_logits_indices": pair((bs,), i64),
         }
+        if not args.gdn:
+            del self.m["gdn_cu_seqlens_q"], self.m["spec_state_indices"]
         self.np = {name: c.numpy() for name, (c, _) in self.m.items()}
         self.num_accepted = torch.ones(bs, dtype=i32, device=dev)
         self.run(20)
@@ -182,18 +185,20 @@ class AtomStyle:
         a["kv_indptr"][0] = 0
         np.cumsum(-(-ctx // PAGE), out=a["kv_indptr"][1:])
         a["positions"][:] = pos
-        a["gdn_cu_seqlens_q"][:] = a["cu_seqlens_q"]
-        a["spec_state_indices"][:] = np.arange(n)[:, None] * q + np.arange(q)[None, :]
+        if self.gdn:
+            a["gdn_cu_seqlens_q"][:] = a["cu_seqlens_q"]
+            a["spec_state_indices"][:] = np.arange(n)[:, None] * q + np.arange(q)[None, :]
         starts = np.arange(n) * q
         a["target_logits_indices"][:] = (starts[:, None] + np.arange(k)[None, :]).reshape(-1)
         a["cu_num_draft_tokens"][:] = np.arange(1, n + 1) * k
         a["bonus_logits_indices"][:] = starts + k
         for cpu, gpu in self.m.values():
             gpu.copy_(cpu, non_blocking=True)
-        self.num_accepted.fill_(1)
-        for i in range(n):  # one scalar store per request
-            self.num_accepted[i] = 1 + (i % q)
-        self.m["gdn_cu_seqlens_q"][1][-1].item()  # the spec token count read back
+        if self.gdn:
+            self.num_accepted.fill_(1)
+            for i in range(n):  # one scalar store per request
+                self.num_accepted[i] = 1 + (i % q)
+            self.m["gdn_cu_seqlens_q"][1][-1].item()  # the spec token count read back
 
     def run(self, steps: int) -> float:
         work = [self.batches.step() for _ in range(steps)]
@@ -204,6 +209,26 @@ class AtomStyle:
             self.step(batch, lists)
             times.append(pc() - t0)
         return float(np.median(times)) / 1e3
+
+
+def _cuda_names(fn: Any) -> list[str]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type.name == "CUDA"
+            and not e.name.startswith("h2d.")]
+
+
+def atom_counts(atom: AtomStyle) -> dict[str, int]:
+    """Host-to-device copies (by the runtime's copy kind in the event name) and kernels of
+    one ATOM-style verify step."""
+    batch, lists = atom.batches.step()
+    names = _cuda_names(lambda: atom.step(batch, lists))
+    return {"atom_h2d": len([n for n in names if "HtoD" in n]),
+            "atom_kernels": len([n for n in names if "Memcpy" not in n and "Memset" not in n])}
 
 
 def trace_counts(lib: Library, k: int) -> dict[str, int]:
@@ -258,6 +283,7 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, Any]:
     out["packed_scatters_per_step"] = c.scatters / max(c.publications, 1)
     if args.device == "cuda":
         out.update(trace_counts(ways["packed"], args.k))
+        out.update(atom_counts(ways["atom"]))
     return out
 
 
@@ -282,14 +308,15 @@ def main() -> None:
           f"step, k={args.k}, {args.context}-token contexts: host µs, median of "
           f"{args.rounds} interleaved chunks; ratio = way / packed")
     print("| bs | packed | direct | atom | verify: H2D + kernels (packed) | "
-          f"{args.k} draft steps: H2D + kernels |")
-    print("|---:|---:|---:|---:|---|---|")
+          f"{args.k} draft steps: H2D + kernels | atom: H2D + kernels |")
+    print("|---:|---:|---:|---:|---|---|---|")
     for r in rows:
         p = r["packed_us"]
         trace = (f"{r['verify_h2d']} + {r['verify_kernels']} | {r['draft_h2d']} + "
-                 f"{r['draft_kernels']}" if "verify_h2d" in r else
+                 f"{r['draft_kernels']} | {r['atom_h2d']} + {r['atom_kernels']}"
+                 if "verify_h2d" in r else
                  f"{r['packed_dmas_per_step']:.0f} DMA + {r['packed_scatters_per_step']:.0f} "
-                 "scatter (counters) | -")
+                 "scatter (counters) | - | -")
         print(f"| {r['bs']} | **{p:.1f}** | {r['direct_us']:.1f} ({r['direct_us'] / p:.1f}x) "
               f"| {r['atom_us']:.1f} ({r['atom_us'] / p:.1f}x) | {trace} |")
 
