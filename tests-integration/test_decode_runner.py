@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from decode_runner.host_inputs import build_host_inputs
 from decode_runner.runner import DecodeRunner, RunnerConfig
 from decode_runner.scheduler import Scheduler, SchedulerConfig
+from kernel_mode import needs_kernels
 
 STEPS = int(os.environ.get("H2D_INTEGRATION_STEPS", "200"))
 
@@ -32,14 +33,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
-
-
-def _needs_kernels(device: str) -> None:
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if device == "cpu" and not interp:
-        pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1 (nox -s tests)")
-    if device == "cuda" and interp:
-        pytest.skip("CUDA runs need TRITON_INTERPRET unset")
 
 
 def _configs(device: str, **over: object) -> tuple[SchedulerConfig, RunnerConfig]:
@@ -99,7 +92,7 @@ def _check_inputs(runner: DecodeRunner, batch: object, got: object, prev: list[i
 
 
 def test_packed_and_direct_are_bit_identical(device: str) -> None:
-    _needs_kernels(device)
+    needs_kernels(device)
     steps = STEPS if device == "cuda" else min(STEPS, 200)
     lp, tp, kinds = _run(device, "packed", steps, check_oracle=True)
     ld, td, _ = _run(device, "direct", steps)
@@ -113,7 +106,7 @@ def test_packed_and_direct_are_bit_identical(device: str) -> None:
 
 
 def test_two_batch_overlap_packed_equals_direct(device: str) -> None:
-    _needs_kernels(device)
+    needs_kernels(device)
     steps = 60
     lp, tp, kinds = _run(device, "packed", steps, tbo=True)
     ld, td, _ = _run(device, "direct", steps, tbo=True)
@@ -139,7 +132,7 @@ def test_steps_run_without_a_default_device_mode(device: str) -> None:
     a DeviceContext."""
     from h2d_core import device_context_active
 
-    _needs_kernels(device)
+    needs_kernels(device)
     sched_cfg, run_cfg = _configs(device)
     # CPU runs use "meta": a host allocation that forgot device="cpu" has no storage there
     torch.set_default_device(device if device == "cuda" else "meta")

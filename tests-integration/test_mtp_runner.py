@@ -3,22 +3,13 @@ the GPU alone, greedy output equal to plain greedy decoding, packed == direct.""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 from decode_runner.mtp import MtpConfig, MtpRunner
+from kernel_mode import needs_kernels
 
 from h2d_runner_adapters import DECODE_STEP
-
-
-def _needs_kernels(device: str) -> None:
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if device == "cpu" and not interp:
-        pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1 (nox -s tests)")
-    if device == "cuda" and interp:
-        pytest.skip("CUDA runs need TRITON_INTERPRET unset")
 
 
 def _config(device: str, k: int, **over: object) -> MtpConfig:
@@ -37,7 +28,7 @@ def test_speculative_output_equals_greedy_decoding(device: str, k: int) -> None:
     """Every committed token is the target's greedy choice for its prefix (checked
     against the dense float64 reference, near-ties aside), with drafts both accepted and
     rejected along the way; each verify step is one DMA and one scatter."""
-    _needs_kernels(device)
+    needs_kernels(device)
     runner = MtpRunner(_config(device, k), device, "packed")
     iterations = _iterations(device, k)
     accepted = 0
@@ -63,7 +54,7 @@ def test_speculative_output_equals_greedy_decoding(device: str, k: int) -> None:
 
 @pytest.mark.parametrize("k, gdn", [(1, False), (3, False), (1, True)])
 def test_mtp_packed_and_direct_are_bit_identical(device: str, k: int, gdn: bool) -> None:
-    _needs_kernels(device)
+    needs_kernels(device)
     runs = [MtpRunner(_config(device, k, gdn=gdn), device, b) for b in ("packed", "direct")]
     for _ in range(_iterations(device, k)):
         a, b = (r.iterate() for r in runs)

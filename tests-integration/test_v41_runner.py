@@ -13,25 +13,17 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_runner.v41 import V41Config, V41Population, V41Runner
+from kernel_mode import needs_kernels
 
 STEPS = int(os.environ.get("H2D_INTEGRATION_STEPS", "200"))
 
 
-def _needs_kernels(device: str) -> None:
-    interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if device == "cpu" and not interp:
-        pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1 (nox -s tests)")
-    if device == "cuda" and interp:
-        pytest.skip("CUDA runs need TRITON_INTERPRET unset")
-
-
 def test_v41_packed_and_direct_are_bit_identical(device: str) -> None:
-    _needs_kernels(device)
+    needs_kernels(device)
     cuda = device == "cuda"
     steps = STEPS if cuda else min(STEPS, 40)
     cfg = V41Config(graph_sizes=(4, 8) if cuda else (), scatter="auto" if cuda else "triton")
