@@ -25,6 +25,8 @@ PACKAGES = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml")
 TORCH = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 TEST_DEPS = ["numpy", "pytest", "hypothesis"]
+# the CPU suites in parallel, one worker per core (CI has 2): each worker is its own process
+PARALLEL = ["pytest-xdist"]
 # CI requires the compiled hot paths (built into each wheel by its hatch_build.py): a build
 # failure fails the run instead of falling back to the Python path. Tests that compare both
 # paths force the Python one per object (native=False) or block the extensions in a
@@ -70,10 +72,10 @@ def block_tables(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every CPU suite; Triton kernels run through the interpreter on CPU tensors."""
-    session.install(TORCH, TRITON, *TEST_DEPS)
+    session.install(TORCH, TRITON, *TEST_DEPS, *PARALLEL)
     _install_local(session, PACKAGES)
     session.run(
-        "python", "-m", "pytest", *_test_dirs(), *session.posargs,
+        "python", "-m", "pytest", "-n", "auto", *_test_dirs(), *session.posargs,
         env={"TRITON_INTERPRET": "1", **NATIVE},
     )
 

@@ -93,7 +93,8 @@ def _check_inputs(runner: DecodeRunner, batch: object, got: object, prev: list[i
 
 def test_packed_and_direct_are_bit_identical(device: str) -> None:
     needs_kernels(device)
-    steps = STEPS if device == "cuda" else min(STEPS, 200)
+    # the CPU interpreter is ~0.4 s a step: a shorter schedule there (CI's time budget)
+    steps = STEPS if device == "cuda" else min(STEPS, 100)
     lp, tp, kinds = _run(device, "packed", steps, check_oracle=True)
     ld, td, _ = _run(device, "direct", steps)
     assert len(lp) == len(ld) == steps, "the schedule ended early"
@@ -107,7 +108,7 @@ def test_packed_and_direct_are_bit_identical(device: str) -> None:
 
 def test_two_batch_overlap_packed_equals_direct(device: str) -> None:
     needs_kernels(device)
-    steps = 60
+    steps = 60 if device == "cuda" else 40
     lp, tp, kinds = _run(device, "packed", steps, tbo=True)
     ld, td, _ = _run(device, "direct", steps, tbo=True)
     assert kinds["tbo"] > 10, kinds
