@@ -4,6 +4,7 @@
     nox -s block_tables   block-tables tests with numpy only (proves it needs no torch)
     nox -s tests          every CPU suite of every package + tests-integration
     nox -s gpu            the GPU suites; needs RUN_H2D_GPU_TESTS=1 and CUDA, else fails
+    nox -s gpu2           the two-GPU pipeline-parallel run; needs two GPUs, else fails
     nox -s lint           ruff + mypy
 
 Packages are discovered from ``packages/*/pyproject.toml``; a new package needs no edit
@@ -94,6 +95,21 @@ def gpu(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", *_test_dirs(), *session.posargs,
         env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1", **NATIVE},
+    )
+
+
+@nox.session(venv_backend="none")
+def gpu2(session: nox.Session) -> None:
+    """Two-GPU pipeline parallelism: two stages as NCCL ranks, packed == direct logits."""
+    session.run(
+        "python", "-c",
+        "import sys, torch; n = torch.cuda.device_count(); "
+        "sys.exit(0 if n >= 2 else f'{n} GPU(s): the pipeline run needs two')",
+    )
+    src = os.pathsep.join(str(p / "src") for p in PACKAGES)
+    session.run(
+        "python", "-m", "pytest", "-s", "tests-integration/test_pipeline_two_gpus.py",
+        *session.posargs, env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1", **NATIVE},
     )
 
 

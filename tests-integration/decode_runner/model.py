@@ -262,6 +262,17 @@ class TinyDecoder:
 
     def hidden_states(self, inputs: DecoderInputs) -> torch.Tensor:
         """Final (normed) hidden states ``[T, hidden]``; writes K/V like :meth:`forward`."""
+        return self.final_hidden(self.run_layers(inputs, range(self.config.layers)))
+
+    def final_hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm of the last layer's output (a pipeline's last stage)."""
+        return _rms_norm(h, self.final_norm)
+
+    def run_layers(self, inputs: DecoderInputs, layers: range,
+                   hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Run ``layers`` (a pipeline stage's share) from ``hidden``, or from the token
+        embeddings when None; return the un-normed hidden states and write those layers'
+        K/V."""
         cfg = self.config
         tokens = inputs.input_ids.shape[0]
         keys = self.max_pages * cfg.page_size
@@ -293,8 +304,9 @@ class TinyDecoder:
         )
         masked = ~key_ok[:, None, :]  # [T, 1, L], broadcast over heads
 
-        h = self.embed.index_select(0, ids)
-        for index, layer in enumerate(self.layers):
+        h = self.embed.index_select(0, ids) if hidden is None else hidden
+        for index in layers:
+            layer = self.layers[index]
             a = _rms_norm(h, layer.norm1)
             q, k, v = (a @ layer.w_qkv).view(tokens, 3, cfg.heads, cfg.head_dim).unbind(1)
             q = self._rope(q, cos, sin)
@@ -316,7 +328,7 @@ class TinyDecoder:
             a = _rms_norm(h, layer.norm2)
             gate, up = (a @ layer.w_gate_up).chunk(2, dim=-1)
             h = h + (torch.nn.functional.silu(gate) * up) @ layer.w_down
-        return _rms_norm(h, self.final_norm)
+        return h
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
