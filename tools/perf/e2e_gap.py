@@ -11,9 +11,10 @@ main job does:
   while the host prepares: no concurrent GPU work, no queued launches);
 * ``alone``: only the metadata path on the same runner, buffers and tables (begin,
   prepare, publish, finish), back to back: the isolated figure;
-* ``alone+touch``: ``alone``, with a stand-in for the rest of the step's host work between
-  steps (a few hundred small torch ops on the CPU): host cache and branch-predictor
-  pollution without any GPU work.
+* ``alone+torch``: ``alone``, with 64 small CPU torch ops between steps (a stand-in for the
+  rest of the step's host work, without any GPU work); ``alone+python``: a pure-Python
+  loop of similar length instead;
+* ``...,no-gc``: the same with Python's cyclic garbage collector disabled.
 
     python3 tools/perf/e2e_gap.py [--batch-sizes 1,64] [--rounds 6] [--chunk 50]
 """
@@ -21,8 +22,10 @@ main job does:
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,20 +42,24 @@ from decode_runner.runner import DECODE_STEP, DecodeRunner  # noqa: E402
 
 def measure(bs: int, args: argparse.Namespace, junk: list[torch.Tensor]) -> dict[str, float]:
     runner = DecodeRunner(_config(bs, args.context, True), "cuda", "packed")
-    batches = iter(_batches(bs, args.context, 20 + 4 * args.rounds * args.chunk + 10))
+    batches = iter(_batches(bs, args.context, 20 + 7 * args.rounds * args.chunk + 10))
     for _ in range(20):
         runner.step(next(batches))
     torch.cuda.synchronize()
     st, step, pc = runner.state, runner.decode_step, time.perf_counter_ns
 
-    def alone(touch: bool) -> float:
+    def alone(touch: str) -> float:
         out = []
         for _ in range(args.chunk):
             b = next(batches)
-            if touch:
+            if touch == "torch":
                 acc = junk[0]
                 for t in junk:
                     acc = acc + t * 0.5
+            elif touch == "python":  # the same time in pure Python: no torch calls
+                x = 0
+                for i in range(3000):
+                    x += i * i
             t0 = pc()
             st.begin()
             step.prepare(b, b.padded_size)
@@ -70,8 +77,18 @@ def measure(bs: int, args: argparse.Namespace, junk: list[torch.Tensor]) -> dict
             out.append(runner.host_metadata_ns / 1e3)
         return float(np.median(out))
 
+    def no_gc(fn: Callable[[], float]) -> float:
+        gc.disable()
+        try:
+            return fn()
+        finally:
+            gc.enable()
+
     ways = {"full": lambda: full(False), "synced": lambda: full(True),
-            "alone": lambda: alone(False), "alone+touch": lambda: alone(True)}
+            "full,no-gc": lambda: no_gc(lambda: full(False)),
+            "alone": lambda: alone(""), "alone+torch": lambda: alone("torch"),
+            "alone+torch,no-gc": lambda: no_gc(lambda: alone("torch")),
+            "alone+python": lambda: alone("python")}
     med: dict[str, list[float]] = {k: [] for k in ways}
     for r in range(args.rounds):
         for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
