@@ -47,6 +47,7 @@ def measure(bs: int, args: argparse.Namespace, junk: list[torch.Tensor]) -> dict
         runner.step(next(batches))
     torch.cuda.synchronize()
     st, step, pc = runner.state, runner.decode_step, time.perf_counter_ns
+    seg: dict[str, list[tuple[int, int, int, int]]] = {"": [], "torch": [], "python": []}
 
     def alone(touch: str) -> float:
         out = []
@@ -62,10 +63,15 @@ def measure(bs: int, args: argparse.Namespace, junk: list[torch.Tensor]) -> dict
                     x += i * i
             t0 = pc()
             st.begin()
+            t1 = pc()
             step.prepare(b, b.padded_size)
+            t2 = pc()
             st.publish(DECODE_STEP)
+            t3 = pc()
             st.finish()
-            out.append((pc() - t0 - st.last_source_wait_ns) / 1e3)
+            t4 = pc()
+            out.append((t4 - t0 - st.last_source_wait_ns) / 1e3)
+            seg[touch].append((t1 - t0 - st.last_source_wait_ns, t2 - t1, t3 - t2, t4 - t3))
         return float(np.median(out))
 
     def full(synced: bool) -> float:
@@ -94,6 +100,10 @@ def measure(bs: int, args: argparse.Namespace, junk: list[torch.Tensor]) -> dict
         for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
             med[name].append(ways[name]())
             torch.cuda.synchronize()
+    for touch, rows in seg.items():
+        parts = np.median(np.asarray(rows, dtype=np.float64), axis=0) / 1e3
+        print(f"bs={bs} alone+{touch or 'nothing'}: begin {parts[0]:.1f}, prepare "
+              f"{parts[1]:.1f}, publish {parts[2]:.1f}, finish {parts[3]:.1f} µs", flush=True)
     return {k: float(np.median(v)) for k, v in med.items()}
 
 
