@@ -7,7 +7,8 @@ Per step::
                query prefix, prefill mirrors)
     state.publish(<step group>)                   # one DMA + one scatter (packed backend)
     state.finish()                                # records completion, never waits
-    token assembly -> KV-index generation / attention preparation   (first consumers)
+    token assembly -> KV-index generation / attention preparation   (first consumers;
+               one captured graph of both on padded decode steps)
     CUDA-graph replay (decode, padded) or eager forward (prefill, TBO, no graph)
     sampler (greedy rows corrected on the GPU, no readback)
 
@@ -27,12 +28,14 @@ import torch
 
 from h2d_core import H2DRunnerState, restore_implicit_cpu_default
 from h2d_runner_adapters import (
+    DecodePlan,
     DecodeStepInputs,
     MhaDecodeInputs,
     PrefillInputs,
     SamplingInputs,
     ScheduledBatch,
     TokenInputs,
+    TokenPlan,
     fill_gumbel_noise_,
 )
 
@@ -122,6 +125,8 @@ class DecodeRunner:
         #: when set (CUDA), events around publication..first consumers of decode steps
         self.span_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        #: per graph size, the first consumers (token assembly, KV-index generation)
+        self.consumer_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_inputs: dict[int, DecoderInputs] = {}
         for p in cfg.graph_sizes:
             self.graph_inputs[p] = self._decode_inputs(self.decode, p, 0)
@@ -151,21 +156,38 @@ class DecodeRunner:
         d.context_lens.gpu.zero_()
         d.kv_indptr.gpu.zero_()
         d.positions.gpu.zero_()
+        d.block_tables.gpu.zero_()
         self.tokens.input_ids.gpu.zero_()
+        self.tokens.decode_cu.gpu.zero_()
+        self.tokens.decode_src.gpu.fill_(-1)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for inputs in self.graph_inputs.values():
+        with torch.cuda.stream(side):  # warm-up: compile the kernels before any capture
+            for p, inputs in self.graph_inputs.items():
+                self._run_consumers(p)
                 self.model(inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for p in sorted(self.graph_inputs, reverse=True):
+            # The first consumers read only fixed destinations and host ints fixed by the
+            # graph size, so a padded step replays them too: two Triton launches (and
+            # their host work between publications) become one graph launch.
+            cg = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(cg, pool=pool):
+                self._run_consumers(p)
+            pool = cg.pool()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 out = self.model(self.graph_inputs[p])
-            pool = g.pool()
+            self.consumer_graphs[p] = cg
             self.graphs[p] = (g, out)
         torch.cuda.synchronize(self.device)
+
+    def _run_consumers(self, rows: int) -> None:
+        """Token assembly and KV-index generation of a one-token-per-request decode step
+        padded to ``rows`` requests (what a graph of that size replays)."""
+        self.tokens.assemble(TokenPlan(rows, rows, rows, rows, 0), self.sampled)
+        self.decode.generate_kv_indices(DecodePlan(rows, rows, 1, rows, rows, 0, ""))
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, batch: ScheduledBatch, *, tbo: bool = False) -> StepResult:
@@ -203,11 +225,15 @@ class DecodeRunner:
         # host work only: the wait for source reuse (a GPU still busy with earlier steps)
         # is reported apart, as ``state.last_source_wait_ns``
         self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
-        self.tokens.assemble(tplan, self.sampled)
-        self.decode.generate_kv_indices(dplan)
+        rows = dplan.padded_reqs
+        consumers = self.consumer_graphs.get(rows)
+        if consumers is not None and tplan.padded_tokens == rows:
+            consumers.replay()
+        else:
+            self.tokens.assemble(tplan, self.sampled)
+            self.decode.generate_kv_indices(dplan)
         if events is not None:
             events[1].record()
-        rows = dplan.padded_reqs
         if rows in self.graphs:
             graph, out = self.graphs[rows]
             graph.replay()
