@@ -225,12 +225,6 @@ def predict(
             return Expected(RowTypeError, f"row {i}: page IDs must be integers")
         if kind == "nested":
             return Expected(RowTypeError, f"row {i}: expected a 1-D array of page IDs")
-        if kind == "huge":
-            return Expected(
-                PageIdRangeError, f"row {i}: page ID {2**33} at column {len(ids)} does not fit"
-            )
-        if kind == "uint32" and any(x < 0 for x in ids):
-            return Expected(PageIdRangeError, f"row {i}: page ID {max(x % 2**32 for x in ids)}")
     contents = [contents_of(t, kind) for t, kind in batch]
     for i, ids in enumerate(contents):
         if len(ids) > WIDTH:
@@ -257,6 +251,15 @@ def predict(
                     f"row {k}: the request span needs {need} pages but the row holds "
                     f"{len(contents[k])}",
                 )
+    # IDs last: first a page ID that does not fit int32, then the pool limit
+    for i, (table, kind) in enumerate(batch):
+        ids = table.tolist()
+        if kind == "huge":
+            return Expected(
+                PageIdRangeError, f"row {i}: page ID {2**33} at column {len(ids)} does not fit"
+            )
+        if kind == "uint32" and any(x < 0 for x in ids):
+            return Expected(PageIdRangeError, f"row {i}: page ID {max(x % 2**32 for x in ids)}")
     if limit is not None:
         bad = frozenset(
             i for i, ids in enumerate(contents) if any(x < 0 or x >= limit for x in ids)

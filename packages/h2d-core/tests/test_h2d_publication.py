@@ -21,6 +21,7 @@ from h2d_core import (
     MembershipError,
     OwnerInvalidatedError,
     OwnerThreadError,
+    ProducerOwnerError,
     PublicationEnqueueError,
     ReentryError,
     StreamMismatchError,
@@ -311,7 +312,7 @@ def test_producer_needs_owner_and_known_group(device: str, h: Any) -> None:
     setup.state.begin()
     with pytest.raises(UnknownGroupError, match="'sampling'"):
         produce(setup.state)
-    with pytest.raises(Exception, match="needs an H2DRunnerState"):
+    with pytest.raises(ProducerOwnerError, match="must be the H2DRunnerState"):
         produce(object())
 
 

@@ -36,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from .errors import RowCountError, RowTypeError, RowWidthError, StorageError
+from .errors import (
+    PageIdRangeError,
+    RowCountError,
+    RowTypeError,
+    RowWidthError,
+    StorageError,
+)
 from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable
 from .native import load_extension, select
 from .validation import (
@@ -306,6 +312,12 @@ class PageTableSnapshot:
         batch mapping is then identified from the two vectors, and only rows whose version
         or length changed are read.
         """
+        if type(rows) not in (list, tuple) and not isinstance(rows, (Sequence, np.ndarray)):
+            # refused on every path, hits included (an iterator would be consumed by the
+            # hit test and then read as empty)
+            raise RowTypeError(
+                f"rows must be an ordered sequence (list or tuple), got {type(rows).__name__}"
+            )
         if versions is not None or lengths is not None:
             if versions is None or lengths is None:
                 raise RowTypeError("pass versions and lengths together (one of them is None)")
@@ -370,6 +382,7 @@ class PageTableSnapshot:
 
         # ---- read the batch: packed (version, length) keys, unversioned IDs -------------
         unversioned: dict[int, Int32Array] | None = None
+        deferred: PageIdRangeError | None = None
         if keys is None:
             unversioned = {}
             keys_read: list[int] = []
@@ -377,7 +390,12 @@ class PageTableSnapshot:
                 if isinstance(row, BlockTable):
                     keys_read.append(row._key)
                 else:
-                    ids = coerce_page_ids(row, row=i)
+                    try:
+                        ids = coerce_page_ids(row, row=i)
+                    except PageIdRangeError as exc:
+                        # an ID error: reported after every row's type and width checks
+                        deferred = deferred or exc
+                        ids = np.zeros(len(row), dtype=np.int32)
                     unversioned[i] = ids
                     keys_read.append(_key(_INCOMING_UNVERSIONED, ids.shape[0]))
             packed = np.array(keys_read, dtype=np.int64)
@@ -393,6 +411,8 @@ class PageTableSnapshot:
             )
         if required_pages is not None:
             check_required_pages(required_pages, lengths, lengths.view(np.uint64))
+        if deferred is not None:
+            raise deferred
 
         # ---- classify against the stored rows --------------------------------------------
         # With width < 2**23, a key difference within [-width, width] means the same

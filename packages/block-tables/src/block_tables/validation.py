@@ -58,7 +58,14 @@ def coerce_page_ids(value: object, *, row: int | None = None) -> Int32Array:
         )
     kind = arr.dtype.kind
     if kind == "O" and isinstance(value, (list, tuple)):
-        # Python ints beyond int64 land in an object array.
+        # An object array: a non-int (None, an object) or a Python int beyond int64.
+        for col, item in enumerate(value):
+            if isinstance(item, bool) or not isinstance(item, (int, np.integer)):
+                raise RowTypeError(
+                    f"{_where(row)}: page IDs must be ints, got {type(item).__name__} at "
+                    f"column {col}",
+                    row=row,
+                )
         raise PageIdRangeError(
             f"{_where(row)}: a page ID does not fit int32 [{INT32_MIN}, {INT32_MAX}]", row=row
         )

@@ -46,6 +46,11 @@ class DeviceMismatchError(H2DError):
     """The current device is not the runner state's device."""
 
 
+class ProducerOwnerError(H2DError, TypeError):
+    """An ``@h2d_producer`` was called without its owner (the runner state or an adapter
+    holding it as ``.h2d_state``) as the first argument."""
+
+
 class DeviceContextError(H2DError):
     """A default-device mode (``DeviceContext``) is active where the runner needs the
     implicit CPU default."""

@@ -6,19 +6,20 @@ import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
-from .errors import DeclarationError, H2DError
+from .errors import DeclarationError, ProducerOwnerError
 from .state import H2DRunnerState
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _owner_state(owner: object) -> H2DRunnerState:
+def _owner_state(owner: object, producer: str) -> H2DRunnerState:
     state = owner if isinstance(owner, H2DRunnerState) else getattr(owner, "h2d_state", None)
     if not isinstance(state, H2DRunnerState):
-        raise H2DError(
-            f"@h2d_producer needs an H2DRunnerState (or an object with .h2d_state) as the "
-            f"first argument, got {type(owner).__name__}"
+        raise ProducerOwnerError(
+            f"producer {producer}: its first argument must be the H2DRunnerState or an "
+            f"adapter whose .h2d_state is one, got {type(owner).__name__}; call it as a "
+            "method of the adapter that declared its buffers"
         )
     return state
 
@@ -56,15 +57,17 @@ def h2d_producer(
         def producer(*args: Any, **kwargs: Any) -> Any:
             reason = kwargs.pop("h2d_reason", None) if kwargs else None
             if not args:
-                raise H2DError(f"producer {fn.__qualname__} called without its owner argument")
+                raise ProducerOwnerError(
+                    f"producer {fn.__qualname__} called without its owner: pass the "
+                    "H2DRunnerState or the adapter as the first argument")
+            # the common owner, an adapter holding the state, without isinstance calls
+            state = getattr(args[0], "h2d_state", None)
+            if type(state) is not H2DRunnerState:
+                state = _owner_state(args[0], fn.__qualname__)
             names: tuple[str, ...] = (
                 tuple(g(args[0]) if callable(g) else g for g in groups)
                 if dynamic else groups  # type: ignore[assignment]
             )
-            # the common owner, an adapter holding the state, without isinstance calls
-            state = getattr(args[0], "h2d_state", None)
-            if type(state) is not H2DRunnerState:
-                state = _owner_state(args[0])
             state.enter_producer(names, reason)
             try:
                 return fn(*args, **kwargs)

@@ -134,6 +134,10 @@ class Publication(StateOwner):
                 "this epoch; a second publication needs a reason (reopen())"
             )
         name, item, cap = buffer.name, buffer.spec.itemsize, buffer.spec.nbytes
+        if not isinstance(ranges, (list, tuple)):
+            raise CountError(
+                f"buffer {name!r}: ranges must be a list of (start, stop) byte pairs, got "
+                f"{type(ranges).__name__}")
         if len(ranges) > buffer.max_ranges:
             raise CountError(
                 f"buffer {name!r}: {len(ranges)} ranges exceed its max_ranges="
@@ -145,6 +149,10 @@ class Publication(StateOwner):
         prev = 0
         new: list[tuple[int, int, int]] = []
         for k, r in enumerate(ranges):
+            if not isinstance(r, (list, tuple)) or len(r) != 2:
+                raise CountError(
+                    f"buffer {name!r}: range {k} {r!r} must be a (start, stop) pair of byte "
+                    "offsets")
             start, stop = r
             if (isinstance(start, bool) or isinstance(stop, bool)
                     or not isinstance(start, (int, np.integer))
@@ -161,7 +169,7 @@ class Publication(StateOwner):
                 )
             new.append((i, int(start), int(stop - start)))
             used += int(stop - start) + RANGE_OVERHEAD
-            prev = stop
+            prev = int(stop)
         room = self.range_room(buffer)
         if rec.packed is not None and used > room:
             raise CountError(

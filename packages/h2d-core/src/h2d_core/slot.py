@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from threading import get_ident
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import DeviceMismatchError, EpochError, ReentryError, UnknownGroupError
@@ -40,8 +41,13 @@ class SlotLifecycle(StateOwner):
                              "call finish() first")
         if slot is None:
             slot = (self.current_slot + 1) % self.num_slots if self.epoch else 0
-        elif isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_slots:
-            raise EpochError(f"slot {slot!r} is not in [0, {self.num_slots})")
+        else:
+            if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+                raise EpochError(f"slot must be an int in [0, {self.num_slots}) or None, got "
+                                 f"{type(slot).__name__} {slot!r}")
+            slot = int(slot)  # numpy integers from a scheduler's arrays are fine
+            if not 0 <= slot < self.num_slots:
+                raise EpochError(f"slot {slot} is not in [0, {self.num_slots})")
         if self._cuda:
             if get_device() != self._device_index:  # type: ignore[misc]
                 self._check_device()

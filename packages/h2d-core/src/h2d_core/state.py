@@ -29,7 +29,7 @@ from h2d_kernels import GroupMember, PackedGroup, arena_order
 from .buffer import BufferSpec, CountUnit, H2DBuffer, make_spec
 from .config import Backend, resolve_backend
 from .errors import BindingError, DeclarationError, UnknownGroupError
-from .group import GroupCounters, GroupPlan, byte_span, find_overlap, unit_view
+from .group import GroupCounters, GroupPlan, find_shared_bytes, unit_view
 from .launch import SlotEvents
 from .publish import Publication
 from .records import GroupRecord
@@ -197,7 +197,9 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self._check_thread()
         if self._bound:
             raise DeclarationError("bind() was already called; bound storage stays fixed")
-        overlap = find_overlap([(*byte_span(b.gpu), b.name) for b in self._buffers.values()])
+        # element addresses, not spans: disjoint interleaved views of one tensor are fine
+        # (their noncontiguous destinations make the group publish with direct copies)
+        overlap = find_shared_bytes([(b.gpu, b.name) for b in self._buffers.values()])
         if overlap:
             raise BindingError(
                 f"buffers {overlap[0]!r} and {overlap[1]!r} share GPU bytes; give each member "

@@ -1,0 +1,110 @@
+"""Calls an engine author might get wrong: a specific error naming the offender, nothing
+changed, and the call works once corrected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from h2d_core import (
+    BindingError,
+    CountError,
+    EpochError,
+    H2DRunnerState,
+    ProducerOwnerError,
+    h2d_producer,
+)
+
+
+def _state(num_slots: int = 1) -> tuple[H2DRunnerState, object]:
+    st = H2DRunnerState("cpu", num_slots=num_slots, scatter="reference")
+    bt = st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows", max_ranges=4)
+    st.bind()
+    return st, bt
+
+
+class _Adapter:
+    def __init__(self, state: H2DRunnerState) -> None:
+        self.h2d_state = state
+        self.group = "g"
+
+    @h2d_producer(lambda self: self.group)
+    def prepare(self) -> str:
+        return "ran"
+
+
+def test_a_producer_without_its_owner_names_itself_and_changes_nothing() -> None:
+    st, _ = _state()
+
+    @h2d_producer("g")
+    def produce(owner: object) -> str:
+        return "ran"
+
+    st.begin()
+    with pytest.raises(ProducerOwnerError, match=r"producer .*produce: its first argument "
+                                                 r"must be the H2DRunnerState .* got object"):
+        produce(object())
+    with pytest.raises(ProducerOwnerError, match=r"called without its owner"):
+        produce()  # type: ignore[call-arg]
+    with pytest.raises(ProducerOwnerError, match=r"got int"):
+        _Adapter.prepare(5)  # type: ignore[arg-type]  # the group lambda never runs on it
+    assert isinstance(ProducerOwnerError("x"), TypeError)
+    assert produce(st) == "ran"  # not entered before: the producer still runs this epoch
+    st.finish()
+
+
+@pytest.mark.parametrize("bad, rule", [
+    ([(0, 4, 8)], r"range 0 \(0, 4, 8\) must be a \(start, stop\) pair"),
+    ([5], r"range 0 5 must be a \(start, stop\) pair"),
+    (None, r"ranges must be a list of \(start, stop\) byte pairs, got NoneType"),
+    ("0-4", r"ranges must be a list .* got str"),
+    ([(0.0, 4)], r"range 0 \(0.0, 4\) must be two ints"),
+])
+def test_malformed_ranges_are_count_errors_naming_the_buffer(bad: object, rule: str) -> None:
+    st, bt = _state()
+    st.begin()
+    with pytest.raises(CountError, match=rf"buffer 'bt': {rule}"):
+        st.set_ranges(bt, bad)  # type: ignore[arg-type]
+    assert st.count(bt) is None  # nothing recorded
+    st.set_ranges(bt, [(0, 32)])
+    st.publish("g")
+    st.finish()
+
+
+def test_begin_takes_numpy_integer_slots() -> None:
+    st, _ = _state(num_slots=2)
+    assert st.begin(np.int64(1)) == 1
+    st.finish()
+    for bad, rule in ((1.0, r"slot must be an int in \[0, 2\) or None, got float"),
+                      (np.int32(2), r"slot 2 is not in \[0, 2\)"),
+                      (True, r"got bool")):
+        with pytest.raises(EpochError, match=rule):
+            st.begin(bad)  # type: ignore[arg-type]
+    assert st.begin(0) == 0
+
+
+def test_disjoint_interleaved_views_bind_and_publish_with_direct_copies() -> None:
+    """Two columns of one [8, 2] tensor share no element: bound, published exactly (the
+    noncontiguous destinations use direct copies); a view overlapping one of them is
+    refused at bind()."""
+    st = H2DRunnerState("cpu", scatter="reference")
+    base = torch.zeros(8, 2, dtype=torch.int32)
+    x = st.buffer("x", (8,), torch.int32, group="h", gpu=base[:, 0])
+    y = st.buffer("y", (8,), torch.int32, group="h", gpu=base[:, 1])
+    st.bind()
+    st.begin()
+    x.np[:3] = [1, 2, 3]
+    y.np[:2] = [7, 8]
+    st.set_count(x, 3)
+    st.set_count(y, 2)
+    st.publish("h")
+    st.finish()
+    assert base[:4].tolist() == [[1, 7], [2, 8], [3, 0], [0, 0]]
+    assert st.counters("h").direct_copies == 2
+    bad = H2DRunnerState("cpu", scatter="reference")
+    other = torch.zeros(8, 2, dtype=torch.int32)
+    bad.buffer("x", (8,), torch.int32, group="h", gpu=other[:, 0])
+    bad.buffer("z", (4,), torch.int32, group="h", gpu=other.view(-1)[4:8])
+    with pytest.raises(BindingError, match=r"buffers 'x' and 'z' share GPU bytes"):
+        bad.bind()
