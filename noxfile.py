@@ -5,6 +5,7 @@
     nox -s tests          every CPU suite of every package + tests-integration
     nox -s gpu            the GPU suites; needs RUN_H2D_GPU_TESTS=1 and CUDA, else fails
     nox -s gpu2           the two-GPU pipeline-parallel run; needs two GPUs, else fails
+    nox -s stress         the state machines at 10,000 random sequences each (CPU, ~20 min)
     nox -s lint           ruff + mypy
 
 Packages are discovered from ``packages/*/pyproject.toml``; a new package needs no edit
@@ -110,6 +111,21 @@ def gpu2(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-s", "tests-integration/test_pipeline_two_gpus.py",
         *session.posargs, env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1", **NATIVE},
+    )
+
+
+@nox.session
+def stress(session: nox.Session) -> None:
+    """Nightly-style: the publication-contract and block-table snapshot state machines at
+    10,000 random sequences each (``H2D_STATEFUL_EXAMPLES`` overrides; CI runs them small)."""
+    session.install(TORCH, TRITON, *TEST_DEPS)
+    _install_local(session, PACKAGES)
+    examples = os.environ.get("H2D_STATEFUL_EXAMPLES", "10000")
+    session.run(
+        "python", "-m", "pytest", "-q",
+        "packages/block-tables/tests/test_shared_block_tables.py::test_snapshot_state_machine",
+        "packages/h2d-core/tests/test_contract_stateful.py", "-k", "CPU or snapshot",
+        *session.posargs, env={"H2D_STATEFUL_EXAMPLES": examples, **NATIVE},
     )
 
 

@@ -7,6 +7,7 @@ at full width to the fill value, then copy its IDs in.
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -862,7 +863,8 @@ class SnapshotMachine(RuleBasedStateMachine):
 
 
 SnapshotMachine.TestCase.settings = settings(
-    max_examples=300,
+    # nox -s stress raises it (10,000 sequences); CI keeps the small profile
+    max_examples=int(os.environ.get("H2D_STATEFUL_EXAMPLES", "300")),
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
