@@ -20,7 +20,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_runner.host_inputs import build_host_inputs
 from decode_runner.runner import DecodeRunner, RunnerConfig
-from decode_runner.scheduler import Scheduler, SchedulerConfig
+from decode_runner.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    steady_decode_batches,
+    steady_decode_num_pages,
+)
 from kernel_mode import needs_kernels
 
 STEPS = int(os.environ.get("H2D_INTEGRATION_STEPS", "200"))
@@ -125,6 +130,43 @@ def test_pipeline_slots_with_a_delayed_gpu_match_one_slot() -> None:
     l2, t2, _ = _run("cuda", "packed", steps, num_slots=2, gpu_delay_cycles=2_000_000)
     assert t1 == t2
     assert all(torch.equal(a, b) for a, b in zip(l1, l2, strict=True))
+
+
+def _steady_logits(slots: int, steps: int, delay_seed: int | None) -> list[torch.Tensor]:
+    """Steady decode (deferred token ids: the host never reads a token back, so it runs
+    ahead as far as its slots let it), each step's logits cloned on the GPU. With a delay
+    seed, a random ``torch.cuda._sleep`` (0-2 ms) precedes every publication."""
+    import random
+
+    bs, context, page = 8, 256, 16
+    cfg = RunnerConfig(max_reqs=bs, max_tokens=bs, max_pages_per_req=-(-(context + 1100) // page),
+                       page_size=page, num_pages=steady_decode_num_pages(bs, context, page),
+                       vocab=512, hidden=64, layers=2, heads=4, head_dim=16,
+                       dtype=torch.float16, graph_sizes=(bs,), num_slots=slots, seed=2)
+    runner = DecodeRunner(cfg, "cuda", "packed")
+    batches = steady_decode_batches(bs, context, page, graph_sizes=(bs,))
+    rng = random.Random(delay_seed)
+    out = []
+    for _ in range(steps):
+        if delay_seed is not None:
+            torch.cuda._sleep(rng.randint(0, 4_000_000))
+        out.append(runner.step(next(batches)).logits.clone())
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [2, 3, 4])
+def test_delayed_gpu_stress_never_corrupts_a_step(slots: int) -> None:
+    """Pipeline slots under a randomly delayed GPU, the host running ahead: every step's
+    logits equal those of one slot with no delay (a premature source rewrite would show)."""
+    steps = int(os.environ.get("H2D_DELAYED_STEPS", "1000"))
+    ref = _steady_logits(1, steps, None)
+    got = _steady_logits(slots, steps, delay_seed=slots)
+    corrupted = [i for i, (a, b) in enumerate(zip(ref, got, strict=True))
+                 if not torch.equal(a, b)]
+    print(f"{slots} slots, {steps} delayed steps: {len(corrupted)} corrupted")
+    assert not corrupted, corrupted[:10]
 
 
 def test_steps_run_without_a_default_device_mode(device: str) -> None:
