@@ -6,6 +6,7 @@
     nox -s gpu            the GPU suites; needs RUN_H2D_GPU_TESTS=1 and CUDA, else fails
     nox -s gpu2           the two-GPU pipeline-parallel run; needs two GPUs, else fails
     nox -s stress         the state machines at 10,000 random sequences each (CPU, ~20 min)
+    nox -s sanitize       the compiled core's suites under ASan + UBSan (gcc, CPU)
     nox -s lint           ruff + mypy
 
 Packages are discovered from ``packages/*/pyproject.toml``; a new package needs no edit
@@ -127,6 +128,28 @@ def stress(session: nox.Session) -> None:
         "packages/h2d-core/tests/test_contract_stateful.py", "-k", "CPU or snapshot",
         *session.posargs, env={"H2D_STATEFUL_EXAMPLES": examples, **NATIVE},
     )
+
+
+@nox.session
+def sanitize(session: nox.Session) -> None:
+    """The compiled core's suites (block-tables, h2d-core, h2d-kernels) with every C and
+    Cython extension built under AddressSanitizer and UndefinedBehaviorSanitizer (gcc);
+    the first report aborts the run."""
+    flags = "-fsanitize=address,undefined -fno-omit-frame-pointer -O1 -g"
+    session.install(TORCH, TRITON, *TEST_DEPS)
+    session.install("hatchling", "setuptools", "cython")
+    session.install("--no-deps", "--no-build-isolation", "--no-cache-dir",
+                    *[str(p) for p in PACKAGES],
+                    env={**NATIVE, "CFLAGS": flags, "LDFLAGS": "-fsanitize=address,undefined"})
+    libs = [session.run("gcc", f"-print-file-name={lib}", silent=True,
+                        external=True).strip()  # type: ignore[union-attr]
+            for lib in ("libasan.so", "libubsan.so")]
+    core = [str(ROOT / "packages" / p / "tests")
+            for p in ("block-tables", "h2d-core", "h2d-kernels")]
+    session.run("python", "-m", "pytest", "-q", *core, *session.posargs, env={
+        "LD_PRELOAD": " ".join(libs), "TRITON_INTERPRET": "1", **NATIVE,
+        "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:verify_asan_link_order=0",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
 
 
 @nox.session
