@@ -433,3 +433,36 @@ def test_speculative_sampling_keeps_uniform_filters_on_the_host(device: str,
         assert meta.context_lens[:n].cpu().tolist() == [c - r + 1 for c, r in zip(
             ctx, rej, strict=True)], index
         assert 0 < sum(acc) < total, (index, acc)  # both outcomes occur
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_spec_indices_repeat_the_slots_bytes_only_for_the_same_batch_shape(
+        device: str, backend: str) -> None:
+    """Steady MTP steps (same query and draft counts) reuse what the slot's sources hold;
+    any change of shape recomputes; every publication holds the right indices, whichever
+    slot it ran on."""
+    from h2d_runner_adapters import SPEC_INDICES, TokenInputs
+
+    st = H2DRunnerState(device, backend=backend, num_slots=2, scatter=ah.scatter_for(device))
+    t = TokenInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_drafts=3)
+    st.bind()
+    shapes = [[3, 3, 3], [3, 3, 3], [3, 3, 3], [1, 3, 2], [3, 3, 3], [0, 0], [3, 3, 3, 3],
+              [3, 3, 3]]
+    for step, drafts in enumerate(shapes):
+        d = np.asarray(drafts, np.int32)
+        q = d + 1
+        cols = BatchColumns(
+            query_lens=q, context_lens=q + 10, temperatures=np.ones(d.size, np.float32),
+            top_k=np.full(d.size, -1, np.int32), top_p=np.ones(d.size, np.float32),
+            prev_sample_rows=np.full(d.size, -1, np.int32),
+            token_ids=np.zeros(int(q.sum()), np.int32), num_drafts=d)
+        st.begin()
+        t.prepare_spec_indices(ScheduledBatch((), False, PAGE, given_columns=cols))
+        st.publish(SPEC_INDICES)
+        st.finish()
+        ah.sync(device)
+        target, cu, bonus = spec_reference(q, d)
+        n = d.size
+        assert t.target_logits_indices.gpu[: len(target)].tolist() == target, step
+        assert t.cu_num_draft_tokens.gpu[:n].tolist() == cu, step
+        assert t.bonus_logits_indices.gpu[:n].tolist() == bonus, step
