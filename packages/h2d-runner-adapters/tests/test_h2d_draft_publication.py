@@ -466,3 +466,35 @@ def test_spec_indices_repeat_the_slots_bytes_only_for_the_same_batch_shape(
         assert t.target_logits_indices.gpu[: len(target)].tolist() == target, step
         assert t.cu_num_draft_tokens.gpu[:n].tolist() == cu, step
         assert t.bonus_logits_indices.gpu[:n].tolist() == bonus, step
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_gdn_speculative_rows_are_rewritten_only_when_the_requests_change(
+        device: str, backend: str) -> None:
+    """Two slots: steps with the same state groups reuse the slot's speculative rows and
+    write only the accepted counts; new groups, padding or a bad count are handled as on
+    a first step. Every publication holds exact rows and counts."""
+    st = H2DRunnerState(device, backend=backend, num_slots=2, scatter=ah.scatter_for(device))
+    gdn = GdnStateInputs(st, max_reqs=MAX_REQS, num_spec=2, num_state_slots=NUM_SLOTS)
+    st.bind()
+    rng = np.random.default_rng(9)
+    plan_groups = [[1, 4, 2]] * 4 + [[5, 0]] * 3 + [[1, 4, 2]] * 2
+    for step, groups in enumerate(plan_groups):
+        g = np.asarray(groups, np.int32)
+        acc = rng.integers(1, 4, g.size).astype(np.int32)
+        padded = 6 if step == 5 else None
+        st.begin()
+        if step == 2:  # a bad count on a cached shape is still refused, nothing written
+            before = {k: b.np.tobytes() for k, b in st.buffers().items()}
+            with pytest.raises(CountError, match=r"num_accepted=4; it must be in \[1, 3\]"):
+                gdn.prepare(g, num_accepted=np.array([1, 4, 1], np.int32))
+            assert {k: b.np.tobytes() for k, b in st.buffers().items()} == before
+        plan = gdn.prepare(g, padded=padded, num_accepted=acc)
+        st.publish(GDN_STATE)
+        st.finish()
+        ah.sync(device)
+        p = plan.padded_reqs
+        assert gdn.spec is not None and gdn.num_accepted is not None
+        want = [[x * 3 + j for j in range(3)] for x in groups] + [[-1] * 3] * (p - g.size)
+        assert gdn.spec.gpu[:p].tolist() == want, step
+        assert gdn.num_accepted.gpu[:p].tolist() == acc.tolist() + [1] * (p - g.size), step

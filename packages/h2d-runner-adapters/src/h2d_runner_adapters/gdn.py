@@ -70,6 +70,8 @@ class GdnStateInputs:
         self.num_accepted = (buf(f"{group}_num_accepted_tokens", (max_reqs,), torch.int32,
                                  group=group) if num_spec else None)
         self._offsets = np.arange(num_spec + 1, dtype=np.int32)
+        #: per slot: the (state groups, padding) whose speculative rows its sources hold
+        self._spec_rows: list[tuple[object, ...] | None] = [None] * state.num_slots
 
     @h2d_producer(lambda self: self.group)
     def prepare(
@@ -84,6 +86,18 @@ class GdnStateInputs:
         given (one count per request, in ``[1, k + 1]``), else non-speculative (with
         optional ``fork_sources``, -1 = none). Everything is checked before any write."""
         g = self.group
+        st = self.h2d_state
+        slot = st.current_slot
+        key = None
+        if num_accepted is not None and isinstance(state_groups, np.ndarray):
+            key = (state_groups.dtype.str, state_groups.shape, state_groups.tobytes(), padded)
+            if self._spec_rows[slot] == key:
+                # the slot's sources already hold these requests' speculative rows (checked
+                # when written): only the accepted counts change from step to step
+                n = state_groups.size
+                p = n if padded is None else padded
+                self._write_accepted(self._check_accepted(num_accepted, fork_sources, n), n, p)
+                return GdnPlan(n, p, True)
         groups = self._ints("state_groups", state_groups, None)
         n = groups.size
         p = _padded(g, n, padded)
@@ -99,31 +113,14 @@ class GdnStateInputs:
             raise CountError(
                 f"{g}: request {i}'s state group {int(groups[i])} needs slots up to "
                 f"{int(top[i]) - 1}, past the pool's {self.num_state_slots} slots")
-        st = self.h2d_state
         if num_accepted is not None:
-            if not k:
-                raise CountError(f"{g}: num_accepted given but the adapter was built with "
-                                 "num_spec=0; pass num_spec=k to the constructor")
-            if fork_sources is not None and (np.asarray(fork_sources) >= 0).any():
-                raise CountError(f"{g}: speculative steps take no fork sources (forks are "
-                                 "prefill-only)")
-            acc = self._ints("num_accepted", num_accepted, n)
-            bad = np.flatnonzero((acc < 1) | (acc > k + 1))
-            if bad.size:
-                i = int(bad[0])
-                raise CountError(f"{g}: request {i} has num_accepted={int(acc[i])}; it must "
-                                 f"be in [1, {k + 1}] (accepted drafts + 1)")
-            assert self.spec is not None and self.num_accepted is not None
+            acc = self._check_accepted(num_accepted, fork_sources, n)
+            assert self.spec is not None
             rows = self.spec.np
             np.add((groups * (k + 1))[:, None], self._offsets[None, :], out=rows[:n])
             rows[n:p] = -1
-            a = self.num_accepted.np
-            a[:n] = acc
-            a[n:p] = 1
-            st.set_count(self.spec, p)
-            st.set_count(self.num_accepted, p)
-            st.set_count(self.non_spec, None)
-            st.set_count(self.non_spec_in, None)
+            self._spec_rows[slot] = key
+            self._write_accepted(acc, n, p)
             return GdnPlan(n, p, True)
         base = groups * (k + 1)
         src = base
@@ -145,6 +142,36 @@ class GdnStateInputs:
             st.set_count(self.spec, None)
             st.set_count(self.num_accepted, None)
         return GdnPlan(n, p, False)
+
+    def _check_accepted(self, num_accepted: object, fork_sources: object, n: int
+                        ) -> np.ndarray:
+        g, k = self.group, self.num_spec
+        if not k:
+            raise CountError(f"{g}: num_accepted given but the adapter was built with "
+                             "num_spec=0; pass num_spec=k to the constructor")
+        if fork_sources is not None and (np.asarray(fork_sources) >= 0).any():
+            raise CountError(f"{g}: speculative steps take no fork sources (forks are "
+                             "prefill-only)")
+        acc = self._ints("num_accepted", num_accepted, n)
+        bad = np.flatnonzero((acc < 1) | (acc > k + 1))
+        if bad.size:
+            i = int(bad[0])
+            raise CountError(f"{g}: request {i} has num_accepted={int(acc[i])}; it must "
+                             f"be in [1, {k + 1}] (accepted drafts + 1)")
+        return acc
+
+    def _write_accepted(self, acc: np.ndarray, n: int, p: int) -> None:
+        """Write the (checked) accepted counts; count the speculative members and omit the
+        others."""
+        assert self.spec is not None and self.num_accepted is not None
+        a = self.num_accepted.np
+        a[:n] = acc
+        a[n:p] = 1
+        st = self.h2d_state
+        st.set_count(self.spec, p)
+        st.set_count(self.num_accepted, p)
+        st.set_count(self.non_spec, None)
+        st.set_count(self.non_spec_in, None)
 
     def _ints(self, name: str, values: object, n: int | None) -> np.ndarray:
         if not isinstance(values, np.ndarray) or values.ndim != 1 \
