@@ -117,15 +117,18 @@ def gpu2(session: nox.Session) -> None:
 
 @nox.session
 def stress(session: nox.Session) -> None:
-    """Nightly-style: the publication-contract and block-table snapshot state machines at
-    10,000 random sequences each (``H2D_STATEFUL_EXAMPLES`` overrides; CI runs them small)."""
+    """Nightly-style: the publication-contract, block-table snapshot and adapters
+    (packed vs direct) state machines at 10,000 random sequences each
+    (``H2D_STATEFUL_EXAMPLES`` overrides; CI runs them small)."""
     session.install(TORCH, TRITON, *TEST_DEPS)
     _install_local(session, PACKAGES)
     examples = os.environ.get("H2D_STATEFUL_EXAMPLES", "10000")
     session.run(
         "python", "-m", "pytest", "-q",
         "packages/block-tables/tests/test_shared_block_tables.py::test_snapshot_state_machine",
-        "packages/h2d-core/tests/test_contract_stateful.py", "-k", "CPU or snapshot",
+        "packages/h2d-core/tests/test_contract_stateful.py",
+        "tests-integration/test_adapter_state_machine.py", "-k",
+        "CPU or snapshot or BackendsAgree",
         *session.posargs, env={"H2D_STATEFUL_EXAMPLES": examples, **NATIVE},
     )
 
