@@ -14,7 +14,8 @@ def dev(device: str) -> torch.device:
     """The device of a consumer-kernel case: CPU only under Triton's interpreter, CUDA only
     with compiled kernels."""
     if device == "cpu" and not interpreted(_step_indptrs_kernel):
-        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1)")
+        pytest.skip("CPU tensors need Triton's interpreter (TRITON_INTERPRET=1, set by "
+                    "`nox -s tests`); this process compiles the kernels for CUDA")
     if device == "cuda" and interpreted(_step_indptrs_kernel):
         pytest.skip("CUDA cases need compiled kernels: unset TRITON_INTERPRET")
     return torch.device(device)

@@ -48,19 +48,6 @@ I32 = torch.int32
 POISON = -7
 
 
-@pytest.fixture
-def dev(device: str) -> torch.device:
-    is_interpreted = interpreted(token_assembly._assemble_kernel)
-    if device == "cpu" and not is_interpreted:
-        pytest.skip(
-            "CPU tensors need Triton's interpreter (TRITON_INTERPRET=1, set by `nox -s tests`); "
-            "this process compiles the kernels for CUDA"
-        )
-    if device == "cuda" and is_interpreted:
-        pytest.skip("CUDA cases need compiled kernels: unset TRITON_INTERPRET")
-    return torch.device(device)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
