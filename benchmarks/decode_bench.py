@@ -1,22 +1,47 @@
-"""The main job: end-to-end decode steps, packed publication against direct copies.
+"""The main job: end-to-end decode loops per model family, three ways in one process.
 
-Runs the integration decode runner (tests-integration/decode_runner) on steady decode
-batches (1/16 of the rows append a page each step, deferred token ids) for batch sizes 1,
-8, 64 and 256, both backends in the same run, and reports per batch size:
+Families (each a runner of ``tests-integration/decode_runner``, CUDA graphs where the
+runner has them):
 
-* H2D copies and kernels per step, counted from ``torch.profiler`` events;
-* host µs of metadata preparation + publication (``begin()`` .. ``finish()``, median),
-  without the time ``begin()`` waits for source reuse (reported apart: with two slots the
-  host runs one step ahead, so it waits only while the GPU is the bottleneck);
-* GPU µs from the first publication work to the end of the first consumers (events; the
-  GPU is kept busy while the host enqueues the step, so this is device time);
-* wall ms per step (= time per output token of each request), CUDA graphs on the GPU.
+* ``mha``: plain paged-attention decode (``DecodeRunner``), 1/16 of the rows append a page
+  each step, deferred token ids;
+* ``v41``: DeepSeek-V4.1-shaped decode (``V41Runner``): ``token_inputs`` + ``v41_metadata``
+  (two groups), their first consumers and a compressed-attention stand-in, 256-token blocks;
+* ``mtp``: MHA + MTP (``MtpRunner``, k=1): a verify step (one group: sampling, tokens,
+  speculative indices, MHA metadata), acceptance, and the draft loop (no upload);
+* ``gdn``: GDN + MTP: as ``mtp`` with GDN state indices riding in the verify group.
 
-Without a GPU it runs a small CPU configuration (Triton kernels in the interpreter): only
-the host-side metadata figures mean anything there. Writes ``decode_bench.json`` and
-``decode_bench.png`` into ``--out`` (default ``results/``) and prints a table last.
+Ways, interleaved by chunks (the lent host's speed drifts between and within processes):
 
-    python benchmarks/decode_bench.py [--out DIR] [--steps N] [--batch-sizes 1,8,64,256]
+* ``packed``: this library (one DMA + one scatter per group);
+* ``direct``: the same code with ``backend="direct"`` (one copy per member);
+* ``atom``: the ATOM-style step (the host builds every array, one copy each). For ``mha``
+  it publishes into the runner's destinations and its steps' logits equal packed's (the
+  tests check it); for ``v41``/``mtp``/``gdn`` it is the ATOM-style host step of
+  ``v41_step.py``/``mtp_step.py`` into its own destinations and the model runs over the
+  destinations as last published: its host time, copies and GPU span are ATOM's, its
+  values are not consumed.
+
+Per family, batch size and way:
+
+* H2D copies and kernels per step from a ``torch.profiler`` trace, **by copy kind**: the
+  source and destination memory kinds the runtime reports for each memcpy (an H2D copy is
+  one from pinned or pageable host memory to the device, whatever its label says);
+* host µs of the step's metadata work (p50 and p90 over every timed step; for the library
+  ``begin()``..``finish()`` less the wait for source reuse, reported apart);
+* GPU span µs: CUDA events from the first publication work through the first consumers and
+  the model's first kernel (the embedding gather of the step's ids, run eagerly in this
+  pass), each step queued behind a sleep longer than the way's host time, so the span is
+  GPU work, not host gaps;
+* ms per output token: wall time per step (chunks of steps, synchronized at their end)
+  over the tokens each request gains per step (1; for MTP 1 + the accepted drafts).
+
+Ratios are way / packed. Without a GPU a small CPU configuration runs (Triton kernels in the
+interpreter): only its host figures mean anything. Writes ``decode_bench.json`` and
+``decode_bench.png`` into ``--out`` (default ``results/``) and prints the tables last.
+
+    python benchmarks/decode_bench.py [--families mha,v41,mtp,gdn]
+        [--batch-sizes 1,8,64,256] [--rounds 4] [--chunk 50] [--out DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +52,11 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if not os.environ.get("H2D_BENCH_FORCE_CPU"):
@@ -42,186 +71,399 @@ if not _CUDA:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "tests-integration"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-for pkg in ("block-tables", "h2d-kernels", "h2d-core", "h2d-runner-adapters"):
-    src = ROOT / "packages" / pkg / "src"
-    if src.is_dir() and str(src) not in sys.path:
-        sys.path.append(str(src))  # installed packages (nox) win; sources as a fallback
+from repo_paths import use_sources  # noqa: E402
 
+use_sources()
+
+from decode_runner.mtp import MtpConfig, MtpRunner  # noqa: E402
 from decode_runner.runner import DecodeRunner, RunnerConfig  # noqa: E402
 from decode_runner.scheduler import steady_decode_batches, steady_decode_num_pages  # noqa: E402
+from decode_runner.v41 import V41Config, V41Runner  # noqa: E402
 from trace_counts import count_per_step  # noqa: E402
 
+from block_tables import BlockTable  # noqa: E402
+from h2d_runner_adapters import (  # noqa: E402
+    DECODE_STEP,
+    TOKEN_INPUTS,
+    V4_BLOCK,
+    V41_METADATA,
+    SpanColumns,
+)
+
+FAMILIES = ("mha", "v41", "mtp", "gdn")
+WAYS = ("packed", "direct", "atom")
 PAGE = 16
-WINDOW = 512
+WINDOW = 512  # steady MHA rows restart every WINDOW steps (new table versions)
 
 
-def _config(bs: int, context: int, cuda: bool) -> RunnerConfig:
-    per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
-    return RunnerConfig(
+@dataclass
+class Loop:
+    """One family's decode loop on one way: ``step()`` runs a step and returns the tokens
+    each request gained; the runner's last host metadata ns, wait and span events."""
+
+    runner: Any
+    step: Callable[[], float]
+    wait_ns: Callable[[], int]
+    counters: Callable[[], dict[str, float]] = field(default=lambda: {})
+
+
+def _library_counters(state: Any, groups: tuple[str, ...]) -> dict[str, float]:
+    """DMAs, scatters and direct copies per step of the step's publication groups (the
+    library's own counters, beside the profiler's counts)."""
+    out = {"dmas": 0.0, "scatters": 0.0, "direct_copies": 0.0}
+    steps = max(state.counters(groups[0]).publications, 1)
+    for group in groups:
+        c = state.counters(group)
+        out["dmas"] += c.dmas
+        out["scatters"] += c.scatters
+        out["direct_copies"] += c.direct_copies
+    return {k: v / steps for k, v in out.items()}
+
+
+# -- plain MHA ---------------------------------------------------------------------------
+def mha_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
+    cuda = args.cuda
+    ctx = args.context
+    per_row = -(-(ctx + PAGE - 1 + WINDOW) // PAGE)
+    cfg = RunnerConfig(
         max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=PAGE,
-        num_pages=steady_decode_num_pages(bs, context, PAGE, WINDOW),
+        num_pages=steady_decode_num_pages(bs, ctx, PAGE, WINDOW),
         vocab=4096 if cuda else 512, hidden=256 if cuda else 32, layers=2,
         heads=4 if cuda else 2, head_dim=64 if cuda else 16,
-        dtype=torch.float16 if cuda else torch.float32,
-        graph_sizes=(bs,) if cuda else (), seed=1,
-        # two slots: the host prepares step N+1 while the GPU still runs step N
-        num_slots=2,
-    )
+        dtype=torch.float16 if cuda else torch.float32, graph_sizes=(bs,) if cuda else (),
+        seed=1, num_slots=2)  # two slots: the host prepares step N+1 while the GPU runs N
+    runner = DecodeRunner(cfg, args.device, way)
+    batches = steady_decode_batches(bs, ctx, PAGE, window=WINDOW, graph_sizes=(bs,))
+
+    def step() -> float:
+        b = next(batches)
+        b.columns, b.block_tables  # noqa: B018  (the scheduler's side, before the step)
+        runner.step(b)
+        return 1.0
+
+    def wait() -> int:
+        return runner.atom.last_wait_ns if runner.atom else runner.state.last_source_wait_ns
+
+    return Loop(runner, step, wait, lambda: _library_counters(runner.state, (DECODE_STEP,)))
 
 
-def _batches(bs: int, context: int, n: int) -> list:
-    gen = steady_decode_batches(bs, context, PAGE, window=WINDOW, graph_sizes=(bs,))
-    out = []
-    for _ in range(n):
-        b = next(gen)
-        b.columns, b.block_tables  # noqa: B018  (build the columns outside the timed region)
-        out.append(b)
-    return out
+# -- DeepSeek V4.1 -----------------------------------------------------------------------
+class V41Steady:
+    """``bs`` requests near ``context`` tokens, one token a step; 1/16 of them cross into a
+    new 256-token block each 16 steps; every ``window`` steps the rows restart."""
+
+    def __init__(self, bs: int, context: int, per_row: int, window: int = 1024) -> None:
+        self.bs, self.per_row, self.window = bs, per_row, window
+        self.start = np.array([context - V4_BLOCK + 1 + (i * 16) % V4_BLOCK
+                               for i in range(bs)], np.int32)
+        self.ctx = self.start.copy()
+        self.steps = 0
+        self.tables = [self._table(i, int(c)) for i, c in enumerate(self.ctx)]
+        self.lists = [list(t) for t in self.tables]
+        self.slots = np.arange(bs, dtype=np.int32)
+        self.ids = np.zeros(bs, np.int32)
+
+    def _table(self, row: int, ctx: int) -> BlockTable:
+        base = 1 + row * self.per_row  # block 0 is the runner's dummy
+        return BlockTable(range(base, base + -(-ctx // V4_BLOCK)))
+
+    def step(self) -> tuple[SpanColumns, list[BlockTable], list[list[int]]]:
+        self.steps += 1
+        if self.steps % self.window == 0:
+            self.ctx[:] = self.start
+            self.tables = [self._table(i, int(c)) for i, c in enumerate(self.ctx)]
+            self.lists = [list(t) for t in self.tables]
+        self.ctx += 1
+        for i in range(self.bs):
+            if -(-int(self.ctx[i]) // V4_BLOCK) > len(self.tables[i]):
+                t = self.tables[i].lineage_copy()
+                t.append_one(1 + i * self.per_row + len(t))
+                self.tables[i] = t
+                self.lists[i] = [*self.lists[i], t[len(t) - 1]]
+        q = np.ones(self.bs, np.int32)
+        return (SpanColumns(q, self.ctx.copy(), self.slots, self.slots), list(self.tables),
+                self.lists)
 
 
-def _count_profiled(runner: DecodeRunner, batches: list) -> dict[str, float | None]:
-    if runner.device.type != "cuda":
-        return {"h2d_per_step": None, "kernels_per_step": None}  # no device, nothing to count
-    it = iter(batches)
-    return count_per_step(lambda: runner.step(next(it)), len(batches))
+def v41_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
+    import v41_step
+
+    cuda = args.cuda
+    ctx = args.v41_context
+    per_row = -(-(ctx + 1024) // V4_BLOCK)
+    cfg = V41Config(
+        max_reqs=bs, max_tokens=bs, max_blocks=per_row, num_blocks=bs * per_row + 1,
+        num_state_slots=bs, full_q=1, vocab=4096 if cuda else 256, hidden=64 if cuda else 16,
+        window=v41_step.WINDOW if cuda else 8, index_topk=v41_step.TOPK if cuda else 4,
+        envelope_rows=v41_step.ENVELOPE if cuda else 3, seed=1)
+    runner = V41Runner(cfg, args.device, "direct" if way == "atom" else way)
+    steady = V41Steady(bs, ctx, per_row)
+    padded = bs if cuda else None
+    if way == "atom":
+        atom = v41_step.AtomStyle(bs, ctx, args.device)
+        runner.step(*steady.step()[:2], steady.ids, padded)  # the destinations, once
+        runner.metadata_hook = atom.step
+
+    def step() -> float:
+        spans, rows, lists = steady.step()
+        runner.step(spans, rows, steady.ids, padded, lists=lists)
+        return 1.0
+
+    def wait() -> int:
+        return 0 if way == "atom" else runner.state.last_source_wait_ns
+
+    return Loop(runner, step, wait,
+                lambda: _library_counters(runner.state, (TOKEN_INPUTS, V41_METADATA)))
 
 
-def run_one(bs: int, context: int, backend: str, steps: int, warmup: int, cuda: bool) -> dict:
-    device = "cuda" if cuda else "cpu"
-    runner = DecodeRunner(_config(bs, context, cuda), device, backend)
-    batches = _batches(bs, context, warmup + 2 * steps + 10)
-    it = iter(batches)
-    for _ in range(warmup):
-        runner.step(next(it))
+# -- MTP / GDN ---------------------------------------------------------------------------
+def mtp_loop(way: str, bs: int, args: argparse.Namespace, gdn: bool) -> Loop:
+    import mtp_step
+
+    cuda = args.cuda
+    k = 1
+    ctx = args.mtp_context
+    growth = (args.total_steps + 8) * (k + 1) + 4 * k + 4
+    per_row = -(-(ctx + growth) // PAGE)
+    cfg = MtpConfig(
+        num_reqs=bs, k=k, page_size=PAGE, num_pages=bs * per_row, max_pages_per_req=per_row,
+        vocab=4096 if cuda else 256, hidden=256 if cuda else 32, layers=1,
+        heads=4 if cuda else 2, head_dim=64 if cuda else 16,
+        dtype=torch.float16 if cuda else torch.float32, gdn=gdn, draft_bias=1.0, seed=1,
+        initial_context=ctx)
+    runner = MtpRunner(cfg, args.device, "direct" if way == "atom" else way)
+    if way == "atom":
+        ns = SimpleNamespace(k=k, device=args.device, gdn=gdn, context=ctx + growth)
+        atom = mtp_step.AtomStyle(bs, ns)
+        runner.iterate()  # the destinations, once
+        runner.metadata_hook = atom.step
+
+    def step() -> float:
+        runner.iterate()
+        return 1.0 + float(runner.last_accepted.mean())
+
+    return Loop(runner, step, lambda: 0 if way == "atom" else runner.state.last_source_wait_ns,
+                lambda: _library_counters(runner.state, (DECODE_STEP,)))
+
+
+BUILDERS: dict[str, Callable[[str, int, argparse.Namespace], Loop]] = {
+    "mha": mha_loop,
+    "v41": v41_loop,
+    "mtp": lambda w, b, a: mtp_loop(w, b, a, gdn=False),
+    "gdn": lambda w, b, a: mtp_loop(w, b, a, gdn=True),
+}
+
+
+# -- measuring ---------------------------------------------------------------------------
+def _chunk(loop: Loop, steps: int, cuda: bool) -> tuple[list[float], list[float], float,
+                                                         float]:
+    """``steps`` steps: per-step host µs and wait µs, wall ms per step, tokens/request."""
+    host, wait, tokens = [], [], 0.0
     if cuda:
         torch.cuda.synchronize()
-    # pass 1: host metadata time and wall time per step (no events recorded)
-    host, wait = [], []
     t0 = time.perf_counter()
     for _ in range(steps):
-        runner.step(next(it))
-        host.append(runner.host_metadata_ns / 1e3)
-        wait.append(runner.state.last_source_wait_ns / 1e3)
+        tokens += loop.step()
+        host.append(loop.runner.host_metadata_ns / 1e3)
+        wait.append(loop.wait_ns() / 1e3)
     if cuda:
         torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
-    # pass 2: GPU span from the first publication work to the end of the first consumers
-    span = []
-    if cuda:
-        evs = []
-        for _ in range(steps):
-            pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            runner.span_events = pair
-            torch.cuda._sleep(800_000)  # device time only: the host enqueues while it sleeps
-            runner.step(next(it))
-            evs.append(pair)
-        runner.span_events = None
-        torch.cuda.synchronize()
-        span = [a.elapsed_time(b) * 1e3 for a, b in evs]
-    counts = _count_profiled(runner, [next(it) for _ in range(10)])
-    c = runner.state.counters("decode_step")
-    return {
-        "bs": bs, "context": context, "backend": backend, "steps": steps,
-        "host_metadata_us_median": float(np.median(host)),
-        "host_metadata_us_p90": float(np.percentile(host, 90)),
-        "source_wait_us_median": float(np.median(wait)),
-        "gpu_span_us_median": float(np.median(span)) if span else None,
-        "step_ms": wall_ms,
-        **counts,
-        "publications": c.publications, "dmas": c.dmas, "direct_copies": c.direct_copies,
-        "bytes_per_publication": c.bytes / max(c.publications, 1),
-    }
+    return host, wait, (time.perf_counter() - t0) * 1e3 / steps, tokens / steps
 
 
-def _plot(results: list[dict], path: Path, device: str) -> None:
+def _span(loop: Loop, steps: int, host_p90_us: float) -> list[float]:
+    """GPU µs from the first publication work through the model's first kernel."""
+    # ~2 GHz: cycles per µs; the sleep outlasts the way's host enqueue three times over
+    cycles = int(max(1000.0, 3 * host_p90_us + 300) * 2000)
+    runner = loop.runner
+    runner.span_through_model = True
+    evs = []
+    for _ in range(steps):
+        pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        runner.span_events = pair
+        torch.cuda._sleep(cycles)
+        loop.step()
+        evs.append(pair)
+    runner.span_events = None
+    runner.span_through_model = False
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 for a, b in evs]
+
+
+def measure(family: str, bs: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    loops = {w: BUILDERS[family](w, bs, args) for w in WAYS}
+    for loop in loops.values():
+        _chunk(loop, args.warmup, args.cuda)
+    host: dict[str, list[float]] = {w: [] for w in WAYS}
+    wait: dict[str, list[float]] = {w: [] for w in WAYS}
+    chunk_p50: dict[str, list[float]] = {w: [] for w in WAYS}
+    wall: dict[str, list[float]] = {w: [] for w in WAYS}
+    per_req: dict[str, list[float]] = {w: [] for w in WAYS}
+    for r in range(args.rounds):
+        for w in (WAYS if r % 2 == 0 else WAYS[::-1]):
+            h, wt, ms, tok = _chunk(loops[w], args.chunk, args.cuda)
+            host[w] += h
+            wait[w] += wt
+            chunk_p50[w].append(float(np.median(h)))
+            wall[w].append(ms)
+            per_req[w].append(tok)
+    rows = []
+    for w, loop in loops.items():
+        hs = np.asarray(host[w])
+        ms = float(np.median(wall[w]))
+        tok = float(np.mean(per_req[w]))
+        row: dict[str, Any] = {
+            "family": family, "bs": bs, "way": w, "steps": len(hs),
+            "host_us_p50": float(np.median(hs)), "host_us_p90": float(np.percentile(hs, 90)),
+            "host_us_max": float(hs.max()), "host_us_chunk_p50s": chunk_p50[w],
+            "source_wait_us_p50": float(np.median(wait[w])),
+            "step_ms": ms, "tokens_per_request_step": tok, "ms_per_output_token": ms / tok,
+            "library_per_step": loop.counters() if w != "atom" else None,
+        }
+        if args.cuda:
+            span = _span(loop, args.span_steps, row["host_us_p90"])
+            row["gpu_span_us_p50"] = float(np.median(span))
+            row["gpu_span_us_p90"] = float(np.percentile(span, 90))
+            row.update(count_per_step(loop.step, args.profile_steps))
+        rows.append(row)
+    packed = rows[0]
+    for row in rows:
+        row["host_vs_packed"] = row["host_us_p50"] / packed["host_us_p50"]
+        row["tpot_vs_packed"] = row["ms_per_output_token"] / packed["ms_per_output_token"]
+    del loops
+    if args.cuda:
+        torch.cuda.empty_cache()
+    return rows
+
+
+# -- output ------------------------------------------------------------------------------
+def _plot(results: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sizes = sorted({r["bs"] for r in results})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    x = np.arange(len(sizes))
-    for k, backend in enumerate(("packed", "direct")):
-        rows = {r["bs"]: r for r in results if r["backend"] == backend}
-        axes[0].bar(x + (k - 0.5) * 0.4, [rows[s]["host_metadata_us_median"] for s in sizes],
-                    0.4, label=backend)
-        axes[1].bar(x + (k - 0.5) * 0.4, [rows[s]["step_ms"] for s in sizes], 0.4,
-                    label=backend)
-    for ax, title in zip(axes, ("host µs: metadata prep + publication", "ms per decode step"),
-                         strict=True):
-        ax.set_xticks(x, [str(s) for s in sizes])
-        ax.set_xlabel("batch size")
-        ax.set_title(title)
-        ax.legend()
-    fig.suptitle(f"decode step, packed vs direct ({device})")
+    families = [f for f in FAMILIES if any(r["family"] == f for r in results)]
+    panels = [("host_us", "host µs per step: metadata (p50, whisker to p90)", True),
+              ("gpu_span_us", "GPU span µs: publication → model's first kernel", True),
+              ("ms_per_output_token", "ms per output token", False)]
+    if not meta["cuda"]:
+        panels = panels[:1] + panels[2:]
+    fig, axes = plt.subplots(len(families), len(panels), squeeze=False,
+                             figsize=(5 * len(panels), 3.2 * len(families)))
+    colors = {"packed": "tab:blue", "direct": "tab:orange", "atom": "tab:gray"}
+    for i, fam in enumerate(families):
+        rows = [r for r in results if r["family"] == fam]
+        sizes = sorted({r["bs"] for r in rows})
+        x = np.arange(len(sizes))
+        for j, (key, title, log) in enumerate(panels):
+            ax = axes[i][j]
+            for k, w in enumerate(WAYS):
+                by = {r["bs"]: r for r in rows if r["way"] == w}
+                if key == "ms_per_output_token":
+                    vals, err = [by[s][key] for s in sizes], None
+                else:
+                    vals = [by[s].get(f"{key}_p50") or 0.0 for s in sizes]
+                    p90 = [by[s].get(f"{key}_p90") or 0.0 for s in sizes]
+                    err = [np.zeros(len(sizes)), np.maximum(np.array(p90) - vals, 0)]
+                ax.bar(x + (k - 1) * 0.27, vals, 0.27, yerr=err, capsize=2,
+                       color=colors[w], label=w)
+            ax.set_xticks(x, [str(s) for s in sizes])
+            ax.set_xlabel("batch size (requests)")
+            ax.set_ylabel(title.split(":")[0].split(" per")[0])
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(f"{fam}: {title}", fontsize=9)
+            ax.legend(fontsize=7)
+    caveat = ("" if meta["cuda"] else "  CPU run (Triton interpreter): host figures only; "
+              "not representative of a GPU host")
+    fig.suptitle(f"main job, {meta['device']}, {meta['date']}.{caveat}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
+
+
+def _table(results: list[dict[str, Any]], cuda: bool) -> str:
+    lines = []
+    for fam in FAMILIES:
+        rows = [r for r in results if r["family"] == fam]
+        if not rows:
+            continue
+        lines.append(f"\n{fam}: host µs p50 [p90] (x = way / packed), GPU span µs p50, "
+                     "H2D + kernels per step (profiler, by copy kind), ms per output token")
+        lines.append("| bs | way | host µs | GPU span µs | H2D + kernels | ms/token |")
+        lines.append("|---:|---|---:|---:|---|---:|")
+        for r in rows:
+            span = f"{r['gpu_span_us_p50']:.1f}" if "gpu_span_us_p50" in r else "-"
+            counts = (f"{r['h2d_per_step']:.0f} + {r['kernels_per_step']:.0f}"
+                      if "h2d_per_step" in r else "-")
+            lines.append(
+                f"| {r['bs']} | {r['way']} | {r['host_us_p50']:.1f} [{r['host_us_p90']:.1f}] "
+                f"({r['host_vs_packed']:.1f}x) | {span} | {counts} | "
+                f"{r['ms_per_output_token']:.3f} ({r['tpot_vs_packed']:.2f}x) |")
+    del cuda
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "results"))
-    ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--batch-sizes", default=None)
-    ap.add_argument("--context", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--chunk", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--context", type=int, default=None, help="MHA tokens per request")
+    ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
-    cuda = _CUDA
-    sizes = [int(s) for s in (args.batch_sizes or ("1,8,64,256" if cuda else "1,8,64")).split(",")]
-    steps = args.steps or (200 if cuda else 20)
-    warmup = args.warmup or (20 if cuda else 3)
-    context = args.context or (1024 if cuda else 256)
+    cuda = args.cuda = _CUDA
+    args.device = "cuda" if cuda else "cpu"
+    families = [f for f in args.families.split(",") if f]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        ap.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+    sizes = [int(s) for s in (args.batch_sizes or ("1,8,64,256" if cuda else "1,8")).split(",")]
+    args.rounds = args.rounds or (4 if cuda else 2)
+    args.chunk = args.chunk or (50 if cuda else 3)
+    args.warmup = args.warmup or (20 if cuda else 2)
+    args.span_steps = 40 if cuda else 0
+    args.profile_steps = 5
+    args.context = args.context or (1024 if cuda else 64)
+    args.v41_context = 32768 if cuda else 600
+    args.mtp_context = 1024 if cuda else 40
+    args.total_steps = args.warmup + args.rounds * args.chunk + args.span_steps + \
+        args.profile_steps + 2
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or 'host'})"
     if not cuda:
         print("No CUDA device: running the small CPU configuration. Only host-side metadata "
               "figures are meaningful here; GPU spans and step times are not.", flush=True)
-    torch.set_num_threads(1) if not cuda else None
-    results = []
-    total = len(sizes) * 2
-    for i, bs in enumerate(sizes):
-        for backend in ("packed", "direct"):
+        torch.set_num_threads(1)
+    results: list[dict[str, Any]] = []
+    for fam in families:
+        for bs in sizes:
             t = time.perf_counter()
-            r = run_one(bs, context, backend, steps, warmup, cuda)
-            results.append(r)
-            print(f"[{len(results)}/{total}] bs={bs} {backend}: host "
-                  f"{r['host_metadata_us_median']:.1f} µs, step {r['step_ms']:.3f} ms "
-                  f"({time.perf_counter() - t:.1f} s)", flush=True)
-        del i
+            rows = measure(fam, bs, args)
+            results += rows
+            print(f"{fam} bs={bs}: " + ", ".join(
+                f"{r['way']} {r['host_us_p50']:.1f} µs" for r in rows)
+                + f" ({time.perf_counter() - t:.1f} s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": device, "torch": torch.__version__,
-            "context": context, "page_size": PAGE, "steps": steps, "cuda": cuda,
+            "cuda": cuda, "mha_context": args.context, "v41_context": args.v41_context,
+            "mtp_context": args.mtp_context, "rounds": args.rounds, "chunk": args.chunk,
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "results": results},
                                                       indent=1))
     try:
-        _plot(results, out / "decode_bench.png", device)
+        _plot(results, out / "decode_bench.png", meta)
         written = f"{out / 'decode_bench.json'}, {out / 'decode_bench.png'}"
     except ImportError:
         print("matplotlib is not installed: no plot written", flush=True)
         written = str(out / "decode_bench.json")
     print(f"\nresults: {written}")
-    print(f"device: {device}; context {context}, page {PAGE}, 1/16 rows append per step")
-    hdr = ("bs", "backend", "H2D/step", "kern/step", "host µs", "p90", "GPU span µs",
-           "ms/step")
-    print("{:>4} {:>7} {:>8} {:>9} {:>8} {:>7} {:>11} {:>8}".format(*hdr))
-    for r in results:
-        span = r["gpu_span_us_median"]
-        h2d, kern = r["h2d_per_step"], r["kernels_per_step"]
-        print(f"{r['bs']:>4} {r['backend']:>7} {'-' if h2d is None else f'{h2d:.1f}':>8} "
-              f"{'-' if kern is None else f'{kern:.1f}':>9} {r['host_metadata_us_median']:>8.1f} "
-              f"{r['host_metadata_us_p90']:>7.1f} "
-              f"{'-' if span is None else f'{span:.1f}':>11} {r['step_ms']:>8.3f}")
-    for bs in sizes:
-        p = next(r for r in results if r["bs"] == bs and r["backend"] == "packed")
-        d = next(r for r in results if r["bs"] == bs and r["backend"] == "direct")
-        ratio = d["host_metadata_us_median"] / p["host_metadata_us_median"]
-        print(f"bs={bs}: host metadata {ratio:.2f}x "
-              f"less with packed; step time packed/direct "
-              f"{p['step_ms'] / d['step_ms']:.3f}")
+    print(f"device: {device}; torch {torch.__version__}; {args.rounds} rounds x {args.chunk} "
+          "steps per way, interleaved")
+    print(_table(results, cuda))
 
 
 if __name__ == "__main__":

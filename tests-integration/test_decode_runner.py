@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -198,3 +199,62 @@ def test_steps_run_without_a_default_device_mode(device: str) -> None:
         assert seen and not any(seen)
     finally:
         torch.set_default_device(None)
+
+
+def _steady_run(device: str, backend: str, steps: int, *, padded: bool,
+                delay_seed: int | None = None) -> list[torch.Tensor]:
+    import random
+
+    bs, context, page = 6, 40, 8
+    graphs = (8,) if padded else ()
+    cfg = RunnerConfig(max_reqs=8, max_tokens=8, max_pages_per_req=-(-(context + 1100) // page),
+                       page_size=page, num_pages=steady_decode_num_pages(bs, context, page),
+                       vocab=256, hidden=32, layers=1, heads=2, head_dim=16,
+                       dtype=torch.float16 if device == "cuda" else torch.float32,
+                       graph_sizes=graphs if device == "cuda" else (), num_slots=2, seed=4,
+                       scatter="auto" if device == "cuda" else "triton")
+    runner = DecodeRunner(cfg, device, backend)
+    batches = steady_decode_batches(bs, context, page, graph_sizes=graphs)
+    rng = random.Random(delay_seed)
+    out = []
+    for _ in range(steps):
+        if delay_seed is not None:
+            torch.cuda._sleep(rng.randint(0, 2_000_000))
+        out.append(runner.step(next(batches)).logits.clone())
+    return out
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_atom_style_way_equals_packed(device: str, padded: bool) -> None:
+    """The main job's ATOM-style baseline publishes into the same destinations: its steps'
+    logits equal the packed steps' bit for bit (padded rows included; with a randomly
+    delayed GPU on CUDA, so its two source sets are reused only once their copies ran)."""
+    needs_kernels(device)
+    steps = 40 if device == "cpu" else 200
+    delay = 7 if device == "cuda" else None
+    ref = _steady_run(device, "packed", steps, padded=padded)
+    got = _steady_run(device, "atom", steps, padded=padded, delay_seed=delay)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+
+
+def test_atom_style_way_refuses_what_it_does_not_model() -> None:
+    from decode_runner.atom_style import AtomStyleError
+
+    from h2d_runner_adapters import BatchColumns, ScheduledBatch
+
+    cfg = RunnerConfig(max_reqs=2, max_tokens=4, max_pages_per_req=4, page_size=8,
+                       num_pages=16, vocab=64, hidden=16, layers=1, heads=1, head_dim=16)
+    runner = DecodeRunner(cfg, "cpu", "atom")
+    assert runner.atom is not None
+    cols = BatchColumns(
+        query_lens=np.array([2, 1], np.int32), context_lens=np.array([5, 3], np.int32),
+        temperatures=np.zeros(2, np.float32), top_k=np.full(2, -1, np.int32),
+        top_p=np.ones(2, np.float32), prev_sample_rows=np.full(2, -1, np.int32),
+        token_ids=np.zeros(3, np.int32), num_drafts=np.zeros(2, np.int32))
+    batch = ScheduledBatch((), False, 8, given_columns=cols,
+                           given_block_tables=[[1], [2]])
+    before = runner.decode.positions.gpu.clone()
+    runner.atom.sync_lists(batch)
+    with pytest.raises(AtomStyleError, match="one token per request"):
+        runner.atom.publish(batch, None)
+    assert torch.equal(before, runner.decode.positions.gpu)

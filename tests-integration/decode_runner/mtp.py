@@ -23,6 +23,8 @@ and each group's slots then take the decayed state.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +37,8 @@ from h2d_runner_adapters import (
     GDN_STATE,
     BatchColumns,
     DecodeStepInputs,
+    DecodeStepPlan,
+    GdnPlan,
     GdnStateInputs,
     MhaDraftLoop,
     ScheduledBatch,
@@ -63,6 +67,9 @@ class MtpConfig:
     draft_bias: float = 1.0
     seed: int = 0
     scatter: str = "auto"
+    #: tokens each request holds before the first iteration (their K/V are the cache's
+    #: initial zeros; the benchmark's long contexts), pages allocated up front
+    initial_context: int = 0
 
 
 class MtpRunner:
@@ -107,9 +114,22 @@ class MtpRunner:
             self.pool = torch.randn(n * (k + 1), cfg.vocab, generator=gen).to(dev)
             self.state_rows = torch.zeros(n, cfg.vocab, device=dev)
         # host bookkeeping
-        self.ctx = np.zeros(n, np.int32)  # committed tokens (KV written and kept)
+        self.ctx = np.full(n, cfg.initial_context, np.int32)  # committed (KV kept)
         self.tables = [BlockTable() for _ in range(n)]
         self.next_page = 0
+        #: host ns of the last verify step's metadata work (begin..finish, less the wait)
+        self.host_metadata_ns = 0
+        #: when set (CUDA): events around the verify step's first publication work .. the
+        #: target model's first kernel (run eagerly)
+        self.span_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        #: the main job's ATOM-style baseline: when set, the verify step calls it (batch,
+        #: page lists) instead of the library's publication; the first consumers, models,
+        #: acceptance and draft loop then run over the destinations as last published (its
+        #: values are not consumed)
+        self.metadata_hook: Callable[[ScheduledBatch, list[list[int]]], None] | None = None
+        self._last_plan: DecodeStepPlan | None = None
+        self.lists: list[list[int]] = [[] for _ in range(n)]
+        self._last_gplan: GdnPlan | None = None
         self.last_accepted = np.zeros(n, np.int32)
         self.sequences: list[list[int]] = [[p] for p in self.prompts]
         self.iterations = 0
@@ -121,9 +141,11 @@ class MtpRunner:
             need = -(-(c + 2 * cfg.k + 2) // cfg.page_size) - len(self.tables[i])
             if need > 0:
                 row = self.tables[i].lineage_copy()
-                row.append([(self.next_page + j) % cfg.num_pages for j in range(need)])
+                pages = [(self.next_page + j) % cfg.num_pages for j in range(need)]
+                row.append(pages)
                 self.next_page += need
                 self.tables[i] = row
+                self.lists[i] = [*self.lists[i], *pages]
 
     def iterate(self) -> torch.Tensor:
         """One verify step and its draft loop; returns the verify step's logits."""
@@ -138,15 +160,29 @@ class MtpRunner:
             token_ids=np.zeros(n * q, np.int32), num_drafts=np.full(n, k, np.int32))
         batch = ScheduledBatch((), False, cfg.page_size, given_columns=cols,
                                given_block_tables=list(self.tables), step=self.iterations)
-        st.begin()
-        plan = step.prepare(batch)
-        step.tokens.prepare_spec_indices(batch)
+        events = self.span_events
         gplan = None
-        if self.gdn is not None:
-            gplan = self.gdn.prepare(np.arange(n, dtype=np.int32),
-                                     num_accepted=self.last_accepted + 1)
-        st.publish(DECODE_STEP)
-        st.finish()
+        if self.metadata_hook is not None and self._last_plan is not None:
+            if events is not None:
+                events[0].record()
+            t0 = time.perf_counter_ns()
+            self.metadata_hook(batch, self.lists)
+            self.host_metadata_ns = time.perf_counter_ns() - t0
+            plan, gplan = self._last_plan, self._last_gplan
+        else:
+            t0 = time.perf_counter_ns()
+            st.begin()
+            plan = step.prepare(batch)
+            step.tokens.prepare_spec_indices(batch)
+            if self.gdn is not None:
+                gplan = self.gdn.prepare(np.arange(n, dtype=np.int32),
+                                         num_accepted=self.last_accepted + 1)
+            if events is not None:
+                events[0].record()
+            st.publish(DECODE_STEP)
+            st.finish()
+            self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+            self._last_plan, self._last_gplan = plan, gplan
         # -- verify: first consumers, the target model, sampling and acceptance
         tok, dec = step.tokens, step.decode
         ids = tok.assemble(plan.tokens, self.pending)
@@ -156,6 +192,9 @@ class MtpRunner:
             input_ids=ids, positions=dec.positions.gpu[:t], slot_mapping=dec.slot_mapping.gpu[:t],
             token_request=self.token_rows, kv_indptr=dec.kv_indptr.gpu[: n + 1],
             kv_indices=dec.kv_indices, context_lens=dec.context_lens.gpu[:n])
+        if events is not None:
+            self.target.embed.index_select(0, ids.long())  # the model's first kernel
+            events[1].record()
         logits = self.target(inputs)
         drafts = tok.gather_drafts(plan.tokens, self.draft_ids)
         target_argmax = torch.argmax(logits.index_select(0, tok.target_logits_indices.gpu[

@@ -39,6 +39,7 @@ from h2d_runner_adapters import (
     fill_gumbel_noise_,
 )
 
+from .atom_style import AtomStyleDecode
 from .model import DecoderInputs, TinyDecoder, TinyDecoderConfig
 
 DECODE_STEP = "decode_step"
@@ -83,11 +84,15 @@ class DecodeRunner:
 
     def __init__(self, cfg: RunnerConfig, device: str | torch.device,
                  backend: str | None = None, *, tbo: bool = False) -> None:
+        """``backend``: "packed", "direct" (the library's two backends) or "atom" (decode
+        steps published the ATOM-style way, :mod:`.atom_style`, into the same
+        destinations; prefill and TBO steps still go through the library, direct)."""
         self.cfg = cfg
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
-                            scatter=cfg.scatter)
+        atom = backend == "atom"
+        st = H2DRunnerState(self.device, num_slots=cfg.num_slots,
+                            backend="direct" if atom else backend, scatter=cfg.scatter)
         self.state = st
         caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
         self.sampling = SamplingInputs(st, cfg.max_reqs)
@@ -124,6 +129,10 @@ class DecodeRunner:
         self.host_metadata_ns = 0
         #: when set (CUDA), events around publication..first consumers of decode steps
         self.span_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        #: when set (CUDA, with ``span_events``), the step runs the model's first kernel
+        #: (the embedding gather of the step's ids) eagerly before ``span_events[1]``
+        self.span_through_model = False
+        self.atom = AtomStyleDecode(self) if atom else None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         #: per graph size, the first consumers (token assembly, KV-index generation)
         self.consumer_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -214,17 +223,25 @@ class DecodeRunner:
         st = self.state
         padded = batch.padded_size if batch.padded_size in self.graph_inputs else None
         events = self.span_events
-        t0 = time.perf_counter_ns()
-        st.begin()
-        plan = self.decode_step.prepare(batch, padded)
-        self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
-        if events is not None:
-            events[0].record()
-        st.publish(DECODE_STEP)
-        st.finish()
-        # host work only: the wait for source reuse (a GPU still busy with earlier steps)
-        # is reported apart, as ``state.last_source_wait_ns``
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+        if self.atom is not None:
+            self.atom.sync_lists(batch)  # the scheduler's side: outside the timed region
+            if events is not None:
+                events[0].record()
+            t0 = time.perf_counter_ns()
+            self._sampling_plan, tplan, dplan = self.atom.publish(batch, padded)
+            self.host_metadata_ns = time.perf_counter_ns() - t0 - self.atom.last_wait_ns
+        else:
+            t0 = time.perf_counter_ns()
+            st.begin()
+            plan = self.decode_step.prepare(batch, padded)
+            self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
+            if events is not None:
+                events[0].record()
+            st.publish(DECODE_STEP)
+            st.finish()
+            # host work only: the wait for source reuse (a GPU still busy with earlier
+            # steps) is reported apart, as ``state.last_source_wait_ns``
+            self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
         rows = dplan.padded_reqs
         consumers = self.consumer_graphs.get(rows)
         if consumers is not None and tplan.padded_tokens == rows:
@@ -233,6 +250,8 @@ class DecodeRunner:
             self.tokens.assemble(tplan, self.sampled)
             self.decode.generate_kv_indices(dplan)
         if events is not None:
+            if self.span_through_model:  # the model's first kernel, eagerly
+                self.model.embed.index_select(0, self.tokens.input_ids.gpu[:rows].long())
             events[1].record()
         if rows in self.graphs:
             graph, out = self.graphs[rows]

@@ -20,6 +20,8 @@ wrong or stale byte anywhere shows up as a logit difference between backends or 
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +36,7 @@ from h2d_runner_adapters import (
     BatchColumns,
     RequestSpan,
     ScheduledBatch,
+    SpanColumns,
     TokenStepInputs,
     V41MetadataInputs,
     V41Plan,
@@ -85,10 +88,10 @@ class V41Population:
             self.free_slots.append(r["slot"])
             self.free_blocks.extend(r["table"])
         while len(self.reqs) < cfg.max_reqs and rng.random() < 0.6:
-            r = self._new()
-            if r is None:
+            new = self._new()
+            if new is None:
                 break
-            self.reqs.append(r)
+            self.reqs.append(new)
         ragged = rng.random() < 0.5
         q = rng.randint(1, cfg.full_q)
         spans, rows = [], []
@@ -135,26 +138,61 @@ class V41Runner:
         self.prev = torch.zeros(cfg.max_reqs, cfg.full_q, dtype=torch.int32, device=dev)
         self.logits = torch.zeros(cfg.max_tokens, cfg.vocab, device=dev)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        #: host ns of the last step's metadata work (begin..finish, less the source wait)
+        self.host_metadata_ns = 0
+        #: when set (CUDA): events around the first publication work .. the first consumers
+        #: (with ``span_through_model``, .. the model's first kernel, run eagerly)
+        self.span_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self.span_through_model = False
+        #: the main job's ATOM-style baseline: when set, a step calls it (spans, page lists)
+        #: instead of the library's publication and first consumers, and the stand-in runs
+        #: over the destinations as last published (its values are not consumed)
+        self.metadata_hook: Callable[[SpanColumns, list[list[int]]], None] | None = None
+        self._last_plan: V41Plan | None = None
 
     # -- one step ------------------------------------------------------------------------
-    def step(self, spans: list[RequestSpan], rows: list[BlockTable], ids: np.ndarray,
-             padded: int | None) -> torch.Tensor:
-        n = len(spans)
-        q = np.array([s.num_tokens for s in spans], np.int32)
+    def step(self, spans: list[RequestSpan] | SpanColumns, rows: list[BlockTable],
+             ids: np.ndarray, padded: int | None, *,
+             lists: list[list[int]] | None = None) -> torch.Tensor:
+        """One step; ``lists`` (the rows as Python page lists) only for ``metadata_hook``."""
+        sc = spans if isinstance(spans, SpanColumns) else SpanColumns.from_spans(spans)
+        n = len(sc.query_lens)
+        q = sc.query_lens
         cols = BatchColumns(
-            query_lens=q, context_lens=np.array([s.context_len for s in spans], np.int32),
+            query_lens=q, context_lens=sc.context_lens,
             temperatures=np.zeros(n, np.float32), top_k=np.full(n, -1, np.int32),
             top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
             token_ids=ids, num_drafts=np.maximum(q - 1, 0).astype(np.int32))
         st = self.state
-        st.begin()
-        tp = self.tok.prepare(ScheduledBatch((), False, V4_BLOCK, given_columns=cols), padded)
-        vp = self.v4.begin_step(spans, block_tables=rows, padded=padded)
-        st.publish(TOKEN_INPUTS)
-        st.publish(V41_METADATA)
-        st.finish()
-        self.tok.tokens.assemble(tp.tokens, self.prev)
-        self.v4.generate_step_indptrs(vp)
+        events = self.span_events
+        hook = self.metadata_hook
+        if hook is not None and self._last_plan is not None:
+            if events is not None:
+                events[0].record()
+            t0 = time.perf_counter_ns()
+            hook(sc, lists if lists is not None else [list(r) for r in rows])
+            self.host_metadata_ns = time.perf_counter_ns() - t0
+            vp = self._last_plan
+        else:
+            t0 = time.perf_counter_ns()
+            st.begin()
+            tp = self.tok.prepare(ScheduledBatch((), False, V4_BLOCK, given_columns=cols),
+                                  padded)
+            vp = self.v4.begin_step(sc, block_tables=rows, padded=padded)
+            if events is not None:
+                events[0].record()
+            st.publish(TOKEN_INPUTS)
+            st.publish(V41_METADATA)
+            st.finish()
+            self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+            self.tok.tokens.assemble(tp.tokens, self.prev)
+            self.v4.generate_step_indptrs(vp)
+            self._last_plan = vp
+        if events is not None:
+            if self.span_through_model:  # the stand-in's first kernel, eagerly
+                ids_t = self.tok.tokens.input_ids.gpu[: vp.padded_tokens]
+                self.emb.index_select(0, ids_t.long())
+            events[1].record()
         key = (vp.padded_reqs, vp.max_query_len)
         if self.device.type == "cuda" and padded is not None:
             graph = self.graphs.get(key)
