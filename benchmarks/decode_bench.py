@@ -437,6 +437,12 @@ def main() -> None:
         print("No CUDA device: running the small CPU configuration. Only host-side metadata "
               "figures are meaningful here; GPU spans and step times are not.", flush=True)
         torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": device, "torch": torch.__version__,
+            "cuda": cuda, "mha_context": args.context, "v41_context": args.v41_context,
+            "mtp_context": args.mtp_context, "rounds": args.rounds, "chunk": args.chunk,
+            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
     results: list[dict[str, Any]] = []
     for fam in families:
         for bs in sizes:
@@ -446,14 +452,9 @@ def main() -> None:
             print(f"{fam} bs={bs}: " + ", ".join(
                 f"{r['way']} {r['host_us_p50']:.1f} µs" for r in rows)
                 + f" ({time.perf_counter() - t:.1f} s)", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": device, "torch": torch.__version__,
-            "cuda": cuda, "mha_context": args.context, "v41_context": args.v41_context,
-            "mtp_context": args.mtp_context, "rounds": args.rounds, "chunk": args.chunk,
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
-    (out / "decode_bench.json").write_text(json.dumps({"meta": meta, "results": results},
-                                                      indent=1))
+            # written after every size: an interrupted run keeps what it measured
+            (out / "decode_bench.json").write_text(
+                json.dumps({"meta": meta, "results": results}, indent=1))
     try:
         _plot(results, out / "decode_bench.png", meta)
         written = f"{out / 'decode_bench.json'}, {out / 'decode_bench.png'}"

@@ -3,7 +3,11 @@
 # PYTHONPATH, the compiled hot paths required. Writes logs and JSON under $OUT (default
 # results/) and prints short tables last.
 #
-#   bash benchmarks/device_session.sh [tests|bench|targets|segments|all]
+#   bash benchmarks/device_session.sh [tests|bench|main|targets|segments|sanitizer|all]
+#
+# main: the main job alone (benchmarks/decode_bench.py); sanitizer: the GPU suites of the
+# publication path under compute-sanitizer's memcheck, racecheck and synccheck (not part of
+# "all"; H2D_SANITIZER_TOOLS and H2D_SANITIZER_TIMEOUT narrow them).
 #
 # targets: benchmarks/step_targets.py, v41_step.py and mtp_step.py (the anchors must be in .anchors/: copy
 # ../shared/context/anchors there and carry it); segments: the investigation tools of
@@ -46,6 +50,29 @@ if [[ $what == segments ]]; then
   "${pin[@]}" python3 tools/perf/step_segments.py --launcher both --out "$out" \
     >"$out/step_segments$tag.log" 2>&1
   echo "step_segments: exit $?"; tail -n 6 "$out/step_segments$tag.log"
+fi
+if [[ $what == sanitizer ]]; then
+  # The publication path's GPU cases: arena, scatter, packed groups, the core's publication
+  # and launch paths (fault injection included), the first consumers, the fused step.
+  suites=(packages/h2d-kernels/tests packages/h2d-core/tests/test_h2d_publication.py
+          packages/h2d-core/tests/test_packed_h2d.py packages/h2d-core/tests/test_compiled_launch.py
+          packages/h2d-core/tests/test_fault_injection_cuda.py
+          packages/h2d-runner-adapters/tests/test_consumers.py
+          packages/h2d-runner-adapters/tests/test_decode_step.py)
+  for tool in ${H2D_SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
+    log="$out/sanitizer_$tool.log"
+    RUN_H2D_GPU_TESTS=1 timeout "${H2D_SANITIZER_TIMEOUT:-170}" compute-sanitizer \
+      --tool "$tool" --error-exitcode 86 --print-limit 20 \
+      python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or not cpu" "${suites[@]}" \
+      >"$log" 2>&1
+    echo "compute-sanitizer $tool: exit $? (86: errors found, 124: time limit)"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|error" "$log" | tail -n 4
+  done
+fi
+if [[ $what == main ]]; then
+  "${pin[@]}" timeout "${H2D_MAIN_TIMEOUT:-420}" python3 benchmarks/decode_bench.py \
+    --out "$out" >"$out/decode_bench$tag.log" 2>&1
+  echo "decode_bench: exit $?"; grep -E "^(mha|v41|mtp|gdn) bs=" "$out/decode_bench$tag.log"
 fi
 if [[ $what == bench || $what == all ]]; then
   "${pin[@]}" python3 benchmarks/publication_bench.py all --out "$out" --steps 300 \
