@@ -59,14 +59,15 @@ if [[ $what == sanitizer ]]; then
           packages/h2d-core/tests/test_fault_injection_cuda.py
           packages/h2d-runner-adapters/tests/test_consumers.py
           packages/h2d-runner-adapters/tests/test_decode_step.py)
+  if [[ -n "${H2D_SANITIZER_SUITES:-}" ]]; then read -r -a suites <<<"$H2D_SANITIZER_SUITES"; fi
   for tool in ${H2D_SANITIZER_TOOLS:-memcheck racecheck synccheck}; do
     log="$out/sanitizer_$tool.log"
     RUN_H2D_GPU_TESTS=1 timeout "${H2D_SANITIZER_TIMEOUT:-170}" compute-sanitizer \
       --tool "$tool" --error-exitcode 86 --print-limit 20 \
-      python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or not cpu" "${suites[@]}" \
+      python3 -m pytest -q -rfE -p no:cacheprovider -k "cuda or gpu or not cpu" "${suites[@]}" \
       >"$log" 2>&1
     echo "compute-sanitizer $tool: exit $? (86: errors found, 124: time limit)"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed|error" "$log" | tail -n 4
+    grep -E "SUMMARY|passed|failed|^FAILED|^ERROR" "$log" | tail -n 8
   done
 fi
 if [[ $what == main ]]; then
