@@ -52,7 +52,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,6 +88,7 @@ from h2d_runner_adapters import (  # noqa: E402
     TOKEN_INPUTS,
     V4_BLOCK,
     V41_METADATA,
+    ScheduledBatch,
     SpanColumns,
 )
 
@@ -122,24 +123,32 @@ def _library_counters(state: Any, groups: tuple[str, ...]) -> dict[str, float]:
 
 
 # -- plain MHA ---------------------------------------------------------------------------
-def mha_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
-    cuda = args.cuda
-    ctx = args.context
-    per_row = -(-(ctx + PAGE - 1 + WINDOW) // PAGE)
-    cfg = RunnerConfig(
+def mha_config(bs: int, context: int, cuda: bool) -> RunnerConfig:
+    """The MHA family's runner: a 2-layer paged decoder (fp16 on the GPU), one graph."""
+    per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
+    return RunnerConfig(
         max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=PAGE,
-        num_pages=steady_decode_num_pages(bs, ctx, PAGE, WINDOW),
+        num_pages=steady_decode_num_pages(bs, context, PAGE, WINDOW),
         vocab=4096 if cuda else 512, hidden=256 if cuda else 32, layers=2,
         heads=4 if cuda else 2, head_dim=64 if cuda else 16,
         dtype=torch.float16 if cuda else torch.float32, graph_sizes=(bs,) if cuda else (),
         seed=1, num_slots=2)  # two slots: the host prepares step N+1 while the GPU runs N
-    runner = DecodeRunner(cfg, args.device, way)
-    batches = steady_decode_batches(bs, ctx, PAGE, window=WINDOW, graph_sizes=(bs,))
+
+
+def mha_batches(bs: int, context: int) -> Iterator[ScheduledBatch]:
+    """The MHA family's steady decode batches (see ``steady_decode_batches``), their
+    columns and rows built as they are yielded: the scheduler's side, outside any timing."""
+    for b in steady_decode_batches(bs, context, PAGE, window=WINDOW, graph_sizes=(bs,)):
+        b.columns, b.block_tables  # noqa: B018
+        yield b
+
+
+def mha_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
+    runner = DecodeRunner(mha_config(bs, args.context, args.cuda), args.device, way)
+    batches = mha_batches(bs, args.context)
 
     def step() -> float:
-        b = next(batches)
-        b.columns, b.block_tables  # noqa: B018  (the scheduler's side, before the step)
-        runner.step(b)
+        runner.step(next(batches))
         return 1.0
 
     def wait() -> int:

@@ -36,13 +36,13 @@ use_sources()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from decode_bench import _batches, _config  # noqa: E402
+from decode_bench import mha_batches, mha_config  # noqa: E402
 from decode_runner.runner import DECODE_STEP, DecodeRunner  # noqa: E402
 
 
 def measure(bs: int, args: argparse.Namespace, junk: list[torch.Tensor]) -> dict[str, float]:
-    runner = DecodeRunner(_config(bs, args.context, True), "cuda", "packed")
-    batches = iter(_batches(bs, args.context, 20 + 7 * args.rounds * args.chunk + 10))
+    runner = DecodeRunner(mha_config(bs, args.context, True), "cuda", "packed")
+    batches = mha_batches(bs, args.context)
     for _ in range(20):
         runner.step(next(batches))
     torch.cuda.synchronize()
