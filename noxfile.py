@@ -118,8 +118,9 @@ def gpu2(session: nox.Session) -> None:
 @nox.session
 def stress(session: nox.Session) -> None:
     """Nightly-style: the publication-contract, block-table snapshot and adapters
-    (packed vs direct) state machines at 10,000 random sequences each
-    (``H2D_STATEFUL_EXAMPLES`` overrides; CI runs them small)."""
+    (packed vs direct: MHA+MTP+GDN+Engram with the draft loop, and V4.1 with its step
+    indptrs) state machines at 10,000 random sequences each (``H2D_STATEFUL_EXAMPLES``
+    overrides; CI runs them small). The consumer rules run in Triton's interpreter."""
     session.install(TORCH, TRITON, *TEST_DEPS)
     _install_local(session, PACKAGES)
     examples = os.environ.get("H2D_STATEFUL_EXAMPLES", "10000")
@@ -129,7 +130,8 @@ def stress(session: nox.Session) -> None:
         "packages/h2d-core/tests/test_contract_stateful.py",
         "tests-integration/test_adapter_state_machine.py", "-k",
         "CPU or snapshot or BackendsAgree",
-        *session.posargs, env={"H2D_STATEFUL_EXAMPLES": examples, **NATIVE},
+        *session.posargs,
+        env={"H2D_STATEFUL_EXAMPLES": examples, "TRITON_INTERPRET": "1", **NATIVE},
     )
 
 

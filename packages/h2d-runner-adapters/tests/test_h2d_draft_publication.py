@@ -498,3 +498,31 @@ def test_gdn_speculative_rows_are_rewritten_only_when_the_requests_change(
         want = [[x * 3 + j for j in range(3)] for x in groups] + [[-1] * 3] * (p - g.size)
         assert gdn.spec.gpu[:p].tolist() == want, step
         assert gdn.num_accepted.gpu[:p].tolist() == acc.tolist() + [1] * (p - g.size), step
+
+
+def test_draft_step_never_reads_outside_the_verify_positions(dev: torch.device) -> None:
+    """A query prefix that indexes outside ``positions`` (never published for this step:
+    zeros, or stale and too long) anchors the request at 0 instead of reading out of
+    bounds; the oracle agrees."""
+    from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata, advance_draft_step
+
+    n, page = 3, 4
+    positions = torch.arange(10, 16, dtype=torch.int64, device=dev)  # 6 verify tokens
+    cu = torch.tensor([0, 0, 2, 99], dtype=torch.int32, device=dev)  # -1, 1, 98
+    rejected = torch.zeros(n, dtype=torch.int32, device=dev)
+    tables = torch.arange(n * 8, dtype=torch.int32, device=dev).reshape(n, 8)
+
+    def zeros(k: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(k, dtype=dtype, device=dev)
+
+    out = DraftStepMetadata(zeros(n, torch.int64), zeros(n, torch.int32),
+                            zeros(n, torch.int64), zeros(n + 1, torch.int32),
+                            zeros(n + 1, torch.int32))
+    advance_draft_step(positions, cu, rejected, tables, out, num_reqs=n, padded_reqs=n,
+                       step=1, page_size=page)
+    want = advance_draft_step_reference(
+        positions.tolist(), cu.tolist(), rejected.tolist(), tables.tolist(), num_reqs=n,
+        padded_reqs=n, step=1, page_size=page, table_width=8)
+    assert out.positions.tolist() == want["positions"] == [1, 12, 1]
+    for name in DraftStepMetadata._fields:
+        assert getattr(out, name).tolist() == want[name], name

@@ -6,6 +6,8 @@ token per request at the anchor (the last accepted token, ``positions[cu_q[i+1] 
 r_i``) plus ``k``. For ``i < num_reqs``::
 
     pos        = positions[cu_seqlens_q[i + 1] - 1] - num_rejected[i] + k
+                 (an anchor index outside ``positions``: a query prefix never published
+                 for this step; the anchor is then 0, never an out-of-bounds read)
     positions[i]    = pos
     context_lens[i] = pos + 1
     slot_mapping[i] = block_tables[i, pos // B] * B + pos % B     (-1 past the row width)
@@ -47,9 +49,11 @@ class DraftStepMetadata(NamedTuple):
     cu_seqlens_q: torch.Tensor  # int32 [>= P + 1]
 
 
-@triton.jit(do_not_specialize=["num_reqs", "padded_reqs", "step", "bt_columns"])
+@triton.jit(do_not_specialize=["positions_numel", "num_reqs", "padded_reqs", "step",
+                               "bt_columns"])
 def _draft_step_kernel(  # type: ignore[no-untyped-def]
-    positions_ptr,  # *i64 verify positions
+    positions_ptr,  # *i64 verify positions [positions_numel]
+    positions_numel,
     cu_q_ptr,  # *i32 verify query prefix [>= n + 1]
     rejected_ptr,  # *i32 [>= n]
     bt_ptr,  # *i32 [S, B]
@@ -71,7 +75,10 @@ def _draft_step_kernel(  # type: ignore[no-untyped-def]
     real = i < num_reqs
     rows = i < padded_reqs
     last = tl.load(cu_q_ptr + i + 1, mask=real, other=1) - 1
-    anchor = tl.load(positions_ptr + last, mask=real, other=0)
+    # a query prefix that was never published (or is stale) must not index outside the
+    # verify positions: such a request anchors at 0
+    anchor = tl.load(positions_ptr + last, mask=real & (last >= 0) & (last < positions_numel),
+                     other=0)
     rej = tl.load(rejected_ptr + i, mask=real, other=0).to(tl.int64)
     pos = tl.where(real, anchor - rej + step, 0)
     ctx = tl.where(real, pos + 1, 0)
@@ -134,7 +141,7 @@ def advance_draft_step(
                   num_rejected=num_rejected, block_tables=block_tables, **{
                       f"out.{f}": getattr(out, f) for f in DraftStepMetadata._fields})
     _draft_step_kernel[(1,)](
-        positions, cu_seqlens_q, num_rejected, block_tables, block_tables.stride(0),
+        positions, positions.numel(), cu_seqlens_q, num_rejected, block_tables, block_tables.stride(0),
         block_tables.stride(1), block_tables.shape[1], out.positions, out.context_lens,
         out.slot_mapping, out.kv_indptr, out.cu_seqlens_q, n, p, k, PAGE=page_size,
         BLOCK=next_power_of_two(max(p, 1)))
@@ -152,7 +159,9 @@ def advance_draft_step_reference(
                                  "kv_indptr": [0], "cu_seqlens_q": [0]}
     for i in range(padded_reqs):
         if i < num_reqs:
-            pos = positions[cu_seqlens_q[i + 1] - 1] - num_rejected[i] + step
+            last = cu_seqlens_q[i + 1] - 1
+            anchor = positions[last] if 0 <= last < len(positions) else 0
+            pos = anchor - num_rejected[i] + step
             col = pos // page_size
             slot = (rows[i][col] * page_size + pos % page_size
                     if pos >= 0 and col < table_width else -1)
