@@ -120,7 +120,8 @@ def stress(session: nox.Session) -> None:
     """Nightly-style: the publication-contract, block-table snapshot and adapters
     (packed vs direct: MHA+MTP+GDN+Engram with the draft loop, and V4.1 with its step
     indptrs) state machines at 10,000 random sequences each (``H2D_STATEFUL_EXAMPLES``
-    overrides; CI runs them small). The consumer rules run in Triton's interpreter."""
+    overrides; CI runs them small), and 16 forked workers x 2,000 block-table rows against
+    one snapshot. The consumer rules run in Triton's interpreter."""
     session.install(TORCH, TRITON, *TEST_DEPS)
     _install_local(session, PACKAGES)
     examples = os.environ.get("H2D_STATEFUL_EXAMPLES", "10000")
@@ -128,10 +129,13 @@ def stress(session: nox.Session) -> None:
         "python", "-m", "pytest", "-q",
         "packages/block-tables/tests/test_shared_block_tables.py::test_snapshot_state_machine",
         "packages/h2d-core/tests/test_contract_stateful.py",
-        "tests-integration/test_adapter_state_machine.py", "-k",
-        "CPU or snapshot or BackendsAgree",
+        "tests-integration/test_adapter_state_machine.py",
+        "packages/block-tables/tests/test_lineage_processes.py::"
+        "test_many_forked_workers_never_alias", "-k",
+        "CPU or snapshot or BackendsAgree or forked",
         *session.posargs,
-        env={"H2D_STATEFUL_EXAMPLES": examples, "TRITON_INTERPRET": "1", **NATIVE},
+        env={"H2D_STATEFUL_EXAMPLES": examples, "TRITON_INTERPRET": "1",
+             "H2D_LINEAGE_WORKERS": "16", "H2D_LINEAGE_ROWS": "2000", **NATIVE},
     )
 
 

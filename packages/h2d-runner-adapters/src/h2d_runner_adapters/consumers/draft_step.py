@@ -141,8 +141,9 @@ def advance_draft_step(
                   num_rejected=num_rejected, block_tables=block_tables, **{
                       f"out.{f}": getattr(out, f) for f in DraftStepMetadata._fields})
     _draft_step_kernel[(1,)](
-        positions, positions.numel(), cu_seqlens_q, num_rejected, block_tables, block_tables.stride(0),
-        block_tables.stride(1), block_tables.shape[1], out.positions, out.context_lens,
+        positions, positions.numel(), cu_seqlens_q, num_rejected, block_tables,
+        block_tables.stride(0), block_tables.stride(1), block_tables.shape[1],
+        out.positions, out.context_lens,
         out.slot_mapping, out.kv_indptr, out.cu_seqlens_q, n, p, k, PAGE=page_size,
         BLOCK=next_power_of_two(max(p, 1)))
     return out
