@@ -32,9 +32,13 @@ Per family, batch size and way:
 * GPU span µs: CUDA events from the first publication work through the first consumers and
   the model's first kernel (the embedding gather of the step's ids, run eagerly in this
   pass), each step queued behind a sleep longer than the way's host time, so the span is
-  GPU work, not host gaps;
-* ms per output token: wall time per step (chunks of steps, synchronized at their end)
-  over the tokens each request gains per step (1; for MTP 1 + the accepted drafts).
+  GPU work, not host gaps (except where a way itself waits on the GPU: the ATOM-style GDN
+  step's ``.item()``). The ATOM-style V4.1 and MTP ways have no first consumers of ours:
+  their host builds those arrays;
+* ms per output token: wall time per step (chunks of steps, synchronized at their end;
+  the scheduler's inputs built before each chunk) over the tokens each request gains per
+  step (1; for MTP 1 + the accepted drafts, the packed way's for the ATOM-style way, whose
+  values are not consumed).
 
 Ratios are way / packed. Without a GPU a small CPU configuration runs (Triton kernels in the
 interpreter): only its host figures mean anything. Writes ``decode_bench.json`` and
@@ -52,6 +56,7 @@ import os
 import platform
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,13 +105,33 @@ WINDOW = 512  # steady MHA rows restart every WINDOW steps (new table versions)
 
 @dataclass
 class Loop:
-    """One family's decode loop on one way: ``step()`` runs a step and returns the tokens
-    each request gained; the runner's last host metadata ns, wait and span events."""
+    """One family's decode loop on one way.
+
+    ``step()`` runs a step and returns the tokens each request gained; ``wait_ns()`` the
+    last step's wait for source reuse; ``counters()`` the library's own per-step counts;
+    ``prefetch(n)`` builds the next ``n`` steps' scheduler inputs ahead (outside any
+    timing). ``runner`` holds ``host_metadata_ns``, ``span_events`` and
+    ``span_through_model``."""
 
     runner: Any
     step: Callable[[], float]
     wait_ns: Callable[[], int]
     counters: Callable[[], dict[str, float]] = field(default=lambda: {})
+    prefetch: Callable[[int], None] = field(default=lambda n: None)
+
+
+def _queued(make: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[int], None]]:
+    """``(take, prefetch)`` over ``make``: ``prefetch(n)`` queues ``n`` items ahead."""
+    queue: deque[Any] = deque()
+
+    def take() -> Any:
+        return queue.popleft() if queue else make()
+
+    def prefetch(n: int) -> None:
+        while len(queue) < n:
+            queue.append(make())
+
+    return take, prefetch
 
 
 def _library_counters(state: Any, groups: tuple[str, ...]) -> dict[str, float]:
@@ -144,17 +169,21 @@ def mha_batches(bs: int, context: int) -> Iterator[ScheduledBatch]:
 
 
 def mha_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
+    """The plain-MHA decode loop on ``way`` (the ATOM-style way publishes into the runner's
+    destinations: its steps are the packed steps' bit for bit)."""
     runner = DecodeRunner(mha_config(bs, args.context, args.cuda), args.device, way)
     batches = mha_batches(bs, args.context)
+    take, prefetch = _queued(lambda: next(batches))
 
     def step() -> float:
-        runner.step(next(batches))
+        runner.step(take())
         return 1.0
 
     def wait() -> int:
         return runner.atom.last_wait_ns if runner.atom else runner.state.last_source_wait_ns
 
-    return Loop(runner, step, wait, lambda: _library_counters(runner.state, (DECODE_STEP,)))
+    return Loop(runner, step, wait, lambda: _library_counters(runner.state, (DECODE_STEP,)),
+                prefetch)
 
 
 # -- DeepSeek V4.1 -----------------------------------------------------------------------
@@ -178,6 +207,7 @@ class V41Steady:
         return BlockTable(range(base, base + -(-ctx // V4_BLOCK)))
 
     def step(self) -> tuple[SpanColumns, list[BlockTable], list[list[int]]]:
+        """The next step's spans, block-table rows and the rows as Python page lists."""
         self.steps += 1
         if self.steps % self.window == 0:
             self.ctx[:] = self.start
@@ -192,10 +222,13 @@ class V41Steady:
                 self.lists[i] = [*self.lists[i], t[len(t) - 1]]
         q = np.ones(self.bs, np.int32)
         return (SpanColumns(q, self.ctx.copy(), self.slots, self.slots), list(self.tables),
-                self.lists)
+                list(self.lists))
 
 
 def v41_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
+    """The V4.1 decode loop on ``way`` (the ATOM-style way: ``v41_step.AtomStyle``'s host
+    step and copies in place of the publication and the first consumers, whose arrays it
+    builds on the host; its values are not consumed)."""
     import v41_step
 
     cuda = args.cuda
@@ -214,8 +247,10 @@ def v41_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
         runner.step(*steady.step()[:2], steady.ids, padded)  # the destinations, once
         runner.metadata_hook = atom.step
 
+    take, prefetch = _queued(steady.step)
+
     def step() -> float:
-        spans, rows, lists = steady.step()
+        spans, rows, lists = take()
         runner.step(spans, rows, steady.ids, padded, lists=lists)
         return 1.0
 
@@ -223,11 +258,16 @@ def v41_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
         return 0 if way == "atom" else runner.state.last_source_wait_ns
 
     return Loop(runner, step, wait,
-                lambda: _library_counters(runner.state, (TOKEN_INPUTS, V41_METADATA)))
+                lambda: _library_counters(runner.state, (TOKEN_INPUTS, V41_METADATA)),
+                prefetch)
 
 
 # -- MTP / GDN ---------------------------------------------------------------------------
 def mtp_loop(way: str, bs: int, args: argparse.Namespace, gdn: bool) -> Loop:
+    """The MHA+MTP (or GDN+MTP) verify + draft loop on ``way`` (the ATOM-style way:
+    ``mtp_step.AtomStyle``'s host step and copies in place of the verify publication, its
+    values not consumed; for GDN its host time includes the ``.item()`` that engine
+    waits on, and the per-request scalar stores)."""
     import mtp_step
 
     cuda = args.cuda
@@ -269,6 +309,7 @@ def _chunk(loop: Loop, steps: int, cuda: bool) -> tuple[list[float], list[float]
                                                          float]:
     """``steps`` steps: per-step host µs and wait µs, wall ms per step, tokens/request."""
     host, wait, tokens = [], [], 0.0
+    loop.prefetch(steps)  # the scheduler's side, outside the wall clock
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -287,6 +328,7 @@ def _span(loop: Loop, steps: int, host_p90_us: float) -> list[float]:
     cycles = int(max(1000.0, 3 * host_p90_us + 300) * 2000)
     runner = loop.runner
     runner.span_through_model = True
+    loop.prefetch(steps)
     evs = []
     for _ in range(steps):
         pair = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -301,6 +343,7 @@ def _span(loop: Loop, steps: int, host_p90_us: float) -> list[float]:
 
 
 def measure(family: str, bs: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One family at one batch size: the three ways interleaved; one row per way."""
     loops = {w: BUILDERS[family](w, bs, args) for w in WAYS}
     for loop in loops.values():
         _chunk(loop, args.warmup, args.cuda)
@@ -334,9 +377,16 @@ def measure(family: str, bs: int, args: argparse.Namespace) -> list[dict[str, An
             span = _span(loop, args.span_steps, row["host_us_p90"])
             row["gpu_span_us_p50"] = float(np.median(span))
             row["gpu_span_us_p90"] = float(np.percentile(span, 90))
+            loop.prefetch(args.profile_steps)
             row.update(count_per_step(loop.step, args.profile_steps))
         rows.append(row)
     packed = rows[0]
+    if family in ("mtp", "gdn"):
+        # the ATOM-style way's values are not consumed, so its acceptance is not its own:
+        # its time per output token uses the packed way's tokens per step
+        atom = rows[2]
+        atom["tokens_per_request_step"] = packed["tokens_per_request_step"]
+        atom["ms_per_output_token"] = atom["step_ms"] / packed["tokens_per_request_step"]
     for row in rows:
         row["host_vs_packed"] = row["host_us_p50"] / packed["host_us_p50"]
         row["tpot_vs_packed"] = row["ms_per_output_token"] / packed["ms_per_output_token"]
@@ -392,7 +442,7 @@ def _plot(results: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> No
     fig.savefig(path, dpi=110)
 
 
-def _table(results: list[dict[str, Any]], cuda: bool) -> str:
+def _table(results: list[dict[str, Any]]) -> str:
     lines = []
     for fam in FAMILIES:
         rows = [r for r in results if r["family"] == fam]
@@ -410,7 +460,6 @@ def _table(results: list[dict[str, Any]], cuda: bool) -> str:
                 f"| {r['bs']} | {r['way']} | {r['host_us_p50']:.1f} [{r['host_us_p90']:.1f}] "
                 f"({r['host_vs_packed']:.1f}x) | {span} | {counts} | "
                 f"{r['ms_per_output_token']:.3f} ({r['tpot_vs_packed']:.2f}x) |")
-    del cuda
     return "\n".join(lines)
 
 
@@ -473,7 +522,7 @@ def main() -> None:
     print(f"\nresults: {written}")
     print(f"device: {device}; torch {torch.__version__}; {args.rounds} rounds x {args.chunk} "
           "steps per way, interleaved")
-    print(_table(results, cuda))
+    print(_table(results))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ Copies are classified by the memory kinds the runtime reports for their two ends
 label in front of them: the profiler names a CUDA memcpy ``Memcpy <label> (<source kind> ->
 <destination kind>)``, and the label can mislabel (the spec warns that ROCm reports pinned
 host to device copies as DtoD). A copy from ``Pinned`` or ``Pageable`` host memory to
-``Device`` memory is a host-to-device copy whatever its label; one without memory kinds
-falls back to the label.
+``Device`` (or ``Array``) memory is a host-to-device copy whatever its label; a copy with
+no memory kinds, or with an ``Unknown`` or ``Managed`` end, falls back to the label.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch
 
 _MEMCPY = re.compile(r"memcpy\s+(\w+)\s*(?:\((\w+)\s*->\s*(\w+)\))?", re.IGNORECASE)
 _HOST = {"pinned", "pageable", "host"}
+_DEVICE = {"device", "array"}
 
 
 def copy_kind(name: str) -> str | None:
@@ -28,11 +29,13 @@ def copy_kind(name: str) -> str | None:
         return None
     label, src, dst = m.group(1).lower(), m.group(2), m.group(3)
     if src and dst:
-        s, d = src.lower() in _HOST, dst.lower() in _HOST
-        if s != d:
-            return "H2D" if s else "D2H"
-        if not s:
-            return "D2D"
+        kinds = {"host" if k.lower() in _HOST else "device" if k.lower() in _DEVICE
+                 else None for k in (src, dst)}
+        if None not in kinds:  # both ends known (not Unknown or Managed)
+            s, d = ("host" if src.lower() in _HOST else "device",
+                    "host" if dst.lower() in _HOST else "device")
+            return {("host", "device"): "H2D", ("device", "host"): "D2H",
+                    ("device", "device"): "D2D"}.get((s, d), "other:host-to-host")
     return {"htod": "H2D", "dtoh": "D2H", "dtod": "D2D"}.get(label, f"other:{label}")
 
 

@@ -25,6 +25,11 @@ from trace_counts import copy_kind  # noqa: E402
     ("Memcpy DtoD (Device -> Device)", "D2D"),
     ("Memcpy HtoD", "H2D"),
     ("Memcpy PtoP (Device -> Device)", "D2D"),
+    ("Memcpy HtoH (Pinned -> Pageable)", "other:host-to-host"),
+    # an end the runtime could not name: the label decides
+    ("Memcpy HtoD (Unknown -> Device)", "H2D"),
+    ("Memcpy DtoD (Pinned -> Unknown)", "D2D"),
+    ("Memcpy HtoD (Managed -> Device)", "H2D"),
     ("void h2d_scatter_kernel<int>(...)", None),
 ])
 def test_copies_are_classified_by_memory_kind(name: str, kind: str | None) -> None:
@@ -43,10 +48,9 @@ def test_main_job_runs_every_family_and_way(tmp_path: Path) -> None:
     assert got == {(f, w) for f in ("mha", "v41", "mtp", "gdn")
                    for w in ("packed", "direct", "atom")}
     for r in results:
-        assert r["host_us_p50"] > 0 and r["host_us_p90"] >= r["host_us_p50"]
-        assert r["ms_per_output_token"] > 0
+        assert r["host_us_p50"] > 0 and r["ms_per_output_token"] > 0
+        assert r["steps"] == 2  # one round of two steps per way
         if r["way"] == "packed":
-            assert r["host_vs_packed"] == 1.0
             per = r["library_per_step"]
             groups = 2 if r["family"] == "v41" else 1
             assert per["dmas"] == groups and per["scatters"] == groups

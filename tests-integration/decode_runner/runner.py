@@ -9,8 +9,10 @@ Per step::
     state.finish()                                # records completion, never waits
     token assembly -> KV-index generation / attention preparation   (first consumers;
                one captured graph of both on padded decode steps)
-    CUDA-graph replay (decode, padded) or eager forward (prefill, TBO, no graph)
-    sampler (greedy rows corrected on the GPU, no readback)
+    CUDA-graph replay (decode, padded; the graph also samples when no top-k/top-p filter
+               is on) or eager forward (prefill, TBO, no graph)
+    sampler (greedy rows corrected on the GPU, no readback; noise drawn only when a row
+               samples)
 
 Publication is enqueued on the consumer stream before graph replay; every destination the
 graphs read is bound once at init. Two-batch overlap (``tbo=True`` decode steps) splits the
@@ -33,11 +35,13 @@ from h2d_runner_adapters import (
     MhaDecodeInputs,
     PrefillInputs,
     SamplingInputs,
+    SamplingPlan,
     ScheduledBatch,
     TokenInputs,
     TokenPlan,
     fill_gumbel_noise_,
 )
+from h2d_runner_adapters.sampling import GREEDY_TEMPERATURE
 
 from .atom_style import AtomStyleDecode
 from .model import DecoderInputs, TinyDecoder, TinyDecoderConfig
@@ -174,7 +178,7 @@ class DecodeRunner:
         with torch.cuda.stream(side):  # warm-up: compile the kernels before any capture
             for p, inputs in self.graph_inputs.items():
                 self._run_consumers(p)
-                self.model(inputs)
+                self._sample_rows(self.model(inputs), p)
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for p in sorted(self.graph_inputs, reverse=True):
@@ -185,12 +189,23 @@ class DecodeRunner:
             with torch.cuda.graph(cg, pool=pool):
                 self._run_consumers(p)
             pool = cg.pool()
+            # The model and the unfiltered sampler over the graph's rows: a padded decode
+            # step with no top-k/top-p filter does no host work to sample (the Triton
+            # launch and its checks would otherwise run between two publications).
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 out = self.model(self.graph_inputs[p])
+                self._sample_rows(out, p)
             self.consumer_graphs[p] = cg
             self.graphs[p] = (g, out)
         torch.cuda.synchronize(self.device)
+        self.sampled.zero_()  # the warm-up sampled garbage rows: no step has sampled yet
+
+    def _sample_rows(self, logits: torch.Tensor, rows: int) -> None:
+        """The sampler without filters over ``rows`` rows (greedy rows exact, the others
+        from ``self.noise``), into ``self.sampled``."""
+        self.sampling.sample(logits, SamplingPlan(rows, None, None, False, False),
+                             self.noise[:rows], out=self.sampled.view(-1))
 
     def _run_consumers(self, rows: int) -> None:
         """Token assembly and KV-index generation of a one-token-per-request decode step
@@ -205,21 +220,26 @@ class DecodeRunner:
             self.model.move_pages(moves)  # type: ignore[arg-type]
         if self.cfg.gpu_delay_cycles and self.device.type == "cuda":
             torch.cuda._sleep(self.cfg.gpu_delay_cycles)
+        n = batch.num_reqs
+        if not _all_greedy(batch):  # greedy rows never read the noise
+            self.generator.manual_seed(self.cfg.seed * 1_000_003 + batch.step)
+            fill_gumbel_noise_(self.noise[:n], self.generator)
         inputs: DecoderInputs | None
+        sampled = False
         if batch.is_prefill:
             logits, inputs = self._prefill(batch)
         elif tbo:
             logits, inputs = self._decode_tbo(batch)
         else:
-            logits, inputs = self._decode(batch)
-        n = batch.num_reqs
-        self.generator.manual_seed(self.cfg.seed * 1_000_003 + batch.step)
-        noise = fill_gumbel_noise_(self.noise[:n], self.generator)
+            logits, inputs, sampled = self._decode(batch)
         out = self.sampled.view(-1)
-        self.sampling.sample(logits, self._sampling_plan, noise, out=out)
+        if not sampled:
+            self.sampling.sample(logits, self._sampling_plan, self.noise[:n], out=out)
         return StepResult(out[:n], logits[:n], inputs)
 
-    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
+    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
+        """Publish, run the first consumers and the model; True when the captured graph
+        also sampled (an unfiltered plan), False when the caller must sample."""
         st = self.state
         padded = batch.padded_size if batch.padded_size in self.graph_inputs else None
         events = self.span_events
@@ -256,9 +276,12 @@ class DecodeRunner:
         if rows in self.graphs:
             graph, out = self.graphs[rows]
             graph.replay()
-            return out, self.graph_inputs[rows]
+            sp = self._sampling_plan
+            unfiltered = (sp.top_k is None and sp.top_p is None and not sp.per_request_top_k
+                          and not sp.per_request_top_p)
+            return out, self.graph_inputs[rows], unfiltered
         inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
-        return self.model(inputs), inputs
+        return self.model(inputs), inputs, False
 
     def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
         st = self.state
@@ -305,6 +328,11 @@ class DecodeRunner:
         self.ubatches[1].generate_kv_indices(plans[1])
         logits.append(self.model(self._decode_inputs(self.ubatches[1], n - half, half)))
         return torch.cat(logits), None
+
+
+def _all_greedy(batch: ScheduledBatch) -> bool:
+    temps = batch.columns.temperatures
+    return bool(temps.size) and float(temps.max()) <= GREEDY_TEMPERATURE
 
 
 def _slice_batch(batch: ScheduledBatch, a: int, b: int) -> ScheduledBatch:

@@ -167,10 +167,11 @@ class V41Runner:
         events = self.span_events
         hook = self.metadata_hook
         if hook is not None and self._last_plan is not None:
+            page_lists = lists if lists is not None else [list(r) for r in rows]
             if events is not None:
                 events[0].record()
             t0 = time.perf_counter_ns()
-            hook(sc, lists if lists is not None else [list(r) for r in rows])
+            hook(sc, page_lists)
             self.host_metadata_ns = time.perf_counter_ns() - t0
             vp = self._last_plan
         else:

@@ -140,10 +140,12 @@ def _worker(conn: Any, worker: int, rows: int) -> None:
 @pytest.mark.skipif(sys.platform == "win32", reason="needs the fork start method")
 @pytest.mark.parametrize("native", NATIVE)
 def test_many_forked_workers_never_alias(native: bool | None) -> None:
-    """Workers forked from one parent draw the same version numbers as the parent and as
-    each other; their rows, received pickled and prepared in a random order into one
-    snapshot row beside the parent's own, are never mistaken for a hit. Prints the figure
-    (``H2D_LINEAGE_WORKERS`` x ``H2D_LINEAGE_ROWS``; ``nox -s stress`` raises them)."""
+    """Workers forked from one parent draw the same version numbers as each other (and
+    as the parent's rows after the fork). Received pickled, rows that shared a number at
+    their senders must map to distinct lineages: prepared back to back into one snapshot
+    row, none is mistaken for a hit. (A fork that did not renew the process's lineage
+    origin would alias them.) Prints the figure (``H2D_LINEAGE_WORKERS`` x
+    ``H2D_LINEAGE_ROWS``; ``nox -s stress`` raises them)."""
     import os
 
     workers = int(os.environ.get("H2D_LINEAGE_WORKERS", "3"))
@@ -163,7 +165,8 @@ def test_many_forked_workers_never_alias(native: bool | None) -> None:
         pages = rng.integers(0, 10_000, size=int(rng.integers(1, 7))).tolist()
         t = BlockTable(pages)
         items.append((-1, t.version, t, pages))
-    for recv in pipes:
+    for w, recv in enumerate(pipes):
+        assert recv.poll(120), f"worker {w} sent nothing in 120 s"
         items += [(w, v, pickle.loads(b), pages) for w, v, b, pages in recv.recv()]
     for proc in procs:
         proc.join(timeout=120)
@@ -174,15 +177,15 @@ def test_many_forked_workers_never_alias(native: bool | None) -> None:
     shared = sum(len(o) - 1 for o in origins.values())
     snap, storage = _snapshot(native)
     wrong = 0
-    # same-numbered rows back to back, in a random order within each number: a snapshot
-    # that trusted the number would take each one after the first for a hit
+    # rows that shared a number at their senders back to back, in a random order within
+    # each number: had receipt mapped them to one lineage, each after the first would hit
     keys = rng.random(len(items))
     for i in sorted(range(len(items)), key=lambda k: (items[k][1], keys[k])):
         _, _, table, pages = items[i]
         snap.prepare([table])
         wrong += storage[0, : len(pages)].tolist() != pages
     print(f"{workers} forked workers x {rows} rows (+ grown copies) and {rows} parent rows: "
-          f"{len(items)} rows prepared, {shared} version numbers shared across processes, "
-          f"{wrong} mistaken for a hit")
+          f"{len(items)} rows prepared, {shared} sender-side version numbers shared across "
+          f"processes, {wrong} mistaken for a hit")
     assert shared > 0  # the counters really collided: the test can fail
     assert wrong == 0

@@ -502,8 +502,9 @@ def test_gdn_speculative_rows_are_rewritten_only_when_the_requests_change(
 
 def test_draft_step_never_reads_outside_the_verify_positions(dev: torch.device) -> None:
     """A query prefix that indexes outside ``positions`` (never published for this step:
-    zeros, or stale and too long) anchors the request at 0 instead of reading out of
-    bounds; the oracle agrees."""
+    zeros, or stale and too long) makes that request a padded row (position 0, context 0,
+    slot -1: nothing a draft model would write) instead of an out-of-bounds read; the
+    oracle agrees."""
     from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata, advance_draft_step
 
     n, page = 3, 4
@@ -523,6 +524,8 @@ def test_draft_step_never_reads_outside_the_verify_positions(dev: torch.device) 
     want = advance_draft_step_reference(
         positions.tolist(), cu.tolist(), rejected.tolist(), tables.tolist(), num_reqs=n,
         padded_reqs=n, step=1, page_size=page, table_width=8)
-    assert out.positions.tolist() == want["positions"] == [1, 12, 1]
+    assert out.positions.tolist() == want["positions"] == [0, 12, 0]
+    assert out.slot_mapping.tolist() == want["slot_mapping"] == [-1, 44, -1]
+    assert out.kv_indptr.tolist() == want["kv_indptr"] == [0, 0, 4, 4]
     for name in DraftStepMetadata._fields:
         assert getattr(out, name).tolist() == want[name], name

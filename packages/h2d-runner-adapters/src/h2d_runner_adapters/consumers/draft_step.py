@@ -6,8 +6,9 @@ token per request at the anchor (the last accepted token, ``positions[cu_q[i+1] 
 r_i``) plus ``k``. For ``i < num_reqs``::
 
     pos        = positions[cu_seqlens_q[i + 1] - 1] - num_rejected[i] + k
-                 (an anchor index outside ``positions``: a query prefix never published
-                 for this step; the anchor is then 0, never an out-of-bounds read)
+                 (an anchor index outside ``positions``, from a query prefix never
+                 published for this step: the request becomes a padded row below, never
+                 an out-of-bounds read nor a real KV slot)
     positions[i]    = pos
     context_lens[i] = pos + 1
     slot_mapping[i] = block_tables[i, pos // B] * B + pos % B     (-1 past the row width)
@@ -75,19 +76,20 @@ def _draft_step_kernel(  # type: ignore[no-untyped-def]
     real = i < num_reqs
     rows = i < padded_reqs
     last = tl.load(cu_q_ptr + i + 1, mask=real, other=1) - 1
-    # a query prefix that was never published (or is stale) must not index outside the
-    # verify positions: such a request anchors at 0
-    anchor = tl.load(positions_ptr + last, mask=real & (last >= 0) & (last < positions_numel),
-                     other=0)
-    rej = tl.load(rejected_ptr + i, mask=real, other=0).to(tl.int64)
-    pos = tl.where(real, anchor - rej + step, 0)
-    ctx = tl.where(real, pos + 1, 0)
+    # A query prefix that was never published for this step (or is stale) must neither
+    # index outside the verify positions nor yield a KV slot a draft model would write:
+    # such a request becomes a padded row (position 0, context 0, slot -1, no pages).
+    valid = real & (last >= 0) & (last < positions_numel)
+    anchor = tl.load(positions_ptr + last, mask=valid, other=0)
+    rej = tl.load(rejected_ptr + i, mask=valid, other=0).to(tl.int64)
+    pos = tl.where(valid, anchor - rej + step, 0)
+    ctx = tl.where(valid, pos + 1, 0)
     col = pos // PAGE
-    inside = real & (col < bt_columns) & (pos >= 0)
+    inside = valid & (col < bt_columns) & (pos >= 0)
     page = tl.load(bt_ptr + i.to(tl.int64) * bt_stride0 + col * bt_stride1, mask=inside,
                    other=0)
     slot = tl.where(inside, page.to(tl.int64) * PAGE + pos % PAGE, -1)
-    pages = tl.where(real, (ctx + PAGE - 1) // PAGE, 0).to(tl.int32)
+    pages = tl.where(valid, (ctx + PAGE - 1) // PAGE, 0).to(tl.int32)
     ends = tl.cumsum(pages, axis=0)
     tl.store(out_pos_ptr + i, pos, mask=rows)
     tl.store(out_ctx_ptr + i, ctx.to(tl.int32), mask=rows)
@@ -159,10 +161,9 @@ def advance_draft_step_reference(
     out: dict[str, list[int]] = {"positions": [], "context_lens": [], "slot_mapping": [],
                                  "kv_indptr": [0], "cu_seqlens_q": [0]}
     for i in range(padded_reqs):
-        if i < num_reqs:
-            last = cu_seqlens_q[i + 1] - 1
-            anchor = positions[last] if 0 <= last < len(positions) else 0
-            pos = anchor - num_rejected[i] + step
+        last = cu_seqlens_q[i + 1] - 1 if i < num_reqs else -1
+        if 0 <= last < len(positions):
+            pos = positions[last] - num_rejected[i] + step
             col = pos // page_size
             slot = (rows[i][col] * page_size + pos % page_size
                     if pos >= 0 and col < table_width else -1)
