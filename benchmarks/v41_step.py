@@ -12,7 +12,7 @@ process (the GPU host's speed drifts between processes):
   builds every array (positions, query prefix, full-width block-table rows from Python
   lists, state slots, four plans, batch ids, committed counts, three host cumsums, the
   per-token committed counts and block-table gather, the HCA index head, ``qo_indptr``)
-  and copies each member on its own: the 23 V4 fp8 copies plus the 4 token-core ones.
+  and copies each member on its own: 20 V4 fp8 copies plus the 4 token-core ones.
 
 Host µs per step (median of chunk medians): for the library from ``begin()`` to
 ``finish()``, less any blocking wait for source reuse; for ``atom`` the host work and its
@@ -21,7 +21,7 @@ copies. The first consumers' launches are outside both. Ratio = way / packed.
 GPU span per step (CUDA only, a separate pass): CUDA events from the first publication
 work to where the first attention kernel could start: for the library the DMAs, scatters
 and the first consumer (step indptrs and the per-token expansion: per-token tables, HCA
-index head), for ``atom`` its 27 copies (its host already built those arrays). Each step
+index head), for ``atom`` its 24 copies (its host already built those arrays). Each step
 is queued behind a ~1 ms ``torch.cuda._sleep`` so the host has enqueued all of it: the
 span is GPU work, not host gaps.
 
@@ -160,7 +160,7 @@ class Library:
 
 class AtomStyle:
     """The host side of an ATOM-style V4 fp8 decode step: every array built on the host,
-    one copy per member (23 V4 + 4 token core)."""
+    one copy per member (20 V4 + 4 token core)."""
 
     def __init__(self, bs: int, context: int, device: str) -> None:
         self.bs = bs
