@@ -258,3 +258,32 @@ def test_atom_style_way_refuses_what_it_does_not_model() -> None:
     with pytest.raises(AtomStyleError, match="one token per request"):
         runner.atom.publish(batch, None)
     assert torch.equal(before, runner.decode.positions.gpu)
+
+
+def test_atom_style_page_lists_follow_replaced_rows() -> None:
+    """The ATOM-style way's page lists follow each row by version and length: a row
+    replaced by one of the same length and last page is re-listed, an append extends."""
+    from block_tables import BlockTable
+    from h2d_runner_adapters import BatchColumns, ScheduledBatch
+
+    cfg = RunnerConfig(max_reqs=2, max_tokens=2, max_pages_per_req=4, page_size=8,
+                       num_pages=16, vocab=64, hidden=16, layers=1, heads=1, head_dim=16)
+    runner = DecodeRunner(cfg, "cpu", "atom")
+    assert runner.atom is not None
+    cols = BatchColumns(
+        query_lens=np.ones(1, np.int32), context_lens=np.array([20], np.int32),
+        temperatures=np.zeros(1, np.float32), top_k=np.full(1, -1, np.int32),
+        top_p=np.ones(1, np.float32), prev_sample_rows=np.full(1, -1, np.int32),
+        token_ids=np.zeros(1, np.int32), num_drafts=np.zeros(1, np.int32))
+    row = BlockTable([1, 2, 3])
+    for table, want in ((row, [1, 2, 3]), (BlockTable([1, 9, 3]), [1, 9, 3])):
+        runner.atom.sync_lists(ScheduledBatch((), False, 8, given_columns=cols,
+                                              given_block_tables=[table]))
+        assert runner.atom.lists == [want]
+    grown = BlockTable([1, 9, 3])
+    runner.atom.sync_lists(ScheduledBatch((), False, 8, given_columns=cols,
+                                          given_block_tables=[grown]))
+    grown.append_one(5)
+    runner.atom.sync_lists(ScheduledBatch((), False, 8, given_columns=cols,
+                                          given_block_tables=[grown]))
+    assert runner.atom.lists == [[1, 9, 3, 5]]

@@ -69,18 +69,23 @@ class AtomStyleDecode:
         #: each request's pages as a Python list (the engine's per-sequence block table),
         #: kept by the scheduler side: :meth:`sync_lists` runs outside the timed step
         self.lists: list[list[int]] = []
+        self.versions: list[tuple[int, int] | None] = []
         self.last_wait_ns = 0
 
     def sync_lists(self, batch: ScheduledBatch) -> None:
-        """The scheduler's bookkeeping: each row's page list follows its block table."""
+        """The scheduler's bookkeeping: each row's page list follows its block table (a
+        row is re-listed when its append-lineage version or length changed, or always when
+        it has no version)."""
         rows = batch.block_tables
-        if len(self.lists) != len(rows):
-            self.lists = [list(row) for row in rows]
-            return
+        if len(self.versions) != len(rows):
+            self.lists = [[] for _ in rows]
+            self.versions = [None] * len(rows)
         for i, row in enumerate(rows):
-            have = self.lists[i]
-            if len(row) != len(have) or (len(row) and row[len(row) - 1] != have[-1]):
+            version = getattr(row, "version", None)
+            key = None if version is None else (version, len(row))
+            if key is None or key != self.versions[i]:
                 self.lists[i] = list(row)
+                self.versions[i] = key
 
     def publish(self, batch: ScheduledBatch,
                 padded: int | None) -> tuple[SamplingPlan, TokenPlan, DecodePlan]:
