@@ -5,7 +5,7 @@
     nox -s tests          every CPU suite of every package + tests-integration
     nox -s gpu            the GPU suites; needs RUN_H2D_GPU_TESTS=1 and CUDA, else fails
     nox -s gpu2           the two-GPU pipeline-parallel run; needs two GPUs, else fails
-    nox -s stress         the state machines at 10,000 random sequences each (CPU, ~20 min)
+    nox -s stress         the state machines at 10,000 random sequences each (CPU, ~1 h)
     nox -s sanitize       the compiled core's suites under ASan + UBSan (gcc, CPU)
     nox -s lint           ruff + mypy
 
