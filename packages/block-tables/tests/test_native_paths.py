@@ -160,9 +160,13 @@ def materialize(table: BlockTable, kind: str) -> Any:
 
 
 def contents_of(table: BlockTable, kind: str) -> list[int]:
+    """The page IDs the row hands over, as ``materialize`` built it (its extra IDs included:
+    width and required-page checks see them before any ID's range is checked)."""
     ids = table.tolist()
     if kind == "wide" and len(ids) <= WIDTH:
         return [*ids, *([0] * (WIDTH + 1 - len(ids)))]
+    if kind == "huge":
+        return [*ids, 2**33]
     return ids
 
 
