@@ -1,0 +1,118 @@
+"""Input checks the adapters run on a whole argument before their first write.
+
+Every check looks at the value as the caller handed it: its type, dtype, integrality,
+length, and its range in its own type, before any conversion. So an int64 of ``2**32`` or
+a uint64 of ``2**63`` bound for an int32 source is refused, never wrapped; a float where
+the rule needs an integer is refused, never truncated; a NaN is refused where a finite
+value is needed. A refusal raises :class:`AdapterInputError` (a
+:class:`h2d_core.CountError`) naming the group, the argument, the first offending request
+(or token) and the rule, and the adapter has written nothing.
+
+The checks return the caller's array unconverted: the adapter copies it into its pinned
+source (numpy's cast is exact once the range is known to fit).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from h2d_core import CountError
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class AdapterInputError(CountError):
+    """An adapter refused its input before writing any source: nothing changed.
+
+    The message names the group, the argument (and the request or token at fault) and
+    the rule; a corrected call in the same epoch then publishes normally.
+    """
+
+
+def describe(value: object) -> str:
+    """A short description of what the caller passed, for messages."""
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} array of shape {value.shape}"
+    return type(value).__name__
+
+
+def int_value(group: str, name: str, value: object, lo: int = INT32_MIN,
+              hi: int = INT32_MAX) -> int:
+    """``value`` as a Python int in ``[lo, hi]``: an int or numpy integer, never a bool or
+    a float (integral or not)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        raise AdapterInputError(
+            f"{group}: {name} must be an int, got {describe(value)} {value!r}")
+    v = int(value)
+    if not lo <= v <= hi:
+        raise AdapterInputError(f"{group}: {name}={v} must be in [{lo}, {hi}]")
+    return v
+
+
+def int_array(group: str, name: str, values: object, *, lo: int = INT32_MIN,
+              hi: int = INT32_MAX, size: int | None = None, what: str = "request",
+              rule: str = "") -> np.ndarray:
+    """``values`` as a 1-D integer numpy array (of ``size`` entries when given) whose every
+    entry lies in ``[lo, hi]``, compared in its own dtype (no wrap). ``what`` names an entry
+    in messages; ``rule`` is appended to a range refusal (what to do)."""
+    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind not in "iu":
+        kind = "integers" if isinstance(values, np.ndarray) and values.ndim == 1 else "a 1-D array"
+        raise AdapterInputError(
+            f"{group}: {name} must be a 1-D integer numpy array, got {describe(values)} "
+            f"(it must hold {kind} of one entry per {what})")
+    check_size(group, name, values, size, what)
+    if values.size:
+        # min/max in the array's own dtype, then exact Python ints: no cast can wrap
+        low, high = int(values.min()), int(values.max())
+        if low < lo or high > hi:
+            # numpy compares with out-of-range Python ints exactly (uint64 < -1 is False)
+            i = int(np.flatnonzero((values < lo) | (values > hi))[0])
+            raise AdapterInputError(
+                f"{group}: {what} {i} has {name}={int(values[i])}; it must be in "
+                f"[{lo}, {hi}]{'; ' + rule if rule else ''}")
+    return values
+
+
+def float_array(group: str, name: str, values: object, *, lo: float = -math.inf,
+                hi: float = math.inf, lo_open: bool = False, size: int | None = None,
+                what: str = "request", rule: str = "") -> np.ndarray:
+    """``values`` as a 1-D float numpy array of finite entries in ``[lo, hi]`` (``(lo, hi]``
+    with ``lo_open``); NaN and infinities are refused."""
+    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "f":
+        raise AdapterInputError(
+            f"{group}: {name} must be a 1-D float numpy array with one entry per {what}, "
+            f"got {describe(values)}")
+    check_size(group, name, values, size, what)
+    if values.size:
+        bad = ~np.isfinite(values) | (values > hi) | ((values <= lo) if lo_open else (values < lo))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            bounds = f"{'(' if lo_open else '['}{lo}, {hi}]"
+            raise AdapterInputError(
+                f"{group}: {what} {i} has {name}={float(values[i])}; it must be finite and in "
+                f"{bounds}{'; ' + rule if rule else ''}")
+    return values
+
+
+def bool_mask(group: str, name: str, values: object, *, size: int | None = None,
+              what: str = "token") -> np.ndarray:
+    """``values`` as a 1-D boolean numpy array: a 0/1 integer array is refused (``~`` of it
+    is -1/-2, not a mask)."""
+    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype != np.bool_:
+        raise AdapterInputError(
+            f"{group}: {name} must be a 1-D bool numpy array with one entry per {what}, got "
+            f"{describe(values)}; pass values.astype(bool) for a 0/1 array")
+    check_size(group, name, values, size, what)
+    return values
+
+
+def check_size(group: str, name: str, values: Any, size: int | None, what: str) -> None:
+    """``values`` holds exactly ``size`` entries (when given)."""
+    if size is not None and values.size != size:
+        raise AdapterInputError(
+            f"{group}: {name} has {values.size} entries but the batch has {size} {what}s; "
+            f"pass one per {what}")
