@@ -20,6 +20,23 @@ from h2d_runner_adapters.consumers.kv_indices import _kv_indices_kernel
 ROOT = Path(__file__).resolve().parents[1]
 READMES = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+#: a top-level print whose next line is a comment: that comment is its exact output
+PRINTED = re.compile(r"^print\(.*\n# (.*)$", re.M)
+
+
+def expected_prints(code: str) -> list[str]:
+    """The outputs a block's comments promise, in order; every top-level print has one."""
+    prints = len(re.findall(r"^print\(", code, re.M))
+    promised = PRINTED.findall(code)
+    assert len(promised) == prints, "each top-level print needs its output on the next line"
+    return promised
+
+
+def test_printed_outputs_are_parsed() -> None:
+    code = 'x = 1\nprint(x)  # why\n# 1\nprint(x, x)\n# 1 1\n'
+    assert expected_prints(code) == ["1", "1 1"]
+    with pytest.raises(AssertionError, match="needs its output"):
+        expected_prints("print(1)\n")
 
 
 def test_every_readme_is_covered() -> None:
@@ -34,6 +51,13 @@ def test_readme_python_blocks_run(readme: Path) -> None:
                     "otherwise (Triton's interpreter); this process's mode differs")
     blocks = BLOCK.findall(readme.read_text())
     assert blocks, f"{readme} has no python block"
-    namespace: dict[str, object] = {"__name__": "readme"}
+    printed: list[str] = []
+    namespace: dict[str, object] = {
+        "__name__": "readme",
+        "print": lambda *args: printed.append(" ".join(map(str, args))),
+    }
+    promised: list[str] = []
     for k, code in enumerate(blocks):
+        promised += expected_prints(code)
         exec(compile(code, f"{readme.relative_to(ROOT)}[block {k}]", "exec"), namespace)
+    assert printed == promised
