@@ -20,6 +20,12 @@ counts, in place, after the step's tentative write on the same stream. The next 
 snapshot travels in its own member, so a later publication can never overtake a committed
 update. Rejected tokens past the committed cursor are overwritten by the next step's
 tentative write, which starts at the new snapshot.
+
+:meth:`EngramInputs.prepare` checks every input whole, each in its own dtype (an int64 of
+``2**32`` or a uint64 of ``2**63`` is refused, never wrapped; floats are refused), before
+any write: ``rows`` distinct and inside the history table, ``cursors`` in
+``[0, history_len]`` with ``cursor + q <= history_len``, the batch's ``query_lens`` >= 1
+and ``num_drafts`` in ``[0, min(max_drafts, q - 1)]``, all of one length ``<= max_reqs``.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from h2d_core import CountError, H2DRunnerState, h2d_producer
+from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
+from .checks import INT32_MAX, AdapterInputError, describe, int_array
 from .consumers.engram import commit_engram_cursors, write_engram_tentative
 
 ENGRAM = "engram"
@@ -57,6 +64,12 @@ class EngramInputs:
         history_len: int,
         group: str = ENGRAM,
     ) -> None:
+        for name, value, lo in (("max_drafts", max_drafts, 0), ("history_rows", history_rows, 1),
+                                ("history_len", history_len, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not lo <= value <= INT32_MAX:
+                raise DeclarationError(
+                    f"{group}: {name} must be an int in [{lo}, {INT32_MAX}], got {value!r}")
         self.h2d_state = state
         self.group = group
         self.max_drafts = max_drafts
@@ -77,34 +90,12 @@ class EngramInputs:
     def prepare(self, batch: ScheduledBatch, rows: np.ndarray, cursors: np.ndarray
                 ) -> EngramPlan:
         """Write and count the snapshot (``cursors``: each request's committed history
-        length), its history rows and the cursor candidates. Checked before any write."""
-        g = self.group
-        cols = batch.columns
-        q = cols.query_lens.astype(np.int64)
-        d = cols.num_drafts.astype(np.int64)
+        length), its history rows and the cursor candidates. Every input is checked whole
+        before any write (see :meth:`_check`); a refusal raises :class:`AdapterInputError`
+        and changes nothing."""
+        q, d, c = self._check(batch, rows, cursors)
         n = q.size
-        for name, v in (("rows", rows), ("cursors", cursors)):
-            if not isinstance(v, np.ndarray) or v.ndim != 1 or v.size != n \
-                    or v.dtype.kind not in "iu":
-                raise CountError(f"{g}: {name} must be a 1-D integer numpy array with one "
-                                 f"entry per request ({n})")
-        if n > self.rows.spec.capacity:
-            raise CountError(f"{g}: {n} requests exceed max_reqs={self.rows.spec.capacity}")
         if n:
-            c = cursors.astype(np.int64)
-            checks = (
-                ((rows < 0) | (rows >= self.history_rows),
-                 f"a history row outside [0, {self.history_rows})"),
-                (c < 0, "a negative cursor"),
-                (c + q > self.history_len,
-                 f"cursor + query tokens past the history length {self.history_len}"),
-                ((d < 0) | (d > self.max_drafts) | (d >= q),
-                 f"drafts outside [0, min(max_drafts={self.max_drafts}, query tokens - 1)]"),
-            )
-            for bad, rule in checks:
-                if bad.any():
-                    i = int(np.argmax(bad))
-                    raise CountError(f"{g}: request {i} has {rule}")
             self.rows.np[:n] = rows
             self.snapshot.np[:n] = cursors
             cand = self.candidates.np
@@ -115,6 +106,75 @@ class EngramInputs:
         st.set_count(self.snapshot, n)
         st.set_count(self.candidates, n)
         return EngramPlan(n, int(q.max()) if n else 0)
+
+    def _check(self, batch: ScheduledBatch, rows: object, cursors: object
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The step's query lengths, draft counts and cursors as int64 (exact), after
+        checking, each in its own dtype: the batch's ``query_lens`` (>= 1) and
+        ``num_drafts`` (``[0, min(max_drafts, q - 1)]``) of one length ``n <= max_reqs``;
+        ``rows`` distinct rows of the history table; ``cursors`` in ``[0, history_len]``
+        with ``cursor + q <= history_len``."""
+        g = self.group
+        cols = batch.columns
+        q = int_array(g, "query_lens", cols.query_lens, lo=1,
+                      rule="an Engram request runs at least one token")
+        n = q.size
+        cap = self.rows.spec.capacity
+        if n > cap:
+            raise AdapterInputError(f"{g}: {n} requests exceed max_reqs={cap}")
+        d = int_array(g, "num_drafts", cols.num_drafts, lo=0, hi=self.max_drafts, size=n,
+                      rule=f"drafts must lie in [0, min(max_drafts={self.max_drafts}, query "
+                           "tokens - 1)]")
+        for name, v in (("rows", rows), ("cursors", cursors)):
+            if not isinstance(v, np.ndarray) or v.ndim != 1 or v.size != n \
+                    or v.dtype.kind not in "iu":
+                raise AdapterInputError(
+                    f"{g}: {name} must be a 1-D integer numpy array with one entry per "
+                    f"request ({n}), got {describe(v)}")
+        assert isinstance(rows, np.ndarray) and isinstance(cursors, np.ndarray)
+        q, d = q.astype(np.int64), d.astype(np.int64)  # exact: both ranges fit
+        if not n:
+            return q, d, cursors.astype(np.int64)
+        bad = d >= q
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise AdapterInputError(
+                f"{g}: request {i} has drafts outside [0, min(max_drafts={self.max_drafts}, "
+                f"query tokens - 1)] (num_drafts={int(d[i])}, query_lens={int(q[i])})")
+        self._check_rows(rows)
+        # compared in the caller's dtype before any cast: 2**63 (uint64) is refused, never
+        # wrapped to a negative cursor; after it, cursor + q cannot overflow int64
+        if int(cursors.min()) < 0 or int(cursors.max()) > self.history_len:
+            i = int(np.flatnonzero((cursors < 0) | (cursors > self.history_len))[0])
+            v = int(cursors[i])
+            rule = ("a negative cursor" if v < 0 else
+                    f"cursor + query tokens past the history length {self.history_len}")
+            raise AdapterInputError(f"{g}: request {i} has {rule} (cursors={v})")
+        c = cursors.astype(np.int64)
+        bad = c + q > self.history_len
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise AdapterInputError(
+                f"{g}: request {i} has cursor + query tokens past the history length "
+                f"{self.history_len} (cursors={int(c[i])}, query_lens={int(q[i])})")
+        return q, d, c
+
+    def _check_rows(self, rows: np.ndarray) -> None:
+        """Rows inside the history table, one per request (two requests on one row would
+        overwrite each other's tentative tokens)."""
+        g, top = self.group, self.history_rows
+        if int(rows.min()) < 0 or int(rows.max()) >= top:
+            i = int(np.flatnonzero((rows < 0) | (rows >= top))[0])
+            raise AdapterInputError(
+                f"{g}: request {i} has a history row outside [0, {top}) (rows="
+                f"{int(rows[i])})")
+        order = np.argsort(rows, kind="stable")
+        same = np.flatnonzero(rows[order[1:]] == rows[order[:-1]])
+        if same.size:
+            first, i = int(order[same[0]]), int(order[same[0] + 1])
+            raise AdapterInputError(
+                f"{g}: request {i} has history row {int(rows[i])}, already request "
+                f"{first}'s (rows must be distinct: each request owns its own row)")
 
     def write_tentative(self, plan: EngramPlan, cu_seqlens_q: torch.Tensor,
                         input_ids: torch.Tensor) -> None:

@@ -17,6 +17,16 @@ for padded rows):
 
 Only the members of the step's kind are published (the others are omitted). First
 consumer: the state readers (:func:`gather_gdn_states` stands in for them).
+
+Inputs are checked whole before any write, each in its own dtype (an int64 of ``2**32``
+or a uint64 of ``2**63`` is refused, never wrapped to a small slot; floats are refused):
+a real request's state group is ``>= 0`` (``-1`` belongs to padded rows, which
+``padded`` makes) and all its ``1 + k`` slots lie in the pool (``num_state_slots``, and
+always within int32 indices); a fork source is ``-1`` or such a group; ``num_accepted``
+lies in ``[1, k + 1]``. The adapter reserves no slot of its own: every slot ``>= 0`` of
+the pool belongs to the state group that names it. A refusal raises
+:class:`~h2d_runner_adapters.checks.AdapterInputError` naming the argument, the request
+and the rule, and changes nothing (sources, counts, the per-slot row cache).
 """
 
 from __future__ import annotations
@@ -26,10 +36,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from h2d_core import CountError, DeclarationError, H2DRunnerState, h2d_producer
+from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
 
+from .checks import INT32_MAX, AdapterInputError, describe
 from .consumers.gdn_states import gather_gdn_states
-from .token_inputs import _padded
+from .paged import padded_count
 
 GDN_STATE = "gdn_state"
 
@@ -56,6 +67,12 @@ class GdnStateInputs:
     ) -> None:
         if isinstance(num_spec, bool) or not isinstance(num_spec, int) or num_spec < 0:
             raise DeclarationError(f"{group}: num_spec must be an int >= 0, got {num_spec!r}")
+        if num_state_slots is not None and (
+                isinstance(num_state_slots, bool) or not isinstance(num_state_slots, int)
+                or num_state_slots < num_spec + 1):
+            raise DeclarationError(
+                f"{group}: num_state_slots must be None or an int >= num_spec + 1 = "
+                f"{num_spec + 1} (one state group's slots), got {num_state_slots!r}")
         self.h2d_state = state
         self.group = group
         self.num_spec = num_spec
@@ -84,58 +101,24 @@ class GdnStateInputs:
     ) -> GdnPlan:
         """Write and count the step's state indices: speculative when ``num_accepted`` is
         given (one count per request, in ``[1, k + 1]``), else non-speculative (with
-        optional ``fork_sources``, -1 = none). Everything is checked before any write."""
-        g = self.group
-        st = self.h2d_state
-        slot = st.current_slot
-        key = None
-        if num_accepted is not None and isinstance(state_groups, np.ndarray):
-            key = (state_groups.dtype.str, state_groups.shape, state_groups.tobytes(), padded)
-            if self._spec_rows[slot] == key:
-                # the slot's sources already hold these requests' speculative rows (checked
-                # when written): only the accepted counts change from step to step
-                n = state_groups.size
-                p = n if padded is None else padded
-                self._write_accepted(self._check_accepted(num_accepted, fork_sources, n), n, p)
-                return GdnPlan(n, p, True)
-        groups = self._ints("state_groups", state_groups, None)
-        n = groups.size
-        p = _padded(g, n, padded)
-        if p > self.non_spec.spec.capacity:
-            raise CountError(f"{g}: padded={p} exceeds max_reqs={self.non_spec.spec.capacity}")
-        k = self.num_spec
-        if (groups < 0).any():
-            raise CountError(f"{g}: request {int(np.argmax(groups < 0))} has a negative state "
-                             "group")
-        top = (groups.astype(np.int64) + 1) * (k + 1)
-        if self.num_state_slots is not None and n and top.max() > self.num_state_slots:
-            i = int(np.argmax(top > self.num_state_slots))
-            raise CountError(
-                f"{g}: request {i}'s state group {int(groups[i])} needs slots up to "
-                f"{int(top[i]) - 1}, past the pool's {self.num_state_slots} slots")
+        optional ``fork_sources``, -1 = none). Every argument is checked whole (type,
+        integrality, range in its own dtype, length) before any write; a refusal raises
+        :class:`AdapterInputError` and changes nothing."""
+        n = self._check_batch(state_groups)
+        p = padded_count(self.group, n, padded, self.non_spec.spec.capacity)
         if num_accepted is not None:
-            acc = self._check_accepted(num_accepted, fork_sources, n)
-            assert self.spec is not None
-            rows = self.spec.np
-            np.add((groups * (k + 1))[:, None], self._offsets[None, :], out=rows[:n])
-            rows[n:p] = -1
-            self._spec_rows[slot] = key
-            self._write_accepted(acc, n, p)
-            return GdnPlan(n, p, True)
-        base = groups * (k + 1)
-        src = base
-        if fork_sources is not None:
-            fork = self._ints("fork_sources", fork_sources, n)
-            if self.num_state_slots is not None and n and \
-                    ((fork.astype(np.int64) + 1) * (k + 1)).max() > self.num_state_slots:
-                raise CountError(f"{g}: a fork source's slots lie past the pool's "
-                                 f"{self.num_state_slots} slots")
-            src = np.where(fork >= 0, fork * (k + 1), base)
+            return self._prepare_spec(state_groups, p, fork_sources, num_accepted)
+        groups = self._check_groups(state_groups)
+        fork = None if fork_sources is None else self._check_forks(fork_sources, n)
+        k1 = self.num_spec + 1
+        base = groups * k1
+        src = base if fork is None else np.where(fork >= 0, fork * k1, base)
         out, out_in = self.non_spec.np, self.non_spec_in.np
         out[:n] = base
         out[n:p] = -1
         out_in[:n] = src
         out_in[n:p] = -1
+        st = self.h2d_state
         st.set_count(self.non_spec, p)
         st.set_count(self.non_spec_in, p)
         if self.spec is not None and self.num_accepted is not None:
@@ -143,22 +126,105 @@ class GdnStateInputs:
             st.set_count(self.num_accepted, None)
         return GdnPlan(n, p, False)
 
+    def _prepare_spec(self, state_groups: np.ndarray, p: int, fork_sources: object,
+                      num_accepted: object) -> GdnPlan:
+        """The speculative step: rows ``base + j`` (PAD_SLOT_ID past ``n``), rewritten only
+        when the slot's sources hold other requests or another padding."""
+        n = state_groups.size
+        slot = self.h2d_state.current_slot
+        # the padded count is part of the key: the rows [n, p) hold PAD_SLOT_ID only for
+        # the padding they were written with (another p would publish stale real slots)
+        key = (state_groups.dtype.str, state_groups.shape, state_groups.tobytes(), p)
+        cached = self._spec_rows[slot] == key
+        # rows whose sources already hold these bytes were checked when written
+        groups = None if cached else self._check_groups(state_groups)
+        acc = self._check_accepted(num_accepted, fork_sources, n)
+        if groups is not None:
+            assert self.spec is not None
+            rows = self.spec.np
+            np.add((groups * (self.num_spec + 1))[:, None], self._offsets[None, :],
+                   out=rows[:n])
+            rows[n:p] = -1
+            self._spec_rows[slot] = key
+        self._write_accepted(acc, n, p)
+        return GdnPlan(n, p, True)
+
+    def _check_batch(self, state_groups: object) -> int:
+        """The request count of ``state_groups`` (a 1-D integer array of at most
+        ``max_reqs`` entries)."""
+        if not isinstance(state_groups, np.ndarray) or state_groups.ndim != 1 \
+                or state_groups.dtype.kind not in "iu":
+            raise AdapterInputError(
+                f"{self.group}: state_groups must be a 1-D integer numpy array (one state "
+                f"group per request), got {describe(state_groups)}")
+        cap = self.non_spec.spec.capacity
+        if state_groups.size > cap:
+            raise AdapterInputError(
+                f"{self.group}: state_groups has {state_groups.size} requests, more than "
+                f"max_reqs={cap}")
+        return int(state_groups.size)
+
+    def _pool_bound(self, name: str, values: np.ndarray, what: str, lo: int) -> None:
+        """No state group in ``values`` (``lo`` and above: its lower bound is checked by
+        the caller) has a slot past the pool (or past int32 slot indices): compared in the
+        array's own dtype, so 2**32 or a uint64 of 2**63 is refused, never wrapped."""
+        k1 = self.num_spec + 1
+        limit = self._limit
+        top = limit // k1 - 1  # the largest group whose slots all lie below limit
+        if values.size and int(values.max()) > top:
+            i = int(np.flatnonzero(values > top)[0])
+            v = int(values[i])
+            past = (f"the pool's {limit} slots" if self.num_state_slots == limit
+                    else f"the int32 slot indices (at most {limit} slots)")
+            raise AdapterInputError(
+                f"{self.group}: request {i}'s {what} {v} needs slots up to {(v + 1) * k1 - 1}"
+                f", past {past}; {name} must lie in [{lo}, {top}]")
+
+    def _check_groups(self, values: np.ndarray) -> np.ndarray:
+        """``state_groups`` (type-checked) as int32: every group >= 0 (a real request never
+        names PAD_SLOT_ID or a negative slot) and its slots inside the pool."""
+        if values.size and int(values.min()) < 0:
+            i = int(np.flatnonzero(values < 0)[0])
+            raise AdapterInputError(
+                f"{self.group}: request {i} has a negative state group (state_groups="
+                f"{int(values[i])}); a real request owns slots >= 0, padded rows get "
+                "PAD_SLOT_ID (-1) from padded")
+        self._pool_bound("state_groups", values, "state group", 0)
+        return values.astype(np.int32, copy=False)  # exact: the range fits
+
+    def _check_forks(self, values: object, n: int) -> np.ndarray:
+        """``fork_sources``: -1 (no fork) or a state group whose slots lie in the pool."""
+        fork = self._ints("fork_sources", values, n)
+        if n and int(fork.min()) < -1:
+            i = int(np.flatnonzero(fork < -1)[0])
+            raise AdapterInputError(
+                f"{self.group}: request {i} has fork_sources={int(fork[i])}; it must be -1 "
+                "(no fork) or the state group to fork from (>= 0)")
+        self._pool_bound("fork_sources", fork, "fork source", -1)
+        return fork.astype(np.int32, copy=False)
+
+    @property
+    def _limit(self) -> int:
+        """Slots a published index may address: the pool, within int32 indices."""
+        cap = INT32_MAX + 1
+        return cap if self.num_state_slots is None else min(self.num_state_slots, cap)
+
     def _check_accepted(self, num_accepted: object, fork_sources: object, n: int
                         ) -> np.ndarray:
         g, k = self.group, self.num_spec
         if not k:
-            raise CountError(f"{g}: num_accepted given but the adapter was built with "
-                             "num_spec=0; pass num_spec=k to the constructor")
-        if fork_sources is not None and (np.asarray(fork_sources) >= 0).any():
-            raise CountError(f"{g}: speculative steps take no fork sources (forks are "
-                             "prefill-only)")
+            raise AdapterInputError(f"{g}: num_accepted given but the adapter was built with "
+                                    "num_spec=0; pass num_spec=k to the constructor")
+        if fork_sources is not None and (self._check_forks(fork_sources, n) >= 0).any():
+            raise AdapterInputError(f"{g}: speculative steps take no fork sources (forks are "
+                                    "prefill-only); pass fork_sources=None")
         acc = self._ints("num_accepted", num_accepted, n)
-        bad = np.flatnonzero((acc < 1) | (acc > k + 1))
-        if bad.size:
-            i = int(bad[0])
-            raise CountError(f"{g}: request {i} has num_accepted={int(acc[i])}; it must "
-                             f"be in [1, {k + 1}] (accepted drafts + 1)")
-        return acc
+        if n and (int(acc.min()) < 1 or int(acc.max()) > k + 1):
+            i = int(np.flatnonzero((acc < 1) | (acc > k + 1))[0])
+            raise AdapterInputError(
+                f"{g}: request {i} has num_accepted={int(acc[i])}; it must be in [1, {k + 1}]"
+                " (accepted drafts + 1)")
+        return acc.astype(np.int32, copy=False)  # exact: the range fits
 
     def _write_accepted(self, acc: np.ndarray, n: int, p: int) -> None:
         """Write the (checked) accepted counts; count the speculative members and omit the
@@ -173,18 +239,14 @@ class GdnStateInputs:
         st.set_count(self.non_spec, None)
         st.set_count(self.non_spec_in, None)
 
-    def _ints(self, name: str, values: object, n: int | None) -> np.ndarray:
+    def _ints(self, name: str, values: object, n: int) -> np.ndarray:
+        """``values`` as given: a 1-D integer array of ``n`` entries (no conversion)."""
         if not isinstance(values, np.ndarray) or values.ndim != 1 \
-                or values.dtype.kind not in "iu" or (n is not None and values.size != n):
-            what = (type(values).__name__ if not isinstance(values, np.ndarray)
-                    else f"a {values.dtype} array of shape {values.shape}")
-            need = "one per request" if n is None else f"{n} entries, one per request"
-            raise CountError(f"{self.group}: {name} must be a 1-D integer numpy array "
-                             f"({need}), got {what}")
-        cap = self.non_spec.spec.capacity
-        if values.size > cap:
-            raise CountError(f"{self.group}: {values.size} requests exceed max_reqs={cap}")
-        return values.astype(np.int32, copy=False)
+                or values.dtype.kind not in "iu" or values.size != n:
+            raise AdapterInputError(
+                f"{self.group}: {name} must be a 1-D integer numpy array ({n} entries, one "
+                f"per request), got {describe(values)}")
+        return values
 
     def gather_states(self, plan: GdnPlan, pool: torch.Tensor, out: torch.Tensor
                       ) -> torch.Tensor:

@@ -26,6 +26,8 @@ A padded replay therefore reads nothing stale.
 With ``mrope=True`` the group carries ``mrope_positions`` (three planes at the running
 width, see :mod:`h2d_runner_adapters.mrope`) in place of ``positions``: the MRoPE
 decode planes of a multimodal model.
+Its ``mrope_deltas`` (one integer per request, int32 range in their own dtype) are
+checked with the batch before any source is written.
 """
 
 from __future__ import annotations
@@ -47,11 +49,11 @@ from block_tables.native import select
 from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
+from .checks import AdapterInputError, int_value
 from .consumers import generate_kv_indices
 from .consumers.mrope import select_mrope_positions
 from .mrope import check_deltas, declare_mrope, mrope_planes, write_decode_planes
-from .paged import PagedInputs
-from .token_inputs import _padded
+from .paged import PagedInputs, padded_count
 
 MHA_DECODE = "mha_decode"
 
@@ -160,12 +162,12 @@ class MhaDecodeInputs(PagedInputs):
         cols = batch.columns
         qlens = cols.query_lens
         n = qlens.size
-        p = _padded(self.group, n, padded)
+        p = padded_count(self.group, n, padded)  # the capacity: the layout's check
         mrope = self.mrope_positions
         if mrope is not None:
             mrope_deltas = check_deltas(self.group, mrope_deltas, n)
         elif mrope_deltas is not None:
-            raise CountError(
+            raise AdapterInputError(
                 f"{self.group}: mrope_deltas given but the adapter has no MRoPE planes; "
                 "construct it with mrope=True")
         st = self.h2d_state
@@ -203,8 +205,10 @@ class MhaDecodeInputs(PagedInputs):
     def mrope_planes(self, plan: DecodePlan) -> torch.Tensor:
         """The step's MRoPE planes as a ``(3, padded_tokens)`` view (the running width)."""
         if self.mrope_positions is None:
-            raise CountError(f"{self.group}: no MRoPE planes; construct with mrope=True")
-        return mrope_planes(self.mrope_positions, plan.padded_tokens)
+            raise AdapterInputError(f"{self.group}: no MRoPE planes; construct with mrope=True")
+        width = int_value(self.group, "plan.padded_tokens", plan.padded_tokens, 0,
+                          self.positions.spec.capacity)
+        return mrope_planes(self.mrope_positions, width)
 
     def select_mrope_positions(self, plan: DecodePlan, sections: tuple[int, int, int],
                                out: torch.Tensor) -> torch.Tensor:

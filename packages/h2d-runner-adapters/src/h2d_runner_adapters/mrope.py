@@ -14,6 +14,11 @@ MRoPE position delta; text after an image continues from the image's largest pos
 Prefill: a request's planes come from its precomputed ``[3, L]`` prompt positions (the
 chunk's columns ``[ctx - q, ctx)``), or its ordinary positions on every plane when it has
 none.
+
+Inputs are checked before any write, in their own dtype (never wrapped or truncated):
+``mrope_deltas`` are integers in int32 range, prompt positions integers in
+``[0, 2**31)`` (:func:`check_deltas`, :func:`check_prompt_positions`, raising
+:class:`~h2d_runner_adapters.checks.AdapterInputError`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from h2d_core import CountError, H2DBuffer, H2DRunnerState
+from h2d_core import H2DBuffer, H2DRunnerState
+
+from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe, int_array
 
 MROPE_AXES = 3
 
@@ -39,15 +46,18 @@ def mrope_planes(buffer: H2DBuffer, width: int) -> torch.Tensor:
 
 
 def check_deltas(group: str, deltas: object, n: int) -> np.ndarray:
-    """``deltas`` as an int64 ``[n]`` array; raises :class:`CountError` otherwise."""
+    """``deltas`` (``mrope_deltas``: one integer per request, in int32 range, compared in
+    its own dtype) as an int64 ``[n]`` array; raises :class:`AdapterInputError` otherwise.
+    A delta shifts an int32 position, so ``position + delta`` always fits the int64
+    planes; a uint64 of ``2**63`` is refused, never wrapped."""
     if not isinstance(deltas, np.ndarray) or deltas.ndim != 1 or deltas.size != n \
             or deltas.dtype.kind not in "iu":
-        what = (f"{type(deltas).__name__}" if not isinstance(deltas, np.ndarray)
-                else f"a {deltas.dtype} array of shape {deltas.shape}")
-        raise CountError(
-            f"{group}: mrope_deltas must be an integer numpy array with one delta per "
-            f"request ({n}), got {what}; pass zeros for text-only requests")
-    return deltas.astype(np.int64, copy=False)
+        raise AdapterInputError(
+            f"{group}: mrope_deltas must be a 1-D integer numpy array with one delta per "
+            f"request ({n}), got {describe(deltas)}; pass zeros for text-only requests")
+    int_array(group, "mrope_deltas", deltas, lo=INT32_MIN, hi=INT32_MAX,
+              rule="an MRoPE delta is the shift of a request's int32 positions")
+    return deltas.astype(np.int64, copy=False)  # exact: the range fits
 
 
 def write_decode_planes(flat: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
@@ -61,29 +71,55 @@ def write_decode_planes(flat: np.ndarray, positions: np.ndarray, query_lens: np.
     flat[2 * width : 3 * width] = plane
 
 
-def check_prompt_positions(group: str, sources: object, context_lens: np.ndarray
+def check_prompt_positions(group: str, sources: object, context_lens: np.ndarray,
+                           query_lens: np.ndarray | None = None
                            ) -> list[np.ndarray | None]:
-    """Per request: ``None`` or an integer ``[3, >= ctx]`` array; raises
-    :class:`CountError` naming the request otherwise."""
+    """Per request: ``None`` or an integer ``[3, L >= ctx]`` array (``mrope_positions``)
+    whose columns the step reads hold positions in ``[0, 2**31)``, compared in the array's
+    own dtype (an int64 of ``2**32`` or a uint64 of ``2**63`` is refused, never wrapped;
+    floats are refused). The columns read are the chunk's ``[ctx - q, ctx)`` when
+    ``query_lens`` is given, else ``[0, ctx)``. Raises :class:`AdapterInputError` naming
+    the request otherwise; the arrays are returned unconverted."""
+    if not isinstance(context_lens, np.ndarray) or context_lens.ndim != 1 \
+            or context_lens.dtype.kind not in "iu":
+        raise AdapterInputError(
+            f"{group}: the batch's context_lens must be a 1-D integer numpy array, got "
+            f"{describe(context_lens)}")
     n = context_lens.size
-    if not isinstance(sources, Sequence) or len(sources) != n:
-        raise CountError(
+    if query_lens is not None:
+        int_array(group, "query_lens", query_lens, lo=0, size=n)
+    if not isinstance(sources, Sequence) or isinstance(sources, str) or len(sources) != n:
+        raise AdapterInputError(
             f"{group}: mrope_positions must be a sequence with one entry per request ({n}): "
             "a [3, L] integer array of the prompt's positions, or None for text-only")
+    ctxs = context_lens.tolist()
+    qs = None if query_lens is None else query_lens.tolist()
     out: list[np.ndarray | None] = []
-    for i, (src, ctx) in enumerate(zip(sources, context_lens.tolist(), strict=True)):
+    for i, (src, ctx) in enumerate(zip(sources, ctxs, strict=True)):
         if src is None:
             out.append(None)
             continue
         if not isinstance(src, np.ndarray) or src.dtype.kind not in "iu" or src.ndim != 2 \
                 or src.shape[0] != MROPE_AXES or src.shape[1] < ctx:
             shape = getattr(src, "shape", None)
-            raise CountError(
+            raise AdapterInputError(
                 f"{group}: mrope_positions of request {i} must be an integer array of shape "
                 f"(3, L) with L >= its context length {ctx}, got {type(src).__name__} "
-                f"{shape}")
+                f"{shape} {getattr(src, 'dtype', '')}".rstrip())
+        lo = 0 if qs is None else max(ctx - qs[i], 0)
+        _check_columns(group, i, src, lo, max(ctx, 0))
         out.append(src)
     return out
+
+
+def _check_columns(group: str, i: int, src: np.ndarray, lo: int, hi: int) -> None:
+    """Columns ``[lo, hi)`` of request ``i``'s prompt positions lie in ``[0, 2**31)``."""
+    cols = src[:, lo:hi]
+    if cols.size and (int(cols.min()) < 0 or int(cols.max()) > INT32_MAX):
+        a, c = (int(x[0]) for x in np.nonzero((cols < 0) | (cols > INT32_MAX)))
+        raise AdapterInputError(
+            f"{group}: mrope_positions of request {i} holds {int(cols[a, c])} at plane {a}, "
+            f"column {lo + c}; prompt positions must be in [0, {INT32_MAX}]")
 
 
 def write_prefill_planes(flat: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
