@@ -169,7 +169,7 @@ class DecodeRunner:
         d.context_lens.gpu.zero_()
         d.kv_indptr.gpu.zero_()
         d.positions.gpu.zero_()
-        d.block_tables.gpu.zero_()
+        self._prepare_capture_tables(max(self.graph_inputs))
         self.tokens.input_ids.gpu.zero_()
         self.tokens.decode_cu.gpu.zero_()
         self.tokens.decode_src.gpu.fill_(-1)
@@ -200,6 +200,16 @@ class DecodeRunner:
             self.graphs[p] = (g, out)
         torch.cuda.synchronize(self.device)
         self.sampled.zero_()  # the warm-up sampled garbage rows: no step has sampled yet
+
+    def _prepare_capture_tables(self, rows: int) -> None:
+        """Empty block-table rows for the largest captured size, published through the
+        table's state: its record then says what the GPU holds, so the first step sends
+        what differs instead of trusting a table written behind the state's back."""
+        st = self.state
+        st.begin()
+        self.decode.tables.prepare_capture(rows)
+        st.publish(self.decode.group)
+        st.finish()
 
     def _sample_rows(self, logits: torch.Tensor, rows: int) -> None:
         """The sampler without filters over ``rows`` rows (greedy rows exact, the others

@@ -339,6 +339,24 @@ def test_lineage_prefix_in_batch_clears_the_tail() -> None:
     assert_matches(snap, [t])
 
 
+def test_a_shifted_batch_is_fully_replaced_in_one_pass() -> None:
+    """A request leaving the front shifts every row: a new batch mapping. The rows match
+    the rebuild, only the exposed tails are cleared, the row the batch no longer covers
+    keeps what it held and rows never covered keep the caller's bytes."""
+    snap, storage = make(garbage=True, fill_value=-1)
+    rows = tables(16, 4, 9, 1, 12)
+    snap.prepare(rows)
+    beyond = storage[5:].copy()
+    cleared = snap.cleared_elements
+    rev = snap.prepare(rows[1:])
+    assert_matches(snap, rows[1:])
+    np.testing.assert_array_equal(storage[4], naive(rows[4:], WIDTH, -1)[0])
+    np.testing.assert_array_equal(storage[5:], beyond)
+    # row 0: columns [4, 16) of the old 16; row 2: [1, 9); rows 1 and 3 grew: nothing
+    assert snap.cleared_elements - cleared == 12 + 8
+    assert snap.changed_rows_since(rev - 1).ranges == ((0, 4),)
+
+
 def test_same_bytes_under_a_new_version_keep_the_revision() -> None:
     snap, _ = make()
     rows = tables(4, 4)

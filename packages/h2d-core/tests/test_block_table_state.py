@@ -12,6 +12,8 @@ import torch
 from block_tables import BlockTable
 from h2d_core import (
     CountError,
+    DuplicatePublicationError,
+    EpochError,
     H2DRunnerState,
     PublicationEnqueueError,
     StageResult,
@@ -330,3 +332,121 @@ def test_changing_the_partial_policy_takes_effect_on_the_next_stage(device: str,
     tables[4].append_one(54)
     assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
     _check_gpu(device, h, bts, 16)
+
+
+# -- capture-time preparation ----------------------------------------------------------------
+
+
+def _capture(st: Any, bts: Any, n: int) -> str:
+    """What a runner's graph capture does for the table: one epoch that prepares the
+    captured size's empty rows and publishes the table's group."""
+    st.begin()
+    how = bts.prepare_capture(n)
+    st.publish("mha_decode")
+    st.finish()
+    return how
+
+
+def _rows(tables: list[BlockTable], n: int) -> np.ndarray:
+    out = np.zeros((n, WIDTH), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t.tolist()
+    return out
+
+
+@pytest.mark.parametrize("num_slots", [1, 2])
+def test_capture_preparation_goes_through_the_state(device: str, h: Any,
+                                                    num_slots: int) -> None:
+    """After capture preparation the GPU holds the empty capture rows and the record says
+    so; the next real step then sends what differs. Filling the GPU table directly would
+    leave the record on the old revision: the step would reuse a table the GPU no longer
+    holds."""
+    st, lens, _bt, bts = _setup(device, h, num_slots=num_slots)
+    tables = [BlockTable(range(10 * i + 1, 10 * i + 2 + i % 5)) for i in range(6)]
+    for _ in range(num_slots):  # every slot's snapshot holds the batch
+        _publish(st, lens, bts, tables)
+    before = bts.published
+    assert _capture(st, bts, 8) != StageResult.REUSED
+    h.sync(device)
+    assert not bts.buffer.gpu[:8].cpu().any(), "capture rows must be empty on the GPU"
+    rec = bts.published
+    assert rec is not before and rec.rows == 8
+    assert rec.slot == st.current_slot
+    assert rec.revision == bts.snapshots[rec.slot].revision != before.revision
+    assert not bts.snapshots[rec.slot].storage[:8].any()
+
+    hows = []
+    for _step in range(2 * num_slots):  # each slot in turn, twice, after the capture
+        hows.append(_publish(st, lens, bts, tables))
+        h.sync(device)
+        np.testing.assert_array_equal(bts.buffer.gpu[:6].cpu().numpy(), _rows(tables, 6))
+        _check_gpu(device, h, bts, 6)
+    # no slot's first step after the capture may take the GPU table as its own
+    assert StageResult.REUSED not in hows[:num_slots], hows
+    # a later capture of the same size: whatever the slot, the GPU ends up empty again
+    _capture(st, bts, 8)
+    h.sync(device)
+    assert not bts.buffer.gpu[:8].cpu().any()
+    if num_slots == 1:  # same slot, same revision, same rows: nothing to send
+        assert _capture(st, bts, 8) == StageResult.REUSED
+
+
+def test_failed_capture_publication_never_marks_it_published(
+        device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    st, lens, bt, bts = _setup(device, h)
+    tables = [BlockTable([i + 1, 2 * i + 1]) for i in range(6)]
+    _publish(st, lens, bts, tables)
+    good = bts.published
+    st.begin()
+    bts.prepare_capture(8)
+    rec = st._slot_groups[0][st.plan("mha_decode").index]
+    if rec.packed is not None:
+        h.break_publication(monkeypatch, rec.packed)
+    else:
+        monkeypatch.setattr(bt, "_dst_units", None)
+    with pytest.raises(PublicationEnqueueError):
+        st.publish("mha_decode")
+    assert bts.published is good
+    monkeypatch.undo()
+    st.reset()
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    _check_gpu(device, h, bts, 6)
+
+
+def test_capture_preparation_rejects_bad_calls_and_changes_nothing(device: str,
+                                                                   h: Any) -> None:
+    st, lens, bt, bts = _setup(device, h)
+    tables = [BlockTable([i + 1]) for i in range(4)]
+    _publish(st, lens, bts, tables)
+    snap = bts.snapshot
+
+    def observed() -> tuple[Any, ...]:
+        return (snap.storage.tobytes(), snap.revision, snap.num_rows, bts.published,
+                st.count(bt))
+
+    before = observed()
+    with pytest.raises(EpochError, match="prepare_capture of 'block_tables' outside an epoch"):
+        bts.prepare_capture(4)
+    st.begin()
+    before = observed()
+    for bad, match in [
+        (ROWS + 1, r"'block_tables': prepare_capture of 33 rows, but the table holds "
+                   r"\[0, 32\] rows"),
+        (-1, r"prepare_capture of -1 rows"),
+        (2.0, r"prepare_capture num_rows must be an int, got float"),
+        (True, r"prepare_capture num_rows must be an int, got bool"),
+    ]:
+        with pytest.raises(CountError, match=match):
+            bts.prepare_capture(bad)  # type: ignore[arg-type]
+        assert observed() == before
+    st.set_count(lens, 4)
+    st.publish("mha_decode")
+    before = observed()
+    with pytest.raises(DuplicatePublicationError,
+                       match="group 'mha_decode' was already published in this epoch"):
+        bts.prepare_capture(4)
+    assert observed() == before
+    st.finish()
+    assert _capture(st, bts, np.int64(4)) != StageResult.REUSED  # a valid retry works
+    h.sync(device)
+    assert not bts.buffer.gpu[:4].cpu().any()

@@ -4,6 +4,9 @@
  * the stored key (a hit) or exceeds it by one (the same lineage grew by one page). Any
  * other row, and every error, returns None before the first write: the Python path then
  * handles the batch, so rules and messages live in one place (snapshot.py).
+ *
+ * write_replaced is the write phase of a fully replaced batch: the Python path has made
+ * every check, the compiled sweep only writes (snapshot.py's _write_replaced is its twin).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -296,6 +299,102 @@ release_req:
     return result;
 }
 
+/* Set the `count` elements at `p` that differ from `fill` to it; return how many. The
+ * only place the snapshot's compiled paths write the fill value. */
+static inline int64_t clear_span(int32_t *p, int64_t count, int32_t fill)
+{
+    int64_t cleared = 0;
+    for (int64_t k = 0; k < count; k++) {
+        if (p[k] != fill) {
+            p[k] = fill;
+            cleared++;
+        }
+    }
+    return cleared;
+}
+
+/* write_replaced(bound, ids, fill) -> (changed rows, cleared) or None
+ *
+ * The write phase of a fully replaced batch (PageTableSnapshot._write_replaced, every
+ * check already made in Python): row i of [0, len(ids)) takes the int32 array ids[i].
+ * First each row's IDs, compared first and copied without clearing; then one sweep over
+ * rows [0, n) clears each exposed tail, columns [len(ids[i]), lengths[i]) (lengths: what
+ * the rows held), writing only elements that differ from `fill`. Returns a new int64
+ * array of the rows whose bytes changed, ascending, and the number of elements cleared;
+ * None, before any write, when an item is not a 1-D aligned native-order C-contiguous
+ * int32 array of at most `width` IDs (the numpy twin handles the batch then). */
+static PyObject *write_replaced(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "write_replaced(bound, ids, fill)");
+        return NULL;
+    }
+    Bound *b = (Bound *)PyCapsule_GetPointer(args[0], "block_tables_snapshot");
+    if (b == NULL)
+        return NULL;
+    PyObject *list = args[1];
+    if (!PyList_CheckExact(list))
+        Py_RETURN_NONE;
+    int64_t fill64;
+    if (read_int64(args[2], &fill64) < 0)
+        return NULL;
+    if (fill64 < INT32_MIN || fill64 > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "write_replaced: fill must be an int32");
+        return NULL;
+    }
+    int32_t fill = (int32_t)fill64;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    Py_ssize_t width = b->width;
+    if (n > b->capacity)
+        Py_RETURN_NONE;
+    PyObject **items = PySequence_Fast_ITEMS(list);
+    int64_t *flags = b->scratch; /* per row: bytes changed */
+    int64_t *lens = b->scratch + b->capacity;
+    /* ---- check every row; nothing is written before all are known to be readable ---- */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyArray_Check(items[i]))
+            Py_RETURN_NONE;
+        PyArrayObject *a = (PyArrayObject *)items[i];
+        if (PyArray_NDIM(a) != 1 || PyArray_TYPE(a) != NPY_INT32 || !PyArray_ISALIGNED(a) ||
+            !PyArray_ISNOTSWAPPED(a) || PyArray_DIM(a, 0) > width ||
+            (PyArray_DIM(a, 0) > 1 && PyArray_STRIDE(a, 0) != (npy_intp)sizeof(int32_t)))
+            Py_RETURN_NONE;
+        lens[i] = PyArray_DIM(a, 0);
+    }
+    int32_t *storage = b->storage;
+    /* ---- the IDs: compared first, copied without clearing what they replace ---- */
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t *row = storage + i * width;
+        const int32_t *ids = PyArray_DATA((PyArrayObject *)items[i]);
+        size_t nbytes = (size_t)lens[i] * sizeof(int32_t);
+        flags[i] = nbytes && memcmp(row, ids, nbytes) != 0;
+        if (flags[i])
+            memmove(row, ids, nbytes); /* a caller's array may be a view of the storage */
+    }
+    /* ---- one sweep over rows [0, n): the exposed tails ---- */
+    int64_t cleared = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t exposed = b->lengths[i] - lens[i];
+        if (exposed > 0) {
+            int64_t k = clear_span(storage + i * width + lens[i], exposed, fill);
+            cleared += k;
+            flags[i] |= k > 0;
+        }
+    }
+    Py_ssize_t c = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (flags[i])
+            b->changed[c++] = i;
+    npy_intp dims[1] = {c};
+    PyObject *rows = PyArray_SimpleNew(1, dims, NPY_INT64);
+    if (rows == NULL)
+        return NULL;
+    if (c)
+        memcpy(PyArray_DATA((PyArrayObject *)rows), b->changed, (size_t)c * sizeof(int64_t));
+    PyObject *out = Py_BuildValue("(NL)", rows, (long long)cleared);
+    return out;
+}
+
 /* A 1-D aligned native-order signed int64 numpy array (any stride) of at least `count`
  * items: 0 and its data/stride in items, or 1 (anything else: the Python path). */
 static int get_keys(PyObject *obj, const int64_t **data, Py_ssize_t count, Py_ssize_t *stride)
@@ -500,6 +599,7 @@ static PyMethodDef methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL, NULL},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL, NULL},
     {"prepare_step", (PyCFunction)(void (*)(void))prepare_step, METH_FASTCALL, NULL},
+    {"write_replaced", (PyCFunction)(void (*)(void))write_replaced, METH_FASTCALL, NULL},
     {"key_spans", (PyCFunction)(void (*)(void))key_spans, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };

@@ -20,7 +20,10 @@ Because every known row is kept in that form, no tail ever needs a full-width cl
 full-width row is copied without clearing first, and a row replaced by a shorter one
 clears only the columns its previous content occupied. Rows of unknown content (never
 prepared, or after :meth:`PageTableSnapshot.invalidate`) are compared and cleared over the
-whole width the first time a batch covers them.
+whole width the first time a batch covers them. When a prepare replaces every row of its
+batch (a new batch mapping), the rows' IDs are copied first and then every exposed tail
+is cleared in one pass over the storage (one gather and one scatter in numpy, one sweep
+in the compiled twin), not row by row.
 
 A rejected batch (any :class:`~block_tables.errors.BlockTableError`) is rejected before the
 first write and changes nothing. The revision counts byte changes: it advances by one
@@ -172,6 +175,7 @@ class PageTableSnapshot:
             np.empty(2 * rows, dtype=np.int64), int(width))
         self._num_rows = 0
         self._revision = 0
+        self._cleared = 0  # elements tail clears changed to the fill value (diagnostic)
         # (revision, sorted changed rows, or None for "all rows") per byte-changing step.
         self._history: deque[tuple[int, Int64Array | None]] = deque(maxlen=history)
 
@@ -208,6 +212,16 @@ class PageTableSnapshot:
     def fill_value(self) -> int:
         """Value of every column past a row's length."""
         return self._fill
+
+    @property
+    def cleared_elements(self) -> int:
+        """Storage elements that tail clears have changed to ``fill_value``, since creation.
+
+        A diagnostic of the byte rule, the same on both paths: a full-width row never adds
+        to it (it is copied without clearing), a row replaced by a shorter one adds only
+        the columns its previous content held that were not already the fill value.
+        """
+        return self._cleared
 
     @property
     def capacity(self) -> int:
@@ -549,10 +563,14 @@ class PageTableSnapshot:
         lengths: Int64Array,
         rewrites: list[tuple[int, Int32Array, int]],
     ) -> list[int]:
-        """Row-wise writes; each compares first so only changed bytes count as changes."""
+        """Row-wise writes; each compares first so only changed bytes count as changes.
+
+        ``rewrites`` lists rows in ascending order, each once; when it holds every row of
+        the batch (``len(lengths)``), the batch is fully replaced: :meth:`_write_replaced`.
+        """
+        if rewrites and len(rewrites) == lengths.shape[0] and not multi and not shrunk:
+            return self._write_replaced(rewrites, lengths)
         storage = self._storage
-        fill = self._fill
-        fill_row = self._fill_row
         changed: list[int] = []
         for i, start, stop, ids in multi:
             target = storage[i, start:stop]
@@ -561,9 +579,7 @@ class PageTableSnapshot:
                 target[...] = source
                 changed.append(i)
         for i in shrunk:
-            tail = storage[i, int(lengths[i]) : int(stored_lengths[i])]
-            if tail.tobytes() != fill_row[: tail.shape[0]].tobytes():
-                tail.fill(fill)
+            if self._clear_tail(i, int(lengths[i]), int(stored_lengths[i])):
                 changed.append(i)
         for i, ids, old_length in rewrites:
             # Copy without clearing first; then clear only what the old content occupied.
@@ -573,14 +589,64 @@ class PageTableSnapshot:
             if target.tobytes() != ids.tobytes():
                 target[...] = ids
                 row_changed = True
-            if old_length > length:
-                tail = storage[i, length:old_length]
-                if tail.tobytes() != fill_row[: tail.shape[0]].tobytes():
-                    tail.fill(fill)
-                    row_changed = True
+            if old_length > length and self._clear_tail(i, length, old_length):
+                row_changed = True
             if row_changed:
                 changed.append(i)
         return changed
+
+    def _clear_tail(self, row: int, start: int, stop: int) -> bool:
+        """Set columns ``[start, stop)`` of ``row`` to the fill value; False when they
+        already held it (nothing written)."""
+        tail = self._storage[row, start:stop]
+        if tail.tobytes() == self._fill_row[: stop - start].tobytes():
+            return False
+        self._cleared += int(np.count_nonzero(tail != self._fill))
+        tail.fill(self._fill)
+        return True
+
+    def _write_replaced(
+        self, rewrites: list[tuple[int, Int32Array, int]], lengths: Int64Array
+    ) -> list[int]:
+        """Write a fully replaced batch: ``rewrites`` holds rows ``0..n-1`` in order.
+
+        Each row's IDs are copied without clearing first (compared first); then every
+        exposed tail (columns ``[lengths[i], stored length)``, the part of the old
+        content the new one no longer covers) is cleared in one pass over the storage:
+        the compiled twin in one sweep, numpy in one gather and one scatter. Only
+        elements that differ from the fill value are written and counted.
+        """
+        native = self._native
+        if native is not None:
+            done = native.write_replaced(self._bound, [r[1] for r in rewrites], self._fill)
+            if done is not None:  # None: an ID array it does not read (numpy below)
+                rows, cleared = done
+                self._cleared += cleared
+                return rows.tolist()
+        n = len(rewrites)
+        storage = self._storage
+        changed = np.zeros(n, dtype=bool)
+        for i, ids, _old_length in rewrites:
+            target = storage[i, : ids.shape[0]]
+            if target.tobytes() != ids.tobytes():
+                target[...] = ids
+                changed[i] = True
+        exposed = self._lengths[:n] - lengths
+        np.maximum(exposed, 0, out=exposed)
+        total = int(exposed.sum())
+        if total:
+            # Flat indices of every exposed tail element, ascending: row i's tail starts
+            # at row_base[i] + lengths[i] and runs exposed[i] elements.
+            ends = np.cumsum(exposed)
+            index = np.arange(total, dtype=np.int64)
+            index += np.repeat(self._row_base[:n] + lengths - (ends - exposed), exposed)
+            flat = self._flat
+            dirty = index[flat[index] != self._fill]
+            if dirty.size:
+                flat[dirty] = self._fill  # one scatter for every row's tail
+                self._cleared += int(dirty.size)
+                changed[dirty // self._width] = True
+        return np.flatnonzero(changed).tolist()
 
     def _check_unproven(
         self,

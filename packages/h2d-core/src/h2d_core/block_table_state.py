@@ -15,8 +15,11 @@ revision and row count all match; otherwise only the changed column spans travel
 ranges inside the group's one packed DMA) or, when most of the table changed or the group
 is not packed, rows ``[0, n)`` in one bulk publication.
 
-Writing the buffer's CPU or GPU table outside these entry points breaks this contract;
-call :meth:`BlockTableState.invalidate` afterwards.
+CUDA-graph capture prepares the table it binds through the same state
+(:meth:`BlockTableState.prepare_capture`: empty rows for the captured batch size, staged
+like any step), never by filling the GPU table directly. Writing the buffer's CPU or GPU
+table outside these entry points breaks this contract; call
+:meth:`BlockTableState.invalidate` afterwards.
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from block_tables import PageTableSnapshot
+from block_tables import BlockTable, PageTableSnapshot
 from block_tables.spans import row_keys
 
 from .buffer import CountUnit, H2DBuffer
 from .config import Backend
-from .errors import CountError, DeclarationError
+from .errors import CountError, DeclarationError, DuplicatePublicationError
 from .state import H2DRunnerState
 
 # When changed spans travel as ranges instead of the whole table (measured on the H200,
@@ -121,6 +124,9 @@ class BlockTableState:
         self._key_bufs = (np.empty(spec.shape[0], np.int64), np.empty(spec.shape[0], np.int64))
         self._spare = 0
         self._views: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
+        # Capture rows: one private empty row (versioned, so a repeated capture
+        # preparation is a hit; private, so nothing ever appends to it).
+        self._empty_rows = [BlockTable()] * spec.shape[0]
         state._reset_hooks.append(self.forget_gpu)
 
     # -- CPU side ---------------------------------------------------------------------------
@@ -147,6 +153,41 @@ class BlockTableState:
             state._check_ready(f"prepare of {self.buffer.name!r}")
         return self.snapshots[state.current_slot].prepare(
             rows, required_pages=required_pages)  # type: ignore[arg-type]
+
+    def prepare_capture(self, num_rows: int) -> str:
+        """Prepare and stage the table a CUDA-graph capture of ``num_rows`` requests binds:
+        rows ``[0, num_rows)`` empty (every column the fill value), as padding rows are.
+
+        Call it inside an epoch, before the table's group is published, then publish that
+        group before the capture (or its warm-up) reads the table. The rows go through the
+        current slot's snapshot (the prepared revision advances when bytes change) and
+        :meth:`stage` (the published record moves only when that publication succeeds),
+        so the next step publishes exactly what differs from the captured table. (Filling
+        the GPU table directly leaves the record naming the earlier revision: a step
+        with those rows would then reuse a GPU table that no longer holds them.)
+        ``num_rows`` is checked before any write. Returns the :class:`StageResult`.
+        """
+        state = self.state
+        if state._invalid is not None or not state._epoch_open or get_ident() != state._owner:
+            state._check_ready(f"prepare_capture of {self.buffer.name!r}")
+        name = self.buffer.name
+        if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
+            raise CountError(
+                f"buffer {name!r}: prepare_capture num_rows must be an int, got "
+                f"{type(num_rows).__name__}")
+        num_rows = int(num_rows)
+        capacity = len(self._empty_rows)
+        if not 0 <= num_rows <= capacity:
+            raise CountError(
+                f"buffer {name!r}: prepare_capture of {num_rows} rows, but the table holds "
+                f"[0, {capacity}] rows; capture a batch size the table was declared for")
+        if self.buffer.group in state._published:
+            raise DuplicatePublicationError(
+                f"buffer {name!r}: group {self.buffer.group!r} was already published in "
+                "this epoch; prepare the capture table in a new epoch (begin()) before "
+                "publishing its group")
+        self.snapshots[state.current_slot].prepare(self._empty_rows[:num_rows])
+        return self.stage(num_rows)
 
     # -- GPU side ---------------------------------------------------------------------------
     def stage(self, num_rows: int) -> str:
