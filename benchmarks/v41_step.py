@@ -69,7 +69,7 @@ class Batches:
         self.bs = bs
         self.ctx = np.array([context - V4_BLOCK + (i * 16) % V4_BLOCK for i in range(bs)],
                             np.int64)
-        self.tables = [BlockTable(range(i * 1000, i * 1000 + -(-int(c) // V4_BLOCK)))
+        self.tables = [BlockTable(range(1 + i * 1000, 1 + i * 1000 + -(-int(c) // V4_BLOCK)))
                        for i, c in enumerate(self.ctx)]
         self.lists = [list(t) for t in self.tables]
         self.next_block = 10**6

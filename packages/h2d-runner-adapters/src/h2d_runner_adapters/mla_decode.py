@@ -22,6 +22,7 @@ import torch
 from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
+from .checks import INT32_MAX, AdapterInputError
 from .mha_decode import DecodePlan, MhaDecodeInputs
 
 MLA_DECODE = "mla_decode"
@@ -46,6 +47,15 @@ class MlaDecodeInputs(MhaDecodeInputs):
         prefix: str = "",
     ) -> None:
         g = f"{prefix}{MLA_DECODE}"
+        # checked before any buffer is declared: a refused adapter leaves the state as it was
+        for name, value, allow_none in (("page_size", page_size, False),
+                                        ("index_topk", index_topk, True)):
+            if value is None and allow_none:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+                raise DeclarationError(
+                    f"{g}: {name} must be an int in [1, {INT32_MAX}]"
+                    f"{' or None' if allow_none else ''}, got {value!r}")
         super().__init__(state, max_reqs=max_reqs, max_tokens=max_tokens,
                          max_pages_per_req=max_pages_per_req, page_size=page_size,
                          num_pages=num_pages, max_ranges=max_ranges, prefix=f"{prefix}mla_",
@@ -53,10 +63,6 @@ class MlaDecodeInputs(MhaDecodeInputs):
         buf = state.buffer
         self.kv_last_page_lens = buf(f"{prefix}mla_kv_last_page_lens", (max_reqs,),
                                      torch.int32, group=g)
-        if index_topk is not None and (isinstance(index_topk, bool)
-                                       or not isinstance(index_topk, int) or index_topk < 1):
-            raise DeclarationError(f"{g}: index_topk must be an int >= 1 or None, got "
-                                   f"{index_topk!r}")
         self.index_topk = index_topk or 0
         self.sparse_kv_indptr = (buf(f"{prefix}mla_sparse_kv_indptr", (max_reqs + 1,),
                                      torch.int32, group=g) if index_topk else None)
@@ -65,7 +71,9 @@ class MlaDecodeInputs(MhaDecodeInputs):
     def prepare(self, batch: ScheduledBatch, padded: int | None = None, *,
                 mrope_deltas: np.ndarray | None = None) -> DecodePlan:
         """Write and count the MLA decode members (see the module docstring); the batch
-        is checked before any source is written."""
+        is checked before any source is written (by the MHA members' checks, and here for
+        what only MLA derives from it: the sparse KV prefix must fit int32)."""
+        self._check_sparse_total(batch)
         plan = self._prepare(batch, padded, mrope_deltas)
         n, p = plan.num_reqs, plan.padded_reqs
         ctx = self.context_lens.np[:n]  # written by the layout pass
@@ -82,3 +90,21 @@ class MlaDecodeInputs(MhaDecodeInputs):
             sp[n + 1 : p + 1] = sp[n]
             st.set_count(self.sparse_kv_indptr, p + 1)
         return plan
+
+    def _check_sparse_total(self, batch: ScheduledBatch) -> None:
+        """Refuse a batch whose sparse KV prefix (the sum of ``min(ctx, index_topk)``)
+        would wrap its int32 buffer. Only a batch of ``n * index_topk > INT32_MAX`` can,
+        so the common step costs no pass; lengths the MHA checks refuse anyway (not an
+        integer array, negative) are left to them."""
+        if self.sparse_kv_indptr is None or not isinstance(batch, ScheduledBatch):
+            return
+        ctx = batch.columns.context_lens
+        if (not isinstance(ctx, np.ndarray) or ctx.ndim != 1 or ctx.dtype.kind not in "iu"
+                or ctx.size * self.index_topk <= INT32_MAX):
+            return
+        total = int(np.minimum(ctx, self.index_topk).sum(dtype=np.int64))
+        if total > INT32_MAX:
+            raise AdapterInputError(
+                f"{self.group}: the batch's sparse KV prefix (sum of min(context_len, "
+                f"index_topk={self.index_topk})) is {total}, more than its int32 buffer holds; "
+                "split the batch")

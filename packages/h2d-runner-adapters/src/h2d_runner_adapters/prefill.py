@@ -25,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from block_tables import RequestLayout, RequestLayoutError
+from block_tables import PageTableSnapshot, RequestLayout, RequestLayoutError
 from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
-from .batch import ScheduledBatch
+from .batch import BatchColumns, ScheduledBatch
+from .checks import INT32_MAX, AdapterInputError, bool_mask, describe
 from .consumers import prepare_prefill_attention
 from .mha_decode import select_layout
 from .mrope import check_prompt_positions, declare_mrope, mrope_planes, write_prefill_planes
@@ -76,6 +77,9 @@ class PrefillInputs(PagedInputs):
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=dev)
         self._layouts: list[RequestLayout] = []  # per slot, made on first use
+        # owns_slot's input, computed before any write: a private table the rows are
+        # prepared into, and a layout writing only KV slots from it (made on first use)
+        self._scratch: tuple[PageTableSnapshot, RequestLayout, np.ndarray] | None = None
 
     def _bind_layouts(self) -> list[RequestLayout]:
         cls = select_layout(self.native, self.group)
@@ -100,55 +104,105 @@ class PrefillInputs(PagedInputs):
     ) -> PrefillPlan:
         """Stage one prefill (chunk) batch.
 
-        ``owns_slot`` (optional) maps the token positions' KV slots to a bool mask of the
-        ones this rank writes (context-parallel KV); the others get -1. An MRoPE adapter
-        takes ``mrope_positions``: per request its ``[3, L]`` prompt positions, or None
-        (text only: its ordinary positions on every plane).
+        ``owns_slot`` (optional) maps the token positions' KV slots (an int64 array, one
+        per token) to a 1-D bool mask of the ones this rank writes (context-parallel KV);
+        the others get -1. An MRoPE adapter takes ``mrope_positions``: per request its
+        ``[3, L]`` prompt positions, or None (text only: its ordinary positions on every
+        plane). Every argument is checked, ``owns_slot``'s mask included, before any source
+        is written: a refusal raises :class:`AdapterInputError` (or the block table's own
+        error) and changes nothing.
         """
+        g = self.group
+        if not isinstance(batch, ScheduledBatch):
+            raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
+        if not isinstance(publish_tables, bool | np.bool_):
+            raise AdapterInputError(
+                f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
+        if owns_slot is not None and not callable(owns_slot):
+            raise AdapterInputError(
+                f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
+                f"(or None), got {describe(owns_slot)}")
         cols = batch.columns
-        n = cols.query_lens.size
+        qlens, ctx = _lengths(g, cols)
+        n = qlens.size
+        rows = batch.block_tables
+        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence | np.ndarray) \
+                or len(rows) != n:
+            got = len(rows) if isinstance(rows, Sequence | np.ndarray) else describe(rows)
+            raise AdapterInputError(
+                f"{g}: batch.block_tables must hold one row per request ({n}), got {got}")
         st = self.h2d_state
         mrope = self.mrope_positions
-        sources: list[np.ndarray | None] = []
-        if mrope is not None:
-            sources = check_prompt_positions(
-                self.group, [None] * n if mrope_positions is None else mrope_positions,
-                cols.context_lens)
-        elif mrope_positions is not None:
+        if mrope is None and mrope_positions is not None:
             raise CountError(
-                f"{self.group}: mrope_positions given but the adapter has no MRoPE planes; "
+                f"{g}: mrope_positions given but the adapter has no MRoPE planes; "
                 "construct it with mrope=True")
         if not self._layouts:
             self._layouts = self._bind_layouts()
         layout = self._layouts[st.current_slot]
+        t = int(np.add.reduce(qlens, dtype=np.int64)) if n else 0
         try:  # positions and KV slots: the same rule as decode, one compiled pass
-            layout.plan(cols.query_lens, cols.context_lens, n, cols.token_ids.size)
+            layout.plan(qlens, ctx, n, max(t, 0))
         except RequestLayoutError as exc:
-            raise CountError(str(exc)) from exc
-        t = layout.padded_tokens
+            raise AdapterInputError(str(exc)) from exc
+        ids = cols.token_ids
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
+            raise AdapterInputError(
+                f"{g}: batch.columns.token_ids must be a 1-D array of the chunk's {t} query "
+                f"tokens (one id per token), got {describe(ids)}")
+        if n > 1 and int(np.add.reduce(ctx, dtype=np.int64)) > INT32_MAX:  # one fits int32
+            raise AdapterInputError(
+                f"{g}: the batch's context lengths sum to "
+                f"{int(np.add.reduce(ctx, dtype=np.int64))} keys, more than the int32 key "
+                "prefix (cu_seqlens_k) holds; split the batch")
+        sources: list[np.ndarray | None] = []
+        if mrope is not None:
+            sources = check_prompt_positions(
+                g, [None] * n if mrope_positions is None else mrope_positions, ctx, qlens)
+        mask = None if owns_slot is None else self._owned(owns_slot, rows, qlens, ctx, t)
         tables = self.tables
-        tables.prepare(batch.block_tables, required_pages=layout.required_pages)
-        layout.write()
+        tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
+        layout.write()  # nothing below can fail
         cu = self.cu_seqlens_k.np
         cu[0] = 0
-        np.cumsum(cols.context_lens, out=cu[1 : n + 1])
+        np.cumsum(ctx, out=cu[1 : n + 1])
         st.set_count(self.cu_seqlens_k, n + 1)
         st.set_count(self.context_lens, n)
         if mrope is not None:  # the planes replace the 1-D positions
-            write_prefill_planes(mrope.np, self.positions.np, cols.query_lens,
-                                 cols.context_lens, sources, t)
+            write_prefill_planes(mrope.np, self.positions.np, qlens, ctx, sources, t)
             st.set_count(mrope, 3 * t)
             st.set_count(self.positions, None)
         else:
             st.set_count(self.positions, t)
-        slots = self.slot_mapping.np[:t]
-        if owns_slot is not None:
-            slots[~owns_slot(slots)] = -1
+        if mask is not None:
+            self.slot_mapping.np[:t][~mask] = -1
         st.set_count(self.slot_mapping, t)
         stage = tables.stage(n) if publish_tables else ""
         if not publish_tables:
             st.set_count(self.block_tables, None)
         return PrefillPlan(n, t, stage)
+
+    def _owned(self, owns_slot: Callable[[np.ndarray], np.ndarray], rows: Sequence[object],
+               qlens: np.ndarray, ctx: np.ndarray, t: int) -> np.ndarray:
+        """``owns_slot``'s mask over this chunk's KV slots, checked (1-D bool, one per
+        token) before any source is written: the slots come from the rows prepared into a
+        private table, by the same layout rule as the published ones. Refused rows raise
+        here, as the published table's preparation would."""
+        if self._scratch is None:
+            storage = np.zeros(self.block_tables.spec.shape, np.int32)
+            slots = np.zeros(self.slot_mapping.spec.capacity, np.int64)
+            layout = select_layout(self.native, self.group)(
+                self.group, self.page_size, storage,
+                np.zeros(self.context_lens.spec.capacity, dtype=np.int32), slot_mapping=slots)
+            snap = PageTableSnapshot(storage, pool_limit=self.pool_limit, native=self.native)
+            self._scratch = (snap, layout, slots)
+        snap, layout, slots = self._scratch
+        layout.plan(qlens, ctx, qlens.size, t)  # the batch passed the same plan already
+        snap.prepare(rows, required_pages=layout.required_pages)
+        layout.write()
+        view = slots[:t]
+        view.flags.writeable = False  # the function reads the slots; it owns nothing here
+        return bool_mask(self.group, "owns_slot(slots)", owns_slot(view), size=t)
 
     def mrope_planes(self, plan: PrefillPlan) -> torch.Tensor:
         """The chunk's MRoPE planes as a ``(3, num_tokens)`` view."""
@@ -163,3 +217,24 @@ class PrefillInputs(PagedInputs):
             plan.num_reqs, self.token_request[: plan.num_tokens], self.kv_indptr,
             self.kv_indices,
         )
+
+
+def _lengths(group: str, cols: BatchColumns) -> tuple[np.ndarray, np.ndarray]:
+    """The batch's query and context lengths: 1-D C-contiguous int32 arrays of one length
+    (the layout pass checks their values)."""
+    out = []
+    for name in ("query_lens", "context_lens"):
+        a = getattr(cols, name, None)
+        if (not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.int32
+                or not a.flags.c_contiguous or not a.flags.aligned):
+            raise AdapterInputError(
+                f"{group}: batch.columns.{name} must be a 1-D C-contiguous int32 numpy array "
+                f"with one entry per request, got {describe(a)}; build it with "
+                "np.ascontiguousarray(values, dtype=np.int32)")
+        out.append(a)
+    q, c = out
+    if q.size != c.size:
+        raise AdapterInputError(
+            f"{group}: batch.columns.context_lens has {c.size} entries but query_lens "
+            f"{q.size}; pass one of each per request")
+    return q, c

@@ -32,9 +32,10 @@ prefill indices and the FP8 DSpark indexer rectangle; ``prefix=`` declares a TBO
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from itertools import chain
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -46,9 +47,9 @@ from block_tables import (
     RequestLayout,
     RequestLayoutError,
 )
+from block_tables.lineage import LENGTH_BITS
 from h2d_core import (
     CountBatch,
-    CountError,
     DeclarationError,
     H2DBuffer,
     H2DRunnerState,
@@ -56,6 +57,15 @@ from h2d_core import (
 )
 
 from .batch import PageRow
+from .checks import (
+    INT32_MAX,
+    INT32_MIN,
+    AdapterInputError,
+    check_size,
+    describe,
+    int_array,
+    int_value,
+)
 from .consumers import (
     DecodeWindowIndices,
     PrefillIndices,
@@ -85,7 +95,8 @@ class RequestSpan:
 
     ``num_tokens`` query tokens run this step, ending at ``context_len`` (the committed
     length after the step). ``fork_source`` (a physical state slot, or -1) is the slot whose
-    compressor ring this step reads instead of ``state_slot``.
+    compressor ring this step reads instead of ``state_slot``. Every field is an int in
+    int32 range (checked by the producers: a float or bool is refused, never truncated).
     """
 
     num_tokens: int
@@ -94,9 +105,27 @@ class RequestSpan:
     fork_source: int = -1
 
 
+_SPAN_FIELDS = ("num_tokens", "context_len", "state_slot", "fork_source")
+#: each field's lowest value (the highest is INT32_MAX) and what to do below it; the
+#: layout pass checks the lengths again against each other (and the table's capacity)
+_SPAN_LOWS = (
+    (1, "a scheduled request runs >= 1 query token"),
+    (1, "context_len counts the committed tokens after this step, its own included"),
+    (0, "pass the request's physical state slot"),
+    (-1, "pass a physical state slot, or -1 for no fork"),
+)
+#: the per-request column names of a SpanColumns, in the order of RequestSpan's fields
+_COLUMN_FIELDS = ("query_lens", "context_lens", "state_slots_out", "state_slots_in")
+
+
 @dataclass(frozen=True)
 class SpanColumns:
-    """A batch of spans as int32 columns: what a scheduler that keeps arrays passes."""
+    """A batch of spans as int32 columns: what a scheduler that keeps arrays passes.
+
+    Each column is a 1-D C-contiguous int32 numpy array with one entry per request;
+    ``state_slots_in`` is the slot each request reads (its fork source, else its own slot).
+    The producers check them whole (dtypes, lengths, slots) before writing anything.
+    """
 
     query_lens: np.ndarray
     context_lens: np.ndarray
@@ -104,16 +133,105 @@ class SpanColumns:
     state_slots_in: np.ndarray
 
     @classmethod
-    def from_spans(cls, spans: Sequence[RequestSpan]) -> SpanColumns:
-        n = len(spans)
-        out = np.fromiter((s.state_slot for s in spans), np.int32, n)
-        fork = np.fromiter((s.fork_source for s in spans), np.int32, n)
-        return cls(
-            query_lens=np.fromiter((s.num_tokens for s in spans), np.int32, n),
-            context_lens=np.fromiter((s.context_len for s in spans), np.int32, n),
-            state_slots_out=out,
-            state_slots_in=np.where(fork >= 0, fork, out).astype(np.int32),
-        )
+    def from_spans(cls, spans: Sequence[RequestSpan], *, group: str = V41_METADATA
+                   ) -> SpanColumns:
+        """The columns of ``spans``. Every field must be an int (or numpy integer) in
+        int32 range, at least its lowest value (``num_tokens`` and ``context_len`` 1,
+        ``state_slot`` 0, ``fork_source`` -1); raises :class:`AdapterInputError` naming
+        ``group``, the request and the field otherwise."""
+        if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
+            raise AdapterInputError(
+                f"{group}: spans must be a sequence of RequestSpan (or one SpanColumns), "
+                f"got {describe(spans)}")
+        kinds = set(map(type, spans))
+        if kinds != {RequestSpan} and not all(issubclass(k, RequestSpan) for k in kinds):
+            i = next(i for i, sp in enumerate(spans) if not isinstance(sp, RequestSpan))
+            raise AdapterInputError(
+                f"{group}: spans[{i}] is {describe(spans[i])}, not a RequestSpan; pass "
+                "RequestSpan objects (or one SpanColumns)")
+        fields = ([s.num_tokens for s in spans], [s.context_len for s in spans],
+                  [s.state_slot for s in spans], [s.fork_source for s in spans])
+        if not set(map(type, chain(*fields))) <= {int}:  # a bool or float converts silently
+            fields = _exact_ints(group, fields)
+        try:  # an int out of int32 range raises here, never wraps
+            out = np.array(fields, dtype=np.int32).reshape(len(_SPAN_FIELDS), len(spans))
+        except OverflowError:
+            _refuse_field(group, fields, lambda v, low: not INT32_MIN <= v <= INT32_MAX)
+        if spans and any(v < low for v, (low, _) in zip(out.min(axis=1).tolist(), _SPAN_LOWS,
+                                                        strict=True)):
+            _refuse_field(group, fields, lambda v, low: v < low)
+        slots_in = out[3]  # the fork source where there is one, else the request's slot
+        np.copyto(slots_in, out[2], where=slots_in < 0)
+        return cls(query_lens=out[0], context_lens=out[1], state_slots_out=out[2],
+                   state_slots_in=slots_in)
+
+
+_Fields = tuple[list[Any], list[Any], list[Any], list[Any]]
+
+
+def _exact_ints(group: str, fields: _Fields) -> _Fields:
+    """The spans' fields as Python ints, numpy integers included; a bool, a float
+    (integral or not) or anything else is refused, never truncated."""
+    for i, values in enumerate(zip(*fields, strict=True)):
+        for name, v in zip(_SPAN_FIELDS, values, strict=True):
+            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+                raise AdapterInputError(
+                    f"{group}: request {i} has RequestSpan.{name}={v!r} "
+                    f"({type(v).__name__}); it must be an int")
+    q, c, o, f = ([int(v) for v in values] for values in fields)
+    return q, c, o, f
+
+
+def _refuse_field(group: str, fields: _Fields, bad: Callable[[int, int], bool]) -> NoReturn:
+    """Raise for the first request's first field that ``bad`` refuses (given the value and
+    the field's lowest value)."""
+    for i, values in enumerate(zip(*fields, strict=True)):
+        for name, v, (low, rule) in zip(_SPAN_FIELDS, values, _SPAN_LOWS, strict=True):
+            if bad(v, low):
+                raise AdapterInputError(
+                    f"{group}: request {i} has RequestSpan.{name}={v}; it must be in "
+                    f"[{low}, {INT32_MAX}]; {rule}")
+    raise AssertionError(f"{group}: no field to refuse")  # the caller found one
+
+
+def _check_columns(group: str, cols: SpanColumns) -> None:
+    """A SpanColumns given directly: four 1-D C-contiguous aligned int32 arrays of one
+    length (the layout pass checks the lengths' values and the capacity)."""
+    n = cols.query_lens.size if isinstance(cols.query_lens, np.ndarray) else -1
+    for name in _COLUMN_FIELDS:
+        a = getattr(cols, name)
+        if type(a) is not np.ndarray or a.dtype != _INT32 or a.ndim != 1 or a.size != n:
+            if isinstance(a, np.ndarray) and a.dtype == _INT32 and a.ndim == 1 and n >= 0:
+                check_size(group, f"SpanColumns.{name}", a, n, "request")
+            _refuse_column(group, name, a, "")
+        flags = a.flags
+        if not (flags.c_contiguous and flags.aligned):
+            _refuse_column(group, name, a, " (not C-contiguous and aligned)")
+
+
+def _refuse_column(group: str, name: str, a: object, why: str) -> NoReturn:
+    raise AdapterInputError(
+        f"{group}: SpanColumns.{name} must be a 1-D C-contiguous int32 numpy array with one "
+        f"entry per request, got {describe(a)}{why}; build it with "
+        "np.ascontiguousarray(values, dtype=np.int32) or SpanColumns.from_spans")
+
+
+_INT32 = np.dtype(np.int32)
+_LENGTH_MASK = (1 << LENGTH_BITS) - 1
+
+
+def _check_dummies(group: str, dummy_state_slot: object, dummy_block: object,
+                   num_blocks: int | None) -> None:
+    """The padding storage is a real slot and block (of the pool, when its size is given;
+    the snapshot checks ``num_blocks`` itself)."""
+    pool = num_blocks if type(num_blocks) is int and num_blocks > 0 else INT32_MAX + 1
+    for name, value, hi in (("dummy_state_slot", dummy_state_slot, INT32_MAX),
+                            ("dummy_block", dummy_block, pool - 1)):
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or not 0 <= value <= hi):
+            raise DeclarationError(
+                f"{group}: {name} must be an int in [0, {hi}] (reserved padding storage), "
+                f"got {value!r}")
 
 
 class V41Plan(NamedTuple):
@@ -161,6 +279,7 @@ class V41MetadataInputs(PagedInputs):
         prefix: str = "",
     ) -> None:
         g = f"{prefix}{V41_METADATA}"
+        _check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
         self.prefix = prefix
         super().__init__(state, g, f"{prefix}v41_block_tables", max_reqs=max_reqs,
                          max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
@@ -170,6 +289,8 @@ class V41MetadataInputs(PagedInputs):
         self.window = window
         self.index_topk = index_topk
         self.dummy_state_slot = dummy_state_slot
+        self.dummy_block = dummy_block
+        self._width = max_blocks_per_req
         buf = state.buffer
         self.positions = buf(f"{prefix}v41_positions", (max_tokens,), torch.int64, group=g)
         self.token_batch_ids = buf(f"{prefix}v41_token_batch_ids", (max_tokens,),
@@ -219,6 +340,13 @@ class V41MetadataInputs(PagedInputs):
         self._tokens = np.arange(max_tokens + 1, dtype=np.int32)
         self._counts: CountBatch | None = None
         self._qo_written: list[tuple[int, int] | None] = [None] * state.num_slots
+        # What the last accepted steps proved free of the dummy slot and block, so that a
+        # steady decode step re-checks neither (two bytes compares): the state-slot
+        # columns' bytes, and per runner slot the row keys (BlockTable._key: version <<
+        # LENGTH_BITS | length) of its real rows. A row of a proven lineage is read only
+        # past the proven length: append lineages agree on their common prefix.
+        self._proven_slots: tuple[bytes, ...] = ()
+        self._proven_rows: list[list[int]] = [[] for _ in range(state.num_slots)]
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> None:
@@ -268,33 +396,33 @@ class V41MetadataInputs(PagedInputs):
         """Write and count every member for this step's ``spans`` (padded to ``padded``
         requests of the widest query: the graph grid) and stage the block table from
         ``block_tables`` (one row per span, versioned or not). Everything is checked, rows
-        included, before any source is written."""
-        cols = spans if isinstance(spans, SpanColumns) else SpanColumns.from_spans(spans)
-        if not self._layouts:
-            self._bind()
+        included, before any source is written: a refusal raises
+        :class:`AdapterInputError` (or the block table's own error) and changes nothing."""
+        cols, slots_proof = self._span_columns(spans)
+        n = cols.query_lens.size
+        if padded is not None:
+            padded = int_value(self.group, "padded", padded, lo=0)
+            if padded < n:
+                raise AdapterInputError(
+                    f"{self.group}: padded={padded} is below the batch's {n} requests; pad up "
+                    "to a captured graph size, never down")
         st = self.h2d_state
         slot = st.current_slot
+        keys = self._check_rows(block_tables, n, slot)
+        if not self._layouts:
+            self._bind()
         layout = self._layouts[slot]
-        n = len(cols.query_lens)
-        if padded is not None and (isinstance(padded, bool) or not isinstance(padded, int)
-                                   or padded < n):
-            raise CountError(
-                f"{self.group}: padded={padded!r} must be an int >= the batch's {n} "
-                "requests (pad up to a captured graph size, never down)")
-        if len(block_tables) != n:
-            raise CountError(
-                f"{self.group}: {len(block_tables)} block-table rows for {n} spans; pass "
-                "one row per span")
         try:
             layout.plan(cols.query_lens, cols.context_lens, -1 if padded is None else padded,
                         -1, (cols.state_slots_out, cols.state_slots_in))
         except RequestLayoutError as exc:
-            raise CountError(str(exc)) from exc
+            raise AdapterInputError(str(exc)) from exc
         p, t, pt = layout.padded_reqs, layout.num_tokens, layout.padded_tokens
         rows = block_tables if p == n else [*block_tables, *self._pad_rows[: p - n]]
         tables = self.tables
         tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
         layout.write()  # rows, columns and plans; nothing below can fail
+        self._remember(slot, slots_proof, keys)
         counts: list[int | None] = [pt, pt, p, p, p, None]
         plan_rows = self._plan_rows(layout, counts)
         if self.qo_indptr is not None:
@@ -319,26 +447,28 @@ class V41MetadataInputs(PagedInputs):
     ) -> V41Plan:
         """V4 prefill (eager, no graph padding): every token of each span's chunk, the
         chunk starts, and the eager plans (the real compression rows; the whole state-write
-        array, -1 after the real rows), into the same pinned, bound buffers as decode."""
-        cols = spans if isinstance(spans, SpanColumns) else SpanColumns.from_spans(spans)
+        array, -1 after the real rows), into the same pinned, bound buffers as decode.
+        Checked whole before any write, as :meth:`begin_step`."""
+        cols, slots_proof = self._span_columns(spans)
+        n = cols.query_lens.size
+        slot = self.h2d_state.current_slot
+        keys = self._check_rows(block_tables, n, slot)
         if not self._layouts:
             self._bind()
-        layout = self._prefill_layouts[self.h2d_state.current_slot]
-        n = len(cols.query_lens)
-        if len(block_tables) != n:
-            raise CountError(
-                f"{self.group}: {len(block_tables)} block-table rows for {n} spans; pass "
-                "one row per span")
+        layout = self._prefill_layouts[slot]
         qlens, ctx = cols.query_lens, cols.context_lens
+        t = int(np.add.reduce(qlens, dtype=np.int64)) if n else 0
+        # int32 columns, so the difference fits int64; a negative start (context shorter
+        # than the chunk) is refused by the plan below before this array is copied anywhere
+        starts = np.subtract(ctx, qlens, dtype=np.int32) if n else qlens
         try:
-            t = int(np.add.reduce(qlens, dtype=np.int64)) if n else 0
-            starts = np.subtract(ctx, qlens, dtype=np.int32) if n else qlens
             layout.plan(qlens, ctx, n, t, (cols.state_slots_out, cols.state_slots_in, starts))
-        except (RequestLayoutError, TypeError, ValueError) as exc:
-            raise CountError(f"{self.group}: {exc}") from exc
+        except RequestLayoutError as exc:
+            raise AdapterInputError(str(exc)) from exc
         tables = self.tables
         tables.prepare(block_tables, required_pages=layout.required_pages)
         layout.write()
+        self._remember(slot, slots_proof, keys)
         counts: list[int | None] = [t, t, n, n, n, n]
         plan_rows = self._plan_rows(layout, counts)
         if self.qo_indptr is not None:
@@ -346,6 +476,128 @@ class V41MetadataInputs(PagedInputs):
         self._counts.set(*counts)  # type: ignore[union-attr]
         stage = tables.stage(n)
         return V41Plan(n, n, t, t, layout.max_query_len, plan_rows, stage)
+
+    # -- input checks (before any write) -------------------------------------------------
+    def _span_columns(self, spans: Sequence[RequestSpan] | SpanColumns
+                      ) -> tuple[SpanColumns, tuple[bytes, ...]]:
+        """``spans`` as checked int32 columns (state slots >= 0, none the dummy slot) and
+        the state-slot columns' bytes, proven once the step is accepted."""
+        g = self.group
+        if isinstance(spans, SpanColumns):
+            _check_columns(g, spans)
+            cols, signed = spans, True
+            names = ("SpanColumns.state_slots_out", "SpanColumns.state_slots_in")
+        else:  # from_spans checked the signs: slots >= 0, fork sources >= -1
+            cols, signed = SpanColumns.from_spans(spans, group=g), False
+            names = ("RequestSpan.state_slot", "RequestSpan.fork_source")
+        dummy = self.dummy_state_slot
+        out, inp = cols.state_slots_out, cols.state_slots_in
+        proof = []
+        # a scheduler without forks passes one array twice: one check then
+        for name, a in zip(names, (out,) if inp is out else (out, inp), strict=False):
+            seen = a.tobytes()
+            proof.append(seen)
+            if seen in self._proven_slots or not a.size:
+                continue
+            if signed and a.min() < 0:
+                int_array(g, name, a, lo=0, rule="pass each request's physical state slot")
+            if dummy in a:
+                i = int(np.flatnonzero(a == dummy)[0])
+                raise AdapterInputError(
+                    f"{g}: request {i} has {name}={dummy}, the adapter's private dummy state "
+                    "slot (dummy_state_slot: padding storage only); give the request a slot "
+                    "of its own")
+        return cols, tuple(proof)
+
+    def _remember(self, slot: int, slots_proof: tuple[bytes, ...],
+                  keys: list[int] | None) -> None:
+        """After an accepted step: what it proved free of the dummy slot and block."""
+        self._proven_slots = slots_proof
+        if keys is not None:
+            self._proven_rows[slot] = keys
+
+    def _check_rows(self, rows: object, n: int, slot: int) -> list[int] | None:
+        """``rows`` is a sequence of ``n`` rows and no real row names the dummy block (the
+        snapshot's ``prepare`` checks the rest of each row before writing). Returns the
+        rows' keys, to remember once the step is accepted, when every row is a
+        :class:`BlockTable` (None otherwise: unversioned rows are read whole each step)."""
+        g = self.group
+        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence | np.ndarray):
+            raise AdapterInputError(
+                f"{g}: block_tables must be a list of rows (BlockTable, 1-D integer array or "
+                f"list of ints), one per span, got {describe(rows)}")
+        if len(rows) != n:
+            raise AdapterInputError(
+                f"{g}: {len(rows)} block_tables rows for {n} spans; pass one row per span")
+        if isinstance(rows, np.ndarray):  # one 2-D array of rows
+            if rows.ndim == 2 and rows.dtype.kind in "iu" and (rows == self.dummy_block).any():
+                i, col = (int(x[0]) for x in np.nonzero(rows == self.dummy_block))
+                self._refuse_dummy_block(i, col)
+            return None
+        try:  # the packed (version, length) of each BlockTable, as the snapshots read it
+            keys = [row._key for row in rows]
+        except AttributeError:  # an unversioned row (array or list): read every row
+            for i, row in enumerate(rows):
+                self._scan_row(i, row, 0)
+            return None
+        last = self._proven_rows[slot]
+        if keys != last:  # else: the very rows this slot last accepted
+            for i, start in self._unproven(np.array(keys, np.int64), np.array(last, np.int64)):
+                self._scan_row(i, rows[i], start)
+        return keys
+
+    def _unproven(self, keys: np.ndarray, last: np.ndarray) -> list[tuple[int, int]]:
+        """(row, first column not yet proven free of the dummy block) for each row of
+        ``keys`` that has such columns, given the keys ``last`` of proven rows."""
+        if last.size == keys.size and keys.size:
+            # Same lineages in the same order (the common decode step): a key grows by the
+            # pages appended. A proven row is at most the table's width (< 2**23) long and
+            # any row under 2**24, so a difference in [0, width] means the same version.
+            diff = keys - last
+            if int(diff.view(np.uint64).max()) <= self._width:
+                grown = np.flatnonzero(diff).tolist()
+                return [(i, int(last[i] & _LENGTH_MASK)) for i in grown]
+        lengths = keys & _LENGTH_MASK
+        if last.size == 0:
+            return [(i, 0) for i in np.flatnonzero(lengths).tolist()]
+        # reordered or new rows: the longest proven row of each key's lineage
+        proof = np.sort(last)
+        at = np.searchsorted(proof, ((keys >> LENGTH_BITS) + 1) << LENGTH_BITS) - 1
+        hit = proof[np.maximum(at, 0)]
+        same = (at >= 0) & ((hit >> LENGTH_BITS) == (keys >> LENGTH_BITS))
+        start = np.minimum(np.where(same, hit & _LENGTH_MASK, 0), lengths)
+        todo = np.flatnonzero(start < lengths).tolist()
+        return [(i, int(start[i])) for i in todo]
+
+    def _scan_row(self, i: int, row: object, start: int) -> None:
+        """Refuse row ``i`` if it holds the dummy block at a column >= ``start``; a row of
+        the wrong kind is left to the snapshot, which refuses it before writing."""
+        d = self.dummy_block
+        if isinstance(row, BlockTable):
+            ids: object = row.page_ids_view()[start:]
+        elif isinstance(row, np.ndarray):
+            if row.ndim != 1 or row.dtype.kind not in "iu":
+                return
+            ids = row
+        elif isinstance(row, list | tuple | range):
+            try:
+                found = d in row
+            except (TypeError, ValueError):  # not a list of ints: the snapshot refuses it
+                return
+            if found:
+                self._refuse_dummy_block(i, list(row).index(d))
+            return
+        else:
+            return
+        hits = np.flatnonzero(ids == d)
+        if hits.size:
+            self._refuse_dummy_block(i, start + int(hits[0]))
+
+    def _refuse_dummy_block(self, i: int, col: int) -> NoReturn:
+        raise AdapterInputError(
+            f"{self.group}: request {i} names the dummy block {self.dummy_block} in its "
+            f"block_tables row (column {col}); that block is the adapter's private padding "
+            "storage (dummy_block): allocate the request's blocks elsewhere")
 
     def generate_prefill_indptrs(self, plan: V41Plan, *, pcp_rank: int = 0,
                                  pcp_size: int = 1) -> PrefillIndptrs:
