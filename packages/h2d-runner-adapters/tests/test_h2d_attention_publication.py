@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from h2d_core import CountError, H2DRunnerState, StageResult
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adapter_helpers as ah
+from publication_checks import check_tails, dest_copies, published_counts
 
 from block_tables import BlockTable
 from h2d_runner_adapters import (
@@ -475,3 +477,108 @@ def test_mla_decode_members_and_kv_indices(device: str, page: int, topk: int | N
         assert mla.slot_mapping.gpu[:n].tolist() == [
             int(list(t)[(x - 1) // page]) * page + (x - 1) % page
             for t, x in zip(tables, c, strict=False)]
+
+
+# ------------------------------------------------- delayed source reuse, untouched tails
+def _want_decode(reqs: ah.Requests, n: int, p: int, q: int) -> dict[str, list[Any]]:
+    """A decode step's members (graph padding included), its rows and its KV indices,
+    computed now: the requests grow afterwards."""
+    want: dict[str, list[Any]] = dict(_expected_decode(reqs, n, p, q))
+    want["rows"] = [t.tolist() for t in reqs.tables]
+    want["kv_indices"] = [x for t in reqs.tables for x in t.tolist()]
+    return want
+
+
+def _want_prefill(reqs: ah.Requests, chunk: list[int]) -> dict[str, list[Any]]:
+    pos, slots, owners = [], [], []
+    for i, (c, q) in enumerate(zip(reqs.ctx, chunk, strict=True)):
+        for x in range(c - q, c):
+            pos.append(x)
+            slots.append(reqs.tables[i][x // ah.PAGE] * ah.PAGE + x % ah.PAGE)
+            owners.append(i)
+    return {"prefill_positions": pos, "prefill_slot_mapping": slots,
+            "prefill_cu_seqlens_k": np.concatenate(([0], np.cumsum(reqs.ctx))).tolist(),
+            "prefill_context_lens": list(reqs.ctx), "token_request": owners,
+            "rows": [t.tolist() for t in reqs.tables],
+            "kv_indices": [x for t in reqs.tables for x in t.tolist()]}
+
+
+@pytest.mark.parametrize("layout", ["combined", "groups"])
+def test_delayed_source_reuse_and_untouched_tails(device: str, layout: str) -> None:
+    """Two slots, decode (eager and graph-padded, widths 1-3) and prefill steps, batches
+    that grow: on CUDA each step's publications queue behind a busy GPU while the host
+    runs ahead and rewrites the sources; the destinations (copied on the GPU right after
+    the publications) and the first consumers' outputs still hold that step's values. The
+    counts are the spec's, and no byte past a member's count (nor of an omitted member)
+    moved; ranged tables keep every row past the step's rows."""
+    ah.need_kernels(device)
+    r = ah.build_runner(device, layout=layout, num_slots=2)
+    reqs = ah.Requests(41)
+    for c in (5, 9, 2):
+        reqs.add(c)
+    st = r.state
+    taken = []
+    for index in range(9):
+        prefill = index % 3 == 2
+        q = 1 + index % 3
+        padded = None if prefill or index % 2 else 6
+        if index == 4:
+            reqs.add(11)
+        n = len(reqs.ctx)
+        assert st.begin() == index % 2
+        if prefill:
+            chunk = [min(c, 1 + i) for i, c in enumerate(reqs.ctx)]
+            batch = reqs.prefill_batch(chunk)
+        else:
+            reqs.grow(q)
+            batch = reqs.decode_batch(q=q, deferred=False, padded=padded)
+        r.sampling.prepare(batch)
+        r.tokens.prepare_ids(batch, padded)
+        r.tokens.prepare_query_prefix(batch, padded)
+        if prefill:
+            plan = r.prefill.prepare(batch)
+            p, pt = n, sum(chunk)
+            want = _want_prefill(reqs, chunk)
+            expected: dict[str, int | None] = {
+                "prefill_positions": pt, "prefill_slot_mapping": pt,
+                "prefill_cu_seqlens_k": n + 1, "prefill_context_lens": n,
+                "positions": None, "slot_mapping": None, "context_lens": None,
+                "kv_indptr": None}
+            table = r.prefill.block_tables.name
+        else:
+            dplan = r.decode.prepare(batch, padded)
+            p, pt = dplan.padded_reqs, dplan.padded_tokens
+            assert pt == p * q
+            want = _want_decode(reqs, n, p, q)
+            expected = {"positions": pt, "slot_mapping": pt, "context_lens": p,
+                        "kv_indptr": p + 1, "prefill_positions": None,
+                        "prefill_slot_mapping": None}
+            table = r.decode.block_tables.name
+        expected |= {"input_ids": pt, "decode_cu": p + 1, "decode_src": p,
+                     "cu_seqlens_q": p + 1}
+        counted = published_counts(st)
+        assert {k: counted[k] for k in expected} == expected, index
+        if device == "cuda":
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU work the DMAs queue behind
+        before = dest_copies(st)
+        ah.publish_step(r, "prefill" if prefill else "decode")
+        after = dest_copies(st)
+        if prefill:
+            r.prefill.prepare_attention(plan, r.tokens.cu_seqlens_q.gpu)
+            out = [r.prefill.token_request[:pt].clone(), r.prefill.kv_indices.clone()]
+        else:
+            out = [r.decode.generate_kv_indices(dplan).clone()]
+        st.finish()
+        taken.append((prefill, p, table, want, before, after, counted, out))
+    ah.sync(device)
+    for index, (prefill, p, table, want, before, after, counted, out) in enumerate(taken):
+        check_tails(st, before, after, counted, rows={table: p})
+        rows, kv = want.pop("rows"), want.pop("kv_indices")
+        for i, row in enumerate(rows):
+            assert after[table][i, : len(row)].tolist() == row, (index, i)
+        owners = want.pop("token_request", None)
+        for name, values in want.items():
+            assert after[name][: len(values)].tolist() == values, (index, name)
+        assert out[-1][: len(kv)].tolist() == kv, index
+        if prefill:
+            assert out[0].tolist() == owners, index

@@ -448,3 +448,99 @@ def test_v41_delayed_source_reuse_keeps_what_each_step_published(device: str,
             [s.context_len for s in spans], num_reqs=len(spans), padded_reqs=MAX_REQS,
             window=WINDOW, index_topk=TOPK)
         assert hca[: len(ref["hca_indptr"])].tolist() == ref["hca_indptr"], index
+
+
+# ------------------------------------------------------------------ dummy isolation
+def _dummy_rows(slot: int) -> range:
+    """The KV rows of one physical state slot (every window class)."""
+    return range(slot * GEOMETRY.slot_rows, (slot + 1) * GEOMETRY.slot_rows)
+
+
+def test_v41_padded_rows_use_only_the_private_dummy_slot_and_block(device: str) -> None:
+    """Padded requests point only at the private dummy state slot and dummy block (and own
+    no tokens, no plan rows, no visible context); real requests never reach either, in the
+    published destinations nor in what the first consumers derive from them. Batch sizes
+    change so that rows move between real and padded."""
+    ah.need_kernels(device)
+    st_, v4 = v41_state(device)
+    pop = Population(17)
+    assert v4.block_tables_per_token is not None and v4.hca_indices is not None
+    dummy_rows = _dummy_rows(DUMMY_SLOT)
+    dummy_cells = {DUMMY_BLOCK * ENVELOPE + k for k in range(2)}
+    for n, q, padded in [(2, 1, 8), (5, 3, 8), (1, 2, 4), (0, 1, 2), (6, 4, 8), (3, 1, 4)]:
+        spans, rows = pop.step(n, True, q)
+        st_.begin()
+        plan = v4.begin_step(spans, block_tables=rows, padded=padded)
+        st_.publish(V41_METADATA)
+        ind = v4.generate_step_indptrs(plan)
+        pt = plan.padded_tokens
+        win = DecodeWindowIndices(*(torch.full((k,), POISON, dtype=torch.int32, device=device)
+                                    for k in (4096, 4096, 4096, pt, pt, pt)))
+        v4.write_decode_window_indices(plan, GEOMETRY, win)
+        st_.finish()
+        ah.sync(device)
+        t = plan.num_tokens
+        slots_out = v4.state_slot_out.gpu[:padded].tolist()
+        slots_in = v4.state_slot_in.gpu[:padded].tolist()
+        assert slots_out[n:] == slots_in[n:] == [DUMMY_SLOT] * (padded - n)
+        assert DUMMY_SLOT not in slots_out[:n] + slots_in[:n]
+        assert v4.seq_lens.gpu[n:padded].tolist() == [0] * (padded - n)  # nothing visible
+        table = v4.block_tables.gpu[:padded].cpu().tolist()
+        assert table[n:] == [[DUMMY_BLOCK] + [0] * (MAX_BLOCKS - 1)] * (padded - n)
+        for i, row in enumerate(rows):
+            assert table[i][: len(row)] == list(row) and DUMMY_BLOCK not in table[i], i
+        bids = v4.token_batch_ids.gpu[:pt].tolist()
+        assert bids[t:] == [-1] * (pt - t) and all(0 <= b < n for b in bids[:t])
+        for plans in (v4.compress_plans, v4.write_plans):
+            for b in plans:
+                for r in b.gpu[: st_.count(b) or 0].tolist():  # real rows, then -1 rows
+                    assert r == [-1] * 4 or 0 <= r[1] < n, (b.name, r)
+        # the first consumers: padded tokens own no cells and write no KV row
+        per_token = v4.block_tables_per_token[:pt].cpu().tolist()
+        assert per_token[t:] == [[0] * MAX_BLOCKS] * (pt - t)
+        assert all(DUMMY_BLOCK not in r for r in per_token[:t])
+        hca = ind.hca_indptr[: pt + 1].tolist()
+        assert hca[t:] == [hca[t]] * (pt + 1 - t)
+        assert not dummy_cells & set(v4.hca_indices[: hca[t]].tolist())
+        for dest in (win.dest_dense, win.dest_csa, win.dest_hca):
+            got = dest.tolist()
+            assert got[t:] == [POISON] * (pt - t)
+            assert not any(r in dummy_rows for r in got[:t])
+        for cells, end in ((win.swa_indices, ind.swa_indptr[t]),
+                           (win.csa_indices, ind.csa_indptr[t])):
+            assert not any(r in dummy_rows for r in cells[: int(end)].tolist())
+
+
+@pytest.mark.parametrize("case", ["state_slot", "fork_source", "block", "appended_block"])
+def test_v41_real_requests_cannot_reach_the_dummy_storage(device: str, case: str) -> None:
+    """The dummy slot and block stay private: a real request naming either (as its state
+    slot, its fork source, in its row, or appended to a row accepted the step before) is
+    refused before any write, and a valid retry in the same epoch then publishes."""
+    from bad_inputs import Observed, refuse
+
+    ah.need_kernels(device)
+    st_, v4 = v41_state(device)
+    spans, rows = Population(19).step(3, False, 1)
+    if case == "appended_block":  # the row's lineage was accepted once already
+        st_.begin()
+        v4.begin_step(spans, block_tables=rows, padded=4)
+        st_.publish(V41_METADATA)
+        st_.finish()
+        rows[1].append_one(DUMMY_BLOCK)
+    elif case == "state_slot":
+        spans[1] = RequestSpan(1, spans[1].context_len, DUMMY_SLOT)
+    elif case == "fork_source":
+        spans[1] = RequestSpan(1, spans[1].context_len, spans[1].state_slot, DUMMY_SLOT)
+    elif case == "block":
+        rows[1] = BlockTable([*list(rows[1])[:-1], DUMMY_BLOCK])
+    st_.begin()
+    seen = Observed(st_, extra=lambda: v4.tables.prepared_revision)
+    refuse(seen, lambda: v4.begin_step(spans, block_tables=rows, padded=4), CountError,
+           r"request 1 .*dummy")
+    good_spans, good_rows = Population(19).step(3, False, 1)
+    plan = v4.begin_step(good_spans, block_tables=good_rows, padded=4)
+    st_.publish(V41_METADATA)
+    st_.finish()
+    ah.sync(device)
+    want = v41_reference(good_spans, [list(r) for r in good_rows], plan.padded_reqs)
+    assert v4.state_slot_out.gpu[:4].tolist() == want["v41_state_slot_out"]
