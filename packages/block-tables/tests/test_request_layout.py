@@ -252,13 +252,16 @@ def test_columns_are_copied_clamped_and_padded(cls: Any) -> None:
 
 @pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
 @pytest.mark.parametrize("k, bad, match", [
-    (0, np.array([1, 2], np.int32), r"cols: column 0 has 2 values, the batch 3"),
-    (1, np.array([1.0, 2.0], np.float64), r"cols: column 1 must be a 1-D C-contiguous "
+    (0, np.array([1, 2], np.int32), r"cols: column 'ids' has 2 values but the batch has 3 "
+                                    r"tokens; pass one per token"),
+    (1, np.array([1.0, 2.0], np.float64), r"cols: column 'temps' must be a 1-D C-contiguous "
                                           r"aligned native "
                                           r"float32 array, got float64 array"),
-    (2, [4, 4], r"column 2 must be .* int32 array, got list"),
-    (3, np.zeros((2, 1), np.int64), r"column 3 must be a 1-D"),
-    (3, np.zeros(4, np.int64)[::2], r"column 3 must be a 1-D C-contiguous"),
+    (2, [4, 4], r"column 'rows' must be .* int32 array, got list"),
+    (2, np.ones(3, np.int32), r"cols: column 'rows' has 3 values but the batch has 2 "
+                              r"requests; pass one per request"),
+    (3, np.zeros((2, 1), np.int64), r"column 'big' must be a 1-D"),
+    (3, np.zeros(4, np.int64)[::2], r"column 'big' must be a 1-D C-contiguous"),
 ])
 def test_bad_column_values_change_nothing(cls: Any, k: int, bad: Any, match: str) -> None:
     layout, outs = with_columns(cls)
@@ -343,8 +346,8 @@ def test_a_column_without_output_is_checked_and_summed(cls: Any) -> None:
     assert (layout.column_sum(0), layout.column_sum(1)) == (7, 24)
     assert layout.uniform_mask == 0
     layout.write()
-    with pytest.raises(RequestLayoutError, match=r"column 0 must be .* int32 array, got "
-                                                 r"int64"):
+    with pytest.raises(RequestLayoutError, match=r"column 'drafts' must be .* int32 array, "
+                                                 r"got int64"):
         layout.plan(np.array([1], np.int32), np.array([3], np.int32), 1, 1,
                     (np.array([2], np.int64), np.array([7], np.int32)))
     with pytest.raises(RequestLayoutError, match=r"takes no minimum"):
@@ -405,7 +408,7 @@ def test_plan_capacity_and_bindings(cls: Any) -> None:
     out = np.full((3, 4), 99, np.int32)
     layout = cls("pc", 4, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
                  plans=[LayoutPlan("w", out, 4, 8, tail=True)])
-    with pytest.raises(RequestLayoutError, match=r"pc: plan 0 needs 4 rows \(2 requests of "
+    with pytest.raises(RequestLayoutError, match=r"pc: plan 'w' needs 4 rows \(2 requests of "
                                                  r"up to 2 tokens\), more than its 3"):
         layout.plan(np.array([2, 1], np.int32), np.array([5, 3], np.int32), 2, -1)
     assert (out == 99).all()
@@ -457,6 +460,164 @@ def test_eager_plans_publish_the_real_rows_or_the_whole_array(cls: Any) -> None:
     small = cls("eager", 16, np.zeros((4, 4), np.int32), np.zeros(4, np.int32),
                 plans=[LayoutPlan("w", np.zeros((10, 4), np.int32), 4, 8, tail=True,
                                   graph=False)])
-    with pytest.raises(RequestLayoutError, match=r"eager: plan 0 needs 11 rows, more than "
+    with pytest.raises(RequestLayoutError, match=r"eager: plan 'w' needs 11 rows, more than "
                                                  r"its 10"):
         small.plan(np.array(q, np.int32), np.array(c, np.int32), 2, 12)
+
+
+def bounded(cls: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    """A layout whose columns carry value bounds (the sampling and token columns' kinds)."""
+    outs = {"temps": np.full(ROWS, 99, np.float32), "top_p": np.full(ROWS, 99, np.float32),
+            "top_k": np.full(ROWS, 99, np.int32), "ids": np.full(TOKENS, 99, np.int32),
+            "big": np.full(ROWS, 99, np.int64)}
+    columns = [LayoutColumn("temps", outs["temps"], finite=True),
+               LayoutColumn("top_p", outs["top_p"], low=0, low_open=True, high=1),
+               LayoutColumn("top_k", outs["top_k"], low=-1),
+               LayoutColumn("ids", outs["ids"], per_token=True, low=0, high=2**31 - 1),
+               LayoutColumn("big", outs["big"], high=2**40),
+               LayoutColumn("drafts", low=0)]
+    layout = cls("bnd", 4, np.zeros((ROWS, WIDTH), np.int32), np.zeros(ROWS, np.int32),
+                 columns=columns)
+    return layout, outs
+
+
+def bounded_values(**bad: Any) -> tuple[Any, ...]:
+    good = {"temps": np.array([0.0, -1.5], np.float32), "top_p": np.array([1.0, 1e-30],
+                                                                         np.float32),
+            "top_k": np.array([-1, 0], np.int32), "ids": np.array([0, 5, 2**31 - 1], np.int32),
+            "big": np.array([2**40, -(2**62)], np.int64), "drafts": np.array([3, 4], np.int32)}
+    return tuple((good | bad).values())
+
+
+BOUND_CASES = [
+    ("nan temperature", {"temps": np.array([0.5, np.nan], np.float32)},
+     r"^bnd: request 1 has temps=nan; temps must be finite$"),
+    ("+inf temperature", {"temps": np.array([np.inf, 1], np.float32)},
+     r"^bnd: request 0 has temps=inf; temps must be finite$"),
+    ("-inf temperature", {"temps": np.array([1, -np.inf], np.float32)},
+     r"^bnd: request 1 has temps=-inf; temps must be finite$"),
+    ("top_p zero", {"top_p": np.array([0.0, 1], np.float32)},
+     r"^bnd: request 0 has top_p=0.0; top_p must be in \(0, 1\]$"),
+    ("top_p -0.0", {"top_p": np.array([1, -0.0], np.float32)},
+     r"^bnd: request 1 has top_p=-0.0; top_p must be in \(0, 1\]$"),
+    ("top_p above one", {"top_p": np.array([1.0000001, 1], np.float32)},
+     r"^bnd: request 0 has top_p=1.0000001; top_p must be in \(0, 1\]$"),
+    ("top_p nan (no finite flag)", {"top_p": np.array([np.nan, 1], np.float32)},
+     r"^bnd: request 0 has top_p=nan; top_p must be in \(0, 1\]$"),
+    ("top_k below -1", {"top_k": np.array([0, -2], np.int32)},
+     r"^bnd: request 1 has top_k=-2; top_k must be >= -1$"),
+    ("negative token id", {"ids": np.array([0, -1, 3], np.int32)},
+     r"^bnd: token 1 has ids=-1; ids must be in \[0, 2147483647\]$"),
+    ("int64 past its bound, not wrapped", {"big": np.array([2**41, 0], np.int64)},
+     r"^bnd: request 0 has big=2199023255552; big must be <= 1099511627776$"),
+    ("negative draft count (no output)", {"drafts": np.array([0, -3], np.int32)},
+     r"^bnd: request 1 has drafts=-3; drafts must be >= 0$"),
+]
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("case", BOUND_CASES, ids=[c[0] for c in BOUND_CASES])
+def test_column_bounds_refuse_values_and_change_nothing(cls: Any, case: Any) -> None:
+    """A value outside its column's bounds is refused naming the request (or token), the
+    column and the rule; the outputs, the earlier plan and its column sums stand."""
+    layout, outs = bounded(cls)
+    q, c = np.array([2, 1], np.int32), np.array([5, 3], np.int32)
+    assert layout.plan(q, c, 2, 3, bounded_values()) == 3
+    assert layout.column_sum(5) == 7
+    before = {k: v.copy() for k, v in outs.items()}
+    with pytest.raises(RequestLayoutError, match=case[2]):
+        layout.plan(q, c, 2, 3, bounded_values(**case[1]))
+    for name, value in outs.items():
+        assert value.tobytes() == before[name].tobytes(), name
+    assert layout.column_sum(5) == 7  # the refused batch's sums never replace the plan's
+    layout.write()  # the earlier plan still stands, its values in range
+    assert outs["temps"][:2].tolist() == [0.0, -1.5]
+    assert outs["top_p"][:2].tobytes() == np.array([1.0, 1e-30], np.float32).tobytes()
+    assert outs["big"][:2].tolist() == [2**40, -(2**62)]
+    assert outs["ids"][:3].tolist() == [0, 5, 2**31 - 1]
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_a_refused_column_keeps_the_earlier_plans_sums(cls: Any) -> None:
+    """The summed column passes and is summed, a later column is refused: column_sum
+    still reports the planned batch."""
+    layout = cls("s", 4, np.zeros((3, 2), np.int32), np.zeros(3, np.int32),
+                 columns=[LayoutColumn("drafts"), LayoutColumn("k", low=0)])
+    q, c = np.array([1, 1], np.int32), np.array([3, 3], np.int32)
+    layout.plan(q, c, 2, 2, (np.array([2, 5], np.int32), np.zeros(2, np.int32)))
+    with pytest.raises(RequestLayoutError, match=r"s: request 0 has k=-1; k must be >= 0"):
+        layout.plan(q, c, 2, 2, (np.array([50, 50], np.int32), np.array([-1, 0], np.int32)))
+    assert layout.column_sum(0) == 7
+    layout.plan(q, c, 2, 2, (np.array([50, 50], np.int32), np.zeros(2, np.int32)))
+    assert layout.column_sum(0) == 100
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_bounds_keep_what_they_do_not_mention(cls: Any) -> None:
+    """Without ``finite`` a float column bounded only above takes -inf (NaN never passes
+    a bound); a column without bounds takes anything of its dtype (NaN included)."""
+    out, free = np.zeros(2, np.float32), np.zeros(2, np.float32)
+    layout = cls("keep", 4, np.zeros((2, 2), np.int32), np.zeros(2, np.int32),
+                 columns=[LayoutColumn("hi", out, high=2.0), LayoutColumn("any", free)])
+    q = np.ones(2, np.int32)
+    layout.plan(q, q, 2, 2, (np.array([-np.inf, 2.0], np.float32),
+                             np.array([np.nan, np.inf], np.float32)))
+    with pytest.raises(RequestLayoutError, match=r"keep: request 1 has hi=nan; hi must be "
+                                                 r"<= 2.0$"):
+        layout.plan(q, q, 2, 2, (np.array([0, np.nan], np.float32), np.zeros(2, np.float32)))
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("column, match", [
+    (LayoutColumn("k", np.zeros(2, np.int32), finite=True),
+     r"b: column 'k': finite applies to float32 columns only"),
+    (LayoutColumn("k", low=0.5), r"column 'k': an integer column takes int bounds in int64, "
+                                 r"got 0.5"),
+    (LayoutColumn("k", np.zeros(2, np.int64), high=2**63),
+     r"column 'k': an integer column takes int bounds in int64"),
+    (LayoutColumn("f", np.zeros(2, np.float32), low=float("nan")),
+     r"column 'f': bounds must be numbers \(not NaN\) or None, got nan"),
+    (LayoutColumn("f", np.zeros(2, np.float32), high=True),
+     r"column 'f': bounds must be numbers"),
+    (LayoutColumn("f", np.zeros(2, np.float32), low=1, low_open=True, high=1),
+     r"column 'f': no value passes low=1, high=1"),
+    (LayoutColumn("k", np.zeros(2, np.int32), low=3, high=2),
+     r"column 'k': no value passes low=3, high=2"),
+])
+def test_bad_column_bounds(cls: Any, column: Any, match: str) -> None:
+    with pytest.raises(RequestLayoutError, match=match):
+        cls("b", 4, np.zeros((2, 2), np.int32), np.zeros(2, np.int32), columns=[column])
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_unsigned_values_are_refused_by_dtype_not_called_negative(cls: Any) -> None:
+    """A uint32 array (4294967295 reads as -1 through an int32 view) is refused for its
+    dtype, naming the argument or the column; never read as a negative value."""
+    layout, _ = with_columns(cls)
+    q, c = np.array([2, 1], np.int32), np.array([5, 3], np.int32)
+    huge = np.array([2**32 - 1, 1], np.uint32)
+    with pytest.raises(RequestLayoutError, match=r"cols: query_lens must be a 1-D .* int32 "
+                                                 r"array .*got uint32 array") as info:
+        layout.plan(huge, c, 2, 3, ())
+    assert "-1" not in str(info.value) and "negative" not in str(info.value)
+    values: list[Any] = [np.array([1, 2, 3], np.int32), np.ones(2, np.float32), huge,
+                         np.ones(2, np.int64), np.ones(2, np.int32)]
+    with pytest.raises(RequestLayoutError, match=r"cols: column 'rows' must be a 1-D .* "
+                                                 r"int32 array, got uint32 array") as info:
+        layout.plan(q, c, 2, 3, tuple(values))
+    assert "-1" not in str(info.value) and "negative" not in str(info.value)
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__module__)
+def test_batches_past_the_capacity_say_so(cls: Any) -> None:
+    layout, arrays = bound(cls, 4)
+    before = {k: v.copy() for k, v in arrays.items()}
+    with pytest.raises(RequestLayoutError, match=rf"layout: {ROWS + 1} requests exceed the "
+                                                 rf"bound arrays' capacity of {ROWS} "
+                                                 r"requests; split the batch"):
+        layout.plan(np.ones(ROWS + 1, np.int32), np.ones(ROWS + 1, np.int32), -1, -1)
+    with pytest.raises(RequestLayoutError, match=rf"layout: 42 tokens exceed the bound "
+                                                 rf"arrays' capacity of {TOKENS} tokens"):
+        layout.plan(np.array([21, 21], np.int32), np.array([21, 21], np.int32), -1, -1)
+    for name, value in arrays.items():
+        assert value.tobytes() == before[name].tobytes(), name

@@ -287,7 +287,8 @@ class Population:
         else:
             top_k = rng.choice([-1, 3, 7], n).astype(np.int32)
             top_p = rng.choice([1.0, 0.8, 0.95], n).astype(np.float32)
-        temps = rng.choice(np.array([0.0, 0.7, 1.3, np.nan, -1.0], np.float32), n)
+        # finite only (<= 0 is greedy): NaN and infinities are refused (test_bad_inputs_tokens)
+        temps = rng.choice(np.array([0.0, 0.7, 1.3, -1.0], np.float32), n)
         deferred = rng.random(n) < 0.5
         # rows past PREV_ROWS are out of range: token assembly writes nothing for them
         prev = np.where(deferred, rng.integers(0, PREV_ROWS + 2, n), -1).astype(np.int32)
@@ -487,9 +488,10 @@ def _f32(bits: list[int]) -> np.ndarray:
 @st.composite
 def _steps(draw: st.DrawFn) -> tuple[int, int | None, list[Step]]:
     """A page size and two consecutive steps over the same rows (the second appends a page
-    to lineage copies of some versioned rows): any float32 bit pattern (NaN payloads,
-    infinities, -0.0, subnormals) for temperatures and top-p, any int32 for top-k, sources
-    and token ids."""
+    to lineage copies of some versioned rows): any finite float32 bit pattern (-0.0,
+    subnormals, the greedy marker's neighbours) for temperatures, any float32 in (0, 1]
+    for top-p, any int32 >= -1 for top-k and sources, any int32 for token ids (values
+    outside those ranges are refused: test_bad_inputs_tokens)."""
     page = draw(st.sampled_from(PAGE_SIZES))
     # no pool limit: any non-negative int32 page ID (slots past int32 wrap as numpy's do)
     pool = draw(st.sampled_from([NUM_PAGES, NUM_PAGES, None]))
@@ -499,6 +501,9 @@ def _steps(draw: st.DrawFn) -> tuple[int, int | None, list[Step]]:
     n = draw(st.integers(0, cap))
     padded = draw(st.none() | st.integers(n, cap))
     i32 = st.integers(int(INT32.min), int(INT32.max))
+    from_minus_one = st.integers(-1, int(INT32.max))
+    # bit patterns 1 .. 0x3F800000 are the positive float32s up to 1.0, in order
+    unit = st.integers(1, 0x3F800000)
     rows: list[PageRow] = []
     lengths: list[int] = []
     for _ in range(n):
@@ -520,20 +525,20 @@ def _steps(draw: st.DrawFn) -> tuple[int, int | None, list[Step]]:
                     row.append_one(draw(ids_st))
                     lengths[i] += 1
         ctx = [draw(st.integers(q, length * page)) for length in lengths]
-        bits = st.integers(0, 2**32 - 1)
+        finite = st.integers(0, 2**32 - 1).filter(lambda b: (b >> 23) & 0xFF != 0xFF)
         temps = _f32(draw(st.lists(st.one_of(
-            bits, st.sampled_from([0, 0x80000000, 0x7FC00000, 0xFFC00001, 0x7F800001,
-                                   0x7F800000, 0x2EDBE6FF, 0x2EDBE6FE, 0x2EDBE700])),
+            finite, st.sampled_from([0, 0x80000000, 0x2EDBE6FF, 0x2EDBE6FE, 0x2EDBE700])),
             min_size=n, max_size=n)))
         if draw(st.booleans()):
-            top_k = np.full(n, draw(i32), np.int32)
-            top_p = _f32([draw(bits)] * n)
+            top_k = np.full(n, draw(from_minus_one), np.int32)
+            top_p = _f32([draw(unit)] * n)
         else:
-            top_k = np.asarray(draw(st.lists(i32, min_size=n, max_size=n)), np.int32)
-            top_p = _f32(draw(st.lists(bits, min_size=n, max_size=n)))
+            top_k = np.asarray(draw(st.lists(from_minus_one, min_size=n, max_size=n)),
+                               np.int32)
+            top_p = _f32(draw(st.lists(unit, min_size=n, max_size=n)))
         steps.append(make_step(
             page, ctx, rows, q=q, padded=padded, temps=temps, top_k=top_k, top_p=top_p,
-            prev=np.asarray(draw(st.lists(i32, min_size=n, max_size=n)), np.int32),
+            prev=np.asarray(draw(st.lists(from_minus_one, min_size=n, max_size=n)), np.int32),
             tokens=np.asarray(draw(st.lists(i32, min_size=n * q, max_size=n * q)), np.int32),
             drafts=np.asarray(draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),
                               np.int32)))

@@ -70,6 +70,12 @@ class LayoutColumn:
     padding; its padded entries are left as they are). Without ``out`` the column is int32,
     checked and summed (:meth:`RequestLayout.column_sum`) but copied nowhere. ``minimum``
     (float32 only) clamps from below as ``np.maximum`` does (NaN is kept).
+
+    ``low`` / ``high`` bound the values :meth:`RequestLayout.plan` accepts (``None``:
+    unbounded; ``low_open`` excludes ``low`` itself); ``finite`` (float32 only) refuses
+    infinities. A float32 column with any bound or ``finite`` refuses NaN too. A value
+    outside is refused naming the request (or token), the column and the rule. Integer
+    columns take int bounds.
     """
 
     name: str
@@ -77,6 +83,10 @@ class LayoutColumn:
     per_token: bool = False
     pad: float | None = 0
     minimum: float | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    finite: bool = False
 
 
 @dataclass(frozen=True)
@@ -146,11 +156,15 @@ class RequestLayout:
     _total = cython.declare(cython.longlong)
     _planned = cython.declare(cython.bint)
     _paged = cython.declare(cython.bint)
-    # per column: (kind, out, per_token, pad, minimum or None); the planned batch's values
+    # per column: (kind, out, per_token, pad, minimum or None, name, bounds or None); the
+    # planned batch's values; the sums of the planned batch (and the next plan's scratch,
+    # swapped in only when the whole batch passed)
     _columns = cython.declare(tuple)
     _values = cython.declare(tuple)
     _sums = cython.declare(list)
-    # per plan: (flat out, ratio, window, tail, capacity, graph); per planned batch: counts
+    _spare_sums = cython.declare(list)
+    # per plan: (flat out, ratio, window, tail, capacity, graph, name); per planned batch:
+    # counts
     _plans = cython.declare(tuple)
     _plan_counts = cython.declare(list)
     _plan_real = cython.declare(list)
@@ -240,7 +254,8 @@ class RequestLayout:
                     raise RequestLayoutError(
                         f"{name}: column {col.name!r} needs a unique name; a column without "
                         "an output array takes no minimum")
-                bound.append((0, None, bool(col.per_token), None, None))
+                bound.append((0, None, bool(col.per_token), None, None, col.name,
+                              _bounds(name, col, 0)))
                 continue
             kind = _KINDS.get(getattr(out, "dtype", None), -1)
             if kind < 0 or col.name in self.arrays:
@@ -255,11 +270,13 @@ class RequestLayout:
             (tok_caps if col.per_token else req_caps).append(out.size)
             bound.append((kind, out, bool(col.per_token),
                           None if col.pad is None else out.dtype.type(col.pad),
-                          None if col.minimum is None else float(col.minimum)))
+                          None if col.minimum is None else float(col.minimum), col.name,
+                          _bounds(name, col, kind)))
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
         self._sums = [0] * len(bound)
+        self._spare_sums = [0] * len(bound)
         bound_plans = []
         for plan in plans:
             out = plan.out
@@ -276,7 +293,7 @@ class RequestLayout:
                     f"{plan.ratio!r} and {plan.window!r}")
             self.arrays[plan.name] = out
             bound_plans.append((out.reshape(-1), plan.ratio, plan.window, bool(plan.tail),
-                                out.shape[0], bool(plan.graph)))
+                                out.shape[0], bool(plan.graph), plan.name))
         self._plans = tuple(bound_plans)
         self._plan_counts = [0] * len(bound_plans)
         self._plan_real = [0] * len(bound_plans)
@@ -343,7 +360,8 @@ class RequestLayout:
         same length n. The batch is padded to ``padded_reqs`` requests (-1: n) and
         ``padded_tokens`` tokens (-1: ``padded_reqs`` times the widest query, at least 1,
         the graph grid of a decode step). ``values`` holds one array per bound column, in order
-        (n values, or t for a per-token column, of the column's dtype). Raises
+        (n values, or t for a per-token column, of the column's dtype, within the column's
+        bounds). Raises
         :class:`RequestLayoutError` (naming the request or column and the rule) before
         changing anything; sets :attr:`uniform_mask`, :attr:`min_query_len` and
         :attr:`max_query_len`.
@@ -361,6 +379,10 @@ class RequestLayout:
             raise RequestLayoutError(
                 f"{name}: context_lens has {nc} entries but query_lens has {n}; "
                 "pass one of each per request")
+        if n > self._max_reqs:
+            raise RequestLayoutError(
+                f"{name}: {n} requests exceed the bound arrays' capacity of "
+                f"{self._max_reqs} requests; split the batch")
         if padded_reqs < 0:
             padded_reqs = n
         if not n <= padded_reqs <= self._max_reqs:
@@ -405,6 +427,10 @@ class RequestLayout:
             raise RequestLayoutError(
                 f"{name}: the batch needs {total} KV pages in all, more than an int32 "
                 "page prefix holds; split the batch")
+        if t > self._max_tokens:
+            raise RequestLayoutError(
+                f"{name}: {t} tokens exceed the bound arrays' capacity of "
+                f"{self._max_tokens} tokens; split the batch")
         if padded_tokens < 0:  # the graph grid: every padded request runs the widest query
             padded_tokens = padded_reqs * (hi if hi > 0 else 1)
         if not t <= padded_tokens <= self._max_tokens:
@@ -427,8 +453,8 @@ class RequestLayout:
                         rows += c // spec[1] - (c - q) // spec[1]
                 if rows > spec[4]:
                     raise RequestLayoutError(
-                        f"{name}: plan {k} needs {rows} rows, more than its {spec[4]}; "
-                        "declare a larger array")
+                        f"{name}: plan {spec[6]!r} needs {rows} rows, more than its "
+                        f"{spec[4]}; declare a larger array")
                 continue
             if spec[3]:
                 rows = padded_reqs * min(width_q, cython.cast(cython.longlong, spec[2]))
@@ -436,9 +462,14 @@ class RequestLayout:
                 rows = padded_reqs * ((width_q + spec[1] - 1) // spec[1])
             if rows > spec[4]:
                 raise RequestLayoutError(
-                    f"{name}: plan {k} needs {rows} rows ({padded_reqs} requests of up to "
-                    f"{width_q} tokens), more than its {spec[4]}; declare a larger array")
-        mask: cython.longlong = _check_columns(name, self._columns, values, n, t, self._sums)
+                    f"{name}: plan {spec[6]!r} needs {rows} rows ({padded_reqs} requests of "
+                    f"up to {width_q} tokens), more than its {spec[4]}; declare a larger "
+                    "array")
+        sums: list = self._spare_sums
+        mask: cython.longlong = _check_columns(name, self._columns, values, n, t, sums)
+        # the whole batch passed: nothing below raises
+        self._spare_sums = self._sums
+        self._sums = sums
         for k in range(len(self._plans)):
             spec = self._plans[k]
             if not spec[5]:  # eager: the whole array for a tail, the real rows otherwise
@@ -576,14 +607,15 @@ class RequestLayout:
 @cython.cfunc
 def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_t,
                    t: cython.Py_ssize_t, sums: list) -> cython.longlong:
-    """Check each column's values (dtype, layout, length); the uniform request columns;
-    the sums of the columns without an output."""
+    """Check each column's values (dtype, layout, length, bounds); the uniform request
+    columns; the sums of the columns without an output (into ``sums``)."""
     if len(values) != len(columns):
         raise RequestLayoutError(
             f"{name}: {len(values)} column values for {len(columns)} bound columns; pass "
             "one array per column, in binding order")
     mask: cython.longlong = 0
     k: cython.Py_ssize_t
+    i: cython.Py_ssize_t
     size: cython.Py_ssize_t
     kind: cython.int
     for k in range(len(columns)):
@@ -592,7 +624,11 @@ def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_
         value = values[k]
         size = t if spec[2] else n
         if _size(value, kind) != size:
-            _input_column(name, k, value, spec[1], size)
+            _input_column(name, spec, value, size)
+        if spec[6] is not None:
+            i = _outside(value, kind, spec[6], size)
+            if i >= 0:
+                _value_error(name, spec, value, i)
         if spec[1] is None:
             sums[k] = _sum_ints(value, size)
         if spec[2] or size < 2:
@@ -602,6 +638,48 @@ def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_
         if _uniform(value, kind, size):
             mask |= cython.cast(cython.longlong, 1) << k
     return mask
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _outside(value: object, kind: cython.int, bounds: tuple,
+             size: cython.Py_ssize_t) -> cython.Py_ssize_t:
+    """The index of the first of ``size`` values outside ``bounds`` (see :func:`_bounds`),
+    or -1. A float32 NaN fails both comparisons, so it is always outside."""
+    i: cython.Py_ssize_t
+    if kind == 1:
+        sf: cython.pointer[cython.float] = _floats(value)
+        flo: cython.double = bounds[0]
+        fhi: cython.double = bounds[1]
+        x: cython.double
+        if bounds[2]:  # an open lower bound
+            for i in range(size):
+                x = sf[i]
+                if not (x > flo and x <= fhi):
+                    return i
+        else:
+            for i in range(size):
+                x = sf[i]
+                if not (x >= flo and x <= fhi):
+                    return i
+        return -1
+    lo: cython.longlong = bounds[0]
+    hi: cython.longlong = bounds[1]
+    v: cython.longlong
+    if kind == 2:
+        sl: cython.pointer[cython.longlong] = _longs(value)
+        for i in range(size):
+            v = cython.cast(cython.longlong, sl[i])
+            if v < lo or v > hi:
+                return i
+        return -1
+    si: cython.pointer[cython.int] = _ints(value)
+    for i in range(size):
+        v = cython.cast(cython.longlong, si[i])
+        if v < lo or v > hi:
+            return i
+    return -1
 
 
 @cython.cfunc
@@ -783,18 +861,83 @@ def _copy_prefix(src: cython.int[::1], dst: cython.int[::1], m: cython.Py_ssize_
         dst[i] = src[i]
 
 
-def _input_column(name: str, k: int, value: object, out: Any, size: int) -> None:
-    """The specific error for column ``k``'s values, which ``_size`` refused."""
+def _input_column(name: str, spec: tuple, value: object, size: int) -> None:
+    """The specific error for a column's values, which ``_size`` refused."""
+    out = spec[1]
     dtype = np.dtype(np.int32) if out is None else out.dtype
     if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1
             or not value.flags.c_contiguous or not value.flags.aligned
             or not value.dtype.isnative):
         raise RequestLayoutError(
-            f"{name}: column {k} must be a 1-D C-contiguous aligned native {dtype} "
+            f"{name}: column {spec[5]!r} must be a 1-D C-contiguous aligned native {dtype} "
             f"array, got {_describe(value)}")
+    what = "token" if spec[2] else "request"
     raise RequestLayoutError(
-        f"{name}: column {k} has {value.size} values, the batch {size}; pass one per "
-        "request (per token for a per-token column)")
+        f"{name}: column {spec[5]!r} has {value.size} values but the batch has {size} "
+        f"{what}s; pass one per {what}")
+
+
+def _value_error(name: str, spec: tuple, value: Any, i: int) -> None:
+    """The specific error for the first value of a column outside its bounds."""
+    what = "token" if spec[2] else "request"
+    shown = str(value[i])  # numpy's shortest form of the float32 ("1.0000001")
+    raise RequestLayoutError(
+        f"{name}: {what} {i} has {spec[5]}={shown}; {spec[5]} must be {spec[6][3]}")
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _bounds(name: str, col: Any, kind: int) -> tuple[Any, Any, bool, str] | None:
+    """Column ``col``'s value check as (low, high, low_open, rule), in the column's kind
+    (ints for int32/int64, floats for float32); None when every value passes."""
+    low, high = getattr(col, "low", None), getattr(col, "high", None)
+    is_open, finite = bool(getattr(col, "low_open", False)), bool(getattr(col, "finite", False))
+    where = f"{name}: column {col.name!r}"
+    if kind != 1:
+        if finite:
+            raise RequestLayoutError(f"{where}: finite applies to float32 columns only")
+        for b in (low, high):
+            if b is not None and (type(b) is not int or not _INT64_MIN <= b <= _INT64_MAX):
+                raise RequestLayoutError(
+                    f"{where}: an integer column takes int bounds in int64, got {b!r}")
+        if low is None and high is None:
+            return None
+        lo = _INT64_MIN if low is None else low + is_open
+        hi = _INT64_MAX if high is None else high
+        if lo > hi:
+            raise RequestLayoutError(f"{where}: no value passes low={low!r}, high={high!r}")
+        return lo, hi, False, _rule(low, high, is_open, False)
+    for b in (low, high):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float)
+                              or b != b):
+            raise RequestLayoutError(
+                f"{where}: bounds must be numbers (not NaN) or None, got {b!r}")
+    if low is None and high is None and not finite:
+        return None
+    flo = -np.inf if low is None else float(low)
+    fhi = np.inf if high is None else float(high)
+    if finite:  # float32 infinities lie past the largest finite float32
+        if flo < -_FLOAT32_MAX:
+            flo, is_open = -_FLOAT32_MAX, False
+        fhi = min(fhi, _FLOAT32_MAX)
+    if flo > fhi or (flo == fhi and is_open):
+        raise RequestLayoutError(f"{where}: no value passes low={low!r}, high={high!r}")
+    return flo, fhi, is_open, _rule(low, high, is_open, finite)
+
+
+def _rule(low: Any, high: Any, is_open: bool, finite: bool) -> str:
+    """The bounds as a message says them: ">= -1", "in (0, 1]", "finite"."""
+    if low is not None and high is not None:
+        bounds = f"in {'(' if is_open else '['}{low}, {high}]"
+    elif low is not None:
+        bounds = f"{'>' if is_open else '>='} {low}"
+    elif high is not None:
+        bounds = f"<= {high}"
+    else:
+        return "finite"
+    return f"finite and {bounds}" if finite else bounds
 
 
 def _input(name: str, what: str, value: object) -> None:

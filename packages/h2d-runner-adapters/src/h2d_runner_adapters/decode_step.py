@@ -10,10 +10,12 @@ lengths, KV prefix and block tables), combines their groups into one publication
 The adapter is plain Python on the public API. The per-token work (positions, KV slots,
 context lengths, the KV and query prefixes) is one :class:`block_tables.RequestLayout`
 pass over the prepared table, compiled when the block-tables wheel is built; the
-sampling and token columns are a few numpy copies; every count goes in one
+sampling and token columns are copied by the same pass, which checks their values
+first (see :func:`~h2d_runner_adapters.token_step.step_columns`); every count goes in one
 :class:`h2d_core.CountBatch` store. The batch and its block-table rows are checked before
-any source is written, so a rejected batch (a specific :class:`h2d_core.CountError` or
-:class:`block_tables.BlockTableError`) changes nothing.
+any source is written, so a rejected batch (a specific :class:`h2d_core.CountError`, e.g.
+:class:`~h2d_runner_adapters.checks.AdapterInputError` naming the request and the column,
+or :class:`block_tables.BlockTableError`) changes nothing.
 
 Padding and first consumers are those of the composed adapters: ``plan.tokens`` feeds
 ``tokens.assemble``, ``plan.decode`` feeds ``decode.generate_kv_indices`` and
@@ -25,10 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from block_tables import RequestLayout, RequestLayoutError
+import numpy as np
+
+from block_tables import RequestLayout, RequestLayoutError, request_layout
 from h2d_core import (
     CountBatch,
-    CountError,
     DeclarationError,
     H2DBuffer,
     H2DRunnerState,
@@ -36,7 +39,7 @@ from h2d_core import (
 )
 
 from .batch import ScheduledBatch
-from .consumers import GREEDY_TEMPERATURE
+from .checks import AdapterInputError
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs, select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import (
@@ -47,6 +50,7 @@ from .token_inputs import (
     TokenPlan,
     _padded,
 )
+from .token_step import step_columns
 
 DECODE_STEP = "decode_step"
 _new = tuple.__new__
@@ -156,7 +160,8 @@ class DecodeStepInputs:
     @property
     def native(self) -> bool:
         """Whether the compiled request layout runs (else its interpreted source)."""
-        return self._layout_class is RequestLayout
+        # (with H2D_NATIVE=0 or no build, RequestLayout is the interpreted class itself)
+        return self._layout_class is not request_layout.INTERPRETED
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE)
     def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodeStepPlan:
@@ -184,7 +189,7 @@ class DecodeStepInputs:
                 layout.plan(cols.query_lens, cols.context_lens, -1, layout.num_tokens,
                             values)
         except RequestLayoutError as exc:
-            raise CountError(str(exc)) from exc
+            raise AdapterInputError(str(exc)) from exc
         n, p, t, pt = layout.num_reqs, layout.padded_reqs, layout.num_tokens, layout.padded_tokens
         q = layout.max_query_len or 1
         decode = self.decode
@@ -209,14 +214,21 @@ class DecodeStepInputs:
         ))
 
     def _bind(self) -> None:
-        s, t = self.sampling, self.tokens
-        self._layouts = self.decode.request_layouts(
-            self.group, cu_query=(t.cu_seqlens_q, t.decode_cu), native=self._native_choice,
-            # sampling runs eagerly on real rows: no graph padding
-            columns=[(s.temperatures, False, None, GREEDY_TEMPERATURE),
-                     (s.top_ks, False, None, None), (s.top_ps, False, None, None),
-                     (t.decode_src, False, -1, None), (t.input_ids, True, 0, None),
-                     (None, False, None, None)])  # num_drafts: checked and summed
+        s, t, d = self.sampling, self.tokens, self.decode
+        # the decode adapter's own layouts over the same sources, plus the token step's
+        # columns (named and bounded: MhaDecodeInputs.request_layouts takes neither)
+        snapshots = d.tables.snapshots
+        self._layouts = []
+        for slot in range(self.h2d_state.num_slots):
+            def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
+                return b.source(slot).numpy()
+            self._layouts.append(self._layout_class(
+                self.group, d.page_size, snapshots[slot].storage,
+                np.zeros(d.context_lens.spec.capacity, dtype=np.int32),
+                positions=src(d.positions), slot_mapping=src(d.slot_mapping),
+                context_lens=src(d.context_lens), kv_page_indptr=src(d.kv_indptr),
+                cu_query=(src(t.cu_seqlens_q), src(t.decode_cu)),
+                columns=step_columns(s, t, slot)))
         self._counts = self.h2d_state.count_batch(self._counted_members(),
                                                   native=self._native_choice)
 

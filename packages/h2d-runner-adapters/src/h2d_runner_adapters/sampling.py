@@ -8,10 +8,15 @@ filters are uploaded. The sampler corrects greedy rows on the GPU: no ``.item()`
 
 Padding: the sampler runs eagerly on real rows only, so these members carry no graph
 padding (count = real requests).
+
+Values (checked every step before any source is written; a refusal raises
+:class:`~h2d_runner_adapters.checks.AdapterInputError` naming the request and the column):
+temperatures finite, ``top_k >= -1`` (-1 and 0 both mean "off"), ``top_p`` in (0, 1].
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -20,6 +25,7 @@ import torch
 from h2d_core import H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
+from .checks import AdapterInputError
 from .consumers import GREEDY_TEMPERATURE, sample_tokens
 
 SAMPLING = "sampling"
@@ -34,6 +40,31 @@ class SamplingPlan(NamedTuple):
     top_p: float | None
     per_request_top_k: bool
     per_request_top_p: bool
+
+
+def refuse_column(group: str, name: str, values: np.ndarray, bad: np.ndarray, rule: str,
+                  what: str = "request") -> None:
+    """Raise the refusal of column ``name``'s first ``bad`` entry (a mask), worded as the
+    compiled request layout words it."""
+    i = int(np.flatnonzero(bad)[0])
+    shown = str(values[i])  # numpy's shortest form of a float32 ("1.0000001")
+    raise AdapterInputError(f"{group}: {what} {i} has {name}={shown}; {name} must be {rule}")
+
+
+def check_sampling(group: str, cols: BatchColumns) -> None:
+    """The sampling columns' values: finite temperatures, ``top_k >= -1``, ``top_p`` in
+    (0, 1]. A few reductions (min and max propagate NaN); the search only on a refusal."""
+    if not cols.temperatures.size:
+        return
+    t = cols.temperatures
+    if not (math.isfinite(t.min()) and math.isfinite(t.max())):
+        refuse_column(group, "temperatures", t, ~np.isfinite(t), "finite")
+    k = cols.top_k
+    if k.min() < -1:
+        refuse_column(group, "top_k", k, k < -1, ">= -1")
+    p = cols.top_p
+    if not (p.min() > 0 and p.max() <= 1):
+        refuse_column(group, "top_p", p, ~((p > 0) & (p <= 1)), "in (0, 1]")
 
 
 def _uniform(values: np.ndarray) -> bool:
@@ -53,7 +84,9 @@ class SamplingInputs:
 
     @h2d_producer(SAMPLING)
     def prepare(self, batch: ScheduledBatch) -> SamplingPlan:
-        """Write temperatures (always) and per-request filters (only when they differ)."""
+        """Write temperatures (always) and per-request filters (only when they differ).
+        The batch's request count and values are checked first: a refused batch changes
+        nothing."""
         return self._produce(batch)
 
     def _produce(self, batch: ScheduledBatch) -> SamplingPlan:
@@ -69,6 +102,12 @@ class SamplingInputs:
         """Write the sources (counts are the caller's: temperatures n, each filter n when
         per-request, else omitted)."""
         n = cols.temperatures.size
+        cap = self.temperatures.spec.capacity
+        if n > cap:
+            raise AdapterInputError(
+                f"{SAMPLING}: {n} requests exceed the sampling buffers' max_reqs={cap}; "
+                "split the batch or declare SamplingInputs with a larger max_reqs")
+        check_sampling(SAMPLING, cols)
         np.maximum(cols.temperatures, GREEDY_TEMPERATURE, out=self.temperatures.np[:n])
         top_k: int | None = None
         top_p: float | None = None

@@ -18,6 +18,14 @@ repeat their last real value up to entry ``padded`` (padded requests own no toke
 ``decode_src`` is -1 for padded requests; ``input_ids`` is published up to ``padded * q``
 tokens with 0 for padding tokens. Speculative indices are real rows only (they are read
 after the forward, eagerly).
+
+Every producer checks its whole input before its first write (a refusal raises
+:class:`~h2d_runner_adapters.checks.AdapterInputError`, or the ``CountError`` of a bad
+``padded``, and changes nothing): at most ``max_reqs`` requests (padding included) and
+``max_tokens`` tokens (graph padding included), query lengths >= 0, ``prev_sample_rows >=
+-1``, draft counts >= 0 (and below the query length for the speculative indices). The
+batch's structure (dtypes, one entry per request, one id per query token) is
+:class:`BatchColumns`' own check.
 """
 
 from __future__ import annotations
@@ -30,8 +38,9 @@ import torch
 from h2d_core import CountError, DeclarationError, H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
+from .checks import AdapterInputError
 from .consumers import assemble_token_ids, gather_draft_ids
-from .sampling import SAMPLING
+from .sampling import SAMPLING, refuse_column
 
 TOKEN_IDS = "token_ids"
 QUERY_PREFIX = "query_prefix"
@@ -69,6 +78,8 @@ class TokenInputs:
     ) -> None:
         self.h2d_state = state
         self.max_reqs = max_reqs
+        #: the most tokens a step publishes (graph padding included)
+        self.max_tokens = max_tokens
         buf = state.buffer
         # +1: the draft gather reads input_ids shifted by one token
         self.input_ids = buf("input_ids", (max_tokens + 1,), torch.int32, group=TOKEN_IDS)
@@ -102,11 +113,22 @@ class TokenInputs:
     def _produce_ids(self, batch: ScheduledBatch, padded: int | None) -> TokenPlan:
         cols = batch.columns
         n = cols.query_lens.size
-        p = _padded(TOKEN_IDS, n, padded)
+        p = self._check_requests(TOKEN_IDS, cols, padded)
         t = cols.token_ids.size
         # padding tokens: q per padded request, as the decode metadata pads them
         q = int(cols.query_lens.max()) if n else 1
         pt = t if padded is None else max(t, p * q)
+        if pt > self.max_tokens:
+            raise AdapterInputError(
+                f"{TOKEN_IDS}: {pt} tokens"
+                f"{'' if pt == t else f' ({t} real, padded to {p} requests of {q})'} exceed "
+                f"max_tokens={self.max_tokens}; split the batch or declare a larger max_tokens")
+        if n:
+            prev, drafts = cols.prev_sample_rows, cols.num_drafts
+            if prev.min() < -1:
+                refuse_column(TOKEN_IDS, "prev_sample_rows", prev, prev < -1, ">= -1")
+            if drafts.min() < 0:
+                refuse_column(TOKEN_IDS, "num_drafts", drafts, drafts < 0, ">= 0")
         st = self.h2d_state
         self._fill_ids(cols, n, p, t, pt)
         st.set_count(self.input_ids, pt)
@@ -136,12 +158,26 @@ class TokenInputs:
     def _produce_query_prefix(self, batch: ScheduledBatch, padded: int | None) -> None:
         cols = batch.columns
         n = cols.query_lens.size
-        p = _padded(QUERY_PREFIX, n, padded)
+        p = self._check_requests(QUERY_PREFIX, cols, padded)
         cu = self.cu_seqlens_q.np
         cu[0] = 0
         np.add.accumulate(cols.query_lens, out=cu[1 : n + 1])
         cu[n + 1 : p + 1] = cu[n]
         self.h2d_state.set_count(self.cu_seqlens_q, p + 1)
+
+    def _check_requests(self, group: str, cols: BatchColumns, padded: int | None) -> int:
+        """The published request count (``padded`` or n) after checking it against
+        ``max_reqs`` and the query lengths (>= 0)."""
+        n = cols.query_lens.size
+        p = _padded(group, n, padded)
+        if p > self.max_reqs:
+            raise AdapterInputError(
+                f"{group}: {p} requests{'' if p == n else f' ({n} real, padded)'} exceed "
+                f"max_reqs={self.max_reqs}; split the batch or declare a larger max_reqs")
+        q = cols.query_lens
+        if n and q.min() < 0:
+            refuse_column(group, "query_lens", q, q < 0, ">= 0")
+        return p
 
     @h2d_producer(SPEC_INDICES)
     def prepare_spec_indices(self, batch: ScheduledBatch) -> None:
@@ -174,21 +210,21 @@ class TokenInputs:
         d = cols.num_drafts.astype(np.int64)
         # everything checked before any write: a refused batch changes nothing
         if n > self.max_reqs or d.size != n:
-            raise CountError(
+            raise AdapterInputError(
                 f"{SPEC_INDICES}: {n} requests with {d.size} draft counts; at most "
                 f"max_reqs={self.max_reqs}, one count per request")
         if n:
             bad = np.flatnonzero((d < 0) | (d >= q))
             if bad.size:
                 i = int(bad[0])
-                raise CountError(
+                raise AdapterInputError(
                     f"{SPEC_INDICES}: request {i} verifies {int(d[i])} drafts with "
                     f"{int(q[i])} query tokens; a request verifies 0 <= drafts < its query "
                     "tokens (the last token is the bonus row)")
         total = int(d.sum())
         cap = self.target_logits_indices.spec.capacity
         if total > cap:
-            raise CountError(
+            raise AdapterInputError(
                 f"{SPEC_INDICES}: {total} draft tokens exceed target_logits_indices' "
                 f"capacity {cap} (max_reqs * max_drafts); raise max_drafts")
         starts = np.zeros(n, dtype=np.int64)

@@ -7,6 +7,12 @@ without pages (query prefixes, ids, deferred sources, sampling columns) and one 
 store. It is the token half of a two-group step, e.g. V4.1 decode (``token_inputs`` +
 ``v41_metadata``). Ragged query widths are accepted; with ``padded`` the tokens are padded
 to the graph grid (``padded`` times the widest query).
+
+The layout pass checks every column's values before any write (finite temperatures,
+``top_k >= -1``, ``top_p`` in (0, 1], ``prev_sample_rows >= -1``, ``num_drafts >= 0``;
+see :func:`step_columns`): a refusal raises
+:class:`~h2d_runner_adapters.checks.AdapterInputError` naming the request and the column,
+and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,9 +22,10 @@ from typing import NamedTuple
 import numpy as np
 
 from block_tables import LayoutColumn, RequestLayout, RequestLayoutError
-from h2d_core import CountBatch, CountError, H2DBuffer, H2DRunnerState, h2d_producer
+from h2d_core import CountBatch, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
+from .checks import AdapterInputError
 from .consumers import GREEDY_TEMPERATURE
 from .mha_decode import select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
@@ -33,6 +40,27 @@ from .token_inputs import (
 )
 
 _new = tuple.__new__
+
+
+def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int) -> list[LayoutColumn]:
+    """The fused steps' request-layout columns over ``slot``'s sources, in the order of
+    the values :meth:`TokenStepInputs.prepare` passes, named after the
+    :class:`~h2d_runner_adapters.batch.BatchColumns` fields (what a refusal names), each
+    with the bounds the sampler and token assembly need."""
+    def src(b: H2DBuffer) -> np.ndarray:
+        return b.source(slot).numpy()
+    return [
+        # sampling runs eagerly on real rows: no graph padding
+        LayoutColumn("temperatures", src(sampling.temperatures), pad=None,
+                     minimum=GREEDY_TEMPERATURE, finite=True),
+        LayoutColumn("top_k", src(sampling.top_ks), pad=None, low=-1),  # -1, 0: off
+        LayoutColumn("top_p", src(sampling.top_ps), pad=None, low=0, low_open=True, high=1),
+        LayoutColumn("prev_sample_rows", src(tokens.decode_src), pad=-1, low=-1),
+        # the +1 entry of input_ids is the draft gather's shift, never a step's token
+        LayoutColumn("token_ids", src(tokens.input_ids)[: tokens.max_tokens], per_token=True,
+                     pad=0),
+        LayoutColumn("num_drafts", low=0),  # checked and summed
+    ]
 
 
 class TokenStepPlan(NamedTuple):
@@ -72,21 +100,11 @@ class TokenStepInputs:
     def _bind(self) -> None:
         s, t = self.sampling, self.tokens
         for slot in range(self.h2d_state.num_slots):
-            def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
-                return b.source(slot).numpy()
             self._layouts.append(self._layout_class(
                 self.group, 1, None, None,
-                cu_query=(src(t.cu_seqlens_q), src(t.decode_cu)),
-                columns=[
-                    # sampling runs eagerly on real rows: no graph padding
-                    LayoutColumn("temperatures", src(s.temperatures), pad=None,
-                                 minimum=GREEDY_TEMPERATURE),
-                    LayoutColumn("top_ks", src(s.top_ks), pad=None),
-                    LayoutColumn("top_ps", src(s.top_ps), pad=None),
-                    LayoutColumn("decode_src", src(t.decode_src), pad=-1),
-                    LayoutColumn("input_ids", src(t.input_ids), per_token=True, pad=0),
-                    LayoutColumn("num_drafts"),  # checked and summed
-                ]))
+                cu_query=(t.cu_seqlens_q.source(slot).numpy(),
+                          t.decode_cu.source(slot).numpy()),
+                columns=step_columns(s, t, slot)))
         self._counts = self.h2d_state.count_batch(
             [s.temperatures, s.top_ks, s.top_ps, t.input_ids, t.decode_cu, t.decode_src,
              t.cu_seqlens_q], native=self._native)
@@ -108,7 +126,7 @@ class TokenStepInputs:
                             cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
                             ids, cols.num_drafts))
         except RequestLayoutError as exc:
-            raise CountError(str(exc)) from exc
+            raise AdapterInputError(str(exc)) from exc
         layout.write()
         n, p, t, pt = layout.num_reqs, layout.padded_reqs, layout.num_tokens, layout.padded_tokens
         uniform = layout.uniform_mask
