@@ -87,6 +87,10 @@ def test_outputs_match_the_oracle(cls: Any, batch: tuple[int, list[int], list[in
     t = layout.plan(np.array(q, dtype=np.int32), np.array(c, dtype=np.int32), p, pt)
     assert t == sum(q)
     assert (layout.min_query_len, layout.max_query_len) == ((min(q), max(q)) if q else (0, 0))
+    # Python ints in both modes: the consumers refuse numpy scalars as counts
+    for value in (layout.min_query_len, layout.max_query_len, layout.num_tokens,
+                  layout.padded_tokens, layout.num_reqs, layout.padded_reqs):
+        assert type(value) is int, type(value)
     want = oracle(q, c, page, p, pt, arrays["table"])
     np.testing.assert_array_equal(layout.required_pages, want["required_pages"])
     total = layout.write()

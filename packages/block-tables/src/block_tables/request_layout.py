@@ -497,10 +497,12 @@ class RequestLayout:
         self._total = total
         self._values = values
         self.num_reqs, self.padded_reqs = n, padded_reqs
-        self.num_tokens, self.padded_tokens = t, padded_tokens
+        # int(): interpreted, the lengths read from numpy arrays are numpy scalars, and the
+        # consumers take Python ints (compiled, these are C ints either way)
+        self.num_tokens, self.padded_tokens = int(t), int(padded_tokens)
         self.uniform_mask = mask
-        self.min_query_len = lo
-        self.max_query_len = hi
+        self.min_query_len = int(lo)
+        self.max_query_len = int(hi)
         self._planned = True
         return t
 
