@@ -28,7 +28,7 @@ import torch
 from block_tables import PageTableSnapshot, RequestLayout, RequestLayoutError
 from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
-from .batch import BatchColumns, ScheduledBatch
+from .batch import BatchColumns, PageRow, ScheduledBatch
 from .checks import INT32_MAX, AdapterInputError, bool_mask, describe
 from .consumers import prepare_prefill_attention
 from .mha_decode import select_layout
@@ -182,7 +182,7 @@ class PrefillInputs(PagedInputs):
             st.set_count(self.block_tables, None)
         return PrefillPlan(n, t, stage)
 
-    def _owned(self, owns_slot: Callable[[np.ndarray], np.ndarray], rows: Sequence[object],
+    def _owned(self, owns_slot: Callable[[np.ndarray], np.ndarray], rows: Sequence[PageRow],
                qlens: np.ndarray, ctx: np.ndarray, t: int) -> np.ndarray:
         """``owns_slot``'s mask over this chunk's KV slots, checked (1-D bool, one per
         token) before any source is written: the slots come from the rows prepared into a
