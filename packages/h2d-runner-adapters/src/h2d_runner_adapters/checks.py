@@ -116,3 +116,18 @@ def check_size(group: str, name: str, values: Any, size: int | None, what: str) 
         raise AdapterInputError(
             f"{group}: {name} has {values.size} entries but the batch has {size} {what}s; "
             f"pass one per {what}")
+
+
+def padded_count(group: str, n: int, padded: object, capacity: int | None = None) -> int:
+    """The published request count: ``padded`` (a CUDA-graph size: a Python int in
+    ``[n, capacity]``) or ``n`` when it is None. A refusal raises
+    :class:`AdapterInputError`."""
+    if padded is None:
+        return n
+    if isinstance(padded, bool) or not isinstance(padded, int) or padded < n:
+        raise AdapterInputError(
+            f"{group}: padded={padded!r} must be an int >= the batch's {n} requests (pad up to "
+            "a captured graph size, never down)")
+    if capacity is not None and padded > capacity:
+        raise AdapterInputError(f"{group}: padded={padded} exceeds max_reqs={capacity}")
+    return padded

@@ -39,7 +39,7 @@ from h2d_core import (
 )
 
 from .batch import ScheduledBatch
-from .checks import AdapterInputError
+from .checks import AdapterInputError, padded_count
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs, select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import (
@@ -48,7 +48,6 @@ from .token_inputs import (
     TOKEN_IDS,
     TokenInputs,
     TokenPlan,
-    _padded,
 )
 from .token_step import step_columns
 
@@ -176,7 +175,7 @@ class DecodeStepInputs:
             self._bind()
         layout = self._layouts[self.h2d_state.current_slot]
         if padded is not None:
-            padded = _padded(DECODE_STEP, len(cols.query_lens), padded)
+            padded = padded_count(DECODE_STEP, len(cols.query_lens), padded)
         values = (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
                   cols.token_ids, cols.num_drafts)
         try:

@@ -38,9 +38,8 @@ import torch
 
 from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
 
-from .checks import INT32_MAX, AdapterInputError, describe
+from .checks import INT32_MAX, AdapterInputError, describe, padded_count
 from .consumers.gdn_states import gather_gdn_states
-from .paged import padded_count
 
 GDN_STATE = "gdn_state"
 

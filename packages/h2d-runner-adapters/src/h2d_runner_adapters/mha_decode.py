@@ -49,11 +49,11 @@ from block_tables.native import select
 from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
-from .checks import AdapterInputError, int_value
+from .checks import AdapterInputError, int_value, padded_count
 from .consumers import generate_kv_indices
 from .consumers.mrope import select_mrope_positions
 from .mrope import check_deltas, declare_mrope, mrope_planes, write_decode_planes
-from .paged import PagedInputs, padded_count
+from .paged import PagedInputs
 
 MHA_DECODE = "mha_decode"
 

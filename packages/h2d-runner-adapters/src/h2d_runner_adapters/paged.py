@@ -1,30 +1,11 @@
 """What the attention adapters share: a block table published through its page-map state
-(token positions and KV slots come from :class:`block_tables.RequestLayout` over it), and
-the check of a step's graph padding (:func:`padded_count`, also used by the GDN state
-indices)."""
+(token positions and KV slots come from :class:`block_tables.RequestLayout` over it)."""
 
 from __future__ import annotations
 
 import torch
 
 from h2d_core import BlockTableState, H2DRunnerState, block_table_state
-
-from .checks import AdapterInputError
-
-
-def padded_count(group: str, n: int, padded: object, capacity: int | None = None) -> int:
-    """The published request count: ``padded`` (a CUDA-graph size: a Python int in
-    ``[n, capacity]``) or ``n`` when it is None. A refusal raises
-    :class:`AdapterInputError` (the same rule as the token inputs' padding)."""
-    if padded is None:
-        return n
-    if isinstance(padded, bool) or not isinstance(padded, int) or padded < n:
-        raise AdapterInputError(
-            f"{group}: padded={padded!r} must be an int >= the batch's {n} requests (pad up to "
-            "a captured graph size, never down)")
-    if capacity is not None and padded > capacity:
-        raise AdapterInputError(f"{group}: padded={padded} exceeds max_reqs={capacity}")
-    return padded
 
 
 class PagedInputs:

@@ -35,10 +35,10 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from h2d_core import CountError, DeclarationError, H2DRunnerState, h2d_producer
+from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
-from .checks import AdapterInputError
+from .checks import AdapterInputError, padded_count
 from .consumers import assemble_token_ids, gather_draft_ids
 from .sampling import SAMPLING, refuse_column
 
@@ -48,18 +48,6 @@ SPEC_INDICES = "spec_indices"
 #: the producer groups of the token inputs, in the order a combined group lists them
 TOKEN_PRODUCERS = (SAMPLING, TOKEN_IDS, QUERY_PREFIX)
 TOKEN_INPUTS = "token_inputs"
-
-
-def _padded(group: str, n: int, padded: int | None) -> int:
-    """The published request count: ``padded`` (a CUDA-graph size) or ``n``."""
-    if padded is None:
-        return n
-    if isinstance(padded, bool) or not isinstance(padded, int) or padded < n:
-        raise CountError(
-            f"{group}: padded={padded!r} must be an int >= the batch's {n} requests (pad up to "
-            "a captured graph size, never down)"
-        )
-    return padded
 
 
 class TokenPlan(NamedTuple):
@@ -169,7 +157,7 @@ class TokenInputs:
         """The published request count (``padded`` or n) after checking it against
         ``max_reqs`` and the query lengths (>= 0)."""
         n = cols.query_lens.size
-        p = _padded(group, n, padded)
+        p = padded_count(group, n, padded)
         if p > self.max_reqs:
             raise AdapterInputError(
                 f"{group}: {p} requests{'' if p == n else f' ({n} real, padded)'} exceed "

@@ -25,7 +25,7 @@ from block_tables import LayoutColumn, RequestLayout, RequestLayoutError
 from h2d_core import CountBatch, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
-from .checks import AdapterInputError
+from .checks import AdapterInputError, padded_count
 from .consumers import GREEDY_TEMPERATURE
 from .mha_decode import select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
@@ -36,7 +36,6 @@ from .token_inputs import (
     TOKEN_INPUTS,
     TokenInputs,
     TokenPlan,
-    _padded,
 )
 
 _new = tuple.__new__
@@ -119,7 +118,7 @@ class TokenStepInputs:
         layout = self._layouts[self.h2d_state.current_slot]
         ids = cols.token_ids
         if padded is not None:
-            padded = _padded(self.group, len(cols.query_lens), padded)
+            padded = padded_count(self.group, len(cols.query_lens), padded)
         try:
             layout.plan(cols.query_lens, cols.context_lens, -1 if padded is None else padded,
                         len(ids) if padded is None else -1, (

@@ -64,7 +64,7 @@ from .checks import (
     check_size,
     describe,
     int_array,
-    int_value,
+    padded_count,
 )
 from .consumers import (
     DecodeWindowIndices,
@@ -401,11 +401,7 @@ class V41MetadataInputs(PagedInputs):
         cols, slots_proof = self._span_columns(spans)
         n = cols.query_lens.size
         if padded is not None:
-            padded = int_value(self.group, "padded", padded, lo=0)
-            if padded < n:
-                raise AdapterInputError(
-                    f"{self.group}: padded={padded} is below the batch's {n} requests; pad up "
-                    "to a captured graph size, never down")
+            padded = padded_count(self.group, n, padded)
         st = self.h2d_state
         slot = st.current_slot
         keys = self._check_rows(block_tables, n, slot)
