@@ -27,8 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
-
 from block_tables import RequestLayout, RequestLayoutError, request_layout
 from h2d_core import (
     CountBatch,
@@ -213,21 +211,9 @@ class DecodeStepInputs:
         ))
 
     def _bind(self) -> None:
-        s, t, d = self.sampling, self.tokens, self.decode
-        # the decode adapter's own layouts over the same sources, plus the token step's
-        # columns (named and bounded: MhaDecodeInputs.request_layouts takes neither)
-        snapshots = d.tables.snapshots
-        self._layouts = []
-        for slot in range(self.h2d_state.num_slots):
-            def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
-                return b.source(slot).numpy()
-            self._layouts.append(self._layout_class(
-                self.group, d.page_size, snapshots[slot].storage,
-                np.zeros(d.context_lens.spec.capacity, dtype=np.int32),
-                positions=src(d.positions), slot_mapping=src(d.slot_mapping),
-                context_lens=src(d.context_lens), kv_page_indptr=src(d.kv_indptr),
-                cu_query=(src(t.cu_seqlens_q), src(t.decode_cu)),
-                columns=step_columns(s, t, slot)))
+        s, t = self.sampling, self.tokens
+        self._layouts = self.decode.request_layouts(
+            self.group, cu_query=(t.cu_seqlens_q, t.decode_cu), native=self._native_choice,
+            columns=lambda slot: step_columns(s, t, slot))
         self._counts = self.h2d_state.count_batch(self._counted_members(),
                                                   native=self._native_choice)
-

@@ -32,7 +32,7 @@ checked with the batch before any source is written.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -131,15 +131,15 @@ class MhaDecodeInputs(PagedInputs):
         name: str,
         *,
         cu_query: tuple[H2DBuffer, ...] = (),
-        columns: Sequence[tuple[H2DBuffer | None, bool, float | None, float | None]] = (),
+        columns: Callable[[int], Sequence[LayoutColumn]] | None = None,
         native: bool | None = None,
     ) -> list[RequestLayout]:
         """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
         (positions, KV slots, context lengths, KV prefix), reading the slot's prepared
-        table; plus the query prefix into each ``cu_query`` buffer and one column per
-        ``(buffer, per_token, pad, minimum)`` (buffer None: an int32 column checked and
-        summed only). After ``bind()``; ``native`` as for the
-        snapshots (None: the compiled class when built, False: the interpreted one)."""
+        table; plus the query prefix into each ``cu_query`` buffer and the columns
+        ``columns(slot)`` gives over that slot's sources (a fused step's sampling and
+        token columns). After ``bind()``; ``native`` as for the snapshots (None: the
+        compiled class when built, False: the interpreted one)."""
         cls = select_layout(native, name)
         snapshots = self.tables.snapshots
         out = []
@@ -152,9 +152,7 @@ class MhaDecodeInputs(PagedInputs):
                 positions=src[0], slot_mapping=src[1], context_lens=src[2],
                 kv_page_indptr=src[3],
                 cu_query=tuple(b.source(slot).numpy() for b in cu_query),
-                columns=[LayoutColumn(f"column {k}", None, per_token) if b is None else
-                         LayoutColumn(b.name, b.source(slot).numpy(), per_token, pad, low)
-                         for k, (b, per_token, pad, low) in enumerate(columns)]))
+                columns=() if columns is None else columns(slot)))
         return out
 
     def _prepare(self, batch: ScheduledBatch, padded: int | None,
