@@ -32,6 +32,7 @@ from h2d_runner_adapters.batch import (
     ScheduledBatch,
     ScheduledRequest,
 )
+from h2d_runner_adapters.checks import AdapterInputError
 from h2d_runner_adapters.consumers import (
     GREEDY_TEMPERATURE,
     ConsumerArgumentError,
@@ -91,6 +92,7 @@ __all__ = [
     "TOKEN_INPUTS",
     "V4_BLOCK",
     "V41_METADATA",
+    "AdapterInputError",
     "BatchColumns",
     "ConsumerArgumentError",
     "ConsumerDeviceError",
