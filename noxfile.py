@@ -8,6 +8,7 @@
     nox -s stress         the state machines at 10,000 random sequences each (CPU, ~1 h)
     nox -s sanitize       the compiled core's suites under ASan + UBSan (gcc, CPU)
     nox -s lint           ruff + mypy
+    nox -s instructions   callgrind instructions per step of every family vs the budgets
 
 Packages are discovered from ``packages/*/pyproject.toml``; a new package needs no edit
 here. Local packages are installed with ``--no-deps`` after the pinned third-party
@@ -167,6 +168,16 @@ def bench(session: nox.Session) -> None:
     session.install(TORCH, TRITON, "numpy", "matplotlib")
     _install_local(session, PACKAGES)
     session.run("python", "benchmarks/decode_bench.py", *session.posargs)
+
+
+@nox.session
+def instructions(session: nox.Session) -> None:
+    """Callgrind instructions per steady step of every family against
+    benchmarks/instruction_budgets.json (needs valgrind and a C compiler)."""
+    session.install(TORCH, TRITON, "numpy")
+    _install_local(session, PACKAGES)
+    session.run("python", "benchmarks/instructions.py", "--check", *session.posargs,
+                env=NATIVE)
 
 
 @nox.session

@@ -1,0 +1,561 @@
+"""The host cost of a steady step as a deterministic count: callgrind instructions per step.
+
+What is counted, per family, on CPU (``device="cpu"``, ``scatter="reference"``, two slots,
+``backend="packed"``): one steady decode step from ``state.begin()`` through the family's
+producer calls to ``state.finish()``. ``state.publish`` runs every step, so the block
+table's published record moves as in an engine and the next stage sends only the changed
+rows, but **publish is not counted**: callgrind's collection is toggled off around it
+(issue 24's figure is begin + prepare + finish).
+
+* ``mha``: ``DecodeStepInputs.prepare`` at bs=64, 128K-token contexts, 16-token pages,
+  1/16 of the rows append a page each step (``steady_decode_batches``, built as
+  ``benchmarks/step_targets.py`` builds it);
+* ``v41``: ``TokenStepInputs.prepare`` + ``V41MetadataInputs.begin_step`` at bs=64, 128K
+  contexts (``benchmarks/v41_step.py``'s batches); both groups published, not counted;
+* ``mtp``: ``DecodeStepInputs(max_drafts=1).prepare`` + ``tokens.prepare_spec_indices`` at
+  bs=64, 32K contexts, k=1 verify steps (``benchmarks/mtp_step.py``'s batches).
+
+How: each run is a child Python process under ``valgrind --tool=callgrind
+--instr-atstart=no``, so the torch import and the setup run uninstrumented (about 5x
+faster than instrumented). The child builds the state, steps ``--warmup`` steps, builds
+``--n2`` batches (the same batches in every run), then ``gc.collect(); gc.freeze()`` (as
+engines do after warm-up: a full collection then never walks torch's objects). Through
+callgrind's client requests (a 4-function C helper compiled here against
+``valgrind/callgrind.h``, called through ctypes) it starts instrumentation, steps ``n`` of
+the batches (dump ``steps``), then loops ``n`` times over the same list doing only the two
+toggles (dump ``calibration``: the parts of the toggles' ctypes calls that are counted, and
+the loop itself), and stops. A run's figure is steps - calibration; the family's figure is
+the difference of a run of ``--n2`` steps and one of ``--n1`` steps over ``n2 - n1``, which
+cancels everything that is not a step. The environment is fixed for determinism:
+``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` = 1,
+``torch.set_num_threads(1)``, ``PYTHONHASHSEED=0``, ``H2D_NATIVE=1``. CPU load does not
+change the count: repeated measurements (alone and two at once) gave identical figures for
+``mha`` and ``mtp`` and figures within 20 instructions per step for ``v41``; the check
+uses the largest of the ``--repeat`` figures. The count depends on the interpreter,
+numpy, torch and the compiler that built the helpers; the budget file records the first
+three, and the check names both environments when a family fails.
+
+``--check`` compares each measured family with ``benchmarks/instruction_budgets.json`` and
+exits 1 naming every family more than the file's tolerance (15%) over its budget.
+``--write-budgets`` writes the measured figures there (other families' entries stay).
+``--results FILE`` reads a previous ``--out`` JSON instead of measuring.
+``H2D_INSTR_EXTRA_WORK=N`` (environment) adds a Python loop of ``N`` iterations to every
+counted step: a costlier step, to see the check fail; it is refused with
+``--write-budgets``.
+
+    python benchmarks/instructions.py [--families mha,v41,mtp] [--n1 20] [--n2 120]
+        [--warmup 50] [--repeat 2] [--jobs 1] [--check | --write-budgets]
+        [--budgets FILE] [--results FILE] [--out DIR]
+
+Needs ``valgrind`` and a C compiler (``$CC`` or ``cc``) with valgrind's headers (Debian's
+``valgrind`` package ships them; Fedora's ``valgrind-devel``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+BUDGETS = HERE / "instruction_budgets.json"
+FAMILIES = ("mha", "v41", "mtp")
+BS = 64
+WHAT = ("callgrind instructions (Ir) per steady step on CPU: state.begin() + the family's "
+        "producer calls + state.finish(); state.publish runs every step but is not counted")
+#: what the child process runs under: fixed thread counts and hashing
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+             "PYTHONHASHSEED": "0", "H2D_NATIVE": "1"}
+EXTRA_WORK = "H2D_INSTR_EXTRA_WORK"
+HELPER_C = r"""
+#include <valgrind/callgrind.h>
+void h2d_cg_start(void) { CALLGRIND_START_INSTRUMENTATION; }
+void h2d_cg_toggle(void) { CALLGRIND_TOGGLE_COLLECT; }
+void h2d_cg_dump(const char *label) { CALLGRIND_DUMP_STATS_AT(label); }
+void h2d_cg_stop(void) { CALLGRIND_STOP_INSTRUMENTATION; }
+"""
+
+
+class MeasureError(RuntimeError):
+    """A measurement could not be made (tool missing, child failed, output unreadable)."""
+
+
+# --------------------------------------------------------------------------- child side
+@dataclass
+class Setup:
+    """A family ready to step: ``loop(work, off, on)`` steps each item of ``work``, calling
+    ``off()`` before and ``on()`` after the uncounted publications; ``counters()`` gives
+    each publication group's counters afterwards."""
+
+    loop: Callable[[Sequence[Any], Callable[[], None], Callable[[], None]], None]
+    warm: list[Any]
+    work: list[Any]
+    counters: Callable[[], dict[str, dict[str, int]]]
+
+
+def _costlier(fn: Callable[..., Any], iterations: int) -> Callable[..., Any]:
+    """``fn`` behind ``iterations`` of Python work (the ``H2D_INSTR_EXTRA_WORK`` hook)."""
+    if iterations <= 0:
+        return fn
+
+    def costlier(*args: Any, **kwargs: Any) -> Any:
+        x = 0
+        for i in range(iterations):
+            x += i
+        return fn(*args, **kwargs)
+
+    return costlier
+
+
+def _counters(state: Any, groups: Sequence[str]) -> Callable[[], dict[str, dict[str, int]]]:
+    def read() -> dict[str, dict[str, int]]:
+        out = {}
+        for g in groups:
+            c = state.counters(g)
+            out[g] = {"publications": c.publications, "dmas": c.dmas, "scatters": c.scatters,
+                      "direct_copies": c.direct_copies}
+        return out
+
+    return read
+
+
+def _state() -> Any:
+    from h2d_core import H2DRunnerState
+
+    return H2DRunnerState("cpu", backend="packed", num_slots=2, scatter="reference")
+
+
+def _setup_mha(warmup: int, built: int, extra: int) -> Setup:
+    from decode_runner.scheduler import steady_decode_batches
+    from step_targets import PAGE, WINDOW
+
+    from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
+
+    context = 131072
+    if warmup + built >= WINDOW:
+        # step WINDOW restarts every row (a fully replaced batch): not a steady step
+        raise MeasureError(f"mha: warm-up + n2 must stay under {WINDOW} steps, got "
+                           f"{warmup} + {built}")
+    per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
+    state = _state()
+    step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
+                            page_size=PAGE)
+    state.bind()
+    batches = steady_decode_batches(BS, context, PAGE, window=WINDOW)
+    warm = [next(batches) for _ in range(warmup)]
+    work = [next(batches) for _ in range(built)]
+    for b in (*warm, *work):
+        b.columns, b.block_tables  # noqa: B018  (both are built lazily: build them now)
+    begin, finish, publish = state.begin, state.finish, state.publish
+    prepare = _costlier(step.prepare, extra)
+
+    def loop(items: Sequence[Any], off: Callable[[], None], on: Callable[[], None]) -> None:
+        for b in items:
+            begin()
+            prepare(b)
+            off()
+            publish(DECODE_STEP)
+            on()
+            finish()
+
+    return Setup(loop, warm, work, _counters(state, [DECODE_STEP]))
+
+
+def _setup_v41(warmup: int, built: int, extra: int) -> Setup:
+    import numpy as np
+    from v41_step import ENVELOPE, TOPK, WINDOW, Batches
+
+    from h2d_runner_adapters import (
+        TOKEN_INPUTS,
+        V4_BLOCK,
+        V41_METADATA,
+        BatchColumns,
+        ScheduledBatch,
+        TokenStepInputs,
+        V41MetadataInputs,
+    )
+
+    context = 131072
+    blocks = -(-(context + 8192) // V4_BLOCK)  # room for 8192 steps
+    state = _state()
+    tokens = TokenStepInputs(state, max_reqs=BS, max_tokens=BS)
+    v4 = V41MetadataInputs(state, max_reqs=BS, max_tokens=BS, max_blocks_per_req=blocks,
+                           dummy_state_slot=BS, dummy_block=0, window=WINDOW,
+                           index_topk=TOPK, fp8=True, envelope_rows=ENVELOPE)
+    state.bind()
+    n = BS
+    columns = BatchColumns(
+        query_lens=np.ones(n, np.int32), context_lens=np.full(n, context, np.int32),
+        temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
+        top_p=np.ones(n, np.float32), prev_sample_rows=np.arange(n, dtype=np.int32),
+        token_ids=np.zeros(n, np.int32), num_drafts=np.zeros(n, np.int32))
+    batch = ScheduledBatch((), False, V4_BLOCK, given_columns=columns)
+    batches = Batches(BS, context)
+    warm = [batches.step()[:2] for _ in range(warmup)]
+    work = [batches.step()[:2] for _ in range(built)]
+    begin, finish, publish = state.begin, state.finish, state.publish
+    prepare, begin_step = _costlier(tokens.prepare, extra), v4.begin_step
+
+    def loop(items: Sequence[Any], off: Callable[[], None], on: Callable[[], None]) -> None:
+        for item in items:
+            spans, rows = item
+            begin()
+            prepare(batch)
+            begin_step(spans, block_tables=rows)
+            off()
+            publish(TOKEN_INPUTS)
+            publish(V41_METADATA)
+            on()
+            finish()
+
+    return Setup(loop, warm, work, _counters(state, [TOKEN_INPUTS, V41_METADATA]))
+
+
+def _setup_mtp(warmup: int, built: int, extra: int) -> Setup:
+    from mtp_step import PAGE, Batches
+
+    from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
+
+    context, k = 32768, 1
+    per_row = -(-(context + 200 * (k + 1) + 4 * k + 64) // PAGE)
+    state = _state()
+    step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS * (k + 1),
+                            max_pages_per_req=per_row, page_size=PAGE, max_drafts=k)
+    state.bind()
+    batches = Batches(BS, context, k)
+    warm = [batches.step()[0] for _ in range(warmup)]
+    work = [batches.step()[0] for _ in range(built)]
+    for b in (*warm, *work):
+        b.columns, b.block_tables  # noqa: B018
+    begin, finish, publish = state.begin, state.finish, state.publish
+    prepare, spec = _costlier(step.prepare, extra), step.tokens.prepare_spec_indices
+
+    def loop(items: Sequence[Any], off: Callable[[], None], on: Callable[[], None]) -> None:
+        for b in items:
+            begin()
+            prepare(b)
+            spec(b)
+            off()
+            publish(DECODE_STEP)
+            on()
+            finish()
+
+    return Setup(loop, warm, work, _counters(state, [DECODE_STEP]))
+
+
+SETUPS: dict[str, Callable[[int, int, int], Setup]] = {
+    "mha": _setup_mha, "v41": _setup_v41, "mtp": _setup_mtp}
+
+
+def _nothing() -> None:
+    pass
+
+
+def child(family: str, steps: int, built: int, warmup: int, helper: Path) -> None:
+    """Run inside callgrind: set up, warm up, then count ``steps`` steps and the
+    calibration loop as two dumps. Prints the groups' counters as one JSON line."""
+    import ctypes
+
+    from repo_paths import use_sources
+
+    use_sources()
+    import torch
+
+    torch.set_num_threads(1)
+    lib = ctypes.CDLL(str(helper))
+    for name in ("h2d_cg_start", "h2d_cg_toggle", "h2d_cg_stop"):
+        getattr(lib, name).restype, getattr(lib, name).argtypes = None, []
+    lib.h2d_cg_dump.restype, lib.h2d_cg_dump.argtypes = None, [ctypes.c_char_p]
+    toggle = lib.h2d_cg_toggle
+
+    setup = SETUPS[family](warmup, built, int(os.environ.get(EXTRA_WORK, "0")))
+    setup.loop(setup.warm, _nothing, _nothing)
+    items = setup.work[:steps]
+    gc.collect()
+    gc.freeze()
+    lib.h2d_cg_start()
+    lib.h2d_cg_dump(b"start")
+    setup.loop(items, toggle, toggle)
+    lib.h2d_cg_dump(b"steps")
+    for _ in items:
+        toggle()
+        toggle()
+    lib.h2d_cg_dump(b"calibration")
+    lib.h2d_cg_stop()
+    print(json.dumps({"counters": setup.counters()}))
+
+
+# --------------------------------------------------------------------------- parent side
+def build_helper(folder: Path) -> Path:
+    """Compile the client-request helper into ``folder``; raise MeasureError saying what
+    is missing when it cannot be built."""
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None:
+        raise MeasureError(f"no C compiler {cc!r} on PATH: install gcc (or set CC)")
+    source, lib = folder / "h2d_callgrind.c", folder / "h2d_callgrind.so"
+    source.write_text(HELPER_C)
+    proc = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(lib), str(source)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise MeasureError(
+            "cannot build the callgrind client-request helper (needs valgrind/callgrind.h: "
+            f"Debian's valgrind package, Fedora's valgrind-devel): {proc.stderr.strip()}")
+    return lib
+
+
+def missing_tools() -> str | None:
+    """Why nothing can be measured here (valgrind, compiler or headers missing), or None."""
+    if shutil.which("valgrind") is None:
+        return "valgrind is not on PATH (Debian: apt-get install valgrind)"
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            build_helper(Path(folder))
+        except MeasureError as exc:
+            return str(exc)
+    return None
+
+
+def read_parts(out_file: Path) -> dict[str, int]:
+    """Ir totals of the labelled dumps of one callgrind run (``out_file``.1, .2, ...)."""
+    parts: dict[str, int] = {}
+    for path in out_file.parent.glob(out_file.name + ".*"):
+        label, total = None, None
+        with path.open() as f:
+            for line in f:
+                if line.startswith("desc: Trigger: Client Request: "):
+                    label = line.split(":", 3)[3].strip()
+                elif line.startswith("summary:"):
+                    total = int(line.split()[1])
+                    break
+        if label is not None and total is not None:
+            parts[label] = total
+    missing = {"steps", "calibration"} - set(parts)
+    if missing:
+        raise MeasureError(f"callgrind output {out_file}.*: no dump labelled {sorted(missing)}")
+    return parts
+
+
+def run_child(family: str, steps: int, args: argparse.Namespace, helper: Path,
+              folder: Path, tag: str) -> dict[str, Any]:
+    """One callgrind run of ``steps`` counted steps: its dumps and the child's counters."""
+    out_file = folder / f"{family}.{tag}.n{steps}.callgrind"
+    for stale in folder.glob(out_file.name + "*"):
+        stale.unlink()
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+           f"--callgrind-out-file={out_file}", sys.executable, str(Path(__file__).resolve()),
+           "--child", family, "--steps", str(steps), "--built", str(args.n2),
+           "--warmup", str(args.warmup), "--helper", str(helper)]
+    proc = subprocess.run(cmd, env={**os.environ, **CHILD_ENV}, capture_output=True,
+                          text=True, cwd=HERE)
+    if proc.returncode != 0:
+        raise MeasureError(f"{family} (n={steps}) failed under callgrind, exit "
+                           f"{proc.returncode}:\n{proc.stderr[-3000:]}")
+    parts = read_parts(out_file)
+    lines = proc.stdout.strip().splitlines()
+    if not lines:
+        raise MeasureError(f"{family} (n={steps}): the child printed no counters")
+    counters = json.loads(lines[-1])["counters"]
+    for group, c in counters.items():
+        if c["publications"] != args.warmup + steps:
+            raise MeasureError(f"{family}: group {group!r} published {c['publications']} "
+                               f"times, expected {args.warmup + steps}")
+    return {"steps": steps, "steps_ir": parts["steps"], "calibration_ir": parts["calibration"],
+            "counters": counters}
+
+
+def measure(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Every requested family, ``--repeat`` times: figures and the runs behind them."""
+    helper = build_helper(folder)
+    tasks = [(f, r, n) for f in args.families for r in range(args.repeat)
+             for n in (args.n1, args.n2)]
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {t: pool.submit(run_child, t[0], t[2], args, helper, folder, f"r{t[1]}")
+                   for t in tasks}
+        runs = {t: fut.result() for t, fut in futures.items()}
+    families = {}
+    for f in args.families:
+        figures, repeats = [], []
+        for r in range(args.repeat):
+            a, b = runs[(f, r, args.n1)], runs[(f, r, args.n2)]
+            net = [x["steps_ir"] - x["calibration_ir"] for x in (a, b)]
+            figures.append(round((net[1] - net[0]) / (args.n2 - args.n1), 1))
+            repeats.append({"runs": [a, b]})
+        families[f] = {"per_step": max(figures), "repeats": figures,
+                       "spread": round(max(figures) - min(figures), 1), "detail": repeats}
+    return {"what": WHAT, "settings": settings(args), "environment": environment(),
+            "families": families}
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"n1": args.n1, "n2": args.n2, "warmup": args.warmup, "bs": BS,
+            "extra_work": int(os.environ.get(EXTRA_WORK, "0"))}
+
+
+def environment() -> dict[str, str]:
+    """What the count depends on besides the code: interpreter, libraries, valgrind."""
+    def version(dist: str) -> str:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    vg = subprocess.run(["valgrind", "--version"], capture_output=True, text=True)
+    return {"python": f"{platform.python_implementation()} {platform.python_version()}",
+            "numpy": version("numpy"), "torch": version("torch"),
+            "valgrind": vg.stdout.strip() if vg.returncode == 0 else "missing",
+            "machine": platform.machine()}
+
+
+def _limit(budget: int, tolerance: float) -> float:
+    # rounded: 100,000 * 1.15 is 114,999.99999999999 in binary floating point
+    return round(budget * (1 + tolerance), 6)
+
+
+def check(results: dict[str, Any], budgets: dict[str, Any], path: Path) -> list[str]:
+    """One message per measured family over its budget by more than the tolerance (or
+    without a budget)."""
+    tolerance = float(budgets["tolerance"])
+    failures = []
+    for family, res in results["families"].items():
+        entry = budgets["families"].get(family)
+        if entry is None:
+            failures.append(f"family {family!r}: no budget in {path}; measure it and run "
+                            "--write-budgets")
+            continue
+        budget, figure = int(entry["budget"]), float(res["per_step"])
+        limit = _limit(budget, tolerance)
+        if figure > limit:
+            note = ""
+            if entry.get("environment") != results.get("environment"):
+                note = (f" (the budget was measured with {entry.get('environment')}, this "
+                        f"run with {results.get('environment')})")
+            failures.append(
+                f"family {family!r}: {figure:,.0f} instructions per step is more than "
+                f"{tolerance:.0%} over its budget of {budget:,} (limit {limit:,.0f}){note}. "
+                "Find what the step gained (callgrind_annotate the 'steps' dumps under "
+                "--out DIR); if the cost is intended, run --write-budgets and commit "
+                f"{path.name}")
+    return failures
+
+
+def write_budgets(results: dict[str, Any], path: Path) -> None:
+    """Set each measured family's budget to its figure; keep the other families."""
+    if results["settings"].get("extra_work"):
+        raise MeasureError(f"{EXTRA_WORK} was set for this measurement: not a budget")
+    data: dict[str, Any] = (json.loads(path.read_text()) if path.is_file()
+                            else {"tolerance": 0.15, "families": {}})
+    data["what"] = WHAT
+    data["tolerance"] = data.get("tolerance", 0.15)
+    for family, res in results["families"].items():
+        data["families"][family] = {"budget": round(res["per_step"]),
+                                    "settings": results["settings"],
+                                    "environment": results["environment"]}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
+def table(results: dict[str, Any], budgets: dict[str, Any] | None) -> str:
+    s, env = results["settings"], results["environment"]
+    lines = [f"{results['what']}; bs={s['bs']}, n1={s['n1']}, n2={s['n2']}, warm-up "
+             f"{s['warmup']}; {env['python']}, numpy {env['numpy']}, torch {env['torch']}, "
+             f"{env['valgrind']}"]
+    if s.get("extra_work"):
+        lines.append(f"{EXTRA_WORK}={s['extra_work']}: every step carries extra Python work "
+                     "(a test of the check, not a measurement)")
+    tolerance = float(budgets["tolerance"]) if budgets else 0.0
+    lines += [f"| family | Ir per step | repeats (spread) | budget | limit (+{tolerance:.0%}) "
+              "| status |", "|---|---:|---|---:|---:|---|"]
+    for family, res in results["families"].items():
+        entry = (budgets or {}).get("families", {}).get(family)
+        reps = ", ".join(f"{x:,.0f}" for x in res["repeats"])
+        if entry is None:
+            budget = limit = status = "-"
+        else:
+            b = int(entry["budget"])
+            budget, limit = f"{b:,}", f"{_limit(b, tolerance):,.0f}"
+            status = "over" if res["per_step"] > _limit(b, tolerance) else "ok"
+            if res["per_step"] < b * (1 - tolerance):
+                status = "ok (well under: --write-budgets?)"
+        lines.append(f"| {family} | {res['per_step']:,.0f} | {reps} ({res['spread']:,.0f}) | "
+                     f"{budget} | {limit} | {status} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--n1", type=int, default=20)
+    ap.add_argument("--n2", type=int, default=120)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--jobs", type=int, default=1, help="callgrind runs at once")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true")
+    mode.add_argument("--write-budgets", action="store_true")
+    ap.add_argument("--budgets", type=Path, default=BUDGETS)
+    ap.add_argument("--results", type=Path, default=None,
+                    help="a previous --out DIR's instructions.json instead of measuring")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", choices=FAMILIES, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--built", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--helper", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.families = [f for f in args.families.split(",") if f]
+    unknown = set(args.families) - set(FAMILIES)
+    if unknown:
+        ap.error(f"unknown families {sorted(unknown)}; known: {', '.join(FAMILIES)}")
+    if not 0 < args.n1 < args.n2 or args.warmup < 1 or args.repeat < 1 or args.jobs < 1:
+        ap.error("need 0 < n1 < n2, warmup >= 1, repeat >= 1 and jobs >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(args.child, args.steps, args.built, args.warmup, args.helper)
+        return 0
+    try:
+        if args.results is not None:
+            results = json.loads(args.results.read_text())
+        elif args.out is not None:
+            folder = args.out / "callgrind"
+            folder.mkdir(parents=True, exist_ok=True)
+            results = measure(args, folder)
+        else:
+            with tempfile.TemporaryDirectory() as temp:
+                results = measure(args, Path(temp))
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "instructions.json").write_text(json.dumps(results, indent=1))
+        if args.write_budgets:
+            write_budgets(results, args.budgets)
+        budgets = json.loads(args.budgets.read_text()) if args.budgets.is_file() else None
+    except MeasureError as exc:
+        print(f"instructions: {exc}", file=sys.stderr)
+        return 2
+    print(table(results, budgets))
+    if args.check:
+        if budgets is None:
+            print(f"instructions: no budget file {args.budgets}", file=sys.stderr)
+            return 2
+        failures = check(results, budgets, args.budgets)
+        for message in failures:
+            print(f"instruction budget exceeded: {message}", file=sys.stderr)
+        return 1 if failures else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
