@@ -20,6 +20,7 @@ NATIVE = (
     "block_tables._block_tables_native",
     "h2d_core._h2d_core_native",
     "h2d_core._records_native",  # records.py, compiled by Cython
+    "h2d_core._step_native",  # step.py, compiled by Cython
     "block_tables._request_layout",  # request_layout.py, compiled by Cython
 )
 KERNELS_NATIVE = "h2d_kernels._h2d_kernels_native"  # loaded by h2d_kernels.native

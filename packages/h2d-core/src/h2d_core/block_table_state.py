@@ -26,18 +26,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from threading import get_ident
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from block_tables import BlockTable, PageTableSnapshot
-from block_tables.spans import row_keys
 
 from .buffer import CountUnit, H2DBuffer
 from .config import Backend
 from .errors import CountError, DeclarationError, DuplicatePublicationError
 from .state import H2DRunnerState
+from .step import PARTIAL, REUSED, WHOLE, PublishedTable, stage_table
 
 # When changed spans travel as ranges instead of the whole table (measured on the H200,
 # docs/benchmarks.md "block-table crossover"): each range costs a few µs of host time
@@ -55,24 +54,13 @@ LARGE_TABLE_RANGES = 32
 PARTIAL_MAX_SHARE = 0.5
 
 
-_new = tuple.__new__
-
-
-class PublishedTable(NamedTuple):
-    """What the GPU destination holds: slot's snapshot, its revision, rows, row keys."""
-
-    slot: int
-    revision: int
-    rows: int
-    keys: np.ndarray
-
 
 class StageResult:
     """How ``stage`` published the table this epoch."""
 
-    REUSED = "reused"
-    PARTIAL = "partial"
-    WHOLE = "whole"
+    REUSED = REUSED
+    PARTIAL = PARTIAL
+    WHOLE = WHOLE
 
 
 class BlockTableState:
@@ -127,6 +115,12 @@ class BlockTableState:
         # Capture rows: one private empty row (versioned, so a repeated capture
         # preparation is a hit; private, so nothing ever appends to it).
         self._empty_rows = [BlockTable()] * spec.shape[0]
+        # What the last stage would publish, committed by the group's publication: the
+        # two on_publish entries are made once (stage_table registers one per stage).
+        self._pending: PublishedTable | None = None
+        self._pending_spare = 0
+        self._commit_if_sent = (buffer, self._commit, True)
+        self._commit_always = (buffer, self._commit, False)
         state._reset_hooks.append(self.forget_gpu)
 
     # -- CPU side ---------------------------------------------------------------------------
@@ -211,51 +205,12 @@ class BlockTableState:
                 f"buffer {self.buffer.name!r}: {num_rows} rows requested but slot {slot}'s "
                 f"snapshot prepared {snap.num_rows}; prepare() the rows (padding included) first"
             )
-        rev = snap._revision
-        rec = self.published
-        buffer = self.buffer
-        if rec is not None and rec.slot == slot and rec.revision == rev and rec.rows == num_rows:
-            state.set_count(buffer, None)
-            self.last_stage = StageResult.REUSED
-            return self.last_stage
-        spare = self._spare
-        keys = self._key_bufs[spare]
-        found: Any = None
-        if self._ranged and rec is not None:
-            limit, max_bytes = self._limit_cache.get(num_rows) or self._limits(num_rows)
-            # Same slot: the snapshot's history is exact. Another slot's table on the same
-            # destination: compare row keys (versioned rows need no page-ID reads). The
-            # member index tags each range: the record's (member, offset, bytes) triples.
-            found = snap.changed_byte_ranges(
-                rec.keys, num_rows, self._row_bytes, limit, max_bytes, keys, self._member,
-                rec.revision if rec.slot == slot else None)
-        else:
-            row_keys(snap, num_rows, out=keys)
-        if found is not None and not found[0]:
-            state.set_count(buffer, None)
-            self.last_stage = StageResult.PARTIAL
-        elif found is not None and state._try_trusted_triples(buffer, *found):
-            self.last_stage = StageResult.PARTIAL
-        else:
-            found = None
-            state.set_count(buffer, num_rows)
-            self.last_stage = StageResult.WHOLE
-        view = self._views[spare].get(num_rows)
-        if view is None:
-            view = self._key_views(spare, num_rows)
-        pending = _new(PublishedTable, (slot, rev, num_rows, view))
+        return stage_table(self, state, slot, num_rows)
 
-        def commit() -> None:
-            # idempotent: a stage repeated before its publication registers a second one
-            self.published = pending
-            self._spare = 1 - spare
-
-        # With nothing to send the GPU already holds these bytes; the record still moves
-        # only once the group's publication succeeded.
-        # state.on_publish without its checks (this stage made them)
-        state._on_publish.setdefault(buffer.group, []).append(
-            (buffer, commit, found is None or bool(found[0])))
-        return self.last_stage
+    def _commit(self) -> None:
+        # idempotent: a stage repeated before its publication registers a second entry
+        self.published = self._pending
+        self._spare = 1 - self._pending_spare
 
     def _limits(self, num_rows: int) -> tuple[int, int]:
         """(most ranges, most bytes) of a partial publication of ``num_rows`` rows."""

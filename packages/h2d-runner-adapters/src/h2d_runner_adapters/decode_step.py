@@ -27,14 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from block_tables import RequestLayout, RequestLayoutError, request_layout
-from h2d_core import (
-    CountBatch,
-    DeclarationError,
-    H2DBuffer,
-    H2DRunnerState,
-    h2d_producer,
-)
+from block_tables import request_layout
+from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
+from h2d_core.step import PADDED_REQS, PADDED_TOKENS, REQS, CountRule, LayoutStep
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count
@@ -146,13 +141,7 @@ class DecodeStepInputs:
         self._native_choice = native
         self._layout_class = select_layout(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice
-        self._layouts: list[RequestLayout] = []  # per slot, made on first use (after bind)
-        self._counts: CountBatch | None = None
-
-    def _counted_members(self) -> list[H2DBuffer]:
-        s, t, d = self.sampling, self.tokens, self.decode
-        return [s.temperatures, s.top_ks, s.top_ps, t.input_ids, t.decode_cu, t.decode_src,
-                t.cu_seqlens_q, d.positions, d.slot_mapping, d.context_lens, d.kv_indptr]
+        self._step: LayoutStep | None = None  # bound on first use (after bind)
 
     @property
     def native(self) -> bool:
@@ -169,51 +158,38 @@ class DecodeStepInputs:
         source is written: a rejected batch raises a specific error and changes nothing.
         """
         cols = batch.columns
-        if not self._layouts:
-            self._bind()
-        layout = self._layouts[self.h2d_state.current_slot]
-        if padded is not None:
-            padded = padded_count(DECODE_STEP, len(cols.query_lens), padded)
-        values = (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
-                  cols.token_ids, cols.num_drafts)
-        try:
-            # the capacities are the bound members' (every member of the step is bound);
-            # -1 tokens: the graph grid (exactly the tokens when eager and uniform)
-            layout.plan(cols.query_lens, cols.context_lens,
-                        -1 if padded is None else padded, -1, values)
-            if padded is None and layout.min_query_len != layout.max_query_len:
-                # eager with uneven widths: exactly the real tokens
-                layout.plan(cols.query_lens, cols.context_lens, -1, layout.num_tokens,
-                            values)
-        except RequestLayoutError as exc:
-            raise AdapterInputError(str(exc)) from exc
-        n, p, t, pt = layout.num_reqs, layout.padded_reqs, layout.num_tokens, layout.padded_tokens
-        q = layout.max_query_len or 1
-        decode = self.decode
-        rows = batch.block_tables
-        if p > n:
-            rows = [*rows, *decode._pad_rows[: p - n]]
-        # validates every row before writing the table; nothing below can fail
-        decode.tables.prepare(rows, required_pages=layout.required_pages)
-        total = layout.write()
-        uniform = layout.uniform_mask
+        step = self._step
+        if step is None:
+            step = self._bind()
+        n = len(cols.query_lens)
+        p = -1 if padded is None else padded_count(DECODE_STEP, n, padded)
+        # plan (every column checked), prepare the rows, write, count and stage: one call
+        n, p, q, t, pt, total, stage, uniform, drafts = step.run(
+            cols.query_lens, cols.context_lens, batch.block_tables, p, -1,
+            (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+             cols.token_ids, cols.num_drafts))
         k_rows, p_rows = not uniform & 2, not uniform & 4  # per-request filters
-        self._counts.set(n, n if k_rows else None, n if p_rows else None,  # type: ignore[union-attr]
-                         pt, p + 1, p, p + 1, pt, pt, p, p + 1)
         top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
         top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
-        stage = decode.tables.stage(p)
         # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
         return _new(DecodeStepPlan, (
             _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
-            _new(TokenPlan, (n, p, t, pt, layout.column_sum(5))),
+            _new(TokenPlan, (n, p, t, pt, drafts)),
             _new(DecodePlan, (n, p, q, t, pt, total, stage)),
         ))
 
-    def _bind(self) -> None:
-        s, t = self.sampling, self.tokens
-        self._layouts = self.decode.request_layouts(
+    def _bind(self) -> LayoutStep:
+        s, t, d = self.sampling, self.tokens, self.decode
+        layouts = d.request_layouts(
             self.group, cu_query=(t.cu_seqlens_q, t.decode_cu), native=self._native_choice,
             columns=lambda slot: step_columns(s, t, slot))
-        self._counts = self.h2d_state.count_batch(self._counted_members(),
-                                                  native=self._native_choice)
+        # which members count what: sampling filters are omitted when uniform (bits 2, 4)
+        rules = (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, 2),
+                 CountRule(s.top_ps, REQS, 0, 4), CountRule(t.input_ids, PADDED_TOKENS),
+                 CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
+                 CountRule(t.cu_seqlens_q, PADDED_REQS, 1),
+                 CountRule(d.positions, PADDED_TOKENS), CountRule(d.slot_mapping, PADDED_TOKENS),
+                 CountRule(d.context_lens, PADDED_REQS), CountRule(d.kv_indptr, PADDED_REQS, 1))
+        self._step = LayoutStep(DECODE_STEP, self.h2d_state, layouts, d.tables, d._pad_rows,
+                                rules, sum_column=5, error=AdapterInputError)
+        return self._step

@@ -21,8 +21,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from block_tables import LayoutColumn, RequestLayout, RequestLayoutError
-from h2d_core import CountBatch, H2DBuffer, H2DRunnerState, h2d_producer
+from block_tables import LayoutColumn
+from h2d_core import H2DBuffer, H2DRunnerState, h2d_producer
+from h2d_core.step import PADDED_REQS, PADDED_TOKENS, REQS, CountRule, LayoutStep
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count
@@ -93,48 +94,42 @@ class TokenStepInputs:
         state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec])
         self._native = native
         self._layout_class = select_layout(native, "TokenStepInputs")
-        self._layouts: list[RequestLayout] = []
-        self._counts: CountBatch | None = None
+        self._step: LayoutStep | None = None  # bound on first use (after bind)
 
-    def _bind(self) -> None:
+    def _bind(self) -> LayoutStep:
         s, t = self.sampling, self.tokens
-        for slot in range(self.h2d_state.num_slots):
-            self._layouts.append(self._layout_class(
-                self.group, 1, None, None,
-                cu_query=(t.cu_seqlens_q.source(slot).numpy(),
-                          t.decode_cu.source(slot).numpy()),
-                columns=step_columns(s, t, slot)))
-        self._counts = self.h2d_state.count_batch(
-            [s.temperatures, s.top_ks, s.top_ps, t.input_ids, t.decode_cu, t.decode_src,
-             t.cu_seqlens_q], native=self._native)
+        layouts = [self._layout_class(
+            self.group, 1, None, None,
+            cu_query=(t.cu_seqlens_q.source(slot).numpy(), t.decode_cu.source(slot).numpy()),
+            columns=step_columns(s, t, slot)) for slot in range(self.h2d_state.num_slots)]
+        # sampling filters are omitted when uniform (bits 2, 4 of the layout's mask)
+        rules = (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, 2),
+                 CountRule(s.top_ps, REQS, 0, 4), CountRule(t.input_ids, PADDED_TOKENS),
+                 CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
+                 CountRule(t.cu_seqlens_q, PADDED_REQS, 1))
+        self._step = LayoutStep(self.group, self.h2d_state, layouts, None, (), rules,
+                                sum_column=5, error=AdapterInputError)
+        return self._step
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX)
     def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> TokenStepPlan:
         """Write and count sampling, ids, deferred sources and the query prefix (padding
         to ``padded`` requests). Everything is checked before any source is written."""
         cols = batch.columns
-        if not self._layouts:
-            self._bind()
-        layout = self._layouts[self.h2d_state.current_slot]
+        step = self._step
+        if step is None:
+            step = self._bind()
         ids = cols.token_ids
-        if padded is not None:
-            padded = padded_count(self.group, len(cols.query_lens), padded)
-        try:
-            layout.plan(cols.query_lens, cols.context_lens, -1 if padded is None else padded,
-                        len(ids) if padded is None else -1, (
-                            cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
-                            ids, cols.num_drafts))
-        except RequestLayoutError as exc:
-            raise AdapterInputError(str(exc)) from exc
-        layout.write()
-        n, p, t, pt = layout.num_reqs, layout.padded_reqs, layout.num_tokens, layout.padded_tokens
-        uniform = layout.uniform_mask
+        p = -1 if padded is None else padded_count(self.group, len(cols.query_lens), padded)
+        # plan (every column checked), write and count: one call
+        n, p, _, t, pt, _, _, uniform, drafts = step.run(
+            cols.query_lens, cols.context_lens, None, p, len(ids) if padded is None else -1,
+            (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows, ids,
+             cols.num_drafts))
         k_rows, p_rows = not uniform & 2, not uniform & 4
-        self._counts.set(n, n if k_rows else None, n if p_rows else None,  # type: ignore[union-attr]
-                         pt, p + 1, p, p + 1)
         top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
         top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
         return _new(TokenStepPlan, (
             _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
-            _new(TokenPlan, (n, p, t, pt, layout.column_sum(5))),
+            _new(TokenPlan, (n, p, t, pt, drafts)),
         ))

@@ -1,0 +1,300 @@
+"""The compiled step: one call per producer plans, prepares, writes, counts and stages.
+
+A fused producer's step is always the same sequence over the same bound objects: plan a
+:class:`block_tables.RequestLayout` over the batch's columns (which checks every value),
+prepare the block table's rows (which checks every row), write every member, store every
+count, and stage the table for its group. :class:`LayoutStep` holds those objects per
+slot, bound once after ``state.bind()``, and runs the sequence in one call, so a step
+pays for no interpreter frames between the pieces. Adapters configure it (which members
+count what) and keep their public API; nothing here knows a model family.
+
+:func:`stage_table` is the one rule that decides what a block table publishes this epoch
+(reused, changed spans as ranges, or whole rows); :class:`BlockTableState.stage
+<h2d_core.BlockTableState.stage>` and :class:`LayoutStep` both call it.
+
+Compiled by Cython as ``h2d_core._step_native`` when the wheel is built; this source runs
+interpreted where the build is missing (``H2D_NATIVE`` decides, as for every helper).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from threading import get_ident
+from typing import Any, NamedTuple
+
+from block_tables import RequestLayoutError
+from block_tables.spans import row_keys
+from h2d_kernels import RANGE_OVERHEAD
+
+from .errors import CountError, DeclarationError, DuplicatePublicationError
+
+try:
+    import cython
+except ImportError:  # interpreted where Cython is not installed: no-op decorators
+    from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
+
+REUSED = "reused"
+PARTIAL = "partial"
+WHOLE = "whole"
+
+#: what a counted member publishes: real requests, padded requests, real tokens, padded
+#: tokens (each plus a fixed offset, e.g. a prefix of ``padded + 1`` entries)
+REQS = 0
+PADDED_REQS = 1
+TOKENS = 2
+PADDED_TOKENS = 3
+
+
+class PublishedTable(NamedTuple):
+    """What the GPU destination holds: slot's snapshot, its revision, rows, row keys."""
+
+    slot: int
+    revision: int
+    rows: int
+    keys: Any
+
+
+class CountRule(NamedTuple):
+    """How a :class:`LayoutStep` counts one member: ``what`` (``REQS``, ``PADDED_REQS``,
+    ``TOKENS`` or ``PADDED_TOKENS``) plus ``plus``; omitted (None) when the layout's
+    ``uniform_mask`` has a bit of ``omit_if_uniform`` set (a per-request filter whose
+    values are all equal travels as a scalar instead)."""
+
+    buffer: Any
+    what: int
+    plus: int = 0
+    omit_if_uniform: int = 0
+
+
+def _duplicate(buffer: Any) -> DuplicatePublicationError:
+    return DuplicatePublicationError(
+        f"buffer {buffer.name!r}: group {buffer.group!r} was already published in this "
+        "epoch; a second publication needs a reason (reopen())")
+
+
+@cython.cfunc
+def _omit(records: list, homes: list) -> cython.void:
+    for gi, i in homes:
+        records[gi].omit(i)
+
+
+@cython.cfunc
+def _store(records: list, buffer: Any, homes: list, n: cython.longlong) -> cython.void:
+    for gi, i in homes:
+        if i in records[gi].ranged:
+            raise CountError(
+                f"buffer {buffer.name!r}: ranges were already set this epoch; publish either "
+                "a count or ranges, not both")
+    for gi, i in homes:
+        records[gi].store_count(i, n, buffer._unit_bytes)
+
+
+@cython.ccall
+def stage_table(table: Any, state: Any, slot: cython.Py_ssize_t,
+                num_rows: cython.Py_ssize_t) -> str:
+    """Decide and set what ``table`` (a :class:`~h2d_core.BlockTableState`) publishes this
+    epoch for rows ``[0, num_rows)`` of slot ``slot``'s snapshot: ``REUSED`` (member
+    omitted: the GPU already holds these rows at this revision), ``PARTIAL`` (changed spans
+    as ranges, or nothing when none changed) or ``WHOLE`` (a row count). The published
+    record moves only once the group's publication succeeded. The caller checked the
+    epoch and ``num_rows`` against the snapshot."""
+    buffer = table.buffer
+    if buffer.group in state._published:
+        raise _duplicate(buffer)
+    snap = table.snapshots[slot]
+    rev = snap._revision
+    rec = table.published
+    records: list = state._slot_groups[slot]
+    homes: list = buffer.homes
+    if rec is not None and rec.slot == slot and rec.revision == rev and rec.rows == num_rows:
+        _omit(records, homes)
+        table.last_stage = REUSED
+        return REUSED
+    spare: cython.Py_ssize_t = table._spare
+    keys = table._key_bufs[spare]
+    found: Any = None
+    if table._ranged and rec is not None:
+        limits = table._limit_cache.get(num_rows)
+        if limits is None:
+            limits = table._limits(num_rows)
+        # Same slot: the snapshot's history is exact. Another slot's table on the same
+        # destination: compare row keys (versioned rows need no page-ID reads). The
+        # member index tags each range: the record's (member, offset, bytes) triples.
+        found = snap.changed_byte_ranges(
+            rec.keys, num_rows, table._row_bytes, limits[0], limits[1], keys, table._member,
+            rec.revision if rec.slot == slot else None)
+    else:
+        row_keys(snap, num_rows, out=keys)
+    stage: str
+    if found is not None and not found[0]:
+        _omit(records, homes)
+        stage = PARTIAL
+    elif found is not None and _try_ranges(state, buffer, records, found[0], found[1]):
+        stage = PARTIAL
+    else:
+        found = None
+        _store(records, buffer, homes, num_rows)
+        stage = WHOLE
+    view = table._views[spare].get(num_rows)
+    if view is None:
+        view = table._key_views(spare, num_rows)
+    table._pending = PublishedTable(slot, rev, num_rows, view)
+    table._pending_spare = spare
+    table.last_stage = stage
+    # With nothing to send the GPU already holds these bytes; the record still moves only
+    # once the group's publication succeeded (state.on_publish without its checks, which
+    # the caller made; the entries are made once by the table).
+    entries = state._on_publish.get(buffer.group)
+    if entries is None:
+        entries = state._on_publish[buffer.group] = []
+    entries.append(table._commit_if_sent if found is None or found[0] else table._commit_always)
+    return stage
+
+
+@cython.cfunc
+def _try_ranges(state: Any, buffer: Any, records: list, triples: list,
+                total: cython.longlong) -> cython.bint:
+    """Set ``triples`` (trusted ``(member, offset, bytes)`` ranges) as the member's ranges
+    when they fit its ``max_ranges`` and the group's staging room; False, changing
+    nothing, otherwise."""
+    if len(triples) > buffer.max_ranges:
+        return False
+    gi, i = buffer.homes[0]
+    rec = records[gi]
+    packed = rec.packed
+    if packed is None:
+        return False
+    room = rec.range_room(i) if rec.ranges else packed.range_capacity
+    if total + RANGE_OVERHEAD * len(triples) > room:
+        return False
+    rec.replace_ranges(i, triples, total)
+    return True
+
+
+@cython.cclass
+class LayoutStep:
+    """A fused producer's step, bound once: ``run`` plans the layout over the batch's
+    columns, prepares the block table's rows (padding rows appended), writes every bound
+    member, stores every count and stages the table, in one call.
+
+    ``layouts`` holds one :class:`block_tables.RequestLayout` per slot, over that slot's
+    sources and prepared table; ``table`` is the :class:`~h2d_core.BlockTableState` those
+    layouts read (None: a layout without a table, whose ``run`` ignores ``rows``);
+    ``pad_rows`` the empty rows padded requests take; ``counts`` one
+    :class:`CountRule` per counted member (stored in one call when one group record holds
+    them all, a fused producer's usual case); ``sum_column`` a layout column whose sum
+    ``run`` returns (-1: none). A rejected batch raises ``error`` (a :class:`~h2d_core.CountError`
+    subclass) naming the request and column, before any source is written.
+    """
+
+    name = cython.declare(str, visibility="readonly")
+    _state = cython.declare(object)
+    _layouts = cython.declare(tuple)
+    _snapshots = cython.declare(tuple)
+    _table = cython.declare(object)
+    _pad_rows = cython.declare(list)
+    _error = cython.declare(object)
+    _record_index = cython.declare(cython.Py_ssize_t)
+    _entries = cython.declare(tuple)
+    _rules = cython.declare(tuple)
+    _sum_column = cython.declare(cython.Py_ssize_t)
+    _slow = cython.declare(object)
+
+    def __init__(self, name: str, state: Any, layouts: Sequence[Any], table: Any,
+                 pad_rows: Sequence[Any], counts: Sequence[CountRule], *,
+                 sum_column: int = -1, error: type[CountError] = CountError) -> None:
+        if len(layouts) != state.num_slots:
+            raise DeclarationError(
+                f"LayoutStep {name!r}: {len(layouts)} layouts for {state.num_slots} slots")
+        self.name = name
+        self._state = state
+        self._layouts = tuple(layouts)
+        self._table = table
+        self._snapshots = () if table is None else tuple(table.snapshots)
+        self._pad_rows = list(pad_rows)
+        self._error = error
+        # One record carrying every member (a fused producer's group) stores the counts
+        # in one call; members in several records (a group combined with others that
+        # share a buffer) go through the count batch's per-record stores.
+        homes = {gi for rule in counts for gi, _ in rule.buffer.homes}
+        single = len(homes) == 1 and all(len(rule.buffer.homes) == 1 for rule in counts)
+        self._record_index = homes.pop() if single else -1
+        self._entries = tuple((r.buffer.homes[0][1], r.buffer._unit_bytes,
+                               r.buffer._fast_capacity) for r in counts)
+        self._rules = tuple((r.what, r.plus, r.omit_if_uniform) for r in counts)
+        self._sum_column = sum_column
+        # the specific error for a count out of range (none is, for a bound layout)
+        self._slow = state.count_batch([r.buffer for r in counts])
+
+    @cython.ccall
+    def run(self, query_lens: Any, context_lens: Any, rows: Any,
+            padded: cython.Py_ssize_t, tokens: cython.Py_ssize_t, values: tuple) -> tuple:
+        """One step: ``padded`` requests (-1: eager), ``tokens`` published tokens (-1: the
+        graph grid of ``padded`` requests times the widest query, or exactly the real
+        tokens when eager), ``values`` the layout's bound columns. Returns ``(num_reqs,
+        padded_reqs, max_query_len, num_tokens, padded_tokens, kv_pages, table_stage,
+        uniform_mask, column_sum)`` (``max_query_len`` at least 1; ``table_stage`` "" and
+        ``kv_pages`` 0 without a table). Call from inside the producer (its epoch)."""
+        st = self._state
+        if st._invalid is not None or not st._epoch_open or get_ident() != st._owner:
+            st._check_ready(f"producer {self.name}")
+        slot: cython.Py_ssize_t = st.current_slot
+        layout = self._layouts[slot]
+        try:
+            # -1 tokens: the graph grid (exactly the tokens when eager and uniform)
+            layout.plan(query_lens, context_lens, padded, tokens, values)
+            if tokens < 0 and padded < 0 and layout.min_query_len != layout.max_query_len:
+                # eager with uneven widths: exactly the real tokens
+                layout.plan(query_lens, context_lens, -1, layout.num_tokens, values)
+        except RequestLayoutError as exc:
+            raise self._error(str(exc)) from exc
+        n: cython.Py_ssize_t = layout.num_reqs
+        p: cython.Py_ssize_t = layout.padded_reqs
+        t: cython.Py_ssize_t = layout.num_tokens
+        pt: cython.Py_ssize_t = layout.padded_tokens
+        table = self._table
+        if table is not None:
+            if p > n:
+                rows = list(rows) + self._pad_rows[: p - n]
+            # validates every row before writing the table; nothing below can fail
+            self._snapshots[slot].prepare(rows, required_pages=layout.required_pages)
+        total: cython.longlong = layout.write()
+        uniform: cython.longlong = layout.uniform_mask
+        counts: list[Any] = []
+        k: cython.Py_ssize_t
+        for k in range(len(self._rules)):
+            what, plus, omit = self._rules[k]
+            if uniform & omit:
+                counts.append(None)
+            elif what == REQS:
+                counts.append(n + plus)
+            elif what == PADDED_REQS:
+                counts.append(p + plus)
+            elif what == TOKENS:
+                counts.append(t + plus)
+            else:
+                counts.append(pt + plus)
+        values_in = tuple(counts)
+        records: list = st._slot_groups[slot]
+        if self._record_index < 0 or not records[self._record_index].store_counts(
+                self._entries, values_in):
+            self._slow.set(*values_in)  # or raises the specific CountError
+        stage = "" if table is None else stage_table(table, st, slot, p)
+        q = layout.max_query_len
+        return (n, p, q if q > 0 else 1, t, pt, total, stage, uniform,
+                layout.column_sum(self._sum_column) if self._sum_column >= 0 else 0)
+
+
+# This source is also compiled by Cython, as ``h2d_core._step_native``, when the wheel is
+# built. Run interpreted, it hands over to that build (unless H2D_NATIVE=0 or it is
+# missing: block_tables.native decides and warns).
+COMPILED: bool = cython.compiled
+if not cython.compiled:
+    from block_tables.native import load_extension
+
+    _compiled = load_extension("h2d_core._step_native")
+    if _compiled is not None:
+        stage_table = _compiled.stage_table
+        LayoutStep = _compiled.LayoutStep  # type: ignore[misc]
+        PublishedTable = _compiled.PublishedTable  # type: ignore[misc]
+        COMPILED = True
