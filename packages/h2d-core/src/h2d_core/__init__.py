@@ -13,6 +13,9 @@ Public API::
     @h2d_producer("mha_decode")
     def prepare_decode(adapter, batch): ...     # adapter.h2d_state is the owner
 
+    step = LayoutStep(name, state, layouts, table, pad_rows, [CountRule(buf, PADDED_TOKENS)])
+    step.run(query_lens, context_lens, rows, padded, -1, columns)   # a fused producer's body
+
     restore_implicit_cpu_default()   # after GPU initialization: no DeviceContext per call
 """
 
@@ -44,9 +47,14 @@ from .errors import (
 from .group import GroupCounters, GroupPlan
 from .producer import h2d_producer
 from .state import H2DRunnerState
+from .step import PADDED_REQS, PADDED_TOKENS, REQS, TOKENS, CountRule, LayoutStep
 
 __all__ = [
     "ENV_VAR",
+    "PADDED_REQS",
+    "PADDED_TOKENS",
+    "REQS",
+    "TOKENS",
     "Backend",
     "BackendError",
     "BindingError",
@@ -54,6 +62,7 @@ __all__ = [
     "BufferSpec",
     "CountBatch",
     "CountError",
+    "CountRule",
     "CountUnit",
     "DeclarationError",
     "DeviceContextError",
@@ -65,6 +74,7 @@ __all__ = [
     "H2DBuffer",
     "H2DError",
     "H2DRunnerState",
+    "LayoutStep",
     "MembershipError",
     "NotBoundError",
     "OwnerInvalidatedError",

@@ -28,8 +28,16 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from block_tables import request_layout
-from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
-from h2d_core.step import PADDED_REQS, PADDED_TOKENS, REQS, CountRule, LayoutStep
+from h2d_core import (
+    PADDED_REQS,
+    PADDED_TOKENS,
+    REQS,
+    CountRule,
+    DeclarationError,
+    H2DRunnerState,
+    LayoutStep,
+    h2d_producer,
+)
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count

@@ -22,8 +22,16 @@ from typing import NamedTuple
 import numpy as np
 
 from block_tables import LayoutColumn
-from h2d_core import H2DBuffer, H2DRunnerState, h2d_producer
-from h2d_core.step import PADDED_REQS, PADDED_TOKENS, REQS, CountRule, LayoutStep
+from h2d_core import (
+    PADDED_REQS,
+    PADDED_TOKENS,
+    REQS,
+    CountRule,
+    H2DBuffer,
+    H2DRunnerState,
+    LayoutStep,
+    h2d_producer,
+)
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count
