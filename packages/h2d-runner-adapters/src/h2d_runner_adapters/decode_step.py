@@ -31,7 +31,6 @@ from block_tables import request_layout
 from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
-    REQS,
     CountRule,
     DeclarationError,
     H2DRunnerState,
@@ -50,7 +49,7 @@ from .token_inputs import (
     TokenInputs,
     TokenPlan,
 )
-from .token_step import step_columns
+from .token_step import sampling_plan, step_columns, step_counts
 
 DECODE_STEP = "decode_step"
 _new = tuple.__new__
@@ -176,12 +175,9 @@ class DecodeStepInputs:
             cols.query_lens, cols.context_lens, batch.block_tables, p, -1,
             (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
              cols.token_ids, cols.num_drafts))
-        k_rows, p_rows = not uniform & 2, not uniform & 4  # per-request filters
-        top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
-        top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
         # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
         return _new(DecodeStepPlan, (
-            _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
+            sampling_plan(cols, n, uniform),
             _new(TokenPlan, (n, p, t, pt, drafts)),
             _new(DecodePlan, (n, p, q, t, pt, total, stage)),
         ))
@@ -191,11 +187,7 @@ class DecodeStepInputs:
         layouts = d.request_layouts(
             self.group, cu_query=(t.cu_seqlens_q, t.decode_cu), native=self._native_choice,
             columns=lambda slot: step_columns(s, t, slot))
-        # which members count what: sampling filters are omitted when uniform (bits 2, 4)
-        rules = (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, 2),
-                 CountRule(s.top_ps, REQS, 0, 4), CountRule(t.input_ids, PADDED_TOKENS),
-                 CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
-                 CountRule(t.cu_seqlens_q, PADDED_REQS, 1),
+        rules = (*step_counts(s, t),
                  CountRule(d.positions, PADDED_TOKENS), CountRule(d.slot_mapping, PADDED_TOKENS),
                  CountRule(d.context_lens, PADDED_REQS), CountRule(d.kv_indptr, PADDED_REQS, 1))
         self._step = LayoutStep(DECODE_STEP, self.h2d_state, layouts, d.tables, d._pad_rows,

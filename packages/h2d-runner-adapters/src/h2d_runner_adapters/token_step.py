@@ -33,7 +33,7 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .batch import ScheduledBatch
+from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, padded_count
 from .consumers import GREEDY_TEMPERATURE
 from .mha_decode import select_layout
@@ -69,6 +69,28 @@ def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int) -> li
                      pad=0),
         LayoutColumn("num_drafts", low=0),  # checked and summed
     ]
+
+
+def step_counts(sampling: SamplingInputs, tokens: TokenInputs) -> tuple[CountRule, ...]:
+    """What the fused steps publish of the sampling and token members, per step: real
+    requests for the sampler's rows (top-k and top-p omitted when uniform: bits 2 and 4 of
+    the layout's mask, their columns' positions in :func:`step_columns`), the padded grid
+    for ids and the prefixes."""
+    s, t = sampling, tokens
+    return (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, 2),
+            CountRule(s.top_ps, REQS, 0, 4), CountRule(t.input_ids, PADDED_TOKENS),
+            CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
+            CountRule(t.cu_seqlens_q, PADDED_REQS, 1))
+
+
+def sampling_plan(cols: BatchColumns, n: int, uniform: int) -> SamplingPlan:
+    """The sampler's plan of a fused step: per-request filters where the layout found the
+    top-k or top-p column uneven, else their one value as a CPU scalar (None: off)."""
+    k_rows, p_rows = not uniform & 2, not uniform & 4
+    top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
+    top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
+    # tuple.__new__ skips the NamedTuple's Python-level __new__ (~0.15 µs)
+    return _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows))
 
 
 class TokenStepPlan(NamedTuple):
@@ -110,12 +132,7 @@ class TokenStepInputs:
             self.group, 1, None, None,
             cu_query=(t.cu_seqlens_q.source(slot).numpy(), t.decode_cu.source(slot).numpy()),
             columns=step_columns(s, t, slot)) for slot in range(self.h2d_state.num_slots)]
-        # sampling filters are omitted when uniform (bits 2, 4 of the layout's mask)
-        rules = (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, 2),
-                 CountRule(s.top_ps, REQS, 0, 4), CountRule(t.input_ids, PADDED_TOKENS),
-                 CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
-                 CountRule(t.cu_seqlens_q, PADDED_REQS, 1))
-        self._step = LayoutStep(self.group, self.h2d_state, layouts, None, (), rules,
+        self._step = LayoutStep(self.group, self.h2d_state, layouts, None, (), step_counts(s, t),
                                 sum_column=5, error=AdapterInputError)
         return self._step
 
@@ -134,10 +151,5 @@ class TokenStepInputs:
             cols.query_lens, cols.context_lens, None, p, len(ids) if padded is None else -1,
             (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows, ids,
              cols.num_drafts))
-        k_rows, p_rows = not uniform & 2, not uniform & 4
-        top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
-        top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
-        return _new(TokenStepPlan, (
-            _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows)),
-            _new(TokenPlan, (n, p, t, pt, drafts)),
-        ))
+        return _new(TokenStepPlan, (sampling_plan(cols, n, uniform),
+                                    _new(TokenPlan, (n, p, t, pt, drafts))))
