@@ -190,6 +190,6 @@ class DecodeStepInputs:
         rules = (*step_counts(s, t),
                  CountRule(d.positions, PADDED_TOKENS), CountRule(d.slot_mapping, PADDED_TOKENS),
                  CountRule(d.context_lens, PADDED_REQS), CountRule(d.kv_indptr, PADDED_REQS, 1))
-        self._step = LayoutStep(DECODE_STEP, self.h2d_state, layouts, d.tables, d._pad_rows,
+        self._step = LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
                                 rules, sum_column=5, error=AdapterInputError)
         return self._step
