@@ -2,11 +2,17 @@
 
 The step: sampling + token inputs + MHA decode metadata as one combined group
 (``DecodeStepInputs``), 128K-token context rows, 1/16 of the rows append a page each step,
-two slots. Host µs from ``begin()`` to ``finish()`` (less any blocking wait for source
-reuse), median per chunk of steps, for four ways of doing the same step:
+two slots. Host µs from ``begin()`` until the first consumer (KV-index generation) is
+enqueued, then ``finish()`` (less any blocking wait for source reuse), median per chunk of
+steps, for these ways of doing the same step:
 
-* ``packed``: this library, one DMA + one scatter per step (checked from its counters);
-* ``direct``: this library with ``backend="direct"`` (one copy per member);
+* ``packed``: this library, one DMA + one scatter per step (checked from its counters), with
+  KV-index generation fused into the publication (``fuse_kv_indices=True``: inside its CUDA
+  graph, the row count read from the arena header), so the consumer call launches nothing;
+* ``packed-eager``: the same without the fusion: ``generate_kv_indices`` launches the Triton
+  kernel after ``publish`` (Triton's launcher, every step);
+* ``direct``: this library with ``backend="direct"`` (one copy per member, the consumer
+  launched after them);
 * ``atom``: ``run_atom_direct`` of the anchors (``mrv2_style.py``): one copy per field and
   the engine's full-width per-row block-table rebuild from Python lists;
 * ``mrv2``: ``run`` of the anchors: vLLM Model Runner V2's mechanism re-created (2 H2D,
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -56,12 +63,17 @@ TARGETS = {1: 10.0, 8: 10.0, 64: 10.0, 256: 16.0}
 class LibraryStep:
     """The library's fused decode step on one backend, stepped ``chunk`` steps at a time."""
 
-    def __init__(self, backend: str, bs: int, context: int, device: str, warmup: int) -> None:
+    def __init__(self, backend: str, bs: int, context: int, device: str, warmup: int,
+                 fuse: bool = False) -> None:
         per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
         self.state = H2DRunnerState(device, backend=backend, num_slots=2)
         self.step = DecodeStepInputs(self.state, max_reqs=bs, max_tokens=bs,
-                                     max_pages_per_req=per_row, page_size=PAGE)
+                                     max_pages_per_req=per_row, page_size=PAGE,
+                                     fuse_kv_indices=fuse)
         self.state.bind()
+        consumer = self.step.decode.kv_indices_consumer
+        if fuse and not (consumer is not None and consumer.fused):
+            raise RuntimeError(f"{backend}: KV-index generation was not fused")
         self.batches = steady_decode_batches(bs, context, PAGE, window=WINDOW)
         self.run(warmup)
 
@@ -71,12 +83,14 @@ class LibraryStep:
         for b in batches:
             b.columns, b.block_tables  # noqa: B018
         st, prepare, pc = self.state, self.step.prepare, time.perf_counter_ns
+        consume = self.step.decode.generate_kv_indices
         times = []
         for b in batches:
             t0 = pc()
             st.begin()
-            prepare(b)
+            plan = prepare(b)
             st.publish("decode_step")
+            consume(plan.decode)  # fused: already enqueued by the publication
             st.finish()
             times.append(pc() - t0 - st.last_source_wait_ns)
         return float(np.median(times)) / 1e3
@@ -119,11 +133,15 @@ def _anchors(path: Path | None) -> ModuleType | None:
 def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> dict[str, Any]:
     device = args.device
     max_blocks = -(-args.context // PAGE)
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("on CPU the consumer kernel needs TRITON_INTERPRET=1")
+    fuse = True  # packed: KV-index generation inside the publication's graph
     ways: dict[str, Any] = {
-        "packed": LibraryStep("packed", bs, args.context, device, args.warmup),
+        "packed": LibraryStep("packed", bs, args.context, device, args.warmup, fuse),
+        "packed-eager": LibraryStep("packed", bs, args.context, device, args.warmup),
         "direct": LibraryStep("direct", bs, args.context, device, args.warmup),
         "packed+ctx": UnderDeviceContext(LibraryStep("packed", bs, args.context, device,
-                                                     args.warmup)),
+                                                     args.warmup, fuse)),
     }
     medians: dict[str, list[float]] = {k: [] for k in ways}
     if anchors is not None:
@@ -173,9 +191,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{gpu}, torch {torch.__version__}; host µs per decode step, median of "
           f"{args.rounds} interleaved chunks; ratio = way / packed")
-    print("| bs | target | packed | direct | atom | mrv2 | packed+ctx | DMAs+scatters/step "
-          "(packed) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("| bs | target | packed | packed-eager | direct | atom | mrv2 | packed+ctx | "
+          "DMAs+scatters/step (packed) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         p = r["packed_us"]
 
@@ -185,7 +203,8 @@ def main() -> None:
 
         per = r["packed_per_step"]
         target = "-" if r["target_us"] is None else f"≤ {r['target_us']:.0f}"
-        print(f"| {r['bs']} | {target} | **{p:.1f}** | {cell('direct')} | "
+        print(f"| {r['bs']} | {target} | **{p:.1f}** | {cell('packed-eager')} | "
+              f"{cell('direct')} | "
               f"{cell('atom')} | {cell('mrv2')} | {cell('packed+ctx')} | "
               f"{per['dmas']:.0f} + {per['scatters']:.0f} "
               f"(direct copies {per['direct_copies']:.0f}) |")

@@ -140,6 +140,7 @@ class RequestLayout:
     _owners = cython.declare(cython.int[::1])
     _cu_query = cython.declare(cython.int[::1])
     _cu_copies = cython.declare(tuple)
+    _cu_array = cython.declare(object)
     _required_view = cython.declare(object)
     _kv_indptr = cython.declare(cython.int[::1])
     _context = cython.declare(cython.int[::1])
@@ -311,6 +312,7 @@ class RequestLayout:
         self._owners = token_requests
         self._cu_query = cu_query
         self._cu_copies = copies
+        self._cu_array = cu_query
         self._required_view = None
         self._kv_indptr = kv_page_indptr
         self._context = context_lens
@@ -578,8 +580,8 @@ class RequestLayout:
                 self._cu_query[i + 1] = cython.cast(cython.int, acc)
             for i in range(n, p):
                 self._cu_query[i + 1] = cython.cast(cython.int, acc)
-            for copy in self._cu_copies:
-                _copy_prefix(self._cu_query, copy, p + 1)
+            for copy in self._cu_copies:  # raw pointers: a memoryview made per call costs
+                _copy_ints(_ints(self._cu_array), _ints(copy), p + 1)  # more than the copy
         if self._kv_indptr is not None:
             acc = 0
             self._kv_indptr[0] = 0
@@ -812,7 +814,9 @@ def _size(value: object, kind: cython.int) -> cython.Py_ssize_t:
         if not cnp.PyArray_Check(value):
             return -1
         a = cython.cast(cnp.ndarray, value)
-        if (cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != _TYPENUMS[kind]
+        typenum: cython.int = (cnp.NPY_INT32 if kind == 0 else cnp.NPY_FLOAT32 if kind == 1
+                               else cnp.NPY_INT64)  # C constants: no tuple read per call
+        if (cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != typenum
                 or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
                 or not cnp.PyArray_ISNOTSWAPPED(a)):
             return -1
@@ -857,7 +861,8 @@ def _longs(value: object) -> cython.pointer[cython.longlong]:
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _copy_prefix(src: cython.int[::1], dst: cython.int[::1], m: cython.Py_ssize_t) -> None:
+def _copy_ints(src: cython.pointer[cython.int], dst: cython.pointer[cython.int],
+               m: cython.Py_ssize_t) -> None:
     i: cython.Py_ssize_t
     for i in range(m):
         dst[i] = src[i]

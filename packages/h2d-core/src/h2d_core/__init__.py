@@ -15,6 +15,8 @@ Public API::
 
     step = LayoutStep(name, state, layouts, table, pad_rows, [CountRule(buf, PADDED_TOKENS)])
     step.run(query_lens, context_lens, rows, padded, -1, columns)   # a fused producer's body
+    kv = state.fuse_consumer("kv_indices", [indptr], fn)   # before bind: fn(header, rows)
+    kv.fused                     # after bind: the publication (its graphs) runs fn itself
 
     restore_implicit_cpu_default()   # after GPU initialization: no DeviceContext per call
 """
@@ -44,6 +46,7 @@ from .errors import (
     StreamMismatchError,
     UnknownGroupError,
 )
+from .fused import ConsumerFn, FusedConsumer
 from .group import GroupCounters, GroupPlan
 from .producer import h2d_producer
 from .state import H2DRunnerState
@@ -60,6 +63,7 @@ __all__ = [
     "BindingError",
     "BlockTableState",
     "BufferSpec",
+    "ConsumerFn",
     "CountBatch",
     "CountError",
     "CountRule",
@@ -69,6 +73,7 @@ __all__ = [
     "DeviceMismatchError",
     "DuplicatePublicationError",
     "EpochError",
+    "FusedConsumer",
     "GroupCounters",
     "GroupPlan",
     "H2DBuffer",

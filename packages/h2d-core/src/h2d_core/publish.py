@@ -25,6 +25,7 @@ from .errors import (
     CountError,
     DuplicatePublicationError,
     H2DError,
+    MembershipError,
     PublicationEnqueueError,
     UnknownGroupError,
 )
@@ -268,9 +269,14 @@ class Publication(StateOwner):
                  counters: GroupCounters, stream: Any) -> int:
         """Enqueue one publication (validated); return the payload bytes it moves."""
         if covered:
+            if rec.fused:
+                raise MembershipError(
+                    f"group {covered[0].group!r} is published by {rec.plan.name!r}, whose "
+                    "publication runs fused first consumers: publish "
+                    f"{rec.plan.name!r} (a direct copy of part of it would skip them)")
             return self._copy_direct(rec, [b.member_index for b in covered], counters)
         packed = rec.packed
-        if packed is not None and (rec.active > 1 or len(rec.ranges) > 1):
+        if packed is not None and (rec.active > 1 or len(rec.ranges) > 1 or rec.fused):
             packed.publish(rec.counts, rec.ranges, self._stream_id, stream)
             counters.dmas += 1
             counters.scatters += 1

@@ -42,19 +42,32 @@ class GroupRecord:
     #: payload bytes of the counts set (the ranges' bytes are in ``range_bytes``)
     count_bytes = cython.declare(cython.longlong, visibility="public")
     active = cython.declare(cython.longlong, visibility="public")
+    #: the arena runs fused first consumers: every publication goes through it
+    fused = cython.declare(cython.bint, visibility="public")
 
     def __init__(self, plan: GroupPlan, packed: PackedGroup | None) -> None:
         self.plan = plan
         self.packed = packed
+        self.fused = False
         self.ranged = set()
+        self.counts = None
+        self.ranges = []
         self.clear_counts()
 
     @cython.ccall
     def clear_counts(self) -> None:
         """Forget every count and range (a new epoch or a reopened group)."""
-        self.counts = [None] * len(self.plan.members)
-        self.ranges = []
-        self.ranged.clear()
+        k: cython.Py_ssize_t
+        if self.counts is None:
+            self.counts = [None] * len(self.plan.members)
+        elif self.count_bytes or self.active:  # in place: no new list per epoch
+            counts = self.counts
+            for k in range(len(counts)):
+                counts[k] = None
+        if self.ranges:
+            self.ranges = []
+        if self.ranged:
+            self.ranged.clear()
         self.range_bytes = 0
         self.count_bytes = 0
         self.active = 0
@@ -137,6 +150,79 @@ class GroupRecord:
         return max(self.packed.range_capacity - others, 0)
 
 
+#: what a counted member publishes (:class:`CountProgram`): real requests, padded requests,
+#: real tokens, padded tokens (each plus a fixed offset, e.g. a prefix of ``padded + 1``)
+REQS = 0
+PADDED_REQS = 1
+TOKENS = 2
+PADDED_TOKENS = 3
+
+
+@cython.cclass
+class CountProgram:
+    """A fused producer's count rules for one group record, bound once: row ``k`` of
+    ``rules`` is ``(member index, unit bytes, largest count stored here or -1, what, plus,
+    omit_if_uniform)``: member ``k`` publishes ``what`` (``REQS``, ``PADDED_REQS``,
+    ``TOKENS`` or ``PADDED_TOKENS``) plus ``plus`` units, or nothing when the step's uniform
+    mask has a bit of ``omit_if_uniform`` set. :meth:`store` reads C ints only: no tuple,
+    list or int object is made per step but the counts the record keeps."""
+
+    _rules = cython.declare(cython.longlong[:, ::1])
+    _size = cython.declare(cython.Py_ssize_t)
+
+    def __init__(self, rules: object) -> None:
+        import numpy as np
+
+        array = np.ascontiguousarray(np.asarray(rules, dtype=np.int64).reshape(-1, 6))
+        self._rules = array
+        self._size = array.shape[0]
+
+    @cython.ccall
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def store(self, record: GroupRecord, n: cython.longlong, p: cython.longlong,
+              t: cython.longlong, pt: cython.longlong, uniform: cython.longlong) -> cython.bint:
+        """Store every rule's count for ``n`` / ``p`` requests and ``t`` / ``pt`` tokens.
+        Returns False, storing nothing, when a count exceeds its member's largest (the
+        caller then raises the specific error the slow way)."""
+        rules = self._rules
+        k: cython.Py_ssize_t
+        v: cython.longlong
+        what: cython.longlong
+        for k in range(self._size):
+            if uniform & rules[k, 5]:
+                continue
+            what = rules[k, 3]
+            v = rules[k, 4] + (n if what == REQS else p if what == PADDED_REQS
+                               else t if what == TOKENS else pt)
+            if v < 0 or v > rules[k, 2]:
+                return False
+        for k in range(self._size):
+            if uniform & rules[k, 5]:
+                if record.counts[rules[k, 0]] is not None:
+                    record.omit(rules[k, 0])
+                continue
+            what = rules[k, 3]
+            v = rules[k, 4] + (n if what == REQS else p if what == PADDED_REQS
+                               else t if what == TOKENS else pt)
+            if not cython.compiled:
+                v = int(v)  # interpreted, the rules' reads are numpy ints
+            record.store_count(rules[k, 0], v, rules[k, 1])
+        return True
+
+    def values(self, n: int, p: int, t: int, pt: int, uniform: int) -> tuple[int | None, ...]:
+        """The counts :meth:`store` would store (None: omitted), for the slow path."""
+        out: list[int | None] = []
+        for row in range(self._size):
+            if uniform & self._rules[row, 5]:
+                out.append(None)
+                continue
+            what = self._rules[row, 3]
+            out.append(int(self._rules[row, 4]) + (n if what == REQS else p if what == PADDED_REQS
+                                                   else t if what == TOKENS else pt))
+        return tuple(out)
+
+
 # This source is also compiled by Cython, as ``h2d_core._records_native``, when the wheel is
 # built. Run interpreted, it hands over to that build (unless H2D_NATIVE=0 or it is missing:
 # block_tables.native decides and warns), so every caller gets the compiled record rules.
@@ -147,4 +233,5 @@ if not cython.compiled:
     _compiled = load_extension("h2d_core._records_native")
     if _compiled is not None:
         GroupRecord = _compiled.GroupRecord  # type: ignore[misc]
+        CountProgram = _compiled.CountProgram  # type: ignore[misc]
         COMPILED = True

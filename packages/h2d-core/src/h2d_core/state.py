@@ -29,6 +29,9 @@ from h2d_kernels import GroupMember, PackedGroup, arena_order
 from .buffer import BufferSpec, CountUnit, H2DBuffer, make_spec
 from .config import Backend, resolve_backend
 from .errors import BindingError, DeclarationError, UnknownGroupError
+from .fused import ConsumerFn, FusedConsumer
+from .fused import declare as declare_consumer
+from .fused import place as place_consumers
 from .group import GroupCounters, GroupPlan, find_shared_bytes, unit_view
 from .launch import SlotEvents
 from .publish import Publication
@@ -105,6 +108,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self._on_publish: dict[str, list[tuple[H2DBuffer, Callable[[], None], bool]]] = {}
         #: called by reset(): attached state that must forget what the GPU holds
         self._reset_hooks: list[Callable[[], None]] = []
+        self._fused: list[FusedConsumer] = []
 
     # ------------------------------------------------------------------ declaration
     def buffer(
@@ -191,6 +195,20 @@ class H2DRunnerState(SlotLifecycle, Publication):
             raise DeclarationError(f"combined group {name!r} lists a producer group twice")
         self._combined[name] = tuple(groups)
 
+    def fuse_consumer(self, name: str, members: Sequence[H2DBuffer],
+                      fn: ConsumerFn) -> FusedConsumer:
+        """Declare a first consumer the publication of ``members``' group enqueues itself,
+        right after its scatter (inside its CUDA graphs): ``fn(header, rows)`` with the
+        device arena's header and the members' header rows (see :mod:`h2d_core.fused`).
+        After ``bind()``, the returned handle's ``fused`` says whether it was fused (the
+        members travel in one packed group); if not, the caller launches the consumer."""
+        self._check_thread()
+        if self._bound:
+            raise DeclarationError(f"fused consumer {name!r}: declare it before bind()")
+        consumer = declare_consumer(name, members, fn, self._buffers)
+        self._fused.append(consumer)
+        return consumer
+
     # ------------------------------------------------------------------ binding
     def bind(self) -> None:
         """Fix all storage: plan groups, allocate per-slot sources/arenas, check overlaps."""
@@ -251,10 +269,12 @@ class H2DRunnerState(SlotLifecycle, Publication):
 
         slot_groups: list[list[GroupRecord]] = [[] for _ in range(self.num_slots)]
         sources: dict[str, list[torch.Tensor]] = {b: [] for b in self._buffers}
+        fused = place_consumers(self._fused, plans)
         try:
             for plan in plans.values():
                 for slot in range(self.num_slots):
-                    slot_groups[slot].append(self._bind_group(plan, sources, slot))
+                    slot_groups[slot].append(self._bind_group(
+                        plan, sources, slot, [c.bound() for c in fused.get(plan.name, ())]))
         except ValueError as exc:  # layout/destination rejections from h2d_kernels
             raise BindingError(f"cannot bind packed storage: {exc}") from exc
 
@@ -295,7 +315,8 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self._bound = True
 
     def _bind_group(
-        self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]], slot: int
+        self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]], slot: int,
+        consumers: Sequence[Callable[[torch.Tensor], None]] = (),
     ) -> GroupRecord:
         own = [b for b in plan.members if b.name not in plan.borrowed]
         if not plan.packed:
@@ -308,11 +329,15 @@ class H2DRunnerState(SlotLifecycle, Publication):
         # Primary groups are bound first (publication order), so borrowed sources exist.
         packed = PackedGroup.bind(
             [_group_member(b, b.name in plan.borrowed) for b in plan.members], self.device,
-            self._scatter, self._cuda, {n: sources[n][slot] for n in plan.borrowed})
+            self._scatter, self._cuda, {n: sources[n][slot] for n in plan.borrowed},
+            consumers)
         for buf, src in zip(plan.members, packed.sources, strict=True):
             if buf.name not in plan.borrowed:
                 sources[buf.name].append(src)
-        return GroupRecord(plan, packed)
+        record = GroupRecord(plan, packed)
+        # its consumers read the arena's header: every publication goes through the arena
+        record.fused = bool(consumers)
+        return record
 
     def buffers(self) -> Mapping[str, H2DBuffer]:
         return dict(self._buffers)

@@ -27,6 +27,7 @@ from block_tables.spans import row_keys
 from h2d_kernels import RANGE_OVERHEAD
 
 from .errors import CountError, DeclarationError, DuplicatePublicationError
+from .records import PADDED_REQS, PADDED_TOKENS, REQS, TOKENS, CountProgram
 
 try:
     import cython
@@ -37,12 +38,6 @@ REUSED = "reused"
 PARTIAL = "partial"
 WHOLE = "whole"
 
-#: what a counted member publishes: real requests, padded requests, real tokens, padded
-#: tokens (each plus a fixed offset, e.g. a prefix of ``padded + 1`` entries)
-REQS = 0
-PADDED_REQS = 1
-TOKENS = 2
-PADDED_TOKENS = 3
 
 
 class PublishedTable(NamedTuple):
@@ -181,10 +176,11 @@ class LayoutStep:
     sources and prepared table; ``table`` is the :class:`~h2d_core.BlockTableState` those
     layouts read (None: a layout without a table, whose ``run`` ignores ``rows``);
     ``pad_rows`` the empty rows padded requests take; ``counts`` one
-    :class:`CountRule` per counted member (stored in one call when one group record holds
-    them all, a fused producer's usual case); ``sum_column`` a layout column whose sum
-    ``run`` returns (-1: none). A rejected batch raises ``error`` (a :class:`~h2d_core.CountError`
-    subclass) naming the request and column, before any source is written.
+    :class:`CountRule` per counted member (a :class:`~h2d_core.records.CountProgram` stores
+    them in one call when one group record holds them all, a fused producer's usual case);
+    ``sum_column`` a layout column whose sum ``run`` returns (-1: none). A rejected batch
+    raises ``error`` (a :class:`~h2d_core.CountError` subclass) naming the request and
+    column, before any source is written.
     """
 
     name = cython.declare(str, visibility="readonly")
@@ -195,7 +191,7 @@ class LayoutStep:
     _pad_rows = cython.declare(list)
     _error = cython.declare(object)
     _record_index = cython.declare(cython.Py_ssize_t)
-    _entries = cython.declare(tuple)
+    _program = cython.declare(object)
     _rules = cython.declare(tuple)
     _sum_column = cython.declare(cython.Py_ssize_t)
     _slow = cython.declare(object)
@@ -219,9 +215,15 @@ class LayoutStep:
         homes = {gi for rule in counts for gi, _ in rule.buffer.homes}
         single = len(homes) == 1 and all(len(rule.buffer.homes) == 1 for rule in counts)
         self._record_index = homes.pop() if single else -1
-        self._entries = tuple((r.buffer.homes[0][1], r.buffer._unit_bytes,
-                               r.buffer._fast_capacity) for r in counts)
-        self._rules = tuple((r.what, r.plus, r.omit_if_uniform) for r in counts)
+        for r in counts:
+            if r.what not in (REQS, PADDED_REQS, TOKENS, PADDED_TOKENS):
+                raise DeclarationError(
+                    f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts {r.what!r}; use "
+                    "REQS, PADDED_REQS, TOKENS or PADDED_TOKENS")
+        self._rules = tuple((r.buffer.homes[0][1], r.buffer._unit_bytes,
+                             r.buffer._fast_capacity, r.what, r.plus, r.omit_if_uniform)
+                            for r in counts)
+        self._program = CountProgram(self._rules)
         self._sum_column = sum_column
         # the specific error for a count out of range (none is, for a bound layout)
         self._slow = state.count_batch([r.buffer for r in counts])
@@ -260,25 +262,11 @@ class LayoutStep:
             self._snapshots[slot].prepare(rows, required_pages=layout.required_pages)
         total: cython.longlong = layout.write()
         uniform: cython.longlong = layout.uniform_mask
-        counts: list[Any] = []
-        k: cython.Py_ssize_t
-        for k in range(len(self._rules)):
-            what, plus, omit = self._rules[k]
-            if uniform & omit:
-                counts.append(None)
-            elif what == REQS:
-                counts.append(n + plus)
-            elif what == PADDED_REQS:
-                counts.append(p + plus)
-            elif what == TOKENS:
-                counts.append(t + plus)
-            else:
-                counts.append(pt + plus)
-        values_in = tuple(counts)
         records: list = st._slot_groups[slot]
-        if self._record_index < 0 or not records[self._record_index].store_counts(
-                self._entries, values_in):
-            self._slow.set(*values_in)  # or raises the specific CountError
+        if self._record_index < 0 or not self._program.store(
+                records[self._record_index], n, p, t, pt, uniform):
+            # members in several records, or a count out of range (the specific error)
+            self._slow.set(*self._program.values(n, p, t, pt, uniform))
         stage = "" if table is None else stage_table(table, st, slot, p)
         q = layout.max_query_len
         return (n, p, q if q > 0 else 1, t, pt, total, stage, uniform,

@@ -40,6 +40,9 @@ from h2d_kernels.scatter import (
 ScatterChoice = Literal["auto", "triton", "reference"]
 LaunchChoice = Literal["auto", "compiled", "graph", "jit"]
 DmaChoice = Literal["auto", "driver", "torch"]
+#: a publication's first consumer: called with the device arena's header rows, on the
+#: publication's stream (see :class:`PackedArena`)
+Consumer = Callable[[torch.Tensor], None]
 
 DEFAULT_LAUNCH: Literal["compiled", "graph", "jit"] = "graph"
 """Launch path used by ``launch="auto"`` on CUDA: the lowest host time measured on the H200
@@ -137,6 +140,14 @@ class PackedArena:
     from a CUDA graph per size bucket), ``"jit"`` (Triton's dispatcher) or
     ``"auto"``. ``dma`` (CUDA): ``"driver"`` (``cuMemcpyHtoDAsync``) or
     ``"torch"`` (``Tensor.copy_``).
+
+    ``consumers`` are a publication's first consumers: each is called as
+    ``consumer(device_header)`` right after the scatter is enqueued, on the publication's
+    stream (the current stream while it runs), on every path. Under ``launch="graph"``
+    they are captured into each bucket's graph, so one graph launch does the DMA, the
+    scatter and the consumers; their kernels must then read the step's counts from
+    ``device_header`` (row ``i``, column 1: member ``i``'s published bytes), never take
+    them as launch arguments.
     """
 
     def __init__(
@@ -149,6 +160,7 @@ class PackedArena:
         launch: LaunchChoice = "auto",
         dma: DmaChoice = "auto",
         config: ScatterConfig | None = None,
+        consumers: Sequence[Consumer] = (),
     ) -> None:
         dev = _resolve_device(destinations, device)
         scatter_kind, launch_kind, dma_kind = _choose_paths(dev, scatter, launch, dma)
@@ -176,6 +188,10 @@ class PackedArena:
         self.header_np: np.ndarray = (
             self.host_np[: layout.header_bytes].view(np.int64).reshape(layout.num_ranges, 4)
         )
+        #: the device arena's header rows, as the scatter reads them (int64 [num_ranges, 4])
+        self.device_header = (
+            self.device_arena[: layout.header_bytes].view(torch.int64).view(layout.num_ranges, 4))
+        self.consumers: tuple[Consumer, ...] = tuple(consumers)
         self._payload_np = tuple(self.host_np[r.offset : r.end] for r in layout.regions)
         self._payload_host = tuple(self.host[r.offset : r.end] for r in layout.regions)
         self._dest_nbytes = tuple(n for _, n in spans)
@@ -258,11 +274,15 @@ class PackedArena:
     def _publish_cpu_reference(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
         self._device_np[:dma_bytes] = self.host_np[:dma_bytes]
         scatter_bytes(self._device_np, self._device_header_np, self._dest_views)
+        for consumer in self.consumers:
+            consumer(self.device_header)
 
     def _publish_cpu_triton(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
         self._device_np[:dma_bytes] = self.host_np[:dma_bytes]
         grid = self._grid[bucket_index(dma_bytes)]
         launch_jit(self.device_arena, self.dest_table, self.num_ranges, grid, self.config)
+        for consumer in self.consumers:
+            consumer(self.device_header)
 
     # -- CUDA --------------------------------------------------------------------------------
 
@@ -341,6 +361,18 @@ class PackedArena:
     def _enqueue_compiled(self, nbytes: int, stream: int) -> None:
         self._enqueue_dma(nbytes, stream)
         self._launch_scatter(self._grid[bucket_index(nbytes)], stream)
+        self._enqueue_consumers(stream)
+
+    def _enqueue_consumers(self, stream: int) -> None:
+        if not self.consumers:
+            return
+        if stream == torch._C._cuda_getCurrentRawStream(self._index):
+            for consumer in self.consumers:
+                consumer(self.device_header)
+            return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream, device=self.device)):
+            for consumer in self.consumers:
+                consumer(self.device_header)
 
     def _publish_compiled(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
         self._enqueue_compiled(dma_bytes, self._raw_stream(stream))
@@ -366,6 +398,7 @@ class PackedArena:
         else:
             with torch.cuda.stream(stream):
                 launch_jit(self.device_arena, self.dest_table, self.num_ranges, grid, self.config)
+        self._enqueue_consumers(handle)
 
 
 def _choose_paths(

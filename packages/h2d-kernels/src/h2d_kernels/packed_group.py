@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from h2d_kernels.arena import PackedArena
+from h2d_kernels.arena import Consumer, PackedArena
 from h2d_kernels.layout import ArenaMember, plan_arena
 from h2d_kernels.native import helper as _native
 
@@ -122,7 +122,8 @@ class PackedGroup:
     """
 
     def __init__(self, members: Sequence[GroupMember], device: torch.device, scatter: str,
-                 pin: bool, borrowed_sources: Mapping[str, torch.Tensor]) -> None:
+                 pin: bool, borrowed_sources: Mapping[str, torch.Tensor],
+                 consumers: Sequence[Consumer] = ()) -> None:
         places = [placement_of(m) for m in members]
         first_tail = next((i for i, p in enumerate(places) if p is Placement.TAIL),
                           len(members))
@@ -135,7 +136,7 @@ class PackedGroup:
             staging_before=first_tail,
         )
         arena = PackedArena(layout, [m.destination for m in members], device=device,
-                            scatter=scatter)  # type: ignore[arg-type]
+                            scatter=scatter, consumers=consumers)  # type: ignore[arg-type]
         header = arena.header_np
         header[:] = 0
         sources: list[torch.Tensor] = []
@@ -174,10 +175,14 @@ class PackedGroup:
     @classmethod
     def bind(cls, members: Sequence[GroupMember], device: torch.device | str,
              scatter: str = "auto", pin: bool = True,
-             borrowed_sources: Mapping[str, torch.Tensor] | None = None) -> PackedGroup:
+             borrowed_sources: Mapping[str, torch.Tensor] | None = None,
+             consumers: Sequence[Consumer] = ()) -> PackedGroup:
         """Plan and allocate one slot's arena for ``members`` (in arena order);
-        ``borrowed_sources`` maps each borrowed member's name to its pinned source."""
-        return cls(members, torch.device(device), scatter, pin, borrowed_sources or {})
+        ``borrowed_sources`` maps each borrowed member's name to its pinned source;
+        ``consumers`` run after every scatter, inside its graph (see
+        :class:`~h2d_kernels.PackedArena`; member ``i``'s header row is ``i``)."""
+        return cls(members, torch.device(device), scatter, pin, borrowed_sources or {},
+                   consumers)
 
     @property
     def compiled(self) -> bool:

@@ -72,6 +72,9 @@ class DecodeStepInputs:
     shared with a prefill path). ``native`` chooses the packages' compiled helpers (the
     request layout, the block-table snapshots, the count store): None uses them when
     built, True requires them, False always runs their interpreted sources.
+    ``fuse_kv_indices`` puts KV-index generation inside the step's publication (its CUDA
+    graphs, counts read on the device): ``decode.generate_kv_indices(plan)`` then launches
+    nothing (see :class:`MhaDecodeInputs`).
     """
 
     def __init__(
@@ -87,6 +90,7 @@ class DecodeStepInputs:
         max_drafts: int = 0,
         extra_groups: Sequence[str] = (),
         native: bool | None = None,
+        fuse_kv_indices: bool = False,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
@@ -94,7 +98,8 @@ class DecodeStepInputs:
                         max_drafts=max_drafts),
             MhaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                             max_pages_per_req=max_pages_per_req, page_size=page_size,
-                            num_pages=num_pages, max_ranges=max_ranges),
+                            num_pages=num_pages, max_ranges=max_ranges,
+                            fuse_kv_indices=fuse_kv_indices),
             DECODE_STEP, native, tuple(extra_groups),
         )
 

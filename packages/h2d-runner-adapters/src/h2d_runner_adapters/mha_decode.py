@@ -46,11 +46,20 @@ from block_tables import (
     request_layout,
 )
 from block_tables.native import select
-from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
+from h2d_core import (
+    CountError,
+    DeclarationError,
+    FusedConsumer,
+    H2DBuffer,
+    H2DRunnerState,
+    h2d_producer,
+)
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, int_value, padded_count
 from .consumers import generate_kv_indices
+from .consumers._launch import interpreted
+from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_header
 from .consumers.mrope import select_mrope_positions
 from .mrope import check_deltas, declare_mrope, mrope_planes, write_decode_planes
 from .paged import PagedInputs
@@ -97,6 +106,7 @@ class MhaDecodeInputs(PagedInputs):
         prefix: str = "",
         mrope: bool = False,
         group: str | None = None,
+        fuse_kv_indices: bool = False,
     ) -> None:
         g = group or f"{prefix}{MHA_DECODE}"
         super().__init__(state, g, f"{prefix}block_tables", max_reqs=max_reqs,
@@ -117,6 +127,16 @@ class MhaDecodeInputs(PagedInputs):
         # nothing on a hit; private, so nothing can append to it.
         self._pad_rows: list[BlockTable] = [BlockTable()] * max_reqs
         self._layouts: list[RequestLayout] = []  # per slot, made on first use
+        #: KV-index generation fused into the publication (its graphs) when the packed
+        #: group carries ``kv_indptr`` (see h2d_core.fused); None: launched by the caller
+        self.kv_indices_consumer: FusedConsumer | None = None
+        if fuse_kv_indices:
+            if state.device.type == "cpu" and not interpreted(_kv_indices_kernel):
+                raise DeclarationError(
+                    f"{g}: fuse_kv_indices on a CPU state runs the Triton kernel in its "
+                    "interpreter: set TRITON_INTERPRET=1 before triton is imported")
+            self.kv_indices_consumer = state.fuse_consumer(
+                f"{g}.kv_indices", [self.kv_indptr], self._enqueue_kv_indices)
 
     @h2d_producer(lambda self: self.group)
     def prepare(self, batch: ScheduledBatch, padded: int | None = None, *,
@@ -216,7 +236,16 @@ class MhaDecodeInputs(PagedInputs):
                                       plan.padded_tokens)
 
     def generate_kv_indices(self, plan: DecodePlan) -> torch.Tensor:
-        """First consumer: ``kv_indices`` for the plan's rows (padding included)."""
+        """First consumer: ``kv_indices`` for the plan's rows (padding included). Fused
+        (``fuse_kv_indices=True`` on a packed group), the publication already enqueued it,
+        with the row count read on the device: this launches nothing."""
+        fused = self.kv_indices_consumer
+        if fused is not None and fused.fused:
+            return self.kv_indices
         generate_kv_indices(self.block_tables.gpu, self.kv_indptr.gpu, self.kv_indices,
                             plan.padded_reqs)
         return self.kv_indices
+
+    def _enqueue_kv_indices(self, header: torch.Tensor, rows: tuple[int, ...]) -> None:
+        launch_kv_indices_from_header(self.block_tables.gpu, self.kv_indptr.gpu,
+                                      self.kv_indices, header, rows[0])

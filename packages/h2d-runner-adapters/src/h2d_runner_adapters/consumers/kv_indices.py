@@ -38,7 +38,7 @@ BLOCK_COLUMNS = 1024
 """Block-table columns one program copies (4 KiB of page ids)."""
 
 
-@triton.jit(do_not_specialize=["capacity", "num_rows"])
+@triton.jit(do_not_specialize=["capacity", "num_rows", "header_row"])
 def _kv_indices_kernel(  # type: ignore[no-untyped-def]
     block_tables_ptr,  # *i32 [S, B]
     bt_stride0,
@@ -47,10 +47,16 @@ def _kv_indices_kernel(  # type: ignore[no-untyped-def]
     kv_indptr_ptr,  # *i32 [>= num_rows + 1]
     kv_indices_ptr,  # *i32 [capacity]
     capacity,
-    num_rows,
+    num_rows,  # the rows, or (FROM_HEADER) the grid's largest
+    header_ptr,  # *i64 [rows, 4]: the arena header the publication's DMA carried
+    header_row,  # kv_indptr's row: column 1 holds its published bytes
     BLOCK: tl.constexpr,
+    FROM_HEADER: tl.constexpr,
 ):
     row = tl.program_id(0)
+    if FROM_HEADER:  # fused into the publication's graph: this step's rows, on the device
+        indptr_bytes = tl.load(header_ptr + header_row * 4 + 1)
+        num_rows = tl.minimum(tl.maximum(indptr_bytes // 4 - 1, 0), num_rows).to(tl.int32)
     live = row < num_rows
     start = tl.load(kv_indptr_ptr + row, mask=live, other=0)
     end = tl.load(kv_indptr_ptr + row + 1, mask=live, other=0)
@@ -81,7 +87,39 @@ def launch_kv_indices(
         kv_indices,
         kv_indices.numel(),
         num_rows,
+        kv_indptr,  # unread
+        0,
         BLOCK=BLOCK_COLUMNS,
+        FROM_HEADER=False,
+    )
+
+
+def launch_kv_indices_from_header(
+    block_tables: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    header: torch.Tensor,
+    header_row: int,
+) -> None:
+    """The same kernel, fused into a publication: the row count is ``kv_indptr``'s
+    published entries minus one, read from ``header[header_row, 1]`` (bytes) on the device;
+    the grid covers every row ``kv_indptr`` can hold, so one captured launch serves every
+    step. Arguments are checked once, by the adapter that declares the fusion."""
+    max_rows = kv_indptr.numel() - 1
+    grid = (bucket(max_rows), cdiv(max(block_tables.shape[1], 1), BLOCK_COLUMNS))
+    _kv_indices_kernel[grid](
+        block_tables,
+        block_tables.stride(0),
+        block_tables.stride(1),
+        block_tables.shape[1],
+        kv_indptr,
+        kv_indices,
+        kv_indices.numel(),
+        max_rows,
+        header,
+        header_row,
+        BLOCK=BLOCK_COLUMNS,
+        FROM_HEADER=True,
     )
 
 
