@@ -188,13 +188,10 @@ class CountProgram:
         rules = self._rules
         k: cython.Py_ssize_t
         v: cython.longlong
-        what: cython.longlong
         for k in range(self._size):
             if uniform & rules[k, 5]:
                 continue
-            what = rules[k, 3]
-            v = rules[k, 4] + (n if what == REQS else p if what == PADDED_REQS
-                               else t if what == TOKENS else pt)
+            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt)
             if v < 0 or v > rules[k, 2]:
                 return False
         for k in range(self._size):
@@ -202,9 +199,7 @@ class CountProgram:
                 if record.counts[rules[k, 0]] is not None:
                     record.omit(rules[k, 0])
                 continue
-            what = rules[k, 3]
-            v = rules[k, 4] + (n if what == REQS else p if what == PADDED_REQS
-                               else t if what == TOKENS else pt)
+            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt)
             if not cython.compiled:
                 v = int(v)  # interpreted, the rules' reads are numpy ints
             record.store_count(rules[k, 0], v, rules[k, 1])
@@ -217,10 +212,23 @@ class CountProgram:
             if uniform & self._rules[row, 5]:
                 out.append(None)
                 continue
-            what = self._rules[row, 3]
-            out.append(int(self._rules[row, 4]) + (n if what == REQS else p if what == PADDED_REQS
-                                                   else t if what == TOKENS else pt))
+            out.append(int(self._rules[row, 4]) + int(_counted(self._rules[row, 3], n, p, t, pt)))
         return tuple(out)
+
+
+@cython.cfunc
+@cython.inline
+def _counted(what: cython.longlong, n: cython.longlong, p: cython.longlong,
+             t: cython.longlong, pt: cython.longlong) -> cython.longlong:
+    """The quantity ``what`` names; literals, as the module's ``REQS`` ... are Python
+    objects (comparing a C int with one costs a call)."""
+    if what == 0:  # REQS
+        return n
+    if what == 1:  # PADDED_REQS
+        return p
+    if what == 2:  # TOKENS
+        return t
+    return pt  # PADDED_TOKENS
 
 
 # This source is also compiled by Cython, as ``h2d_core._records_native``, when the wheel is
