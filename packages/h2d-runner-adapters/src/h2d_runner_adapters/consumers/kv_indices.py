@@ -77,21 +77,7 @@ def launch_kv_indices(
     num_rows: int,
 ) -> None:
     """Launch the kernel on arguments the caller has already checked."""
-    grid = (bucket(num_rows), cdiv(max(block_tables.shape[1], 1), BLOCK_COLUMNS))
-    _kv_indices_kernel[grid](
-        block_tables,
-        block_tables.stride(0),
-        block_tables.stride(1),
-        block_tables.shape[1],
-        kv_indptr,
-        kv_indices,
-        kv_indices.numel(),
-        num_rows,
-        kv_indptr,  # unread
-        0,
-        BLOCK=BLOCK_COLUMNS,
-        FROM_HEADER=False,
-    )
+    _launch(block_tables, kv_indptr, kv_indices, num_rows, kv_indptr, 0, False)
 
 
 def launch_kv_indices_from_header(
@@ -105,8 +91,13 @@ def launch_kv_indices_from_header(
     published entries minus one, read from ``header[header_row, 1]`` (bytes) on the device;
     the grid covers every row ``kv_indptr`` can hold, so one captured launch serves every
     step. Arguments are checked once, by the adapter that declares the fusion."""
-    max_rows = kv_indptr.numel() - 1
-    grid = (bucket(max_rows), cdiv(max(block_tables.shape[1], 1), BLOCK_COLUMNS))
+    _launch(block_tables, kv_indptr, kv_indices, kv_indptr.numel() - 1, header, header_row,
+            True)
+
+
+def _launch(block_tables: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+            rows: int, header: torch.Tensor, header_row: int, from_header: bool) -> None:
+    grid = (bucket(rows), cdiv(max(block_tables.shape[1], 1), BLOCK_COLUMNS))
     _kv_indices_kernel[grid](
         block_tables,
         block_tables.stride(0),
@@ -115,11 +106,11 @@ def launch_kv_indices_from_header(
         kv_indptr,
         kv_indices,
         kv_indices.numel(),
-        max_rows,
-        header,
+        rows,
+        header,  # unread unless from_header
         header_row,
         BLOCK=BLOCK_COLUMNS,
-        FROM_HEADER=True,
+        FROM_HEADER=from_header,
     )
 
 
