@@ -39,7 +39,6 @@ PARTIAL = "partial"
 WHOLE = "whole"
 
 
-
 class PublishedTable(NamedTuple):
     """What the GPU destination holds: slot's snapshot, its revision, rows, row keys."""
 
@@ -192,7 +191,6 @@ class LayoutStep:
     _error = cython.declare(object)
     _record_index = cython.declare(cython.Py_ssize_t)
     _program = cython.declare(object)
-    _rules = cython.declare(tuple)
     _sum_column = cython.declare(cython.Py_ssize_t)
     _slow = cython.declare(object)
 
@@ -220,10 +218,9 @@ class LayoutStep:
                 raise DeclarationError(
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts {r.what!r}; use "
                     "REQS, PADDED_REQS, TOKENS or PADDED_TOKENS")
-        self._rules = tuple((r.buffer.homes[0][1], r.buffer._unit_bytes,
-                             r.buffer._fast_capacity, r.what, r.plus, r.omit_if_uniform)
-                            for r in counts)
-        self._program = CountProgram(self._rules)
+        self._program = CountProgram([(r.buffer.homes[0][1], r.buffer._unit_bytes,
+                                       r.buffer._fast_capacity, r.what, r.plus,
+                                       r.omit_if_uniform) for r in counts])
         self._sum_column = sum_column
         # the specific error for a count out of range (none is, for a bound layout)
         self._slow = state.count_batch([r.buffer for r in counts])
