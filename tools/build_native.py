@@ -1,6 +1,7 @@
 """Build the packages' C extensions in place, for a checkout used through PYTHONPATH.
 
-    python3 tools/build_native.py            # every package with extensions
+    python3 tools/build_native.py                 # every package with extensions
+    python3 tools/build_native.py block-tables    # only the packages named (directories)
 
 Installed packages get their extensions from their wheels (each package's hatch_build.py);
 this does the same compilation into ``packages/*/src/<package>/`` (ignored by git), for
@@ -28,9 +29,17 @@ def _hook_module():  # type: ignore[no-untyped-def]
     return module
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     hook = _hook_module()
-    for root in sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml")):
+    roots = sorted(p.parent for p in (ROOT / "packages").glob("*/pyproject.toml"))
+    unknown = set(argv) - {r.name for r in roots}
+    if unknown:
+        print(f"unknown packages {sorted(unknown)}; choose from {[r.name for r in roots]}",
+              file=sys.stderr)
+        return 2
+    for root in roots:
+        if argv and root.name not in argv:
+            continue
         if not hook.extensions_of(root)[0]:
             continue
         with tempfile.TemporaryDirectory() as out:
@@ -45,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,24 +1,20 @@
-"""Hatchling build hook: compile a package's C extensions when its wheel is built.
+"""Hatchling build hook: compile a package's Cython extensions when its wheel is built.
 
 Shared by every package of the workspace that has compiled parts (``h2d-core`` and
-``h2d-runner-adapters`` link to this file). A package lists its extensions in its
+``h2d-kernels`` link to this file). A package lists its extensions in its
 ``pyproject.toml``::
 
     [tool.hatch.build.targets.wheel.hooks.custom]
-    extensions = { "block_tables._block_tables_native" = "src/block_tables/_snapshot_native.c" }
+    extensions = { "block_tables._block_tables_native" = "src/block_tables/_snapshot.pyx" }
     numpy = ["block_tables._block_tables_native"]   # sources that include numpy's headers
 
-A source ending in ``.py`` is a module written in Cython's pure-Python mode: Cython turns
-it into C first, as the extension named in the table (e.g. ``h2d_core._records_native``
-from ``records.py``). The ``.py`` stays in the wheel, runs interpreted where the extension
-is missing, and otherwise hands over to it (``H2D_NATIVE`` decides, as for the C
-helpers). Each extension is compiled with setuptools' ``build_ext`` (the platform's
-compiler and flags) and added to the wheel, which then gets a platform tag. Importing the
-installed package never compiles anything.
-
-Without a working compiler the wheel is built pure (the packages then run their Python
-paths and warn once at import), unless ``H2D_NATIVE=1`` asks for the extensions: then the
-build fails. ``H2D_NATIVE=0`` builds no extension.
+Every source is Cython: a ``.pyx`` module, or a ``.py`` module in Cython's pure-Python
+mode (e.g. ``h2d_core._records_native`` from ``records.py``, which mypy and ruff check
+too; run interpreted, that ``.py`` only hands over to its compiled build). Cython turns
+each into C, and setuptools' ``build_ext`` compiles it with the platform's compiler and
+flags; the wheel then gets a platform tag. The compiled core is required: a build that
+cannot compile an extension fails, naming it. Importing the installed package never
+compiles anything.
 
 ``python3 tools/build_native.py`` uses :func:`build_extensions` to build them in place
 (``src/<package>/``) for a checkout used through ``PYTHONPATH``.
@@ -29,7 +25,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +44,7 @@ class NativeBuildFailed(RuntimeError):
 
 
 def extensions_of(root: Path) -> tuple[dict[str, Path], frozenset[str]]:
-    """(module name -> C source, names that need numpy's headers) from ``root``'s
+    """(module name -> Cython source, names that need numpy's headers) from ``root``'s
     pyproject.toml."""
     data = tomllib.loads((root / "pyproject.toml").read_text())
     config = (data.get("tool", {}).get("hatch", {}).get("build", {}).get("targets", {})
@@ -74,7 +69,7 @@ def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
             include.append(numpy.get_include())
         with tempfile.TemporaryDirectory() as temp:
             c_source = source
-            if source.suffix == ".py":
+            if source.suffix in (".py", ".pyx"):
                 c_source = _cythonize(name, source, Path(temp))
             ext = Extension(name, [str(c_source)], include_dirs=include,
                             extra_compile_args=["-O2", "-fno-strict-aliasing"]
@@ -93,7 +88,8 @@ def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
 
 
 def _cythonize(name: str, source: Path, temp: Path) -> Path:
-    """C translation of a pure-Python-mode module, written under ``temp``."""
+    """C translation of a Cython module (``.pyx``, or ``.py`` in pure-Python mode), written
+    under ``temp``."""
     try:
         from Cython.Compiler.Main import CompilationOptions, compile_single
     except ImportError as exc:
@@ -114,20 +110,10 @@ class NativeExtensionsHook(BuildHookInterface):  # type: ignore[misc,valid-type]
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
         if self.target_name != "wheel":
             return
-        mode = os.environ.get("H2D_NATIVE", "auto").strip().lower() or "auto"
-        if mode == "0":
-            return
         root = Path(self.root)
         self._temp = tempfile.TemporaryDirectory(prefix="h2d-native-")
         out = Path(self._temp.name)
-        try:
-            built = build_extensions(root, out)
-        except NativeBuildFailed as exc:
-            if mode == "1":
-                raise
-            warnings.warn(f"{exc}\nBuilding a pure-Python wheel: the package will run its "
-                          "slower Python paths", stacklevel=1)
-            return
+        built = build_extensions(root, out)  # NativeBuildFailed: no wheel without its core
         for path in built.values():
             build_data["force_include"][str(path)] = str(path.relative_to(out))
         build_data["pure_python"] = False

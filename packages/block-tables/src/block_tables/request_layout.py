@@ -954,17 +954,10 @@ def _input(name: str, what: str, value: object) -> None:
         f"per request), got {_describe(value)}")
 
 
-# Run interpreted, this source hands over to its compiled build (unless H2D_NATIVE=0 or it
-# is missing: block_tables.native decides and warns), so every caller gets the compiled
-# loops.
-COMPILED: bool = cython.compiled
-#: this source's class run interpreted (the compiled one replaces ``RequestLayout``); the
-#: tests hold the two to the same results
-INTERPRETED = RequestLayout
+# This source is compiled by Cython, as ``block_tables._request_layout``, when the package
+# is built; run interpreted, it only hands over to that build (required).
 if not cython.compiled:
-    from .native import load_extension
+    from .native import require_extension
 
-    _compiled = load_extension("block_tables._request_layout")
-    if _compiled is not None:
-        RequestLayout = _compiled.RequestLayout  # type: ignore[misc]
-        COMPILED = True
+    RequestLayout = require_extension(  # type: ignore[misc]
+        "block_tables._request_layout").RequestLayout

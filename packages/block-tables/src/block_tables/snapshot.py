@@ -47,7 +47,7 @@ from .errors import (
     StorageError,
 )
 from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable
-from .native import load_extension, select
+from .native import refuse_interpreted, require_extension
 from .validation import (
     INT32_MAX,
     INT32_MIN,
@@ -74,9 +74,8 @@ _INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows alwa
 
 Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 
-_native = load_extension("block_tables._block_tables_native")
-if _native is not None:
-    _native.configure(BlockTable, LENGTH_BITS)
+_native = require_extension("block_tables._block_tables_native")
+_native.configure(BlockTable, LENGTH_BITS)
 
 
 def _key(version: int, length: int) -> int:
@@ -143,7 +142,8 @@ class PageTableSnapshot:
         native: bool | None = None,
     ) -> None:
         _check_arguments(storage, pool_limit, fill_value, history)
-        module = select(_native, native, "PageTableSnapshot")
+        refuse_interpreted(native, "PageTableSnapshot")
+        module = _native
         rows, width = storage.shape
         self._storage = storage
         self._flat = storage.reshape(-1)  # fixed flat view for single-page scatters

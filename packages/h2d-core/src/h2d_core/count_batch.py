@@ -12,11 +12,10 @@ from collections.abc import Sequence
 from threading import get_ident
 from typing import TYPE_CHECKING
 
-from block_tables.native import NativeBuildError
+from block_tables.native import refuse_interpreted
 
 from .buffer import H2DBuffer
 from .errors import CountError, DeclarationError, DuplicatePublicationError
-from .records import COMPILED as RECORDS_COMPILED
 
 if TYPE_CHECKING:
     from .owner import StateOwner
@@ -56,13 +55,9 @@ class CountBatch:
         self._entries = tuple((b, b.homes, b._unit_bytes, b._fast_capacity) for b in buffers)
         # One record carries every member (the usual case: one fused producer, one group):
         # the record stores all counts in one call (compiled with records.py).
-        if native and not RECORDS_COMPILED:
-            raise NativeBuildError(
-                "CountBatch: native=True but the compiled helper is unavailable (records.py "
-                "runs interpreted: not built, or H2D_NATIVE=0 at build)"
-            )
+        refuse_interpreted(native, "CountBatch")
         gis = {gi for b in buffers for gi, _ in b.homes}
-        single = native is not False and len(gis) == 1 and all(len(b.homes) == 1
+        single = len(gis) == 1 and all(len(b.homes) == 1
                                                                for b in buffers)
         self._record = gis.pop() if single else -1
         self._fused = tuple((b.homes[0][1], b._unit_bytes, b._fast_capacity) for b in buffers)

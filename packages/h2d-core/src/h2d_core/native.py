@@ -1,10 +1,10 @@
-"""h2d_core's C helper (``_core_native.c``, built into the wheel by hatch_build.py): the
-slots' driver events (:mod:`~h2d_core.launch`). None when it is not installed or
-``H2D_NATIVE=0`` (:mod:`block_tables.native` says which; torch events then run). The
-record rules are ``records.py``, compiled by Cython as ``h2d_core._records_native``."""
+"""h2d_core's compiled driver-event helper (``h2d_core._h2d_core_native``), required at
+import: the slots' driver events (:mod:`~h2d_core.launch`). The record rules are
+``records.py`` and the step ``step.py``, compiled by Cython as ``h2d_core._records_native``
+and ``h2d_core._step_native``."""
 
 from __future__ import annotations
 
-from block_tables.native import load_extension
+from block_tables.native import require_extension
 
-native = load_extension("h2d_core._h2d_core_native")
+native = require_extension("h2d_core._h2d_core_native")

@@ -231,15 +231,12 @@ def _counted(what: cython.longlong, n: cython.longlong, p: cython.longlong,
     return pt  # PADDED_TOKENS
 
 
-# This source is also compiled by Cython, as ``h2d_core._records_native``, when the wheel is
-# built. Run interpreted, it hands over to that build (unless H2D_NATIVE=0 or it is missing:
-# block_tables.native decides and warns), so every caller gets the compiled record rules.
-COMPILED: bool = cython.compiled
+# This source is compiled by Cython, as ``h2d_core._records_native``, when the package is
+# built; run interpreted, it only hands over to that build (required: block_tables.native
+# names the fix when it is missing), so every caller gets the compiled record rules.
 if not cython.compiled:
-    from block_tables.native import load_extension
+    from block_tables.native import require_extension
 
-    _compiled = load_extension("h2d_core._records_native")
-    if _compiled is not None:
-        GroupRecord = _compiled.GroupRecord  # type: ignore[misc]
-        CountProgram = _compiled.CountProgram  # type: ignore[misc]
-        COMPILED = True
+    _compiled = require_extension("h2d_core._records_native")
+    GroupRecord = _compiled.GroupRecord  # type: ignore[misc]
+    CountProgram = _compiled.CountProgram  # type: ignore[misc]

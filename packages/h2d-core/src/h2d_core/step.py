@@ -12,8 +12,7 @@ count what) and keep their public API; nothing here knows a model family.
 (reused, changed spans as ranges, or whole rows); :class:`BlockTableState.stage
 <h2d_core.BlockTableState.stage>` and :class:`LayoutStep` both call it.
 
-Compiled by Cython as ``h2d_core._step_native`` when the wheel is built; this source runs
-interpreted where the build is missing (``H2D_NATIVE`` decides, as for every helper).
+Compiled by Cython as ``h2d_core._step_native`` when the package is built (required).
 """
 
 from __future__ import annotations
@@ -270,16 +269,12 @@ class LayoutStep:
                 layout.column_sum(self._sum_column) if self._sum_column >= 0 else 0)
 
 
-# This source is also compiled by Cython, as ``h2d_core._step_native``, when the wheel is
-# built. Run interpreted, it hands over to that build (unless H2D_NATIVE=0 or it is
-# missing: block_tables.native decides and warns).
-COMPILED: bool = cython.compiled
+# This source is compiled by Cython, as ``h2d_core._step_native``, when the package is
+# built; run interpreted, it only hands over to that build (required).
 if not cython.compiled:
-    from block_tables.native import load_extension
+    from block_tables.native import require_extension
 
-    _compiled = load_extension("h2d_core._step_native")
-    if _compiled is not None:
-        stage_table = _compiled.stage_table
-        LayoutStep = _compiled.LayoutStep  # type: ignore[misc]
-        PublishedTable = _compiled.PublishedTable  # type: ignore[misc]
-        COMPILED = True
+    _compiled = require_extension("h2d_core._step_native")
+    stage_table = _compiled.stage_table
+    LayoutStep = _compiled.LayoutStep  # type: ignore[misc]
+    PublishedTable = _compiled.PublishedTable  # type: ignore[misc]

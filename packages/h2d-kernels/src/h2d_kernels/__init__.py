@@ -22,7 +22,6 @@ from h2d_kernels.errors import (
     DestinationOverlapError,
     H2DKernelsError,
     NativeRequiredError,
-    NativeUnavailableWarning,
     PublishError,
     ScatterBackendError,
 )
@@ -75,7 +74,6 @@ __all__ = [
     "H2DKernelsError",
     "MemberRegion",
     "NativeRequiredError",
-    "NativeUnavailableWarning",
     "PackedArena",
     "PackedGroup",
     "Placement",

@@ -57,8 +57,4 @@ class ScatterBackendError(H2DKernelsError, RuntimeError):
 
 
 class NativeRequiredError(H2DKernelsError, ImportError):
-    """``H2D_NATIVE=1`` asked for the compiled publication helper, which is not installed."""
-
-
-class NativeUnavailableWarning(RuntimeWarning):
-    """The compiled publication helper is not installed; the Python path runs instead."""
+    """The compiled publication core is not built (the package cannot run without it)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from block_tables import request_layout
 from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
@@ -157,9 +156,8 @@ class DecodeStepInputs:
 
     @property
     def native(self) -> bool:
-        """Whether the compiled request layout runs (else its interpreted source)."""
-        # (with H2D_NATIVE=0 or no build, RequestLayout is the interpreted class itself)
-        return self._layout_class is not request_layout.INTERPRETED
+        """Always True: every rule runs compiled (kept for source compatibility)."""
+        return True
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE)
     def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodeStepPlan:

@@ -43,9 +43,8 @@ from block_tables import (
     LayoutColumn,
     RequestLayout,
     RequestLayoutError,
-    request_layout,
 )
-from block_tables.native import select
+from block_tables.native import refuse_interpreted
 from h2d_core import (
     CountError,
     DeclarationError,
@@ -68,13 +67,10 @@ MHA_DECODE = "mha_decode"
 
 
 def select_layout(native: bool | None, what: str) -> type[RequestLayout]:
-    """The compiled :class:`RequestLayout` (None: when built; True: required, raising
-    ``NativeBuildError`` naming ``what``) or, for False, the same source interpreted."""
-    if native is False or (native is None and not request_layout.COMPILED):
-        return request_layout.INTERPRETED
-    if not request_layout.COMPILED:
-        select(None, True, what)  # raises NativeBuildError
-    return request_layout.RequestLayout
+    """The compiled :class:`RequestLayout` (the only one); ``native=False``, kept for
+    source compatibility, asked for the removed interpreted mode and raises."""
+    refuse_interpreted(native, what)
+    return RequestLayout
 
 
 class DecodePlan(NamedTuple):
