@@ -31,23 +31,15 @@ TRITON = "triton==3.6.0"
 TEST_DEPS = ["numpy", "pytest", "hypothesis"]
 # the CPU suites in parallel, one worker per core (CI has 2): each worker is its own process
 PARALLEL = ["pytest-xdist"]
-# CI requires the compiled hot paths (built into each wheel by its hatch_build.py): a build
-# failure fails the run instead of falling back to the Python path. Tests that compare both
-# paths force the Python one per object (native=False) or block the extensions in a
-# subprocess. An explicit H2D_NATIVE in the environment wins (.ci/run sets 0 only on a
-# machine without a C compiler, and says so).
-NATIVE = {"H2D_NATIVE": os.environ.get("H2D_NATIVE", "1")}
-
 nox.options.sessions = ["block_tables", "tests"]
 nox.options.default_venv_backend = "venv"
 
 
 def _install_local(session: nox.Session, packages: list[Path]) -> None:
-    # Each package's wheel is built here: hatch_build.py compiles its C extensions and
-    # Cython pure-Python-mode modules; H2D_NATIVE=1 makes a build failure fail the session.
+    # Each package's wheel is built here: hatch_build.py compiles its Cython core (required:
+    # a build failure fails the session).
     session.install("hatchling", "setuptools", "cython")
-    session.install("--no-deps", "--no-build-isolation", *[str(p) for p in packages],
-                    env=NATIVE)
+    session.install("--no-deps", "--no-build-isolation", *[str(p) for p in packages])
 
 
 def _test_dirs() -> list[str]:
@@ -69,8 +61,7 @@ def block_tables(session: nox.Session) -> None:
         "sys.exit('torch is installed in the block_tables session' "
         "if importlib.util.find_spec('torch') else 0)",
     )
-    session.run("python", "-m", "pytest", "packages/block-tables/tests", *session.posargs,
-                env=NATIVE)
+    session.run("python", "-m", "pytest", "packages/block-tables/tests", *session.posargs)
 
 
 @nox.session
@@ -80,7 +71,7 @@ def tests(session: nox.Session) -> None:
     _install_local(session, PACKAGES)
     session.run(
         "python", "-m", "pytest", "-n", "auto", *_test_dirs(), *session.posargs,
-        env={"TRITON_INTERPRET": "1", **NATIVE},
+        env={"TRITON_INTERPRET": "1"},
     )
 
 
@@ -97,7 +88,7 @@ def gpu(session: nox.Session) -> None:
     src = os.pathsep.join(str(p / "src") for p in PACKAGES)
     session.run(
         "python", "-m", "pytest", *_test_dirs(), *session.posargs,
-        env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1", **NATIVE},
+        env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1"},
     )
 
 
@@ -112,7 +103,7 @@ def gpu2(session: nox.Session) -> None:
     src = os.pathsep.join(str(p / "src") for p in PACKAGES)
     session.run(
         "python", "-m", "pytest", "-s", "tests-integration/test_pipeline_two_gpus.py",
-        *session.posargs, env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1", **NATIVE},
+        *session.posargs, env={"PYTHONPATH": src, "RUN_H2D_GPU_TESTS": "1"},
     )
 
 
@@ -136,7 +127,7 @@ def stress(session: nox.Session) -> None:
         "CPU or snapshot or BackendsAgree or forked",
         *session.posargs,
         env={"H2D_STATEFUL_EXAMPLES": examples, "TRITON_INTERPRET": "1",
-             "H2D_LINEAGE_WORKERS": "16", "H2D_LINEAGE_ROWS": "2000", **NATIVE},
+             "H2D_LINEAGE_WORKERS": "16", "H2D_LINEAGE_ROWS": "2000"},
     )
 
 
@@ -150,14 +141,14 @@ def sanitize(session: nox.Session) -> None:
     session.install("hatchling", "setuptools", "cython")
     session.install("--no-deps", "--no-build-isolation", "--no-cache-dir",
                     *[str(p) for p in PACKAGES],
-                    env={**NATIVE, "CFLAGS": flags, "LDFLAGS": "-fsanitize=address,undefined"})
+                    env={"CFLAGS": flags, "LDFLAGS": "-fsanitize=address,undefined"})
     libs = [session.run("gcc", f"-print-file-name={lib}", silent=True,
                         external=True).strip()  # type: ignore[union-attr]
             for lib in ("libasan.so", "libubsan.so")]
     core = [str(ROOT / "packages" / p / "tests")
             for p in ("block-tables", "h2d-core", "h2d-kernels")]
     session.run("python", "-m", "pytest", "-q", *core, *session.posargs, env={
-        "LD_PRELOAD": " ".join(libs), "TRITON_INTERPRET": "1", **NATIVE,
+        "LD_PRELOAD": " ".join(libs), "TRITON_INTERPRET": "1",
         "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:verify_asan_link_order=0",
         "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"})
 
@@ -176,8 +167,7 @@ def instructions(session: nox.Session) -> None:
     benchmarks/instruction_budgets.json (needs valgrind and a C compiler)."""
     session.install(TORCH, TRITON, "numpy")
     _install_local(session, PACKAGES)
-    session.run("python", "benchmarks/instructions.py", "--check", *session.posargs,
-                env=NATIVE)
+    session.run("python", "benchmarks/instructions.py", "--check", *session.posargs)
 
 
 @nox.session

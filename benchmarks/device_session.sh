@@ -18,7 +18,6 @@
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=packages/block-tables/src:packages/h2d-kernels/src:packages/h2d-core/src:packages/h2d-runner-adapters/src
-export H2D_NATIVE=1
 # the compiled helpers, built in place (installed wheels carry them; a checkout does not)
 python3 tools/build_native.py || exit 1
 out="${OUT:-results}"

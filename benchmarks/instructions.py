@@ -28,7 +28,7 @@ the loop itself), and stops. A run's figure is steps - calibration; the family's
 the difference of a run of ``--n2`` steps and one of ``--n1`` steps over ``n2 - n1``, which
 cancels everything that is not a step. The environment is fixed for determinism:
 ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` = 1,
-``torch.set_num_threads(1)``, ``PYTHONHASHSEED=0``, ``H2D_NATIVE=1``. CPU load does not
+``torch.set_num_threads(1)``, ``PYTHONHASHSEED=0``. CPU load does not
 change the count: repeated measurements (alone and two at once) gave identical figures for
 ``mha`` and ``mtp`` and figures within 20 instructions per step for ``v41``; the check
 uses the largest of the ``--repeat`` figures. The count depends on the interpreter,
@@ -77,7 +77,7 @@ WHAT = ("callgrind instructions (Ir) per steady step on CPU: state.begin() + the
         "producer calls + state.finish(); state.publish runs every step but is not counted")
 #: what the child process runs under: fixed thread counts and hashing
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-             "PYTHONHASHSEED": "0", "H2D_NATIVE": "1"}
+             "PYTHONHASHSEED": "0"}
 EXTRA_WORK = "H2D_INSTR_EXTRA_WORK"
 HELPER_C = r"""
 #include <valgrind/callgrind.h>

@@ -1,10 +1,9 @@
-"""The compiled helpers as installed: loaded without a compiler, and missing without harm.
+"""The compiled core as installed: loaded without a compiler, and required.
 
-Each package with C helpers builds them into its wheel (``hatch_build.py``); importing never
-compiles. These tests run the packages in a subprocess: once with no compiler reachable and
-the helpers required (they must come from the installation), once with the helpers hidden
-(the packages must import, warn once per package family that misses its helpers, and publish
-the same bytes through their Python paths).
+Each package builds its Cython extensions into its wheel (``hatch_build.py``); importing
+never compiles. These tests run the packages in a subprocess: once with no compiler
+reachable (the extensions must come from the installation, and nothing is written), and
+once per extension hidden (the package must refuse to import, naming the fix).
 """
 
 from __future__ import annotations
@@ -59,48 +58,45 @@ def _run(script: str, **env: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, check=False, timeout=300)
 
 
-@pytest.mark.skipif(os.environ.get("H2D_NATIVE", "auto").strip() == "0",
-                    reason="H2D_NATIVE=0: the compiled helpers are switched off")
 def test_helpers_load_with_no_compiler_and_write_nothing(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     script = PUBLISH + (
-        "import importlib, block_tables.native as n\n"
-        f"for name in {NATIVE!r}:\n"
-        "    n.load_extension(name)\n"
-        "print(sorted(n.native_status().items()))\n"
-        "import h2d_kernels.native as k\n"
-        "assert k.helper is not None\n"
-        "import h2d_core.records as r\n"
-        "assert r.COMPILED  # the Cython-compiled record rules took over\n"
+        "import importlib\n"
+        f"for name in {(*NATIVE, KERNELS_NATIVE)!r}:\n"
+        "    print(name, importlib.import_module(name).__file__.endswith('.so'))\n"
+        "import h2d_core.records as r, h2d_core._records_native as c\n"
+        "assert r.GroupRecord is c.GroupRecord  # the Cython-compiled record rules took over\n"
     )
-    done = _run(script, PATH="", CC="/nonexistent/cc", HOME=str(home), H2D_NATIVE="1",
+    done = _run(script, PATH="", CC="/nonexistent/cc", HOME=str(home),
                 XDG_CACHE_HOME=str(home / "cache"), TRITON_INTERPRET="1")
     assert done.returncode == 0, done.stderr
-    for name in NATIVE:
-        assert f"('{name}', 'loaded')" in done.stdout
+    for name in (*NATIVE, KERNELS_NATIVE):
+        assert f"{name} True" in done.stdout
     assert list(home.iterdir()) == []
 
 
-def test_packages_work_without_their_helpers_and_warn_once() -> None:
-    script = HIDE_HELPERS + (
-        "import warnings\n"
-        "with warnings.catch_warnings(record=True) as rec:\n"
-        "    warnings.simplefilter('always')\n"
-    ) + "".join(f"    {line}\n" for line in PUBLISH.splitlines()) + (
-        "from block_tables.native import NativeUnavailableWarning, native_status\n"
-        "from h2d_kernels.errors import NativeUnavailableWarning as KernelsWarning\n"
-        "# one warning per package family that misses its helpers, each naming it\n"
-        "for cls in (NativeUnavailableWarning, KernelsWarning):\n"
-        "    mine = [w for w in rec if issubclass(w.category, cls)]\n"
-        "    assert len(mine) == 1, [str(w.message) for w in mine]\n"
-        "print(sorted(k for k, v in native_status().items() if v != 'loaded'))\n"
-        "import h2d_core.records as r\n"
-        "assert not r.COMPILED\n"
-    )
-    done = _run(script, H2D_NATIVE="auto", TRITON_INTERPRET="1")
-    assert done.returncode == 0, done.stderr
-    assert "h2d_core._h2d_core_native" in done.stdout
-    required = _run(HIDE_HELPERS + "import h2d_core", H2D_NATIVE="1")
-    assert required.returncode != 0
-    assert "NativeBuildError" in required.stderr or "NativeRequiredError" in required.stderr
+# the package whose import needs each compiled module
+NEEDED_BY = {
+    "block_tables._block_tables_native": "block_tables",
+    "block_tables._request_layout": "block_tables",
+    "h2d_core._h2d_core_native": "h2d_core",
+    "h2d_core._records_native": "h2d_core",
+    "h2d_core._step_native": "h2d_core",
+    KERNELS_NATIVE: "h2d_kernels",
+}
+
+
+@pytest.mark.parametrize("hidden", sorted(NEEDED_BY))
+def test_a_missing_compiled_core_fails_the_import_naming_the_fix(hidden: str) -> None:
+    """There is no interpreted mode: each package refuses to import without its compiled
+    core, with one error that names the module and how to build it."""
+    script = HIDE_HELPERS.replace(f"HIDDEN = {(*NATIVE, KERNELS_NATIVE)!r}",
+                                  f"HIDDEN = ({hidden!r},)") + f"import {NEEDED_BY[hidden]}\n"
+    done = _run(script, TRITON_INTERPRET="1")
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    error = "NativeRequiredError" if hidden == KERNELS_NATIVE else "NativeBuildError"
+    assert error in last, done.stderr
+    assert f"the compiled core {hidden} is not built" in last, last
+    assert "python3 tools/build_native.py" in last and "pip install" in last, last

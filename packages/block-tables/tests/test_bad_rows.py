@@ -14,11 +14,9 @@ from block_tables import (
     RowWidthError,
 )
 
-NATIVE = [False, None]  # the Python path, and the compiled one where it is built
 
-
-def _snapshot(native: bool | None) -> tuple[PageTableSnapshot, list[BlockTable]]:
-    snap = PageTableSnapshot(np.zeros((4, 8), np.int32), pool_limit=100, native=native)
+def _snapshot() -> tuple[PageTableSnapshot, list[BlockTable]]:
+    snap = PageTableSnapshot(np.zeros((4, 8), np.int32), pool_limit=100)
     rows = [BlockTable([1, 2]), BlockTable([3])]
     snap.prepare(rows)
     return snap, rows
@@ -28,24 +26,21 @@ def _state(snap: PageTableSnapshot) -> tuple[bytes, int, int]:
     return snap.storage.tobytes(), snap.revision, snap.num_rows
 
 
-@pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("bad, rule", [
     ([1, None], "ints, got NoneType at column 1"), ([object(), 4], "ints, got object at column 0"),
     ([5, "6"], "integers, got dtype <U")])
-def test_a_non_int_page_id_is_a_row_type_error(native: bool | None, bad: list[object],
-                                               rule: str) -> None:
-    snap, rows = _snapshot(native)
+def test_a_non_int_page_id_is_a_row_type_error(bad: list[object], rule: str) -> None:
+    snap, rows = _snapshot()
     before = _state(snap)
     with pytest.raises(RowTypeError, match=rf"row 1: page IDs must be {rule}"):
         snap.prepare([rows[0], bad])
     assert _state(snap) == before
 
 
-@pytest.mark.parametrize("native", NATIVE)
-def test_width_is_checked_before_ids(native: bool | None) -> None:
+def test_width_is_checked_before_ids() -> None:
     """An int32 overflow in row 0 and a too-wide row 1: the width error comes first (the
     documented order); the overflow alone is a PageIdRangeError."""
-    snap, _ = _snapshot(native)
+    snap, _ = _snapshot()
     before = _state(snap)
     with pytest.raises(RowWidthError, match=r"row 1: 9 page IDs exceed the table width"):
         snap.prepare([[2**40], list(range(9))])
@@ -56,9 +51,8 @@ def test_width_is_checked_before_ids(native: bool | None) -> None:
     assert _state(snap) == before
 
 
-@pytest.mark.parametrize("native", NATIVE)
-def test_an_iterator_of_rows_is_refused_hit_or_not(native: bool | None) -> None:
-    snap, rows = _snapshot(native)
+def test_an_iterator_of_rows_is_refused_hit_or_not() -> None:
+    snap, rows = _snapshot()
     before = _state(snap)
     for batch in (iter(rows), iter([BlockTable([9])]), (r for r in rows)):
         with pytest.raises(RowTypeError, match=r"rows must be an ordered sequence"):

@@ -18,38 +18,34 @@ import pytest
 from block_tables import BlockTable, PageTableSnapshot
 from block_tables import lineage as lineage_module
 
-NATIVE = [False, None]  # the numpy path, and the compiled helper where it is present
 
-
-def _snapshot(native: bool | None) -> tuple[PageTableSnapshot, np.ndarray]:
+def _snapshot() -> tuple[PageTableSnapshot, np.ndarray]:
     storage = np.full((4, 8), -7, dtype=np.int32)
-    return PageTableSnapshot(storage, native=native), storage
+    return PageTableSnapshot(storage), storage
 
 
-@pytest.mark.parametrize("native", NATIVE)
-def test_round_trip_copies_that_diverge_are_not_a_hit(native: bool | None) -> None:
+def test_round_trip_copies_that_diverge_are_not_a_hit() -> None:
     t = BlockTable([1, 2, 3])
     u = pickle.loads(pickle.dumps(t))
     assert u.tolist() == t.tolist()
     assert u.version != t.version  # the original may go on appending under its own
     t.append_one(5)
     u.append_one(6)
-    snap, storage = _snapshot(native)
+    snap, storage = _snapshot()
     snap.prepare([t])
     assert storage[0, :4].tolist() == [1, 2, 3, 5]
     snap.prepare([u])
     assert storage[0, :4].tolist() == [1, 2, 3, 6]
 
 
-@pytest.mark.parametrize("native", NATIVE)
-def test_two_receipts_of_one_pickle_diverge_safely(native: bool | None) -> None:
+def test_two_receipts_of_one_pickle_diverge_safely() -> None:
     data = pickle.dumps(BlockTable([4, 5]))
     a, b = pickle.loads(data), pickle.loads(data)
     assert a.version == b.version  # one received lineage
     a.append_one(8)
     b.append_one(9)
     assert a.version != b.version  # neither extends the received lineage in place
-    snap, storage = _snapshot(native)
+    snap, storage = _snapshot()
     snap.prepare([a])
     snap.prepare([b])
     assert storage[0, :3].tolist() == [4, 5, 9]
@@ -61,7 +57,7 @@ def test_received_growing_row_keeps_its_lineage() -> None:
     sender.append_one(12)
     second = pickle.loads(pickle.dumps(sender))
     assert second.version == first.version  # the decoder preserves the growing row's lineage
-    snap, storage = _snapshot(False)
+    snap, storage = _snapshot()
     rev = snap.prepare([first])
     snap.prepare([second])
     assert storage[0, :3].tolist() == [10, 11, 12]
@@ -94,8 +90,7 @@ def _child(conn: Any, parent_next: int) -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs the fork start method")
-@pytest.mark.parametrize("native", NATIVE)
-def test_forked_worker_versions_never_pass_as_the_parents(native: bool | None) -> None:
+def test_forked_worker_versions_never_pass_as_the_parents() -> None:
     probe = BlockTable([0])
     parent_next = probe.version + 1
     ctx = multiprocessing.get_context("fork")
@@ -110,7 +105,7 @@ def test_forked_worker_versions_never_pass_as_the_parents(native: bool | None) -
     assert proc.exitcode == 0
     assert same_number and mine.version == parent_next  # the counters really collided
     theirs = pickle.loads(collided_bytes)
-    snap, storage = _snapshot(native)
+    snap, storage = _snapshot()
     snap.prepare([mine])
     snap.prepare([theirs])
     assert storage[0, :2].tolist() == [7, 8]  # no false hit on the shared number
@@ -138,8 +133,7 @@ def _worker(conn: Any, worker: int, rows: int) -> None:
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs the fork start method")
-@pytest.mark.parametrize("native", NATIVE)
-def test_many_forked_workers_never_alias(native: bool | None) -> None:
+def test_many_forked_workers_never_alias() -> None:
     """Workers forked from one parent draw the same version numbers as each other (and
     as the parent's rows after the fork). Received pickled, rows that shared a number at
     their senders must map to distinct lineages: prepared back to back into one snapshot
@@ -175,7 +169,7 @@ def test_many_forked_workers_never_alias(native: bool | None) -> None:
     for w, v, _, _ in items:
         origins.setdefault(v, set()).add(w)
     shared = sum(len(o) - 1 for o in origins.values())
-    snap, storage = _snapshot(native)
+    snap, storage = _snapshot()
     wrong = 0
     # rows that shared a number at their senders back to back, in a random order within
     # each number: had receipt mapped them to one lineage, each after the first would hit

@@ -1,21 +1,23 @@
-"""Compiled hot paths of block_tables (``block_tables.native``) against the numpy path.
+"""The compiled paths of block_tables (``_snapshot.pyx``) against a plain-Python oracle.
 
-Two snapshots over separate storages of the same shape, one ``native=True`` and one
-``native=False``, receive the same batches and must agree on everything: return values,
-revisions, storage bytes, recorded row state, change history, errors (type and message)
-and change spans. Every expectation is also checked against the naive full-width rebuild.
-numpy and hypothesis only: this file must not import torch.
+Two compiled snapshots over separate storages of the same shape (as two pipeline slots'
+tables share their BlockTables, and so their lineage proofs) receive the same batches.
+``oracle_snapshot.OracleSnapshot`` (tests/) restates the documented rules plainly and
+says what every accepted batch must leave: return value, revision, storage bytes,
+recorded row state, change history, change spans and byte ranges; :func:`predict` says
+which batches are rejected, with which error, and a rejected batch must change nothing.
+Whenever the compiled step hands a batch back to snapshot.py, nothing may have been
+written yet. Then the boundary of the compiled step, and :mod:`block_tables.native` (the
+compiled core is required). numpy and hypothesis only: this file must not import torch.
 """
 
 from __future__ import annotations
 
 import array
-import contextlib
 import os
 import subprocess
 import sys
 import sysconfig
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ import block_tables.snapshot as snapshot_module
 from block_tables import (
     BlockTable,
     BlockTableError,
+    ChangedRows,
     MissingPagesError,
     PageIdRangeError,
     PageTableSnapshot,
@@ -38,15 +41,11 @@ from block_tables import (
     RowTypeError,
     RowWidthError,
 )
-from block_tables import native as native_module
-from block_tables.native import (
-    NativeBuildError,
-    NativeUnavailableWarning,
-    load_extension,
-    native_mode,
-    select,
-)
+from block_tables.native import FIX, NativeBuildError, refuse_interpreted, require_extension
 from block_tables.spans import ChangedSpans, changed_byte_ranges, changed_spans, row_keys
+
+sys.path.insert(0, str(Path(__file__).parent))
+from oracle_snapshot import OracleRow, OracleSnapshot
 
 ROWS = 6
 WIDTH = 20
@@ -54,10 +53,6 @@ ROW_BYTES = 4 * WIDTH
 LIMIT = 30
 HISTORY = 4  # short, so that changed_rows_since and changed_spans run past their horizon
 INT32_MAX = 2**31 - 1
-
-requires_native = pytest.mark.skipif(
-    native_mode() == "0", reason="H2D_NATIVE=0: the compiled helpers are switched off"
-)
 
 
 # --------------------------------------------------------------------------------------
@@ -74,7 +69,7 @@ def naive(contents: Sequence[Sequence[int]], width: int, fill: int) -> np.ndarra
 
 
 def state_of(snap: PageTableSnapshot) -> tuple[Any, ...]:
-    """Everything a rejected batch must leave unchanged, and both paths must agree on."""
+    """Everything a rejected batch must leave unchanged, and the oracle must agree on."""
     return (
         snap.storage.tobytes(),
         snap.revision,
@@ -87,14 +82,28 @@ def state_of(snap: PageTableSnapshot) -> tuple[Any, ...]:
     )
 
 
-def twins(
-    storage: np.ndarray, **kwargs: Any
-) -> tuple[PageTableSnapshot, PageTableSnapshot]:
-    """A compiled-path snapshot and a numpy-path snapshot over copies of ``storage``."""
-    compiled = PageTableSnapshot(storage.copy(), native=True, **kwargs)
-    python = PageTableSnapshot(storage.copy(), native=False, **kwargs)
-    assert compiled._native is not None and python._native is None
-    return compiled, python
+def oracle_state(oracle: OracleSnapshot) -> tuple[Any, ...]:
+    """:func:`state_of`'s tuple, from the oracle."""
+    return (
+        np.array(oracle.storage, dtype=np.int32).tobytes(),
+        oracle.revision,
+        oracle.num_rows,
+        oracle.lengths[: oracle.num_rows],
+        np.array(oracle.keys, dtype=np.int64).tobytes(),
+        np.array(oracle.lengths, dtype=np.int64).tobytes(),
+        oracle.all_versioned,
+        [(rev, rows) for rev, rows in oracle.history],
+    )
+
+
+def oracle_rows(rows: Sequence[Any]) -> list[OracleRow]:
+    """A batch as the oracle takes it: BlockTables versioned, anything else not."""
+    return [OracleRow(tuple(r.tolist()), r.version) if isinstance(r, BlockTable)
+            else OracleRow(tuple(int(x) for x in r)) for r in rows]
+
+
+def oracle_of(storage: np.ndarray, fill: int = 0, history: int = 64) -> OracleSnapshot:
+    return OracleSnapshot(storage.tolist(), fill=fill, history=history)
 
 
 Outcome = tuple[str, Any, Any]
@@ -104,7 +113,7 @@ def outcome(call: Callable[[], Any]) -> Outcome:
     """("ok", result, None) or ("error", type, message) of ``call``."""
     try:
         return ("ok", call(), None)
-    except Exception as exc:  # compared, not swallowed: both paths must raise the same
+    except Exception as exc:  # compared, not swallowed
         return ("error", type(exc), str(exc))
 
 
@@ -274,7 +283,7 @@ def predict(
 
 
 # --------------------------------------------------------------------------------------
-# 1 + 2: the compiled snapshot and the numpy snapshot side by side
+# the compiled snapshots against the oracle
 # --------------------------------------------------------------------------------------
 
 page = st.integers(0, LIMIT - 1)
@@ -314,7 +323,7 @@ class Upload:
         return int(self.keys.size)
 
 
-class NativeTwinMachine(RuleBasedStateMachine):
+class CompiledSnapshotMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.tables: list[BlockTable] = []
@@ -325,7 +334,7 @@ class NativeTwinMachine(RuleBasedStateMachine):
         self.fill = 0
         self.fallbacks = 0
         self.saved: list[tuple[BlockTable, str]] = []
-        self.entry_state: tuple[Any, ...] | None = None
+        self.entry_state: dict[int, tuple[Any, ...]] = {}
 
     @initialize(
         limit=st.sampled_from([None, LIMIT]),
@@ -340,27 +349,31 @@ class NativeTwinMachine(RuleBasedStateMachine):
             storage = np.full((ROWS, WIDTH), fill, dtype=np.int32)
         self.limit = limit
         self.fill = fill
-        self.compiled, self.python = twins(
-            storage, pool_limit=limit, fill_value=fill, history=HISTORY
+        self.snaps = tuple(
+            PageTableSnapshot(storage.copy(), pool_limit=limit, fill_value=fill, history=HISTORY)
+            for _ in range(2)
         )
+        self.first = self.snaps[0]
+        self.oracle = oracle_of(storage, fill, HISTORY)
         self.tables = [BlockTable(ids) for ids in first]
         self.last_batch = [(t, "table") for t in self.tables]
         # Whenever the compiled step hands a batch back, it must not have written anything.
-        original = self.compiled._prepare_changed
+        for snap in self.snaps:
+            self.guard(snap)
+        self.run_all(self.last_batch, "list", "none", "exact", 0)
+
+    def guard(self, snap: PageTableSnapshot) -> None:
+        original = snap._prepare_changed
 
         def guarded(rows: Any, keys: Any, required: Any) -> int:
             self.fallbacks += 1
-            assert self.entry_state is not None
-            assert state_of(self.compiled) == self.entry_state, "written before fallback"
+            entry = self.entry_state.get(id(snap))
+            assert entry is not None
+            assert state_of(snap) == entry, "written before fallback"
             result: int = original(rows, keys, required)
             return result
 
-        self.compiled._prepare_changed = guarded  # type: ignore[method-assign]
-        self.run_both(self.last_batch, "list", "none", "exact", 0)
-
-    @property
-    def snaps(self) -> tuple[PageTableSnapshot, PageTableSnapshot]:
-        return self.compiled, self.python
+        snap._prepare_changed = guarded  # type: ignore[method-assign]
 
     def pick(self, index: int) -> BlockTable:
         """Three in four picks take a table of the last batch, where changes matter most."""
@@ -428,7 +441,7 @@ class NativeTwinMachine(RuleBasedStateMachine):
     @rule(required=st.sampled_from(REQUIRED_KINDS), pick=st.integers(0, 99))
     def rollback(self, required: str, pick: int) -> None:
         """Prepare the checkpointed copies again: the same lineages, usually shorter."""
-        self.run_both(list(self.saved), "list", required, "exact", pick)
+        self.run_all(list(self.saved), "list", required, "exact", pick)
 
     @rule(
         plan=STEP_PLAN,
@@ -442,7 +455,7 @@ class NativeTwinMachine(RuleBasedStateMachine):
         """Checkpoint, a few decode steps, then the checkpointed copies again."""
         self.checkpoint()
         self.run_step(plan, ids, LIMIT, "list", required, "exact", pick)
-        self.run_both(list(self.saved), "list", "none", "exact", pick)
+        self.run_all(list(self.saved), "list", "none", "exact", pick)
 
     @rule(row=st.integers(0, ROWS - 1), column=st.integers(0, WIDTH - 1), value=st.integers())
     def write_behind_and_invalidate(self, row: int, column: int, value: int) -> None:
@@ -451,9 +464,11 @@ class NativeTwinMachine(RuleBasedStateMachine):
         for snap in self.snaps:
             snap.storage[row, column] = value % 97
             snap.invalidate()
-        assert self.compiled.revision == self.python.revision
-        assert state_of(self.compiled) == state_of(self.python)
-        self.revisions.append(self.compiled.revision)
+        self.oracle.storage[row][column] = value % 97
+        self.oracle.invalidate()
+        for snap in self.snaps:
+            assert state_of(snap) == oracle_state(self.oracle)
+        self.revisions.append(self.oracle.revision)
 
     # -- prepare --------------------------------------------------------------------------
 
@@ -497,7 +512,7 @@ class NativeTwinMachine(RuleBasedStateMachine):
         elif mode == "too_many":
             chosen = [(self.tables[(pick + k) % len(self.tables)], "table")
                       for k in range(ROWS + 1)]
-        self.run_both(chosen, container, required, value, pick)
+        self.run_all(chosen, container, required, value, pick)
 
     @rule(
         plan=STEP_PLAN,
@@ -549,9 +564,9 @@ class NativeTwinMachine(RuleBasedStateMachine):
                     table.append([ids[k % ROWS], ids[(k + 1) % ROWS]])
                 elif how == "bad":
                     table.append_one(bad)
-            self.run_both(batch, container, required, value, pick)
+            self.run_all(batch, container, required, value, pick)
 
-    def run_both(
+    def run_all(
         self, chosen: list[tuple[BlockTable, str]], container: str, required_kind: str,
         value: str, pick: int,
     ) -> None:
@@ -565,25 +580,25 @@ class NativeTwinMachine(RuleBasedStateMachine):
         expected = predict(chosen, required, self.limit)
 
         before = [state_of(snap) for snap in self.snaps]
-        assert before[0] == before[1]
-        old_storage = self.compiled.storage.copy()
-        old_revision = self.compiled.revision
+        assert before[0] == before[1] == oracle_state(self.oracle)
+        old_storage = self.first.storage.copy()
+        old_revision = self.first.revision
         # Lineage proofs are shared through the tables: vary which snapshot goes first.
         order = self.snaps if pick % 2 else self.snaps[::-1]
         results: dict[int, Outcome] = {}
+        for snap, state in zip(self.snaps, before, strict=True):
+            self.entry_state[id(snap)] = state
         for snap in order:
-            if snap is self.compiled:
-                self.entry_state = before[0]
             results[id(snap)] = outcome(
                 lambda snap=snap: snap.prepare(rows, required_pages=required)
             )
-            self.entry_state = None
-        got_compiled, got_python = results[id(self.compiled)], results[id(self.python)]
-        assert got_compiled == got_python
+        self.entry_state.clear()
+        got = [results[id(snap)] for snap in self.snaps]
+        assert got[0] == got[1]
 
         if expected is not None:
-            status, error, message = got_python
-            assert status == "error", f"expected {expected}, got {got_python}"
+            status, error, message = got[0]
+            assert status == "error", f"expected {expected}, got {got[0]}"
             assert error is expected.error, message
             assert expected.fragment in message
             if expected.rows is not None:
@@ -593,33 +608,31 @@ class NativeTwinMachine(RuleBasedStateMachine):
             self.repair(chosen)
             return
 
-        status, revision, _ = got_python
-        assert status == "ok", got_python
         n = len(rows)
-        after = [state_of(snap) for snap in self.snaps]
-        assert after[0] == after[1]
+        contents = [contents_of(t, k) for t, k in chosen]
+        revision = self.oracle.prepare(
+            [OracleRow(tuple(ids), t.version if kind == "table" else None)
+             for (t, kind), ids in zip(chosen, contents, strict=True)])
+        assert got[0] == ("ok", revision, None), got[0]
         for snap in self.snaps:
-            assert snap.revision == revision
+            assert state_of(snap) == oracle_state(self.oracle)
             assert snap.num_rows == n
             assert snap.row_lengths.tolist() == lengths
-            np.testing.assert_array_equal(
-                snap.storage[:n], naive([contents_of(t, k) for t, k in chosen], WIDTH, self.fill)
-            )
+            np.testing.assert_array_equal(snap.storage[:n], naive(contents, WIDTH, self.fill))
             np.testing.assert_array_equal(snap.storage[n:], old_storage[n:])
-        assert np.array_equal(self.compiled.storage, self.python.storage)
-        changed_bytes = not np.array_equal(self.compiled.storage, old_storage)
+        changed_bytes = not np.array_equal(self.first.storage, old_storage)
         assert revision == old_revision + int(changed_bytes)
-        differing = np.flatnonzero((self.compiled.storage != old_storage).any(axis=1))
-        since_last = self.compiled.changed_rows_since(old_revision)
+        differing = np.flatnonzero((self.first.storage != old_storage).any(axis=1))
+        since_last = self.first.changed_rows_since(old_revision)
         if not since_last.all_rows:
             assert since_last.rows().tolist() == differing.tolist()
         if revision != self.revisions[-1]:
             self.revisions.append(revision)
             del self.revisions[:-8]
         for since in [*self.revisions, -1, revision + 1]:
-            assert self.compiled.changed_rows_since(since) == self.python.changed_rows_since(
-                since
-            )
+            expect = ChangedRows(*self.oracle.changed_rows_since(since))
+            for snap in self.snaps:
+                assert snap.changed_rows_since(since) == expect, since
         self.last_batch = list(chosen)
         self.repair(chosen)
 
@@ -638,48 +651,44 @@ class NativeTwinMachine(RuleBasedStateMachine):
     @rule()
     def upload(self) -> None:
         """A publisher uploads rows ``[0, num_rows)`` and keeps their keys."""
-        keys = row_keys(self.compiled)
-        np.testing.assert_array_equal(keys, row_keys(self.python))
-        assert keys.dtype == np.int64 and keys.size == self.compiled.num_rows
-        np.testing.assert_array_equal(row_keys(self.compiled, 2), keys[:2])
-        self.uploads.append(Upload(self.compiled.revision, keys, self.compiled.storage.copy()))
+        keys = row_keys(self.first)
+        np.testing.assert_array_equal(keys, row_keys(self.snaps[1]))
+        assert keys.tolist() == self.oracle.keys[: self.oracle.num_rows]
+        assert keys.dtype == np.int64 and keys.size == self.first.num_rows
+        np.testing.assert_array_equal(row_keys(self.first, 2), keys[:2])
+        self.uploads.append(Upload(self.first.revision, keys, self.first.storage.copy()))
         del self.uploads[:-5]
 
     @precondition(lambda self: bool(self.uploads))
     @rule(which=st.integers(0, 99))
     def compare_spans(self, which: int) -> None:
         up = self.uploads[which % len(self.uploads)]
-        now = self.compiled.num_rows
+        now = self.first.num_rows
+        then = up.keys.tolist()
         choices = {0, max(up.rows - 1, 0), min(up.rows, now), now, min(up.rows + 1, now)}
         for num_rows in sorted(choices | {ROWS}):
             exact = num_rows <= now  # past num_rows only agreement is defined
             for revision in (up.revision, None):
-                spans = [changed_spans(s, up.keys, num_rows, revision) for s in self.snaps]
-                assert spans[0] == spans[1]
-                if spans[0] is not None and exact:
-                    self.check_spans_cover(up, spans[0], num_rows)
-                unlimited: tuple[list[tuple[int, int]], int] | None = None
+                expect = self.oracle.spans(then, num_rows, revision)
+                for snap in self.snaps:
+                    spans = changed_spans(snap, up.keys, num_rows, revision)
+                    assert spans == (None if expect is None else ChangedSpans(*expect))
+                    if spans is not None and exact:
+                        self.check_spans_cover(up, spans, num_rows)
                 for max_ranges, max_bytes in SPAN_LIMITS:
-                    got = [
-                        changed_byte_ranges(
-                            s, up.keys, num_rows, ROW_BYTES, revision=revision,
+                    expected = self.oracle.byte_ranges(then, num_rows, ROW_BYTES, revision,
+                                                       max_ranges, max_bytes)
+                    for snap in self.snaps:
+                        got = changed_byte_ranges(
+                            snap, up.keys, num_rows, ROW_BYTES, revision=revision,
                             max_ranges=max_ranges, max_bytes=max_bytes,
                         )
-                        for s in self.snaps
-                    ]
-                    assert got[0] == got[1], (num_rows, revision, max_ranges, max_bytes)
+                        assert got == expected, (num_rows, revision, max_ranges, max_bytes)
                     if max_ranges == 10**6 and max_bytes == 10**9:
-                        unlimited = got[0]
                         if revision is None:
-                            assert unlimited is not None
-                        if unlimited is not None and exact:
-                            self.check_ranges(up, unlimited, num_rows)
-                    elif unlimited is not None:
-                        ranges, total = unlimited
-                        fits = len(ranges) <= max_ranges and total <= max_bytes
-                        assert got[0] == (unlimited if fits else None)
-                    else:
-                        assert got[0] is None
+                            assert expected is not None
+                        if expected is not None and exact:
+                            self.check_ranges(up, expected, num_rows)
 
     def check_spans_cover(self, up: Upload, spans: ChangedSpans, num_rows: int) -> None:
         """Every cell of rows ``[0, min(num_rows, up.rows))`` that differs is covered."""
@@ -690,7 +699,7 @@ class NativeTwinMachine(RuleBasedStateMachine):
             assert 0 <= r < limit and 0 <= a < b <= WIDTH
             covered[r, a:b] = True
         assert spans.num_ids == int(covered.sum())
-        differs = self.compiled.storage[:limit] != up.storage[:limit]
+        differs = self.first.storage[:limit] != up.storage[:limit]
         assert not (differs & ~covered).any()
 
     def check_ranges(
@@ -703,22 +712,26 @@ class NativeTwinMachine(RuleBasedStateMachine):
         assert all(a < b for a, b in ranges)
         assert flat == sorted(flat) and len(set(flat)) == len(flat)  # ascending and merged
         assert not ranges or ranges[-1][1] <= num_rows * ROW_BYTES
-        rebuilt = apply_ranges(up.storage, self.compiled.storage, ranges)
-        np.testing.assert_array_equal(rebuilt[:num_rows], self.compiled.storage[:num_rows])
+        rebuilt = apply_ranges(up.storage, self.first.storage, ranges)
+        np.testing.assert_array_equal(rebuilt[:num_rows], self.first.storage[:num_rows])
 
     @invariant()
-    def twins_agree(self) -> None:
+    def snapshots_agree_with_the_oracle(self) -> None:
         if self.tables:
-            assert state_of(self.compiled) == state_of(self.python)
+            for snap in self.snaps:
+                assert state_of(snap) == oracle_state(self.oracle)
 
 
-NativeTwinMachine.TestCase.settings = settings(
+CompiledSnapshotMachine.TestCase.settings = settings(
     max_examples=200,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-test_native_and_python_snapshots_agree = requires_native(NativeTwinMachine.TestCase)
+# (was test_native_and_python_snapshots_agree, against the removed numpy twin)
+test_compiled_snapshots_agree_with_the_oracle = CompiledSnapshotMachine.TestCase
+
+
 
 
 # --------------------------------------------------------------------------------------
@@ -728,9 +741,9 @@ test_native_and_python_snapshots_agree = requires_native(NativeTwinMachine.TestC
 
 @pytest.fixture
 def counted() -> Iterator[tuple[PageTableSnapshot, list[int]]]:
-    """A compiled snapshot whose numpy fallback is counted (and checked to see no write)."""
-    snap = PageTableSnapshot(np.zeros((4, 8), dtype=np.int32), pool_limit=LIMIT,
-                             native=True)
+    """A snapshot whose hand-backs to snapshot.py are counted (and checked to see no
+    write)."""
+    snap = PageTableSnapshot(np.zeros((4, 8), dtype=np.int32), pool_limit=LIMIT)
     calls: list[int] = []
     original = snap._prepare_changed
     entry: list[tuple[Any, ...]] = []
@@ -752,14 +765,13 @@ def counted() -> Iterator[tuple[PageTableSnapshot, list[int]]]:
     yield snap, calls
 
 
-@requires_native
 def test_compiled_step_covers_hits_and_single_page_appends(
     counted: tuple[PageTableSnapshot, list[int]],
 ) -> None:
     snap, calls = counted
     rows = [BlockTable([1, 2]), BlockTable([3]), BlockTable()]
     assert snap.prepare(rows) == 1
-    assert len(calls) == 1  # unknown rows: the numpy path
+    assert len(calls) == 1  # unknown rows: snapshot.py
     for t, page_id in zip(rows, (4, 5, 6), strict=True):
         t.append_one(page_id)
     assert snap.prepare(rows) == 2
@@ -773,7 +785,30 @@ def test_compiled_step_covers_hits_and_single_page_appends(
     assert snap.changed_rows_since(1).rows().tolist() == [0, 1, 2]
 
 
-@requires_native
+class OddInt(int):
+    """An int subclass: a slot value the compiled step does not read."""
+
+
+def test_compiled_step_hands_back_slots_that_are_not_exact_ints(
+    counted: tuple[PageTableSnapshot, list[int]],
+) -> None:
+    """The compiled step reads a row's ``_key`` and ``_last`` slots only when they hold
+    exact ints; anything else (here set by hand) goes to snapshot.py, with its result."""
+    snap, calls = counted
+    rows = [BlockTable([1, 2]), BlockTable([3])]
+    snap.prepare(rows)
+    rows[0].append_one(7)
+    rows[1]._key = OddInt(rows[1]._key)  # the same key, not an exact int
+    calls.clear()
+    assert snap.prepare(rows) == 2 and calls == [1]
+    rows[1].append_one(8)
+    rows[1]._last = np.int64(8)  # the appended ID as a numpy scalar
+    assert snap.prepare(rows) == 3 and calls == [1, 1]
+    np.testing.assert_array_equal(snap.storage[:2], naive([[1, 2, 7], [3, 8]], 8, 0))
+    assert snap._row_keys[:2].tolist() == [rows[0]._key, rows[1]._key]
+    assert snap.row_lengths.tolist() == [3, 2]
+
+
 @pytest.mark.parametrize(
     ("change", "required", "error", "fragment"),
     [
@@ -807,13 +842,13 @@ def test_compiled_step_hands_back_without_writing(
     error: type[BlockTableError] | None,
     fragment: str,
 ) -> None:
-    """Cases the compiled step does not cover reach the numpy path with nothing written
-    (checked on entry by the fixture), and give the numpy path's result or error."""
+    """Cases the compiled step does not cover reach snapshot.py with nothing written
+    (checked on entry by the fixture), and give the oracle's result, or the error."""
     snap, calls = counted
     rows: Any = [BlockTable([1, 2]), BlockTable([3])]
     snap.prepare(rows)
-    python = PageTableSnapshot(np.zeros((4, 8), dtype=np.int32), pool_limit=LIMIT, native=False)
-    python.prepare(rows)
+    oracle = oracle_of(np.zeros((4, 8), dtype=np.int32))
+    oracle.prepare(oracle_rows(rows))
     rows[0].append_one(7)
     if change == "two_pages":
         rows[1].append([8, 9])
@@ -835,47 +870,39 @@ def test_compiled_step_hands_back_without_writing(
     calls.clear()
     before = state_of(snap)
     got = outcome(lambda: snap.prepare(rows, required_pages=required))
-    assert got == outcome(lambda: python.prepare(rows, required_pages=required))
     assert calls == [1]
     if error is None:
-        assert got[0] == "ok"
-        assert state_of(snap) == state_of(python)
+        assert got == ("ok", oracle.prepare(oracle_rows(rows)), None)
+        assert state_of(snap) == oracle_state(oracle)
     else:
         assert got[0] == "error" and got[1] is error
         assert fragment in got[2]
         assert state_of(snap) == before
 
 
-@requires_native
-def test_compiled_and_python_spans_on_an_all_versioned_batch() -> None:
-    compiled, python = twins(np.full((4, 6), -1, dtype=np.int32), fill_value=-1)
+def test_compiled_spans_on_an_all_versioned_batch() -> None:
+    snap = PageTableSnapshot(np.full((4, 6), -1, dtype=np.int32), fill_value=-1)
     rows = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6])]
-    for snap in (compiled, python):
-        snap.prepare(rows)
-    keys = row_keys(compiled)
-    old = compiled.storage.copy()
+    snap.prepare(rows)
+    keys = row_keys(snap)
+    old = snap.storage.copy()
     rows[0].append_one(7)  # an append: only column 2 of row 0
     rows[1].truncate(1)  # a new version: columns [0, 3) of row 1
     rows.append(BlockTable([8, 9]))  # a row the destination never held
-    for snap in (compiled, python):
-        snap.prepare(rows)
-    assert compiled._all_versioned and python._all_versioned
-    for snap in (compiled, python):
-        assert changed_spans(snap, keys, 4) == ChangedSpans([0, 1], [2, 0], [3, 3])
-        result = changed_byte_ranges(snap, keys, 4, 24, max_ranges=3, max_bytes=100)
-        assert result == ([(8, 12), (24, 36), (72, 96)], 40)
-        assert changed_byte_ranges(snap, keys, 4, 24, max_ranges=2, max_bytes=100) is None
-        assert changed_byte_ranges(snap, keys, 4, 24, max_ranges=3, max_bytes=39) is None
-        assert changed_byte_ranges(snap, keys, 2, 24, max_ranges=2, max_bytes=16) == (
-            [(8, 12), (24, 36)], 16
-        )
-        assert changed_byte_ranges(snap, keys, 2, 24, max_ranges=1, max_bytes=100) is None
-        assert changed_byte_ranges(snap, keys, 1, 24, max_ranges=1, max_bytes=4) == (
-            [(8, 12)], 4
-        )
+    snap.prepare(rows)
+    assert snap._all_versioned
+    assert changed_spans(snap, keys, 4) == ChangedSpans([0, 1], [2, 0], [3, 3])
+    result = changed_byte_ranges(snap, keys, 4, 24, max_ranges=3, max_bytes=100)
+    assert result == ([(8, 12), (24, 36), (72, 96)], 40)
+    assert changed_byte_ranges(snap, keys, 4, 24, max_ranges=2, max_bytes=100) is None
+    assert changed_byte_ranges(snap, keys, 4, 24, max_ranges=3, max_bytes=39) is None
+    assert changed_byte_ranges(snap, keys, 2, 24, max_ranges=2, max_bytes=16) == (
+        [(8, 12), (24, 36)], 16
+    )
+    assert changed_byte_ranges(snap, keys, 2, 24, max_ranges=1, max_bytes=100) is None
+    assert changed_byte_ranges(snap, keys, 1, 24, max_ranges=1, max_bytes=4) == ([(8, 12)], 4)
     ranges, _ = result
-    np.testing.assert_array_equal(apply_ranges(old, compiled.storage, ranges)[:4],
-                                  compiled.storage[:4])
+    np.testing.assert_array_equal(apply_ranges(old, snap.storage, ranges)[:4], snap.storage[:4])
 
 
 def _column(keys: np.ndarray) -> np.ndarray:
@@ -891,251 +918,93 @@ KEY_LAYOUTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "uint64": lambda keys: keys.view(np.uint64),
     "big_endian": lambda keys: keys.astype(">i8"),
 }
+HANDED_BACK = {"uint64", "big_endian"}  # not native signed int64: spans.py's own lines
 
 
-@requires_native
 @pytest.mark.parametrize("layout", sorted(KEY_LAYOUTS))
-def test_spans_accept_other_key_layouts_on_both_paths(layout: str) -> None:
+def test_spans_accept_other_key_layouts(layout: str) -> None:
     """Keys that are not the contiguous native int64 array ``row_keys`` returns (a column
     of a 2-D array, a reversed view, read-only, unsigned or big-endian) give the same
-    answer on both paths."""
-    compiled, python = twins(np.zeros((4, 8), dtype=np.int32))
+    answer: the compiled diff reads the int64 views in place and hands the others back to
+    spans.py."""
+    snap = PageTableSnapshot(np.zeros((4, 8), dtype=np.int32))
     rows = [BlockTable([1, 2]), BlockTable([3]), BlockTable([4, 5])]
-    for snap in (compiled, python):
-        snap.prepare(rows)
-    keys = KEY_LAYOUTS[layout](row_keys(compiled))
-    np.testing.assert_array_equal(keys, row_keys(python))
+    snap.prepare(rows)
+    keys = KEY_LAYOUTS[layout](row_keys(snap))
     rows[0].append_one(5)
     rows[2].truncate(1)
-    for snap in (compiled, python):
-        snap.prepare(rows)
-        assert snap._all_versioned
-    spans = [outcome(lambda s=s: changed_spans(s, keys, 3)) for s in (compiled, python)]
-    assert spans[1] == ("ok", ChangedSpans([0, 2], [2, 0], [3, 2]), None)
-    assert spans[0] == spans[1]
+    snap.prepare(rows)
+    assert snap._all_versioned
+    handed_back = snap._native.key_spans(snap._row_keys[:3], keys, 3) is NotImplemented
+    assert handed_back == (layout in HANDED_BACK)
+    assert changed_spans(snap, keys, 3) == ChangedSpans([0, 2], [2, 0], [3, 2])
+    oracle = oracle_of(np.zeros((4, 8), dtype=np.int32))
+    oracle.keys[:3] = snap._row_keys[:3].tolist()
+    oracle.all_versioned = True
     for num_rows in (2, 3, 4):
-        ranges = [
-            outcome(lambda s=s, n=num_rows: changed_byte_ranges(s, keys, n, 32, max_ranges=4,
-                                                                max_bytes=999))
-            for s in (compiled, python)
-        ]
-        assert ranges[0] == ranges[1]
-    assert ranges[1] == ("ok", ([(8, 12), (64, 72), (96, 128)], 44), None)
+        got = changed_byte_ranges(snap, keys, num_rows, 32, max_ranges=4, max_bytes=999)
+        assert got == oracle.byte_ranges(keys.tolist(), num_rows, 32, None, 4, 999)
+    assert got == ([(8, 12), (64, 72), (96, 128)], 44)
 
 
-# --------------------------------------------------------------------------------------
-# 3: native.py (extensions built with the wheel, loaded by import, never compiled)
-# --------------------------------------------------------------------------------------
-
-NATIVE_NAME = "block_tables._block_tables_native"
-
-# A finder that refuses the compiled helpers: the package as installed without them.
-BLOCK_NATIVE = (
-    "import importlib.abc, sys\n"
-    "class Refuse(importlib.abc.MetaPathFinder):\n"
-    "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name.rpartition('.')[2].endswith('_native'):\n"
-    "            raise ModuleNotFoundError(f'no module named {name!r} (refused by the test)')\n"
-    "sys.meta_path.insert(0, Refuse())\n"
-)
-
-
-@pytest.fixture
-def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The loader's per-process memory, emptied for the test and restored after it."""
-    monkeypatch.setattr(native_module, "_loaded", {})
-    monkeypatch.setattr(native_module, "_missing", {})
-    yield
-
-
-@contextlib.contextmanager
-def no_warnings() -> Iterator[None]:
-    """Assert that no warning is emitted inside the block."""
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        yield
-    assert [str(w.message) for w in record] == []
-
-
-def run_python(script: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", script], env={**os.environ, **env},
-                          capture_output=True, text=True, check=False)
-
-
-@pytest.mark.parametrize(("value", "mode"), [("auto", "auto"), (" 1 ", "1"), ("0", "0"),
-                                            ("AUTO", "auto"), ("", "auto")])
-def test_native_mode_values(monkeypatch: pytest.MonkeyPatch, value: str, mode: str) -> None:
-    monkeypatch.setenv("H2D_NATIVE", value)
-    assert native_mode() == mode
-
-
-def test_native_mode_rejects_unknown_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("H2D_NATIVE", "bogus")
-    with pytest.raises(NativeBuildError, match=r"H2D_NATIVE='bogus' is not one of") as info:
-        native_mode()
-    assert "['auto', '0', '1']" in str(info.value)
-    monkeypatch.delenv("H2D_NATIVE")
-    assert native_mode() == "auto"
-
-
-def test_select_resolves_the_per_object_choice() -> None:
-    module = native_module  # any module object stands in for a compiled helper
-    with pytest.raises(NativeBuildError, match=r"^X: native=True but the compiled helper"):
-        select(None, True, "X")
-    assert select(module, False, "X") is None
-    assert select(None, False, "X") is None
-    assert select(None, None, "X") is None
-    assert select(module, None, "X") is module
-    assert select(module, True, "X") is module
-
-
-def test_missing_helpers_warn_once_under_auto(
-    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("H2D_NATIVE", "auto")
-    with pytest.warns(NativeUnavailableWarning, match="block_tables._no_such_native") as rec:
-        assert load_extension("block_tables._no_such_native") is None
-    assert len(rec) == 1
-    assert "tools/build_native.py" in str(rec[0].message)
-    # one warning per process: a second missing helper is recorded, not warned again
-    with no_warnings():
-        assert load_extension("block_tables._no_such_native") is None
-        assert load_extension("block_tables._other_native") is None
-    status = native_module.native_status()
-    assert status["block_tables._other_native"].startswith("ModuleNotFoundError")
-
-
-def test_missing_helper_raises_when_required(
-    fresh_loader: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("H2D_NATIVE", "1")
-    with pytest.raises(NativeBuildError, match=r"_no_such_native is required \(H2D_NATIVE=1\)"):
-        load_extension("block_tables._no_such_native")
-    assert "block_tables._no_such_native" not in native_module._loaded  # asked again next time
-
-
-def test_switched_off_loads_nothing(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("H2D_NATIVE", "0")
-    with no_warnings():
-        assert load_extension(NATIVE_NAME) is None
-    assert native_module.native_status() == {NATIVE_NAME: "off"}
-
-
-@requires_native
-def test_import_runs_no_compiler_and_writes_nothing(tmp_path: Path) -> None:
-    """The helper comes from the wheel (or an in-place build): importing with no compiler
-    on PATH, an unusable CC and an unwritable HOME still loads it."""
-    home = tmp_path / "home"
-    home.mkdir()
-    home.chmod(0o500)
-    script = (
-        "import block_tables.snapshot as s, block_tables.native as n; "
-        "assert s._native is not None, n.native_status(); print(s._native.__file__)"
-    )
-    done = run_python(script, PATH="", CC="/nonexistent/cc", HOME=str(home), H2D_NATIVE="1",
-                      XDG_CACHE_HOME=str(home / "cache"))
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().endswith(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
-    assert list(home.iterdir()) == []
-
-
-def test_package_works_without_its_helper_and_warns_once() -> None:
-    script = BLOCK_NATIVE + (
-        "import warnings\n"
-        "warnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as rec:\n"
-        "    warnings.simplefilter('always')\n"
-        "    import numpy as np\n"
-        "    from block_tables import BlockTable, PageTableSnapshot\n"
-        "    from block_tables.snapshot import _native\n"
-        "    assert _native is None\n"
-        "    storage = np.zeros((2, 4), np.int32)\n"
-        "    snap = PageTableSnapshot(storage)\n"
-        "    t = BlockTable([1, 2])\n"
-        "    snap.prepare([t]); t.append_one(3); snap.prepare([t])\n"
-        "    assert storage[0].tolist() == [1, 2, 3, 0], storage\n"
-        "print(len(rec), rec[0].category.__name__)\n"
-    )
-    done = run_python(script, H2D_NATIVE="auto")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["1", "NativeUnavailableWarning"]
-    required = run_python(BLOCK_NATIVE + "import block_tables.snapshot", H2D_NATIVE="1")
-    assert required.returncode != 0
-    assert "NativeBuildError" in required.stderr and "is required" in required.stderr
-
-# --------------------------------------------------------------------------------------
-# 4: native=True without the compiled module
-# --------------------------------------------------------------------------------------
-
-
-def test_native_true_without_the_compiled_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshot_module, "_native", None)
-    storage = np.arange(12, dtype=np.int32).reshape(3, 4)
-    with pytest.raises(NativeBuildError, match=r"^PageTableSnapshot: native=True but"):
-        PageTableSnapshot(storage, native=True)
-    np.testing.assert_array_equal(storage, np.arange(12).reshape(3, 4))
-    for choice in (None, False):
-        snap = PageTableSnapshot(storage, native=choice)
-        assert snap._native is None
-        rows = [BlockTable([5, 6]), BlockTable([7])]
-        assert snap.prepare(rows) == 1
-        rows[0].append_one(8)
-        assert snap.prepare(rows) == 2
-        np.testing.assert_array_equal(storage[:2], naive([[5, 6, 8], [7]], 4, 0))
-
-
-@requires_native
 def test_compiled_step_reads_a_strided_required_array(
     counted: tuple[PageTableSnapshot, list[int]],
 ) -> None:
     """A strided integer view of required pages is read in place by the compiled step (no
-    hand-back), with the numpy path's result."""
+    hand-back); a count the row does not hold is handed back, and reported."""
     snap, calls = counted
     rows = [BlockTable([1, 2]), BlockTable([3])]
     snap.prepare(rows)
-    python = PageTableSnapshot(np.zeros((4, 8), dtype=np.int32), pool_limit=LIMIT, native=False)
-    python.prepare(rows)
+    oracle = oracle_of(np.zeros((4, 8), dtype=np.int32))
+    oracle.prepare(oracle_rows(rows))
     rows[0].append_one(7)
     rows[1].append_one(8)
     required = np.array([3, 9, 2, 9], dtype=np.int64)[::2]
     calls.clear()
     got = outcome(lambda: snap.prepare(rows, required_pages=required))
-    assert got == outcome(lambda: python.prepare(rows, required_pages=required))
-    assert got[0] == "ok" and calls == []
-    assert state_of(snap) == state_of(python)
+    assert got == ("ok", oracle.prepare(oracle_rows(rows)), None) and calls == []
+    assert state_of(snap) == oracle_state(oracle)
     short = np.array([3, 9, 9, 9], dtype=np.int64)[::2]  # row 1 needs 9 pages, holds 2
-    calls.clear()
+    before = state_of(snap)
     got = outcome(lambda: snap.prepare(rows, required_pages=short))
-    assert got == outcome(lambda: python.prepare(rows, required_pages=short))
-    assert got[0] == "error" and got[1] is MissingPagesError
+    assert got[0] == "error" and got[1] is MissingPagesError and calls == [1]
+    assert "row 1: the request span needs 9 pages but the row holds 2" in got[2]
+    assert state_of(snap) == before
 
 
-@requires_native
 @pytest.mark.parametrize("max_ranges", [3, 0])
-def test_keys_out_receives_the_keys_to_remember_on_both_paths(max_ranges: int) -> None:
+def test_keys_out_receives_the_keys_to_remember(max_ranges: int) -> None:
     """``changed_byte_ranges(keys_out=)`` writes ``row_keys(snap, n)`` into the caller's
-    array whatever the result (ranges or None), compiled and Python alike, and touches
-    nothing past ``n``; ``row_keys(out=)`` returns a view of ``out``."""
-    compiled, python = twins(np.full((5, 6), -1, dtype=np.int32), fill_value=-1)
+    array whatever the result (ranges or None), compiled and through spans.py alike, and
+    touches nothing past ``n``; ``row_keys(out=)`` returns a view of ``out``."""
+    snap = PageTableSnapshot(np.full((5, 6), -1, dtype=np.int32), fill_value=-1)
     rows = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6]), BlockTable([7])]
-    for snap in (compiled, python):
-        snap.prepare(rows)
-    keys = row_keys(compiled)
+    snap.prepare(rows)
+    keys = row_keys(snap)
     rows[0].append_one(9)
-    for snap in (compiled, python):
-        snap.prepare(rows)
-    for snap in (compiled, python):
-        out = np.full(5, -123, dtype=np.int64)
-        result = changed_byte_ranges(snap, keys, 3, 24, max_ranges=max_ranges, max_bytes=100,
-                                     keys_out=out)
-        assert result == (([(8, 12)], 4) if max_ranges else None)
-        np.testing.assert_array_equal(out[:3], row_keys(snap, 3))
-        assert out[3:].tolist() == [-123, -123]
-        again = np.full(5, -5, dtype=np.int64)
-        view = row_keys(snap, 2, out=again)
-        assert view.base is again and view.tolist() == row_keys(snap, 2).tolist()
-        assert again[2:].tolist() == [-5, -5, -5]
-    # the Python path alone (a snapshot whose last batch was not all versioned)
+    snap.prepare(rows)
+    out = np.full(5, -123, dtype=np.int64)
+    result = changed_byte_ranges(snap, keys, 3, 24, max_ranges=max_ranges, max_bytes=100,
+                                 keys_out=out)
+    assert result == (([(8, 12)], 4) if max_ranges else None)
+    np.testing.assert_array_equal(out[:3], row_keys(snap, 3))
+    assert out[3:].tolist() == [-123, -123]
+    # a keys_out the compiled diff does not write (int32): handed back to spans.py, which
+    # casts the same keys into it
+    cast = np.full(5, -7, dtype=np.int32)
+    assert snap._native.changed_byte_ranges(snap._row_keys, keys, keys.size, 3, 24, 8, 100,
+                                            cast) is NotImplemented
+    assert changed_byte_ranges(snap, keys, 3, 24, max_ranges=max_ranges, max_bytes=100,
+                               keys_out=cast) == result
+    # (numpy's int64 -> int32 assignment: the version counter is process-wide, so a key
+    # may pass int32 after other tests made BlockTables)
+    assert cast[:3].tolist() == row_keys(snap, 3).astype(np.int32).tolist()
+    assert cast[3:].tolist() == [-7, -7]
+    again = np.full(5, -5, dtype=np.int64)
+    view = row_keys(snap, 2, out=again)
+    assert view.base is again and view.tolist() == row_keys(snap, 2).tolist()
+    assert again[2:].tolist() == [-5, -5, -5]
+    # spans.py alone (a snapshot whose last batch was not all versioned)
     plain = PageTableSnapshot(np.full((5, 6), -1, dtype=np.int32), fill_value=-1)
     plain.prepare([[1, 2], [3]])
     then = row_keys(plain)
@@ -1146,20 +1015,19 @@ def test_keys_out_receives_the_keys_to_remember_on_both_paths(max_ranges: int) -
     np.testing.assert_array_equal(out[:2], row_keys(plain, 2))
 
 
-@requires_native
 def test_tagged_ranges_are_the_pairs_as_record_triples() -> None:
     """The compiled ``changed_byte_ranges`` with a tag returns each range as
     ``(tag, start, nbytes)``: the same ranges, total and None cases as without it."""
-    compiled, _ = twins(np.full((6, 8), -1, dtype=np.int32), fill_value=-1)
-    native = compiled._native
+    snap = PageTableSnapshot(np.full((6, 8), -1, dtype=np.int32), fill_value=-1)
+    native = snap._native
     rows = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6]), BlockTable([7])]
-    compiled.prepare(rows)
-    keys = row_keys(compiled)
+    snap.prepare(rows)
+    keys = row_keys(snap)
     rows[0].append_one(9)
     rows[2].append_one(10)
     rows.append(BlockTable([11]))
-    compiled.prepare(rows)
-    now = compiled._row_keys
+    snap.prepare(rows)
+    now = snap._row_keys
     for max_ranges, max_bytes in ((8, 1000), (1, 1000), (8, 4)):
         pairs = native.changed_byte_ranges(now, keys, keys.size, 5, 32, max_ranges, max_bytes)
         triples = native.changed_byte_ranges(now, keys, keys.size, 5, 32, max_ranges,
@@ -1173,32 +1041,129 @@ def test_tagged_ranges_are_the_pairs_as_record_triples() -> None:
         native.changed_byte_ranges(now, keys, keys.size, 5, 32, 8, 100, None, -1)
 
 
-@requires_native
-def test_snapshot_method_gives_the_same_ranges_on_both_paths() -> None:
+@pytest.mark.parametrize("keys_kind", ["int64", "uint64", "unversioned"])
+def test_snapshot_method_gives_the_module_function_s_ranges(keys_kind: str) -> None:
     """``PageTableSnapshot.changed_byte_ranges``: (offset, nbytes) pairs, or tagged
-    triples, identical with and without the compiled helper and equal to the module
-    function's (start, stop) ranges; None past the limits; ``keys_out`` filled either way."""
-    results = []
-    for snap in twins(np.full((6, 8), -1, dtype=np.int32), fill_value=-1):
-        rows = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6]), BlockTable([7])]
-        snap.prepare(rows)
-        keys = row_keys(snap)
-        rows[0].append_one(9)
-        rows[2].append_one(10)
-        rows.append(BlockTable([11]))
-        snap.prepare(rows)
-        got = []
-        for max_ranges, max_bytes, tag in ((8, 1000, None), (8, 1000, 2), (1, 1000, None),
-                                           (8, 4, 5)):
-            out = np.full(6, -9, dtype=np.int64)
-            found = snap.changed_byte_ranges(keys, 5, 32, max_ranges=max_ranges,
-                                             max_bytes=max_bytes, keys_out=out, tag=tag)
-            assert out[:5].tolist() == snap._row_keys[:5].tolist()
-            got.append(found)
-        reference = changed_byte_ranges(snap, keys, 5, 32, max_ranges=8, max_bytes=1000)
-        assert reference is not None
-        assert got[0] == ([(a, b - a) for a, b in reference[0]], reference[1])
-        assert got[1] == ([(2, a, b - a) for a, b in reference[0]], reference[1])
-        assert got[2] is None and got[3] is None
-        results.append(got)
-    assert results[0] == results[1]
+    triples, equal to the module function's (start, stop) ranges and to hand-written
+    ones, whether the compiled diff answers (int64 keys of an all-versioned batch) or
+    hands back to spans.py (uint64 keys; a batch with an unversioned row, its revision
+    given); None past the limits; ``keys_out`` filled either way."""
+    snap = PageTableSnapshot(np.full((6, 8), -1, dtype=np.int32), fill_value=-1)
+    rows: list[Any] = [BlockTable([1, 2]), BlockTable([3, 4, 5]), BlockTable([6]),
+                       BlockTable([7])]
+    snap.prepare(rows)
+    keys = row_keys(snap)
+    revision = snap.revision
+    if keys_kind == "uint64":
+        keys = keys.view(np.uint64)
+    rows[0].append_one(9)
+    rows[2].append_one(10)
+    rows.append(BlockTable([11]) if keys_kind != "unversioned" else [11])
+    snap.prepare(rows)
+    assert snap._all_versioned == (keys_kind != "unversioned")
+    got = []
+    for max_ranges, max_bytes, tag in ((8, 1000, None), (8, 1000, 2), (1, 1000, None),
+                                       (8, 4, 5)):
+        out = np.full(6, -9, dtype=np.int64)
+        found = snap.changed_byte_ranges(keys, 5, 32, max_ranges, max_bytes, out, tag,
+                                         revision)
+        assert out[:5].tolist() == snap._row_keys[:5].tolist()
+        got.append(found)
+    reference = changed_byte_ranges(snap, keys, 5, 32, revision=revision, max_ranges=8,
+                                    max_bytes=1000)
+    assert reference == ([(8, 12), (68, 72), (128, 160)], 40)
+    assert got[0] == ([(8, 4), (68, 4), (128, 32)], 40)
+    assert got[1] == ([(2, 8, 4), (2, 68, 4), (2, 128, 32)], 40)
+    assert got[2] is None and got[3] is None
+
+
+# --------------------------------------------------------------------------------------
+# block_tables.native: the compiled core is required, built with the wheel, never compiled
+# at import
+# --------------------------------------------------------------------------------------
+
+NATIVE_NAME = "block_tables._block_tables_native"
+
+# A finder that refuses the compiled snapshot core: the package as installed without it.
+BLOCK_NATIVE = (
+    "import importlib.abc, sys\n"
+    "class Refuse(importlib.abc.MetaPathFinder):\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    f"        if name == {NATIVE_NAME!r}:\n"
+    "            raise ImportError(f'no module named {name!r} (refused by the test)')\n"
+    "sys.meta_path.insert(0, Refuse())\n"
+)
+
+
+def run_python(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", script], env={**os.environ, **env},
+                          capture_output=True, text=True, check=False)
+
+
+def test_require_extension_names_the_module_and_the_fix() -> None:
+    with pytest.raises(NativeBuildError) as info:
+        require_extension("block_tables._no_such_native")
+    message = str(info.value)
+    assert isinstance(info.value, ImportError) and isinstance(info.value, BlockTableError)
+    assert message.startswith("the compiled core block_tables._no_such_native is not built")
+    assert FIX in message and "tools/build_native.py" in message and "pip install" in message
+    assert require_extension(NATIVE_NAME) is snapshot_module._native
+
+
+def test_native_false_is_refused_and_true_is_the_compiled_core() -> None:
+    """``native=`` stays in the signature: None and True are the compiled core (the only
+    mode), False asked for the removed interpreted mode and raises before anything."""
+    storage = np.arange(12, dtype=np.int32).reshape(3, 4)
+    with pytest.raises(NativeBuildError, match=r"^PageTableSnapshot: native=False asked for "
+                                               r"the interpreted mode, which was removed"):
+        PageTableSnapshot(storage, native=False)
+    np.testing.assert_array_equal(storage, np.arange(12).reshape(3, 4))
+    with pytest.raises(NativeBuildError, match=r"^X: native=False"):
+        refuse_interpreted(False, "X")
+    refuse_interpreted(None, "X")
+    refuse_interpreted(True, "X")
+    for choice in (None, True):
+        snap = PageTableSnapshot(storage, native=choice)
+        assert snap._native is snapshot_module._native
+        assert snap._native.__file__.endswith(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+        rows = [BlockTable([5, 6]), BlockTable([7])]
+        first = snap.prepare(rows)
+        rows[0].append_one(8)
+        assert snap.prepare(rows) == first + 1
+        np.testing.assert_array_equal(storage[:2], naive([[5, 6, 8], [7]], 4, 0))
+
+
+def test_import_runs_no_compiler_and_writes_nothing(tmp_path: Path) -> None:
+    """The extension comes from the wheel (or an in-place build): importing with no
+    compiler on PATH, an unusable CC and an unwritable HOME still loads it."""
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o500)
+    script = "import block_tables.snapshot as s; print(s._native.__file__)"
+    done = run_python(script, PATH="", CC="/nonexistent/cc", HOME=str(home),
+                      XDG_CACHE_HOME=str(home / "cache"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    assert list(home.iterdir()) == []
+
+
+def test_import_without_the_extension_fails_naming_the_fix() -> None:
+    """No interpreted mode: importing the package without its compiled core raises
+    NativeBuildError (an ImportError) naming the module and how to build it."""
+    script = BLOCK_NATIVE + (
+        "try:\n"
+        "    import block_tables\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__)\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    print('imported')\n"
+    )
+    done = run_python(script)
+    assert done.returncode == 0, done.stderr
+    name, message = done.stdout.split("\n", 1)
+    assert name == "NativeBuildError", done.stdout
+    assert f"the compiled core {NATIVE_NAME} is not built" in message
+    assert "refused by the test" in message and "tools/build_native.py" in message
+    plain = run_python(BLOCK_NATIVE + "import block_tables.snapshot")
+    assert plain.returncode != 0 and "NativeBuildError" in plain.stderr

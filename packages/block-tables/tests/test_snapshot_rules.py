@@ -1,32 +1,34 @@
-"""The snapshot's write rules that final bytes cannot show, on both twins.
+"""The snapshot's write rules that final bytes cannot show, on every write path.
 
 "Full-width rows are copied without clearing the bytes they replace; fully replaced
 batches clear exposed tails in one bytewise pass." A clear-then-copy and a row-by-row
-clear leave the same bytes as the rules do, so the numpy twin is watched through
-:class:`TrackedStorage`, an int32 array that logs every numpy write made through it or a
-view of it (positions and values), and the compiled twin through what it reports:
-``cleared_elements`` (the elements its tail clears changed to the fill value) and its one
-``write_replaced`` call per fully replaced batch. Both twins must also agree with each
-other and with the naive full-width rebuild on every batch.
+clear leave the same bytes as the rules do, so the writers are watched: the row-by-row
+numpy writes of snapshot.py (a batch that replaces some rows, appends several pages,
+shrinks) through :class:`TrackedStorage`, an int32 array that logs every numpy write made
+through it or a view of it (positions and values); the compiled sweep of a fully replaced
+batch (``write_replaced``, _snapshot.pyx) through what it reports: ``cleared_elements``
+(the elements its tail clears changed to the fill value), its one call per batch, and no
+numpy write beside it. Every batch must also equal the naive full-width rebuild, and the
+revisions and history tests/oracle_snapshot.py gives.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from block_tables import BlockTable, PageTableSnapshot, draw_version
-from block_tables.native import native_mode
+
+sys.path.insert(0, str(Path(__file__).parent))
+from oracle_snapshot import OracleRow, OracleSnapshot
 
 WIDTH = 16
 FILL = -1  # no page ID: every write of it is a clear
-
-requires_native = pytest.mark.skipif(
-    native_mode() == "0", reason="H2D_NATIVE=0: the compiled helpers are switched off"
-)
 
 
 # --------------------------------------------------------------------------------------
@@ -182,36 +184,9 @@ def full_rows(rows: Sequence[Any], width: int = WIDTH) -> set[int]:
 # --------------------------------------------------------------------------------------
 
 
-def test_fully_replaced_batch_clears_its_tails_in_one_pass_numpy_twin() -> None:
-    storage = TrackedStorage.zeros((8, WIDTH))
-    log = storage.log
-    assert log is not None
-    snap = PageTableSnapshot(storage, fill_value=FILL, native=False)
-    first = tables(16, 9, 12, 3, 16, 7)
-    snap.prepare(first)
-    outside = storage.view(np.ndarray)[6:].copy()
-    log.ops.clear()
-    cleared = snap.cleared_elements
-    second = tables(4, 16, 2, 3, 16, 0, start=300)  # every row a new version
-    rev = snap.prepare(second)
-
-    np.testing.assert_array_equal(storage.view(np.ndarray)[:6], naive(second))
-    np.testing.assert_array_equal(storage.view(np.ndarray)[6:], outside)
-    tails = tail_positions([16, 9, 12, 3, 16, 7], [4, 16, 2, 3, 16, 0])
-    assert log.fills() == [tails], "the exposed tails must be cleared by one operation"
-    assert snap.cleared_elements - cleared == len(tails)
-    assert snap.changed_rows_since(rev - 1).ranges == ((0, 6),)
-
-
-@requires_native
-def test_fully_replaced_batch_is_one_compiled_call_with_the_same_result(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    storage = np.zeros((8, WIDTH), dtype=np.int32)
-    compiled = PageTableSnapshot(storage, fill_value=FILL, native=True)
-    python = PageTableSnapshot(storage.copy(), fill_value=FILL, native=False)
-    native = compiled._native
-    assert native is not None
+def counted_sweeps(snap: PageTableSnapshot, monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The results of every ``write_replaced`` call ``snap`` makes, in order."""
+    native = snap._native
     calls: list[Any] = []
     real = native.write_replaced
 
@@ -221,34 +196,88 @@ def test_fully_replaced_batch_is_one_compiled_call_with_the_same_result(
         return result
 
     monkeypatch.setattr(native, "write_replaced", counted)
+    return calls
+
+
+def history_of(snap: PageTableSnapshot) -> list[tuple[int, list[int] | None]]:
+    return [(r, None if c is None else c.tolist()) for r, c in snap._history]
+
+
+def test_fully_replaced_batch_is_one_compiled_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fully replaced batch is written by one ``write_replaced`` call and nothing else:
+    no numpy write reaches the storage, the exposed tails (and only they) are cleared."""
+    storage = TrackedStorage.zeros((8, WIDTH))
+    log = storage.log
+    assert log is not None
+    snap = PageTableSnapshot(storage, fill_value=FILL)
+    calls = counted_sweeps(snap, monkeypatch)
+    first = tables(16, 9, 12, 3, 16, 7)
+    snap.prepare(first)
+    outside = storage.view(np.ndarray)[6:].copy()
+    log.ops.clear()
+    cleared = snap.cleared_elements
+    second = tables(4, 16, 2, 3, 16, 0, start=300)  # every row a new version
+    rev = snap.prepare(second)
+
+    assert len(calls) == 2 and calls[-1] is not None
+    assert log.ops == [], "a fully replaced batch is written by the compiled sweep alone"
+    np.testing.assert_array_equal(storage.view(np.ndarray)[:6], naive(second))
+    np.testing.assert_array_equal(storage.view(np.ndarray)[6:], outside)
+    tails = tail_positions([16, 9, 12, 3, 16, 7], [4, 16, 2, 3, 16, 0])
+    assert snap.cleared_elements - cleared == len(tails)
+    assert snap.changed_rows_since(rev - 1).ranges == ((0, 6),)
+
+
+def test_fully_replaced_batches_agree_with_the_oracle(monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = np.zeros((8, WIDTH), dtype=np.int32)
+    snap = PageTableSnapshot(storage, fill_value=FILL)
+    oracle = OracleSnapshot(storage.tolist(), fill=FILL, history=64)
+    calls = counted_sweeps(snap, monkeypatch)
     first = tables(16, 9, 12, 3, 16, 7)
     second = tables(4, 16, 2, 3, 16, 0, start=300)
     for batch in (first, second, [BlockTable(r.tolist()) for r in second]):
         before = len(calls)
-        revs = compiled.prepare(batch), python.prepare(batch)
+        rev = snap.prepare(batch)
         assert len(calls) == before + 1 and calls[-1] is not None  # the sweep wrote it
-        assert revs[0] == revs[1]
-        np.testing.assert_array_equal(compiled.storage, python.storage)
-        assert compiled.cleared_elements == python.cleared_elements
-        assert [(r, None if c is None else c.tolist()) for r, c in compiled._history] == [
-            (r, None if c is None else c.tolist()) for r, c in python._history]
-    np.testing.assert_array_equal(compiled.storage[:6], naive(second))
-    np.testing.assert_array_equal(compiled.storage[6:], 0)  # never covered: untouched
-    assert compiled.cleared_elements == sum(WIDTH - len(t) for t in first) + len(
+        assert rev == oracle.prepare([OracleRow(tuple(t.tolist()), t.version) for t in batch])
+        assert storage.tolist() == oracle.storage
+        assert history_of(snap) == list(oracle.history)
+    np.testing.assert_array_equal(storage[:6], naive(second))
+    np.testing.assert_array_equal(storage[6:], 0)  # never covered: untouched
+    assert snap.cleared_elements == sum(WIDTH - len(t) for t in first) + len(
         tail_positions([16, 9, 12, 3, 16, 7], [4, 16, 2, 3, 16, 0]))
     # the same bytes under new versions: nothing written, no new revision
-    assert len(compiled._history) == 2
+    assert len(snap._history) == 2
 
 
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=requires_native)])
-def test_fully_replaced_batch_exact_bytes(native: bool) -> None:
+def test_a_strided_row_is_swept_from_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep reads C-contiguous int32 rows in place and hands back any other (None,
+    nothing written); the snapshot then sweeps contiguous copies: the same bytes and
+    counts as contiguous rows give."""
+    results = []
+    for strided in (False, True):
+        storage = np.zeros((4, WIDTH), dtype=np.int32)
+        snap = PageTableSnapshot(storage, fill_value=FILL)
+        calls = counted_sweeps(snap, monkeypatch)
+        snap.prepare(tables(10, 3, 16))
+        ids = np.arange(50, 62, dtype=np.int32)
+        rows: list[Any] = [np.repeat(ids, 2)[::2] if strided else ids, [7, 8], list(range(16))]
+        calls.clear()
+        rev = snap.prepare(rows)
+        assert [c is None for c in calls] == ([True, False] if strided else [False])
+        np.testing.assert_array_equal(storage[:3], naive([ids.tolist(), [7, 8], range(16)]))
+        results.append((rev, storage.tolist(), snap.cleared_elements, history_of(snap)))
+    assert results[0] == results[1]
+
+
+def test_fully_replaced_batch_exact_bytes() -> None:
     """Unknown rows (garbage) are cleared over the whole width, known rows only where the
     old content was, full rows stay intact, rows past the batch are never written, and a
     tail that already holds the fill value is not a change."""
     rng = np.random.default_rng(3)
     storage = rng.integers(0, 500, (8, WIDTH)).astype(np.int32)
     garbage = storage.copy()
-    snap = PageTableSnapshot(storage, fill_value=FILL, native=native)
+    snap = PageTableSnapshot(storage, fill_value=FILL)
     first = [BlockTable(rng.integers(0, 500, n)) for n in (16, 3, 0, 10, 16)]
     assert snap.prepare(first) == 1
     np.testing.assert_array_equal(storage[:5], naive([t.tolist() for t in first]))
@@ -297,54 +326,41 @@ def _batches() -> list[tuple[str, list[Any], list[Any]]]:
 
 
 @pytest.mark.parametrize("case", [c for c, _f, _s in _batches()])
-def test_full_width_rows_are_never_cleared_numpy_twin(case: str) -> None:
+def test_full_width_rows_are_never_cleared(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Row-by-row (numpy, watched write by write) or in the compiled sweep (which reports
+    every element its tail clears changed): replacing rows by full-width ones, over rows
+    with no exposed tail, clears nothing."""
     _case, first, second = next(c for c in _batches() if c[0] == case)
     storage = TrackedStorage.zeros((6, WIDTH))
     log = storage.log
     assert log is not None
-    snap = PageTableSnapshot(storage, fill_value=FILL, native=False)
+    snap = PageTableSnapshot(storage, fill_value=FILL)
+    calls = counted_sweeps(snap, monkeypatch)
     snap.prepare(first)
     log.ops.clear()
-    snap.prepare(second)
-    np.testing.assert_array_equal(
-        storage.view(np.ndarray)[: len(second)], naive([list(map(int, r)) for r in second]))
-    cleared_full = set().union(*log.fills()) & full_rows(second)
-    assert not cleared_full, f"{case}: full-width rows cleared before their copy"
-    # and the full rows were written (a copy), so the check above watched real writes
-    assert full_rows(second) & log.written()
+    calls.clear()
+    cleared = snap.cleared_elements
+    assert snap.prepare(second) == 2
+    plain = storage.view(np.ndarray)
+    np.testing.assert_array_equal(plain[: len(second)], naive([list(map(int, r)) for r in second]))
+    assert snap.cleared_elements == cleared, f"{case}: a full-width row was cleared"
+    if case == "two rows":  # the row-by-row path: numpy writes only
+        assert calls == []
+        cleared_full = set().union(*log.fills()) & full_rows(second)
+        assert not cleared_full, f"{case}: full-width rows cleared before their copy"
+        # and the full rows were written (a copy), so the check above watched real writes
+        assert full_rows(second) & log.written()
+    else:  # fully replaced: the compiled sweep alone
+        assert len(calls) == 1 and calls[0] is not None and log.ops == []
 
 
-@requires_native
-@pytest.mark.parametrize("case", [c for c, _f, _s in _batches()])
-def test_full_width_rows_are_never_cleared_compiled_twin(case: str) -> None:
-    """The compiled twin reports every element its tail clears changed: replacing rows by
-    full-width ones (over rows with no exposed tail) must add nothing."""
-    _case, first, second = next(c for c in _batches() if c[0] == case)
-    compiled = PageTableSnapshot(np.zeros((6, WIDTH), np.int32), fill_value=FILL,
-                                 native=True)
-    python = PageTableSnapshot(np.zeros((6, WIDTH), np.int32), fill_value=FILL,
-                               native=False)
-    for snap in (compiled, python):
-        snap.prepare(first)
-    before = compiled.cleared_elements, python.cleared_elements
-    assert before[0] == before[1]
-    revs = compiled.prepare(second), python.prepare(second)
-    assert revs[0] == revs[1] == 2
-    np.testing.assert_array_equal(compiled.storage, python.storage)
-    np.testing.assert_array_equal(compiled.storage[: len(second)],
-                                  naive([list(map(int, r)) for r in second]))
-    assert compiled.cleared_elements == before[0], f"{case}: a full-width row was cleared"
-    assert python.cleared_elements == before[1]
-
-
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=requires_native)])
-def test_random_batches_agree_with_the_naive_rebuild_and_across_twins(native: bool) -> None:
+def test_random_batches_agree_with_the_naive_rebuild() -> None:
     """Random batches (full replacements, partial ones, appends, shrinking, unversioned
     rows): the bytes equal the naive rebuild, and ``cleared_elements`` grows by exactly
     the exposed tail elements that held something else than the fill value."""
     rng = np.random.default_rng(11)
     storage = rng.integers(0, 50, (10, WIDTH)).astype(np.int32)
-    snap = PageTableSnapshot(storage, fill_value=FILL, native=native)
+    snap = PageTableSnapshot(storage, fill_value=FILL)
     held: list[list[int] | None] = [None] * 10  # what each storage row is known to hold
     live = [BlockTable(rng.integers(0, 50, rng.integers(0, WIDTH + 1))) for _ in range(6)]
     for _step in range(150):

@@ -5,26 +5,37 @@ On the CPU the driver is replaced by ctypes callbacks standing in for ``cuGraphL
 own CPU publication of the launched bucket's size, as the captured graph would on the
 GPU, so destinations show whether the compiled path packed the right bytes and chose the
 right graph. The GPU suites run the same state through the real driver.
+
+The slot events (``h2d_core._h2d_core_native``, ``_events.pyx``) are checked on the CPU
+through ctypes callbacks too; addresses that are not functions are only ever given to
+``bind_events`` calls that must refuse them before calling anything. On CUDA
+(``RUN_H2D_GPU_TESTS=1``) the ``gpu`` tests record and wait on real driver events.
 """
 
 from __future__ import annotations
 
 import ctypes
+import datetime
+import gc
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+import h2d_core.launch
 from h2d_core import H2DRunnerState, PublicationEnqueueError
+from h2d_core.launch import SlotEvents
 from h2d_core.native import native as core_native
 from h2d_kernels import GraphLaunchTable
 from h2d_kernels.graphs import bucket_index, bucket_sizes
 from h2d_kernels.native import helper as kernels_native
-
-pytestmark = pytest.mark.skipif(
-    core_native is None or kernels_native is None,
-    reason="H2D_NATIVE=0 or not built: the compiled helpers are off")
 
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 CAPTURING = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))
@@ -100,22 +111,44 @@ def _with_fake_driver(st: H2DRunnerState, monkeypatch: pytest.MonkeyPatch,
     return fake
 
 
-def _step(st: H2DRunnerState, b: dict[str, Any], rng: np.random.Generator, k: int) -> None:
+UNIT_BYTES = {"temps": 4, "ids": 4, "lens": 4, "table": 512 * 4}
+
+
+def _step(st: H2DRunnerState, b: dict[str, Any], rng: np.random.Generator, k: int,
+          model: dict[str, bytearray] | None = None) -> None:
+    """One epoch of random sources, counts and table ranges, published. ``model`` (the
+    destinations' expected bytes) gets what the publication must write: the first
+    ``count`` units of each member, the table's ranges, nothing for an omitted member."""
     st.begin()
+    src: dict[str, bytes] = {}
     for name in ("temps", "ids", "lens", "table"):
         raw = b[name].cpu.view(-1).view(torch.uint8)
         raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))
-    st.set_count(b["temps"], int(rng.integers(0, 65)))
-    st.set_count(b["ids"], int(rng.integers(0, 16385)) if k % 3 else None)
-    st.set_count(b["lens"], int(rng.integers(1, 65)))
+        src[name] = raw.numpy().tobytes()
+    counts: dict[str, int | None] = {
+        "temps": int(rng.integers(0, 65)),
+        "ids": int(rng.integers(0, 16385)) if k % 3 else None,
+        "lens": int(rng.integers(1, 65)),
+    }
+    ranges: list[tuple[int, int]] = []
     if k % 2:
         row = 512 * 4
         starts = sorted(rng.choice(64, size=int(rng.integers(1, 6)), replace=False).tolist())
-        st.set_ranges(b["table"], [(r * row, r * row + 64) for r in starts])
+        ranges = [(r * row, r * row + 64) for r in starts]
+        st.set_ranges(b["table"], ranges)
     else:
-        st.set_count(b["table"], int(rng.integers(0, 65)))
+        counts["table"] = int(rng.integers(0, 65))
+    for name, n in counts.items():
+        st.set_count(b[name], n)
     st.publish("step")
     st.finish()
+    if model is not None:
+        for name, n in counts.items():
+            if n is not None:
+                end = n * UNIT_BYTES[name]
+                model[name][:end] = src[name][:end]
+        for a, z in ranges:
+            model["table"][a:z] = src["table"][a:z]
 
 
 def _needed_end(st: H2DRunnerState) -> int:
@@ -134,19 +167,30 @@ def _needed_end(st: H2DRunnerState) -> int:
 
 
 def _dest(b: dict[str, Any]) -> dict[str, bytes]:
-    return {n: buf.gpu.reshape(-1).view(torch.uint8).numpy().tobytes() for n, buf in b.items()}
+    return {n: buf.gpu.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+            for n, buf in b.items()}
 
 
-def test_compiled_publish_writes_the_python_paths_bytes_through_the_bucket_graph(
+def _model(b: dict[str, Any]) -> dict[str, bytearray]:
+    """The destinations' bytes now, to be updated by :func:`_step`."""
+    return {n: bytearray(d) for n, d in _dest(b).items()}
+
+
+def _as_bytes(model: dict[str, bytearray]) -> dict[str, bytes]:
+    return {n: bytes(d) for n, d in model.items()}
+
+
+def test_compiled_publish_writes_the_models_bytes_through_the_bucket_graph(
         monkeypatch: pytest.MonkeyPatch) -> None:
     fast, fb = _state()
-    ref, rb = _state()
+    ref, rb = _state()  # the same state, published by the arena's own launch
     fake = _with_fake_driver(fast, monkeypatch)
+    model = _model(fb)
     rng_f, rng_r = np.random.default_rng(7), np.random.default_rng(7)
     for k in range(24):
-        _step(fast, fb, rng_f, k)
+        _step(fast, fb, rng_f, k, model)
         _step(ref, rb, rng_r, k)
-        assert _dest(fb) == _dest(rb), f"step {k}"
+        assert _dest(fb) == _as_bytes(model) == _dest(rb), f"step {k}"
         index, stream = fake.launches[-1]
         # the graph launched is the smallest one covering the bytes the publication needs
         assert index == bucket_index(_needed_end(fast))
@@ -156,6 +200,31 @@ def test_compiled_publish_writes_the_python_paths_bytes_through_the_bucket_graph
     assert fast.counters("step").bytes == ref.counters("step").bytes
 
 
+def test_a_pack_only_binding_hands_the_launch_to_the_arena(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without graphs (the CPU) the compiled binding only packs; the arena's own launch
+    then writes exactly the model's bytes, over steps that shrink counts and move ranges
+    (stale range rows must scatter nothing)."""
+    st, b = _state()
+    packed = st._slot_groups[0][st.plan("step").index].packed
+    assert packed.compiled and not packed.launches_graphs
+    ends: list[int] = []
+    publish = packed.arena.publish
+
+    def spy(end: int, stream: Any = None) -> Any:
+        ends.append(end)
+        return publish(end, stream)
+
+    monkeypatch.setattr(packed.arena, "publish", spy)
+    model = _model(b)
+    rng = np.random.default_rng(9)
+    for k in range(16):
+        _step(st, b, rng, k, model)
+        assert _dest(b) == _as_bytes(model), f"step {k}"
+        assert ends[-1] == _needed_end(st)
+    assert len(ends) == 16
+
+
 @pytest.mark.parametrize("why", ["capturing", "uncovered"])
 def test_capture_or_an_uncovered_size_takes_the_arenas_own_launch(
         monkeypatch: pytest.MonkeyPatch, why: str) -> None:
@@ -163,11 +232,12 @@ def test_capture_or_an_uncovered_size_takes_the_arenas_own_launch(
     ref, rb = _state()
     fake = _with_fake_driver(fast, monkeypatch, covered=0 if why == "uncovered" else None)
     fake.capturing = int(why == "capturing")
+    model = _model(fb)
     rng_f, rng_r = np.random.default_rng(3), np.random.default_rng(3)
     for k in range(6):
-        _step(fast, fb, rng_f, k)
+        _step(fast, fb, rng_f, k, model)
         _step(ref, rb, rng_r, k)
-        assert _dest(fb) == _dest(rb), f"step {k}"
+        assert _dest(fb) == _as_bytes(model) == _dest(rb), f"step {k}"
     assert fake.launches == []
     assert fast.counters("step").dmas == 6
 
@@ -199,42 +269,62 @@ def test_a_driver_error_invalidates_the_owner_and_publishes_nothing(
     assert len(fake.launches) == 2
 
 
+NOT_READY = 600  # CUDA_ERROR_NOT_READY / hipErrorNotReady: the event's work is pending
+NOT_A_FUNCTION = 0x10  # given only to bind_events calls that must refuse before any call
+TUPLE_MESSAGE = r"^bind_events\(events tuple, record_fn, query_fn, synchronize_fn, owner\)$"
+
+
 class FakeEvents:
+    """ctypes callbacks standing in for the driver's event record / query / synchronize."""
+
     def __init__(self) -> None:
         self.recorded: list[tuple[int, int]] = []
+        self.queried: list[int] = []
         self.synchronized: list[int] = []
         self.query_rc = 0
         self.record_rc = 0
         self.sync_rc = 0
         self.record_fn = RECORD(self._record)
-        self.query_fn = EVENT(lambda ev: self.query_rc)
+        self.query_fn = EVENT(self._query)
         self.sync_fn = EVENT(self._sync)
 
     def _record(self, event: int | None, stream: int | None) -> int:
         self.recorded.append((event or 0, stream or 0))
         return self.record_rc
 
+    def _query(self, event: int | None) -> int:
+        self.queried.append(event or 0)
+        return self.query_rc
+
     def _sync(self, event: int | None) -> int:
         self.synchronized.append(event or 0)
         return self.sync_rc
 
-    def bind(self, events: tuple[int, ...]) -> Any:
-        return core_native.bind_events(  # type: ignore[union-attr]
-            events, _address(self.record_fn), _address(self.query_fn),
-            _address(self.sync_fn), None)
+    @property
+    def addresses(self) -> tuple[int, int, int]:
+        return _address(self.record_fn), _address(self.query_fn), _address(self.sync_fn)
+
+    def bind(self, events: tuple[Any, ...], owner: object = None) -> Any:
+        return core_native.bind_events(events, *self.addresses, owner)
+
+    def calls(self) -> int:
+        return len(self.recorded) + len(self.queried) + len(self.synchronized)
 
 
 def test_slot_events_record_and_wait_through_the_driver() -> None:
     native = core_native
     fake = FakeEvents()
     cap = fake.bind((0x11, 0x22))
-    native.event_record(cap, 1, 0xABC)
+    assert native.event_record(cap, 1, 0xABC) is None
     assert fake.recorded == [(0x22, 0xABC)]
     assert native.event_wait(cap, 0) == 0  # completed: one query, no wait
-    assert fake.synchronized == []
-    fake.query_rc = 600  # CUDA_ERROR_NOT_READY: wait for it
-    assert native.event_wait(cap, 1) > 0
-    assert fake.synchronized == [0x22]
+    assert fake.queried == [0x11] and fake.synchronized == []
+    fake.query_rc = NOT_READY  # pending: wait for it; the ns waited are never 0
+    assert native.event_wait(cap, 1) >= 1
+    assert fake.queried == [0x11, 0x22] and fake.synchronized == [0x22]
+    # a pointer-sized stream handle (more than one digit of a Python int) arrives whole
+    native.event_record(cap, 0, 0x7F12_3456_7890)
+    assert fake.recorded[-1] == (0x11, 0x7F12_3456_7890)
 
 
 @pytest.mark.parametrize("case", ["query", "sync", "record", "slot"])
@@ -244,57 +334,324 @@ def test_slot_event_errors_name_the_call(case: str) -> None:
     cap = fake.bind((0x11,))
     if case == "query":
         fake.query_rc = 1
-        with pytest.raises(RuntimeError, match="cuEventQuery failed with CUDA error 1"):
+        with pytest.raises(RuntimeError, match=r"^cuEventQuery failed with CUDA error 1$"):
             native.event_wait(cap, 0)
+        assert fake.synchronized == []
     elif case == "sync":
-        fake.query_rc, fake.sync_rc = 600, 700
-        with pytest.raises(RuntimeError, match="cuEventSynchronize failed with CUDA error 700"):
+        fake.query_rc, fake.sync_rc = NOT_READY, 700
+        with pytest.raises(RuntimeError,
+                           match=r"^cuEventSynchronize failed with CUDA error 700$"):
             native.event_wait(cap, 0)
     elif case == "record":
         fake.record_rc = 400
-        with pytest.raises(RuntimeError, match="cuEventRecord failed with CUDA error 400"):
+        with pytest.raises(RuntimeError, match=r"^cuEventRecord failed with CUDA error 400$"):
             native.event_record(cap, 0, 1)
     else:
-        with pytest.raises(IndexError, match=r"slot 1 is not in \[0, 1\)"):
+        with pytest.raises(IndexError, match=r"^slot 1 is not in \[0, 1\)$"):
             native.event_record(cap, 1, 1)
-        assert fake.recorded == []
+        assert fake.calls() == 0
 
 
-def test_a_pack_only_binding_writes_the_python_paths_header_and_bytes() -> None:
-    """Without graphs (the CPU) the compiled binding only packs: ``publish_packed`` writes
-    the header and staging exactly as ``PackedGroup``'s Python path and hands the launch
-    back (a negative DMA size), also zeroing the range rows of an earlier publication."""
-    st, b = _state()
-    packed = st._slot_groups[0][st.plan("step").index].packed
-    assert packed.compiled and not packed.launches_graphs
-    rng = np.random.default_rng(9)
-    for buf in b.values():
-        raw = buf.source(0).view(-1).view(torch.uint8)
-        raw.copy_(torch.from_numpy(rng.integers(0, 256, raw.numel(), dtype=np.uint8)))
-    members = {m.name: i for i, m in enumerate(packed.members)}
-    row = 512 * 4
-    steps = [
-        ({"temps": 5, "ids": 300, "lens": 2}, [(3 * row, 3 * row + 64), (9 * row, 9 * row + 8)]),
-        ({"temps": 1, "ids": None, "lens": 64, "table": 7}, []),
-        ({"ids": 16384}, [(0, 4)]),
+F = NOT_A_FUNCTION
+BAD_BINDS: dict[str, tuple[tuple[Any, ...], dict[str, Any], type[BaseException], str]] = {
+    "events in a list": (([0x11], F, F, F, None), {}, TypeError, TUPLE_MESSAGE),
+    "events in a tuple subclass": ((type("T", (tuple,), {})((0x11,)), F, F, F, None), {},
+                                   TypeError, TUPLE_MESSAGE),
+    "no events": ((None, F, F, F, None), {}, TypeError, TUPLE_MESSAGE),
+    "null record": (((0x11,), 0, F, F, None), {}, ValueError,
+                    "^bind_events: null driver function address$"),
+    "null query": (((0x11,), F, 0, F, None), {}, ValueError, "null driver function address"),
+    "null synchronize": (((0x11,), F, F, 0, None), {}, ValueError,
+                         "null driver function address"),
+    "a float address": (((0x11,), 1.5, F, F, None), {}, TypeError,
+                        "'float' object cannot be interpreted as an integer"),
+    "an address over 64 bits": (((0x11,), 2**64, F, F, None), {}, OverflowError,
+                                "^int too big to convert$"),
+    "a handle not an int": (((0x11, "x"), F, F, F, None), {}, TypeError,
+                            "'str' object cannot be interpreted as an integer"),
+    "a handle over 64 bits": (((-(2**63) - 1,), F, F, F, None), {}, OverflowError,
+                              "^int too big to convert$"),
+    # the arguments are checked in order: addresses, then their nullness, then handles
+    "a bad address before a null one": (((0x11,), 0, "x", F, None), {}, TypeError,
+                                        "cannot be interpreted as an integer"),
+    "a null address before a bad handle": ((("x",), 0, F, F, None), {}, ValueError,
+                                           "null driver function address"),
+    "four arguments": (((0x11,), F, F, F), {}, TypeError, TUPLE_MESSAGE),
+    "six arguments": (((0x11,), F, F, F, None, None), {}, TypeError, TUPLE_MESSAGE),
+    "owner by keyword": (((0x11,), F, F, F), {"owner": None}, TypeError,
+                         r"^h2d_core\._h2d_core_native\.bind_events\(\) takes no keyword "),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BINDS))
+def test_bind_events_refuses_bad_arguments_without_calling_anything(case: str) -> None:
+    """Addresses that are not functions reach only calls that must fail in the checks:
+    bind_events never calls the driver."""
+    args, kwargs, error, match = BAD_BINDS[case]
+    with pytest.raises(error, match=match):
+        core_native.bind_events(*args, **kwargs)
+
+
+def test_bind_events_takes_any_int_like_address_and_handle() -> None:
+    """Integers are read as PyLong_AsLongLong reads them (``__index__``: numpy integers,
+    bools; the full signed 64-bit range); no driver call at bind."""
+    class Index:
+        def __index__(self) -> int:
+            return 0x20
+
+    for events in ((), (2**63 - 1, -(2**63), 0), (np.int64(5), True)):
+        assert type(core_native.bind_events(events, F, F, F, None)).__name__ == "PyCapsule"
+    core_native.bind_events((0x11,), np.uint64(F), Index(), True, None)
+
+
+def test_event_calls_refuse_bad_arguments_before_calling_the_driver() -> None:
+    native = core_native
+    fake = FakeEvents()
+    cap = fake.bind((0x11, 0x22))
+    refused: list[tuple[Any, type[BaseException], str]] = [
+        (lambda: native.event_record(object(), 0, 1), ValueError, "invalid PyCapsule"),
+        (lambda: native.event_wait(None, 0), ValueError, "invalid PyCapsule"),
+        (lambda: native.event_wait(datetime.datetime_CAPI, 0), ValueError, "incorrect name"),
+        (lambda: native.event_record(cap, -1, 1), IndexError, r"^slot -1 is not in \[0, 2\)$"),
+        (lambda: native.event_wait(cap, 2), IndexError, r"^slot 2 is not in \[0, 2\)$"),
+        (lambda: native.event_wait(cap, 2**70), OverflowError, "ssize_t"),
+        (lambda: native.event_wait(cap, 1.0), TypeError, "an integer is required"),
+        (lambda: native.event_record(cap, "0", 1), TypeError, "an integer is required"),
+        (lambda: native.event_record(cap, 0, "s"), TypeError, "cannot be interpreted"),
+        (lambda: native.event_record(cap, 0, 2**64), OverflowError, "int too big to convert"),
+        # in the C module's order: the binding, the slot, then the stream
+        (lambda: native.event_record(None, "x", "s"), ValueError, "invalid PyCapsule"),
+        (lambda: native.event_record(cap, 5, "s"), IndexError, r"slot 5 is not in"),
+        (lambda: native.event_record(cap, 0), TypeError,
+         r"^event_record\(capsule, slot, stream\)$"),
+        (lambda: native.event_record(cap, 0, stream=1), TypeError, "takes no keyword arguments"),
+        (lambda: native.event_wait(cap, 0, 1), TypeError, r"^event_wait\(capsule, slot\)$"),
+        (lambda: native.event_wait(cap, 0, timeout=1), TypeError, "takes no keyword arguments"),
     ]
-    for counts_by_name, byte_ranges in steps:
-        counts: list[int | None] = [None] * len(packed.members)
-        for name, n in counts_by_name.items():
-            counts[members[name]] = n
-        ranges = [(members["table"], a, z - a) for a, z in byte_ranges]
-        end_python = packed._pack_python(counts, ranges)
-        header, arena = packed.header.copy(), packed.arena.host.clone()
-        packed.header[: len(packed.members), 1] = -1  # a member row left unwritten shows
-        end = kernels_native.publish_packed(packed._binding, counts, ranges, 0)
-        assert end == -end_python
-        assert np.array_equal(packed.header, header)
-        assert torch.equal(packed.arena.host, arena)
+    for call, error, match in refused:
+        with pytest.raises(error, match=match):
+            call()
+    assert fake.calls() == 0
 
 
-def test_bind_rejects_null_driver_addresses() -> None:
-    with pytest.raises(ValueError, match="null driver function address"):
-        core_native.bind_events((1,), 0, 1, 1, None)
+def test_a_binding_named_h2d_events_made_elsewhere_still_works() -> None:
+    """events_slot knows its own capsules by their name pointer; any other capsule named
+    "h2d_events" goes through PyCapsule_GetPointer, as it did in the C module."""
+    fake = FakeEvents()
+    cap = fake.bind((0x11, 0x22))
+    api = ctypes.pythonapi
+    api.PyCapsule_GetPointer.restype = ctypes.c_void_p
+    api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+    api.PyCapsule_New.restype = ctypes.py_object
+    api.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    name = ctypes.create_string_buffer(b"h2d_events")  # the same name at another address
+    other = api.PyCapsule_New(api.PyCapsule_GetPointer(cap, b"h2d_events"), name, None)
+    core_native.event_record(other, 1, 0x99)
+    assert fake.recorded == [(0x22, 0x99)]
+    with pytest.raises(IndexError, match=r"slot 2 is not in \[0, 2\)"):
+        core_native.event_wait(other, 2)
+
+
+def test_the_binding_keeps_its_owner_alive_and_releases_it() -> None:
+    class Owner:
+        pass
+
+    fake = FakeEvents()
+    owner = Owner()
+    alive = weakref.ref(owner)
+    cap = fake.bind((0x11,), owner)
+    del owner
+    gc.collect()
+    assert alive() is not None
+    del cap
+    gc.collect()
+    assert alive() is None
+    owner = Owner()
+    refs = sys.getrefcount(owner)
+    with pytest.raises(TypeError):
+        fake.bind((0x11, "x"), owner)  # refused: no reference kept
+    assert sys.getrefcount(owner) == refs
+    assert fake.calls() == 0
+
+
+def test_a_pending_wait_releases_the_gil() -> None:
+    """While begin() blocks on a pending event, other Python threads run: the driver's
+    synchronize is called without the GIL. Here it is libc's usleep(handle µs)."""
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "usleep"):
+        pytest.skip("no usleep in this C library")
+    fake = FakeEvents()
+    fake.query_rc = NOT_READY
+    block_us = 600_000
+    cap = core_native.bind_events((block_us,), fake.addresses[0], fake.addresses[1],
+                                  _address(libc.usleep), None)
+    woke: list[float] = []
+
+    def other() -> None:
+        time.sleep(0.05)
+        woke.append(time.monotonic())  # needs the GIL
+
+    thread = threading.Thread(target=other)
+    t0 = time.monotonic()
+    thread.start()
+    waited = core_native.event_wait(cap, 0)
+    thread.join()
+    assert waited >= block_us * 1000 * 0.9
+    # with the GIL held the thread could only run after the whole wait
+    assert woke and woke[0] - t0 < block_us / 1e6 / 2, (woke[0] - t0, waited)
+
+
+class FakeDeviceDriver:
+    """h2d_kernels.DeviceDriver's event part, over FakeEvents."""
+
+    def __init__(self, fake: FakeEvents, fail_after: int | None = None) -> None:
+        self.fake = fake
+        self.created: list[int] = []
+        self.destroyed: list[int] = []
+        self.fail_after = fail_after
+
+    def address(self, name: str) -> int:
+        record, query, sync = self.fake.addresses
+        return {"event_record": record, "event_query": query, "event_synchronize": sync}[name]
+
+    def event_create(self) -> int:
+        if self.fail_after is not None and len(self.created) == self.fail_after:
+            raise RuntimeError("event_create failed (injected)")
+        self.created.append(0x100 + len(self.created))
+        return self.created[-1]
+
+    def event_destroy(self, event: int) -> int:
+        self.destroyed.append(event)
+        return 0
+
+
+def test_slot_events_go_through_the_driver_table_and_destroy_their_events() -> None:
+    fake = FakeEvents()
+    driver = FakeDeviceDriver(fake)
+    events = SlotEvents(driver, (0x11, 0x22))  # type: ignore[arg-type]
+    events.record(1, 0xABC)
+    assert fake.recorded == [(0x22, 0xABC)]
+    assert events.wait(0) == 0 and type(events.wait(1)) is int
+    fake.query_rc = NOT_READY
+    assert events.wait(1) >= 1 and fake.synchronized == [0x22]
+    with pytest.raises(IndexError, match=r"slot 2 is not in \[0, 2\)"):
+        events.wait(2)
+    assert driver.destroyed == []
+    del events
+    gc.collect()
+    assert driver.destroyed == [0x11, 0x22]
+
+
+def test_slot_events_create_binds_or_cleans_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """create() makes one event per slot in the device's context; when one cannot be
+    made, the ones already made are destroyed."""
+    import contextlib
+
+    fake = FakeEvents()
+    driver = FakeDeviceDriver(fake)
+    monkeypatch.setattr(h2d_core.launch, "device_driver", lambda: driver)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    events = SlotEvents.create(3, torch.device("cuda", 0))
+    assert events is not None and driver.created == [0x100, 0x101, 0x102]
+    events.record(2, 7)
+    assert fake.recorded == [(0x102, 7)]
+    failing = FakeDeviceDriver(fake, fail_after=2)
+    monkeypatch.setattr(h2d_core.launch, "device_driver", lambda: failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        SlotEvents.create(3, torch.device("cuda", 0))
+    assert failing.destroyed == [0x100, 0x101]
+
+
+def test_without_the_driver_library_slot_events_are_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one reason a CUDA state keeps torch events: the driver library did not load
+    (h2d_kernels.device_driver() is None). create() then touches nothing."""
+    monkeypatch.setattr(h2d_core.launch, "device_driver", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", None)  # would fail if create used it
+    assert SlotEvents.create(2, torch.device("cuda", 0)) is None
+
+
+def test_the_event_calls_are_positional_builtins_of_the_extension() -> None:
+    """As the C module's were: builtins (no Python frame, positional arguments only)."""
+    for name in ("bind_events", "event_record", "event_wait"):
+        fn = getattr(core_native, name)
+        assert type(fn).__name__ == "builtin_function_or_method"
+        assert fn.__module__ == "h2d_core._h2d_core_native" and fn.__name__ == name
+    assert core_native.__name__ == "h2d_core._h2d_core_native"
+
+
+def test_import_without_the_event_extension_fails_naming_the_fix() -> None:
+    """No interpreted events: h2d_core does not import without h2d_core._h2d_core_native
+    and says how to build it."""
+    name = "h2d_core._h2d_core_native"
+    script = (
+        "import importlib.abc, sys\n"
+        "class Refuse(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, fullname, path=None, target=None):\n"
+        f"        if fullname == {name!r}:\n"
+        "            raise ImportError(f'no module named {fullname!r} (refused by the test)')\n"
+        "sys.meta_path.insert(0, Refuse())\n"
+        "try:\n"
+        "    import h2d_core\n"
+        "except ImportError as exc:\n"
+        "    print(type(exc).__name__)\n"
+        "    print(exc)\n"
+        "else:\n"
+        "    print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=dict(os.environ),
+                          capture_output=True, text=True, check=False, timeout=300)
+    assert done.returncode == 0, done.stderr
+    kind, message = done.stdout.split("\n", 1)
+    assert kind == "NativeBuildError", done.stdout
+    assert f"the compiled core {name} is not built" in message
+    assert "refused by the test" in message and "tools/build_native.py" in message
+
+
+@pytest.mark.gpu
+def test_cuda_slot_events_wait_for_pending_work() -> None:
+    """The real driver: a never-recorded event counts as completed, a recorded one behind
+    a busy GPU is waited for (ns > 0), then costs one query (0)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    events = SlotEvents.create(2, device)
+    assert events is not None  # libcuda loads on a CUDA machine
+    stream = torch.cuda.current_stream(device)
+    assert events.wait(0) == 0 and events.wait(1) == 0
+    torch.cuda._sleep(100_000_000)  # tens of ms of GPU work ahead of the record
+    before = torch.cuda.Event()
+    before.record(stream)
+    events.record(0, stream.cuda_stream)
+    assert not before.query(), "the GPU finished the sleep before the test could wait"
+    assert events.wait(0) > 0
+    assert before.query()  # the wait covered everything enqueued before the record
+    assert events.wait(0) == 0
+    events.record(1, stream.cuda_stream)
+    torch.cuda.synchronize(device)
+    assert events.wait(1) == 0
+    with pytest.raises(IndexError, match=r"slot 2 is not in \[0, 2\)"):
+        events.record(2, stream.cuda_stream)
+
+
+@pytest.mark.gpu
+def test_cuda_state_without_the_driver_library_uses_torch_events(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch-event path a CUDA state keeps for a driver library that does not load:
+    same publication, and begin() still waits for the slot's previous DMA."""
+    monkeypatch.setattr(h2d_core.launch, "device_driver", lambda: None)
+    st, b = _state("cuda")
+    ref, rb = _state("cpu")
+    assert st._slot_events is None and len(st._events) == st.num_slots
+    model = _model(b)
+    rng, rng_r = np.random.default_rng(13), np.random.default_rng(13)
+    for k in range(6):
+        _step(st, b, rng, k, model)
+        _step(ref, rb, rng_r, k)
+        torch.cuda.synchronize()
+        assert _dest(b) == _as_bytes(model) == _dest(rb), f"step {k}"
+    assert st._event_recorded[0]
+
+
+def test_bind_publish_rejects_null_driver_addresses() -> None:
     with pytest.raises(ValueError, match="null driver function address"):
         kernels_native.bind_publish(0, 0, 0, 0, (), (), 0, 0, (), 0, 1, None, (), (), 0)
 
@@ -303,18 +660,17 @@ def test_cuda_states_use_the_compiled_launcher(device: str) -> None:
     """On the GPU every packed slot launches through the compiled path and the slots'
     events are driver events, so the GPU suites exercise them."""
     if device != "cuda":
-        pytest.skip("the CPU state has no graphs or events; the fakes above cover the C path")
+        pytest.skip("the CPU state has no graphs or events; the fakes above cover them")
     st, b = _state("cuda")
     ref, rb = _state("cpu")
-    assert st._slot_events is not None
+    assert isinstance(st._slot_events, SlotEvents)
     assert all(rec.packed.launches_graphs for recs in st._slot_groups for rec in recs
                if rec.packed is not None)
+    model = _model(b)
     rng, rng_r = np.random.default_rng(11), np.random.default_rng(11)
     for k in range(12):
-        _step(st, b, rng, k)
+        _step(st, b, rng, k, model)
         _step(ref, rb, rng_r, k)
         torch.cuda.synchronize()
-        got = {n: buf.gpu.reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-               for n, buf in b.items()}
-        assert got == _dest(rb), f"step {k}"
+        assert _dest(b) == _as_bytes(model) == _dest(rb), f"step {k}"
     assert st.counters("step").dmas == 12

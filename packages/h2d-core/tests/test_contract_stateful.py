@@ -21,43 +21,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from h2d_core import H2DError, h2d_producer
-from h2d_kernels.native import helper as _kernels_native
 
 sys.path.insert(0, str(Path(__file__).parent))
 import core_helpers as helpers
 
 GROUPS = ("token_inputs", "mha_decode")
-
-
-def h2d_core_native() -> object:
-    """The compiled helper the packed slots bind to (None when it is not loaded)."""
-    return _kernels_native
 PUBLISHABLE = ("decode", "token_inputs", "mha_decode")
 
 
 class ContractMachine(RuleBasedStateMachine):
     device = "cpu"
 
-    #: run against the Python packing and launch instead of the compiled helpers
-    python_core = False
-
     @initialize(backend=st.sampled_from(["packed", "direct"]), slots=st.integers(1, 2))
     def setup(self, backend: str, slots: int) -> None:
         # the reference scatter keeps CPU runs fast; the kernel itself is tested elsewhere
-        with pytest.MonkeyPatch.context() as patch:
-            if self.python_core:  # bind without the compiled helpers: the Python twins run
-                import h2d_core.launch
-                import h2d_kernels.packed_group
-
-                patch.setattr(h2d_kernels.packed_group, "_native", None)
-                patch.setattr(h2d_core.launch, "native", None)
-            self.s = helpers.build_state(self.device, backend=backend, num_slots=slots,
-                                         scatter="reference" if self.device == "cpu" else None)
-        if self.python_core:
-            assert all(r.packed is None or not r.packed.compiled
-                       for recs in self.s.state._slot_groups for r in recs)
-        elif h2d_core_native() is not None:
-            assert all(r.packed is None or r.packed.compiled
+        self.s = helpers.build_state(self.device, backend=backend, num_slots=slots,
+                                     scatter="reference" if self.device == "cpu" else None)
+        assert all(r.packed is None or r.packed.compiled
                        for recs in self.s.state._slot_groups for r in recs)
         self.st = self.s.state
         self.rng = np.random.default_rng(0)
@@ -243,15 +223,6 @@ ContractMachine.TestCase.settings = settings(
 )
 TestContractCPU = ContractMachine.TestCase
 
-
-class PythonCoreContractMachine(ContractMachine):
-    """The same rules and sequences with the compiled helpers hidden at bind time."""
-
-    python_core = True
-
-
-PythonCoreContractMachine.TestCase.settings = ContractMachine.TestCase.settings
-TestContractCPUPythonCore = PythonCoreContractMachine.TestCase
 
 
 class CudaContractMachine(ContractMachine):

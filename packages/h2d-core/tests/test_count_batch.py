@@ -1,5 +1,5 @@
 """``CountBatch`` (compiled and Python stores) against ``set_count``, its errors, and the
-compiled arena ``pack`` against ``pack_python``.
+compiled arena ``pack`` against the packing oracle of the h2d-kernels tests.
 
 A batch must leave every group record exactly as the same ``set_count`` calls leave it
 (counts, active members, counted bytes, DMA end, header byte counts), publish the same
@@ -9,8 +9,10 @@ before storing anything.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import h2d_core.count_batch as count_batch_module
 from block_tables.native import NativeBuildError
 from h2d_core import (
     CountBatch,
@@ -35,9 +36,11 @@ from h2d_core import (
     OwnerThreadError,
     PublicationEnqueueError,
 )
-from h2d_core.records import COMPILED as RECORDS_COMPILED
 from h2d_core.records import GroupRecord
 from h2d_kernels.native import helper as kernels_native
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "h2d-kernels" / "tests"))
+from oracle_packed import expected_arena  # the h2d-kernels packing oracle
 
 # (name, dtype, shape, producer group, unit). Small members live in the arena (in place);
 # ids/pos/flags (> 32 KiB, elements/bytes) are staged; "wide" (> 32 KiB rows) is a tail.
@@ -70,13 +73,17 @@ FAST = settings(max_examples=4, deadline=None, suppress_health_check=[HealthChec
 CHEAP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-NEEDS_NATIVE = pytest.mark.skipif(
-    not RECORDS_COMPILED, reason="records.py runs interpreted (not built, or H2D_NATIVE=0)")
-NEEDS_KERNELS_NATIVE = pytest.mark.skipif(
-    kernels_native is None, reason="H2D_NATIVE=0 or not built: the compiled helper is off")
-#: ``native=`` of the object under test: the compiled store (required) or the Python one
-NATIVE_OR_PYTHON = [pytest.param(True, id="native", marks=NEEDS_NATIVE),
-                    pytest.param(False, id="python")]
+#: how the batch under test stores: the record's fused store, or one store per member (the
+#: path of batches whose members live in several records), forced here per object
+NATIVE_OR_PYTHON = [pytest.param("fused", id="fused"), pytest.param("per_member", id="per_member")]
+
+
+def count_batch(state: Any, members: Any, path: str) -> Any:
+    """``state.count_batch(members)``, its fused store switched off for ``per_member``."""
+    batch = state.count_batch(members)
+    if path == "per_member":
+        batch._record = -1
+    return batch
 
 
 class Setup:
@@ -225,7 +232,7 @@ CONFIGS = [("single", 1), ("single", 2), ("combined", 2), ("split", 2), ("shared
 @pytest.mark.parametrize(("layout", "num_slots"), CONFIGS)
 def test_batch_matches_set_count_state_and_bytes(
         device: str, h: Any, monkeypatch: pytest.MonkeyPatch, layout: str, num_slots: int,
-        backend: str, native: bool) -> None:
+        backend: str, native: str) -> None:
     ref = _build(device, h, layout, backend, num_slots)
     bat = _build(device, h, layout, backend, num_slots)
     batches: list[CountBatch] = []
@@ -237,7 +244,7 @@ def test_batch_matches_set_count_state_and_bytes(
             for state in (ref.state, bat.state):
                 _close(state)
             order = data.draw(st.permutations(members), label="batch order")
-            batch = bat.state.count_batch([bat.buffers[n] for n in order], native=native)
+            batch = count_batch(bat.state, [bat.buffers[n] for n in order], native)
             batches.append(batch)
             for _ in range(data.draw(st.integers(1, 2), label="epochs")):
                 _epoch(data, order, batch)
@@ -293,21 +300,21 @@ def test_batch_matches_set_count_state_and_bytes(
 
     run(BATCHED)  # byte-unit counts are handed back to the Python check and store
     run(NON_BYTES)
-    if native and layout in ("single", "combined"):
+    if native == "fused" and layout in ("single", "combined"):
         # one record carries every member: the record's fused store is the path taken
         assert batches and all(b._record >= 0 for b in batches)
-    if native is False:
+    if native == "per_member":
         assert all(b._record == -1 for b in batches)
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
 @pytest.mark.parametrize("backend", ["packed", "direct"])
 def test_second_set_in_an_epoch_overrides_the_first(device: str, h: Any, backend: str,
-                                                    native: bool) -> None:
+                                                    native: str) -> None:
     setup = _build(device, h, "combined", backend)
     s, b = setup.state, setup.buffers
     order = ["temps", "bf", "bt", "ids"]
-    batch = s.count_batch([b[n] for n in order], native=native)
+    batch = count_batch(s, [b[n] for n in order], native)
     s.begin(1)
     _fill(setup, 7)
     rec = s._slot_groups[1][s.plan("decode").index]
@@ -331,11 +338,10 @@ def test_second_set_in_an_epoch_overrides_the_first(device: str, h: Any, backend
     assert np.array_equal(_dest(b["ids"]), _poison(34_000, h))  # an explicit empty one
 
 
-@pytest.mark.parametrize("native", [
-    pytest.param(True, id="native", marks=NEEDS_NATIVE), pytest.param(None, id="auto")])
+@pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
 @pytest.mark.parametrize("kind", ["direct backend", "noncontiguous destination"])
 def test_compiled_batch_on_an_unpacked_group(device: str, h: Any, kind: str,
-                                             native: bool | None) -> None:
+                                             native: str) -> None:
     """A record without an arena (direct copies) must take a compiled batch like any other."""
     s = H2DRunnerState(device, backend="direct" if kind == "direct backend" else "packed",
                        scatter=h.scatter_mode(device))
@@ -345,7 +351,7 @@ def test_compiled_batch_on_an_unpacked_group(device: str, h: Any, kind: str,
     c = s.buffer("c", (6,), torch.int64, group="g")
     s.bind()
     assert not s.plan("g").packed
-    batch = s.count_batch([a, c], native=native)
+    batch = count_batch(s, [a, c], native)
     s.begin()
     a.np[:] = np.arange(1, 9)
     c.np[:] = np.arange(10, 16)
@@ -369,11 +375,11 @@ FIRST = {"temps": 5, "ids": 100, "mask": 8, "bf": 2, "pos": 7, "bt": 3, "wide": 
 OTHER = {"temps": 1, "ids": 50, "mask": 4, "bf": 1, "pos": 3, "bt": 1, "wide": 2, "flags": 32}
 
 
-def _batch_state(device: str, h: Any, native: bool,
+def _batch_state(device: str, h: Any, native: str,
                  order: Sequence[str] = tuple(BATCHED)) -> tuple[Setup, CountBatch]:
     """A combined state on slot 1 with FIRST stored by a batch of ``order``."""
     setup = _build(device, h, "combined")
-    batch = setup.state.count_batch([setup.buffers[n] for n in order], native=native)
+    batch = count_batch(setup.state, [setup.buffers[n] for n in order], native)
     setup.state.begin(1)
     _fill(setup, 3)
     setup.state.set_count(setup.buffers["extra"], 9)
@@ -383,7 +389,7 @@ def _batch_state(device: str, h: Any, native: bool,
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
 @pytest.mark.parametrize("n", [0, 7, 9])
-def test_wrong_number_of_counts(device: str, h: Any, native: bool, n: int) -> None:
+def test_wrong_number_of_counts(device: str, h: Any, native: str, n: int) -> None:
     setup, batch = _batch_state(device, h, native)
     before = _snapshot(setup, h)
     with pytest.raises(CountError, match=rf"CountBatch.set got {n} counts for 8 buffers") as e:
@@ -414,13 +420,13 @@ BAD_LAST = [
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
 @pytest.mark.parametrize(("last", "bad", "match"), BAD_LAST,
                          ids=[f"{m}-{v!r}" for m, v, _ in BAD_LAST])
-def test_invalid_last_count_stores_nothing(device: str, h: Any, native: bool, last: str,
+def test_invalid_last_count_stores_nothing(device: str, h: Any, native: str, last: str,
                                            bad: object, match: str) -> None:
     setup = _build(device, h, "combined")
     s, bufs = setup.state, setup.buffers
     # no byte-unit member before the last: the compiled store checks every earlier value
     order = [n for n in NON_BYTES if n != last] + [last]
-    batch = s.count_batch([bufs[n] for n in order], native=native)
+    batch = count_batch(s, [bufs[n] for n in order], native)
     s.begin(1)
     _fill(setup, 4)
     batch.set(*[FIRST[n] for n in order])
@@ -461,7 +467,7 @@ def _bad_counts(buf: H2DBuffer) -> st.SearchStrategy[tuple[object, str]]:
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
 @pytest.mark.parametrize("members", ["all", "no-bytes"])
-def test_invalid_counts_anywhere_store_nothing(device: str, h: Any, native: bool,
+def test_invalid_counts_anywhere_store_nothing(device: str, h: Any, native: str,
                                                members: str) -> None:
     order = BATCHED if members == "all" else NON_BYTES
     setup, batch = _batch_state(device, h, native, order)
@@ -488,12 +494,12 @@ def test_invalid_counts_anywhere_store_nothing(device: str, h: Any, native: bool
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
-def test_set_after_publication_is_rejected(device: str, h: Any, native: bool) -> None:
+def test_set_after_publication_is_rejected(device: str, h: Any, native: str) -> None:
     setup = _build(device, h, "combined")
     s, b = setup.state, setup.buffers
     order = ["pos", "temps", "ids", "bt"]
-    batch = s.count_batch([b[n] for n in order], native=native)
-    meta_only = s.count_batch([b["pos"], b["bt"]], native=native)
+    batch = count_batch(s, [b[n] for n in order], native)
+    meta_only = count_batch(s, [b["pos"], b["bt"]], native)
     s.begin()
     _fill(setup, 5)
     batch.set(3, 4, 5, 6)
@@ -526,10 +532,10 @@ def test_set_after_publication_is_rejected(device: str, h: Any, native: bool) ->
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
-def test_set_outside_an_epoch(device: str, h: Any, native: bool) -> None:
+def test_set_outside_an_epoch(device: str, h: Any, native: str) -> None:
     setup = _build(device, h, "combined")
     s = setup.state
-    batch = s.count_batch([setup.buffers[n] for n in BATCHED], native=native)
+    batch = count_batch(s, [setup.buffers[n] for n in BATCHED], native)
     counts = list(OTHER.values())
     before = _snapshot(setup, h)
     with pytest.raises(EpochError, match=r"CountBatch.set outside an epoch: call begin\(\)"):
@@ -560,11 +566,11 @@ def _in_thread(call: Callable[[], object]) -> BaseException | None:
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
-def test_other_thread_is_rejected(device: str, h: Any, native: bool) -> None:
+def test_other_thread_is_rejected(device: str, h: Any, native: str) -> None:
     setup, batch = _batch_state(device, h, native)
     before = _snapshot(setup, h)
     for call in (lambda: batch.set(*OTHER.values()),
-                 lambda: setup.state.count_batch([setup.buffers["temps"]], native=native)):
+                 lambda: count_batch(setup.state, [setup.buffers["temps"]], native)):
         err = _in_thread(call)
         assert isinstance(err, OwnerThreadError), err
         assert "belongs to another thread" in str(err)
@@ -572,7 +578,7 @@ def test_other_thread_is_rejected(device: str, h: Any, native: bool) -> None:
 
 
 @pytest.mark.parametrize("native", NATIVE_OR_PYTHON)
-def test_invalidated_owner_is_rejected(device: str, h: Any, native: bool,
+def test_invalidated_owner_is_rejected(device: str, h: Any, native: str,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     setup, batch = _batch_state(device, h, native)
     s = setup.state
@@ -619,21 +625,21 @@ def test_construction_errors(device: str, h: Any) -> None:
     ranged.set_count(cl, 4)
     rec = ranged._slot_groups[0][0]
     snap = _record_state(rec)
-    for native in (True, False):
+    for native in ("fused", "per_member"):
         with pytest.raises(DeclarationError,
                            match=r"CountBatch: buffer 'block_tables' is ranged "
                                  r"\(max_ranges=8\); publish it with set_count or set_ranges"):
-            ranged.count_batch([cl, bt], native=native)
+            count_batch(ranged, [cl, bt], native)
     assert _record_state(rec) == snap
 
 
-def test_native_choice(device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_native_choice(device: str, h: Any) -> None:
     setup = _build(device, h, "single")
     s, bufs = setup.state, setup.buffers
     members = [bufs[n] for n in NON_BYTES]
     s.begin()
-    assert s.count_batch(members, native=False)._record == -1  # one store per member
-    fused = s.count_batch(members, native=None)
+    fused = s.count_batch(members)
+    assert fused._record >= 0  # one record carries every member
     rec = s._slot_groups[s.current_slot][fused._record]
     assert rec.store_counts(fused._fused, (2,) * 6) is True  # the record's fused store
     assert [s.count(b) for b in members] == [2] * 6
@@ -643,24 +649,18 @@ def test_native_choice(device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> 
     assert [s.count(b) for b in members] == [2] * 6  # nothing stored
     with_bytes.set(4, 12)
     assert (s.count(bufs["temps"]), s.count(bufs["mask"])) == (4, 12)
-    if RECORDS_COMPILED:
-        s.count_batch(members, native=True).set(*[3] * 6)
-        assert [s.count(b) for b in members] == [3] * 6
-    s.finish()
-    # interpreted records: True is refused by name, None still takes the fused store
-    monkeypatch.setattr(count_batch_module, "RECORDS_COMPILED", False)
-    with pytest.raises(NativeBuildError, match="CountBatch: native=True but the compiled helper "
-                                               "is unavailable"):
-        s.count_batch(members, native=True)
-    s.begin()
-    s.count_batch(members, native=None).set(*[5] * 6)
-    assert [s.count(b) for b in members] == [5] * 6
+    s.count_batch(members, native=True).set(*[3] * 6)
+    assert [s.count(b) for b in members] == [3] * 6
+    # the interpreted mode is gone: asking for it is refused by name
+    with pytest.raises(NativeBuildError, match="CountBatch: native=False asked for the "
+                                               "interpreted mode, which was removed"):
+        s.count_batch(members, native=False)
+    assert [s.count(b) for b in members] == [3] * 6
 
 
 # ------------------------------------------------------------------------- pack
 
-@NEEDS_KERNELS_NATIVE
-def test_pack_matches_pack_python(device: str, h: Any) -> None:
+def test_pack_matches_the_packing_oracle(device: str, h: Any) -> None:
     s = H2DRunnerState(device, scatter=h.scatter_mode(device))
     bufs = {
         "temps": s.buffer("temps", (16,), torch.float32, group="g"),
@@ -707,23 +707,18 @@ def test_pack_matches_pack_python(device: str, h: Any) -> None:
         else:
             s.set_count(bufs["bt"], table)
         host = slot.arena.host.numpy()  # type: ignore[attr-defined]  # the arena's bytes
-        start = (host.copy(), slot.header.copy())
+        start = host.copy()
         counts_in, ranges_in = list(rec.counts), list(rec.ranges)
+        want_host, want_end = expected_arena(slot, rec.counts, rec.ranges)  # the oracle
 
         stream = torch.cuda.current_stream().cuda_stream if device == "cuda" else 0
         # the compiled publication (on CUDA it may launch the graph: the destinations are
         # read again below, before the production publication)
         end_native = abs(kernels_native.publish_packed(slot._binding, rec.counts, rec.ranges,
                                                        stream))
-        got_native = (host.copy(), slot.header.copy())
-        host[:] = start[0]
-        slot.header[:] = start[1]
-        end_python = slot._pack_python(rec.counts, rec.ranges)
-        got_python = (host.copy(), slot.header.copy())
         assert (rec.counts, rec.ranges) == (counts_in, ranges_in)  # inputs untouched
-        assert end_native == end_python
-        assert np.array_equal(got_native[1], got_python[1])
-        assert np.array_equal(got_native[0], got_python[0])
+        assert end_native == want_end
+        assert np.array_equal(host, want_host)
 
         # and both put each staged member's used bytes and each range where the header says
         last = 0
@@ -747,13 +742,13 @@ def test_pack_matches_pack_python(device: str, h: Any) -> None:
             off + c * m.spec.unit_bytes
             for c, m, off in zip(rec.counts, rec.plan.members, slot.offsets, strict=True)
             if c and off >= 0])
-        assert end_python == max(inplace_end, (last + 15) // 16 * 16)
+        assert end_native == max(inplace_end, (last + 15) // 16 * 16)
         # nothing outside the staging region moved
         assert np.array_equal(host[slot.header.nbytes : slot.staging_offset],
-                              start[0][slot.header.nbytes : slot.staging_offset])
+                              start[slot.header.nbytes : slot.staging_offset])
 
         # the production path (compiled pack inside publish) delivers exactly those bytes
-        host[:] = start[0]
+        host[:] = start
         before = {n: _dest(b) for n, b in bufs.items()}
         s.publish("g")
         s.finish()

@@ -53,21 +53,13 @@ class _FailOnWrite:
         return self.real[key]
 
 
-def build(backend: str, python_core: bool, monkeypatch: pytest.MonkeyPatch
-          ) -> tuple[H2DRunnerState, dict[str, Any]]:
-    with monkeypatch.context() as patch:
-        if python_core:  # bind without the compiled helpers: the Python twins run
-            import h2d_core.launch
-            import h2d_kernels.packed_group
-
-            patch.setattr(h2d_kernels.packed_group, "_native", None)
-            patch.setattr(h2d_core.launch, "native", None)
-        st = H2DRunnerState("cpu", backend=backend, scatter="reference")
-        bufs = {"a": st.buffer("a", (8,), torch.int32, group="g"),
-                "b": st.buffer("b", (6,), torch.int64, group="g"),
-                "bt": st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows",
-                                max_ranges=4)}
-        st.bind()
+def build(backend: str) -> tuple[H2DRunnerState, dict[str, Any]]:
+    st = H2DRunnerState("cpu", backend=backend, scatter="reference")
+    bufs = {"a": st.buffer("a", (8,), torch.int32, group="g"),
+            "b": st.buffer("b", (6,), torch.int64, group="g"),
+            "bt": st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows",
+                            max_ranges=4)}
+    st.bind()
     for buf in bufs.values():
         buf.gpu.view(-1).view(torch.uint8).fill_(0x5A)
     return st, bufs
@@ -122,14 +114,10 @@ CASES = [("direct", f"member:{m}", ranged) for m in MEMBERS for ranged in (False
     ("packed", pos, ranged) for pos in ("dma", "scatter") for ranged in (False, True)]
 
 
-@pytest.mark.parametrize("python_core", [False, True], ids=["compiled-core", "python-core"])
 @pytest.mark.parametrize("backend, position, ranged", CASES)
 def test_an_enqueue_failure_invalidates_retains_and_recovers(
-        backend: str, position: str, ranged: bool, python_core: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    if backend == "direct" and python_core:
-        pytest.skip("the direct backend has no compiled publication path")
-    st, bufs = build(backend, python_core, monkeypatch)
+        backend: str, position: str, ranged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    st, bufs = build(backend)
     produce(st, bufs, 1, ranged)
     st.publish("g")
     st.finish()

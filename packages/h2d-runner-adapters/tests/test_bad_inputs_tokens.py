@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bad_inputs import Observed, refuse
 
 from block_tables import BlockTable, MissingPagesError
-from block_tables.native import native_mode
 from h2d_core import CountError, H2DRunnerState
 from h2d_runner_adapters import (
     DECODE_STEP,
@@ -214,14 +213,12 @@ def token_family() -> Family:
     return open_second_epoch(Family(st, {"t": t}, seen, produce, RETRY_TOKENS | RETRY_SPEC))
 
 
-def decode_family(kind: str) -> Family:
-    if kind == "native" and native_mode() == "0":
-        pytest.skip("H2D_NATIVE=0: the compiled request layout is switched off")
+def decode_family() -> Family:
     st = H2DRunnerState("cpu", scatter="reference")
     d = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                          max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=64,
-                         max_drafts=MAX_DRAFTS, native=kind == "native")
-    assert d.native is (kind == "native")
+                         max_drafts=MAX_DRAFTS)
+    assert d.native
     st.bind()
 
     def produce(b: ScheduledBatch, padded: int | None) -> None:
@@ -495,19 +492,12 @@ def test_token_inputs_refuse_and_change_nothing(case: str) -> None:
     retry_publishes(f)
 
 
-@pytest.mark.parametrize("kind", ["native", "numpy"])
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
-def test_fused_verify_step_refuses_and_changes_nothing(case: str, kind: str) -> None:
+def test_fused_verify_step_refuses_and_changes_nothing(case: str) -> None:
     make, error, match = FUSED_CASES[case]
-    f = decode_family(kind)
-    err = refuse(f.seen, make({"f": _fused_call(f)}), error, match.replace("{g}", DECODE_STEP))
+    f = decode_family()
+    refuse(f.seen, make({"f": _fused_call(f)}), error, match.replace("{g}", DECODE_STEP))
     retry_publishes(f)
-    if kind == "numpy":  # both request-layout bodies word a refusal the same way
-        g = decode_family("native") if native_mode() != "0" else None
-        if g is not None:
-            with pytest.raises(type(err)) as other:
-                make({"f": _fused_call(g)})()
-            assert str(other.value) == str(err)
 
 
 @pytest.mark.parametrize("case", sorted(FUSED_CASES))
@@ -520,7 +510,7 @@ def test_token_step_refuses_and_changes_nothing(case: str) -> None:
 
 def test_fused_step_missing_pages_change_nothing() -> None:
     """The block-table rows are validated before any write too (after the columns)."""
-    f = decode_family("native" if native_mode() != "0" else "numpy")
+    f = decode_family()
     short = batch(columns((1, 2), (5, 9)), rows=[BlockTable(ROWS[0]), BlockTable(ROWS[1])])
     refuse(f.seen, lambda: f.adapters["d"].prepare(short), MissingPagesError,
            r"row 1: the request span needs 3 pages but the row holds 2")

@@ -82,7 +82,7 @@ def _v41_seen(st: H2DRunnerState, v4: V41MetadataInputs) -> Observed:
         snap = v4.tables.snapshot
         return (snap.revision, snap.num_rows, snap.storage.tobytes(),
                 _published_record(v4.tables), v4._proven_slots,
-                [list(k) for k in v4._proven_rows], list(v4._qo_written))
+                [list(k) for k in v4._proven_rows])
     return Observed(st, extra=extra, groups=(V41_METADATA,))
 
 

@@ -28,7 +28,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from block_tables import BlockTable, MissingPagesError
-from block_tables.native import native_mode
 from h2d_core import (
     CountError,
     DeclarationError,
@@ -115,8 +114,6 @@ class Side:
 
 def build_side(kind: str, device: str, *, backend: str = "packed", page: int = 16,
                num_slots: int = 1, num_pages: int | None = NUM_PAGES) -> Side:
-    if kind == "native" and native_mode() == "0":
-        pytest.skip("H2D_NATIVE=0: the compiled helpers are switched off")
     # CPU: the reference scatter (the interpreted Triton scatter is covered by the h2d-kernels
     # suites and costs ~1 s per publication here); CUDA: the compiled one
     st_ = H2DRunnerState(device, backend=backend, num_slots=num_slots,
@@ -128,13 +125,12 @@ def build_side(kind: str, device: str, *, backend: str = "packed", page: int = 1
         decode = MhaDecodeInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                                  max_pages_per_req=MAX_PAGES, page_size=page,
                                  num_pages=num_pages)
-        decode.native = False  # the reference: numpy snapshot too
         st_.combine(DECODE_STEP, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE])
     else:
         fused = DecodeStepInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                                  max_pages_per_req=MAX_PAGES, page_size=page,
-                                 num_pages=num_pages, native=kind == "native")
-        assert fused.native is (kind == "native")
+                                 num_pages=num_pages)
+        assert fused.native
         sampling, tokens, decode = fused.sampling, fused.tokens, fused.decode
     st_.bind()
     for b in st_.buffers().values():
@@ -405,7 +401,7 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
     ah.need_kernels(device)
     slots = 2 if page == 12 else 1  # pipeline slots: each has its own sources and snapshot
     sides = [build_side(k, device, backend=backend, page=page, num_slots=slots)
-             for k in ("native", "numpy", "separate")]
+             for k in ("native", "separate")]
     pop = Population(seed=100 * page + len(backend), page=page)
     seen: dict[str, set[object]] = {"stage": set(), "q": set(), "n": set(), "pad": set(),
                                     "ragged": set()}
@@ -429,10 +425,10 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
             ah.sync(device)
             check_destinations(side, step, page, assembled=True)
             outputs.append((ids.tolist(), kv[: plan.decode.num_pages].tolist()))
-        a, b, c = sides
+        a, c = sides
         # plans: the fused plan equals the separate adapters' plans, stage included
-        assert plans[0] == plans[1] == plans[2], index
-        plan = plans[2]
+        assert plans[0] == plans[1], index
+        plan = plans[1]
         n = step.batch.num_reqs
         p = n if step.padded is None else step.padded
         qlens = step.batch.columns.query_lens
@@ -444,8 +440,8 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
                                              else p * q)
         assert plan.tokens.num_draft_tokens == int(step.batch.columns.num_drafts.sum())
         # counts, pinned source bytes (counted prefixes and beyond), table state, counters
-        assert a.counts() == b.counts() == c.counts(), index
-        assert a.sources() == b.sources() == c.sources(), index
+        assert a.counts() == c.counts(), index
+        assert a.sources() == c.sources(), index
         revs = {s.decode.tables.prepared_revision for s in sides}
         assert len(revs) == 1, index
         recs = [s.decode.tables.published for s in sides]
@@ -453,12 +449,12 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
         # row keys (version, length) of the batch rows; each side pads with its own row
         assert len({(r.revision, r.rows, r.keys[:n].tobytes()) for r in recs if r}) == 1, index
         counters = [dataclasses.asdict(s.state.counters(DECODE_STEP)) for s in sides]
-        assert counters[0] == counters[1] == counters[2], index
+        assert counters[0] == counters[1], index
         # destinations, whole (tails included), and the first consumers' outputs
-        for name, x, y, z in zip(MEMBERS, a.members(), b.members(), c.members(), strict=True):
-            raw = [t.gpu.cpu().view(-1).view(torch.uint8) for t in (x, y, z)]
-            assert torch.equal(raw[0], raw[1]) and torch.equal(raw[1], raw[2]), (index, name)
-        assert outputs[0] == outputs[1] == outputs[2], index
+        for name, x, z in zip(MEMBERS, a.members(), c.members(), strict=True):
+            raw = [t.gpu.cpu().view(-1).view(torch.uint8) for t in (x, z)]
+            assert torch.equal(raw[0], raw[1]), (index, name)
+        assert outputs[0] == outputs[1], index
         assert outputs[0][0] == expected_assembled(step, prev_np, page), index
         assert outputs[0][1] == expected_kv_indices(step, page), index
         for s in sides:
@@ -548,15 +544,16 @@ def _steps(draw: st.DrawFn) -> tuple[int, int | None, list[Step]]:
 @settings(max_examples=200, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(case=_steps())
-def test_compiled_body_matches_numpy_body_bit_for_bit(
+def test_fused_body_matches_separate_adapters_bit_for_bit(
     case: tuple[int, int | None, list[Step]],
 ) -> None:
     """Whole sources (so nothing is written outside the counted prefixes either), counts,
-    plans and snapshot revisions are equal on both bodies, and match the oracle (within a
-    pool small enough that no KV slot passes int32)."""
+    plans and snapshot revisions are equal for the fused step and the three adapters it
+    composes, run separately, and match the oracle (within a pool small enough that no KV
+    slot passes int32)."""
     page, pool, steps = case
     sides = [build_side(k, "cpu", backend="packed", page=page, num_pages=pool)
-             for k in ("native", "numpy")]
+             for k in ("native", "separate")]
     for step in steps:
         plans = []
         for side in sides:
@@ -659,7 +656,7 @@ def test_rejected_step_same_error_nothing_published_then_retry(device: str, case
     page = 12
     _, exc_type, fragment = _bad_steps(page)[case]
     errors: dict[str, Exception] = {}
-    for kind in ("native", "numpy"):
+    for kind in ("native",):
         side, err, before, after, retry = _reject(kind, device, case, page)
         errors[kind] = err
         assert (after.publications, after.published) == (before.publications, False), kind
@@ -676,13 +673,12 @@ def test_rejected_step_same_error_nothing_published_then_retry(device: str, case
     for kind, err in errors.items():
         assert isinstance(err, exc_type), (kind, type(err), err)
         assert re.search(fragment, str(err)), (kind, str(err))
-    a, b = errors["native"], errors["numpy"]
-    assert (type(a), str(a)) == (type(b), str(b))
+    a = errors["native"]
     if isinstance(a, MissingPagesError):
-        assert a.row == b.row == 1  # type: ignore[attr-defined]
+        assert a.row == 1  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("kind", ["native", "numpy"])
+@pytest.mark.parametrize("kind", ["native"])
 @pytest.mark.parametrize("case", CASES)
 def test_rejected_step_changes_nothing(device: str, case: str, kind: str) -> None:
     """A rejected fused call leaves counts, pinned sources, the prepared table revision and
@@ -701,8 +697,6 @@ def test_from_adapters_composes_caller_declared_adapters(device: str) -> None:
     """Adapters the caller declared (token inputs with speculative buffers, which ride in
     the same group) produce and publish the same step under a group of the caller's name:
     one publication."""
-    if native_mode() == "0":
-        pytest.skip("H2D_NATIVE=0: the compiled helpers are switched off")
     page = 16
     st_ = H2DRunnerState(device, backend="packed",
                          scatter="reference" if device == "cpu" else "auto")
@@ -756,7 +750,7 @@ def test_from_adapters_rejects_foreign_or_prefixed_adapters() -> None:
 
 
 # ------------------------------------------------------------- 3. reentry and epochs
-@pytest.mark.parametrize("kind", ["native", "numpy"])
+@pytest.mark.parametrize("kind", ["native"])
 def test_second_prepare_in_an_epoch_needs_a_reason(device: str, kind: str) -> None:
     page = 16
     side = build_side(kind, device, page=page)
@@ -789,7 +783,7 @@ def test_second_prepare_in_an_epoch_needs_a_reason(device: str, kind: str) -> No
     check_destinations(side, retry, page)
 
 
-@pytest.mark.parametrize("kind", ["native", "numpy"])
+@pytest.mark.parametrize("kind", ["native"])
 def test_prepare_outside_an_epoch_is_rejected(device: str, kind: str) -> None:
     page = 16
     side = build_side(kind, device, page=page)
@@ -813,7 +807,7 @@ def test_prepare_outside_an_epoch_is_rejected(device: str, kind: str) -> None:
 
 
 # -------------------------------------------------------------- 4. delayed source reuse
-@pytest.mark.parametrize("kind", ["native", "numpy"])
+@pytest.mark.parametrize("kind", ["native"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_delayed_source_reuse_keeps_what_each_step_published(
     device: str, backend: str, kind: str
@@ -850,7 +844,7 @@ def test_delayed_source_reuse_keeps_what_each_step_published(
         assert kv.tolist() == expected_kv_indices(step, page), index
 
 
-@pytest.mark.parametrize("kind", ["native", "numpy"])
+@pytest.mark.parametrize("kind", ["native"])
 def test_layout_reads_only_the_columns_it_checked(kind: str) -> None:
     """The table's prepare runs Python code (here an unversioned row's ``__len__``) between
     the layout's plan and write; a context changed meanwhile must not steer what is written

@@ -12,11 +12,13 @@ output arrays once and writes all of them, graph padding included, with two call
    output from that copy and the table.
 
 Padding (requests ``n..padded_reqs``, tokens ``t..padded_tokens``): positions 0, KV slots
--1 (no write), token owners -1, context lengths 0, required pages 0, and both prefixes
-repeat their total (padded requests own no tokens and no pages).
+-1 (no write), token owners -1, context lengths 0, required pages 0, and the prefixes
+repeat their total (padded requests own no tokens and no pages; padded tokens are
+queries of no tokens).
 
-This source is compiled by Cython when the wheel is built (``block_tables._request_layout``)
-and runs interpreted otherwise (the same rules, slower).
+This source is written in Cython's pure-Python mode and compiled when the package is built
+(``block_tables._request_layout``, required); importing it interpreted hands over to that
+build.
 """
 
 from __future__ import annotations
@@ -127,7 +129,10 @@ class RequestLayout:
     ``positions`` / ``slot_mapping`` int64 ``[tokens]``, ``token_requests`` int32
     ``[tokens]``, ``cu_query`` / ``kv_page_indptr`` int32 ``[requests + 1]`` (``cu_query``
     may be a tuple of such arrays: the same prefix goes to each),
-    ``context_lens`` int32 ``[requests]``. ``name`` prefixes every error message.
+    ``context_lens`` int32 ``[requests]``, ``token_prefix`` int32 ``[tokens + 1]``: the
+    query prefix of the batch's tokens as queries of one token each (``0, 1, ..., t``,
+    then ``t`` up to ``padded_tokens``: a per-token kernel's ``qo_indptr``). ``name``
+    prefixes every error message.
     """
 
     name = cython.declare(str, visibility="readonly")
@@ -144,6 +149,7 @@ class RequestLayout:
     _required_view = cython.declare(object)
     _kv_indptr = cython.declare(cython.int[::1])
     _context = cython.declare(cython.int[::1])
+    _token_prefix = cython.declare(cython.int[::1])
     # the planned batch: a private copy of its lengths (the table's preparation runs
     # Python code between plan and write, which could change the caller's arrays)
     _q = cython.declare(cython.int[::1])
@@ -164,11 +170,13 @@ class RequestLayout:
     _values = cython.declare(tuple)
     _sums = cython.declare(list)
     _spare_sums = cython.declare(list)
-    # per plan: (flat out, ratio, window, tail, capacity, graph, name); per planned batch:
-    # counts
+    # per plan: (flat out, ratio, window, tail, capacity, graph, name)
     _plans = cython.declare(tuple)
-    _plan_counts = cython.declare(list)
-    _plan_real = cython.declare(list)
+    #: per plan, the last written batch's published rows and its real rows: lists the
+    #: layout updates in place (read them, never change them), so a compiled caller
+    #: reads the counts without a tuple per plan (:meth:`plan_rows` gives one pair)
+    plan_published = cython.declare(list, visibility="readonly")
+    plan_real = cython.declare(list, visibility="readonly")
     #: the planned batch's shortest and longest query (0 for an empty batch): a uniform
     #: width, or the widest request, without another pass over the lengths
     #: the planned batch's request and token counts, real and padded
@@ -198,6 +206,7 @@ class RequestLayout:
         cu_query: np.ndarray | tuple[np.ndarray, ...] | None = None,
         kv_page_indptr: np.ndarray | None = None,
         context_lens: np.ndarray | None = None,
+        token_prefix: np.ndarray | None = None,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
     ) -> None:
@@ -222,7 +231,12 @@ class RequestLayout:
             "cu_query": _array(name, "cu_query", cu_query, np.int32, 1),
             "kv_page_indptr": _array(name, "kv_page_indptr", kv_page_indptr, np.int32, 1),
             "context_lens": _array(name, "context_lens", context_lens, np.int32, 1),
+            "token_prefix": _array(name, "token_prefix", token_prefix, np.int32, 1),
         }
+        if token_prefix is not None and token_prefix.size < 1:
+            raise RequestLayoutError(
+                f"{name}: token_prefix needs at least 1 entry (tokens + 1), got "
+                f"{_describe(token_prefix)}")
         if (table is None) != (required_pages is None) or (
                 table is None and (slot_mapping is not None or kv_page_indptr is not None)):
             raise RequestLayoutError(
@@ -247,6 +261,8 @@ class RequestLayout:
         for key in ("positions", "slot_mapping", "token_requests"):
             if key in self.arrays:
                 tok_caps.append(self.arrays[key].size)
+        if token_prefix is not None:
+            tok_caps.append(token_prefix.size - 1)
         bound: list[tuple[Any, ...]] = []
         for col in columns:
             out = col.out
@@ -296,8 +312,8 @@ class RequestLayout:
             bound_plans.append((out.reshape(-1), plan.ratio, plan.window, bool(plan.tail),
                                 out.shape[0], bool(plan.graph), plan.name))
         self._plans = tuple(bound_plans)
-        self._plan_counts = [0] * len(bound_plans)
-        self._plan_real = [0] * len(bound_plans)
+        self.plan_published = [0] * len(bound_plans)
+        self.plan_real = [0] * len(bound_plans)
         self._values = ()
         self.uniform_mask = 0
         self._max_reqs = max(min(req_caps), 0) if req_caps else 0
@@ -316,6 +332,7 @@ class RequestLayout:
         self._required_view = None
         self._kv_indptr = kv_page_indptr
         self._context = context_lens
+        self._token_prefix = token_prefix
         self._q = np.zeros(self._max_reqs, dtype=np.int32)
         self._c = np.zeros(self._max_reqs, dtype=np.int32)
         self._planned = False
@@ -342,7 +359,7 @@ class RequestLayout:
 
     def plan_rows(self, k: int) -> tuple[int, int]:
         """Plan ``k``'s rows in the last written batch: (real rows, published rows)."""
-        return self._plan_real[k], self._plan_counts[k]
+        return self.plan_real[k], self.plan_published[k]
 
     def column_sum(self, k: int) -> int:
         """The sum of column ``k``'s values in the planned batch (columns bound without
@@ -475,10 +492,11 @@ class RequestLayout:
         for k in range(len(self._plans)):
             spec = self._plans[k]
             if not spec[5]:  # eager: the whole array for a tail, the real rows otherwise
-                self._plan_counts[k] = spec[4] if spec[3] else -1
+                self.plan_published[k] = spec[4] if spec[3] else -1
             else:
-                self._plan_counts[k] = (padded_reqs * min(width_q, spec[2]) if spec[3] else
-                                        padded_reqs * ((width_q + spec[1] - 1) // spec[1]))
+                self.plan_published[k] = (
+                    padded_reqs * min(width_q, spec[2]) if spec[3]
+                    else padded_reqs * ((width_q + spec[1] - 1) // spec[1]))
         own_q: cython.int[::1] = self._q
         own_c: cython.int[::1] = self._c
         required: cython.int[::1] = self._required
@@ -499,12 +517,10 @@ class RequestLayout:
         self._total = total
         self._values = values
         self.num_reqs, self.padded_reqs = n, padded_reqs
-        # int(): interpreted, the lengths read from numpy arrays are numpy scalars, and the
-        # consumers take Python ints (compiled, these are C ints either way)
-        self.num_tokens, self.padded_tokens = int(t), int(padded_tokens)
+        self.num_tokens, self.padded_tokens = t, padded_tokens
         self.uniform_mask = mask
-        self.min_query_len = int(lo)
-        self.max_query_len = int(hi)
+        self.min_query_len = lo
+        self.max_query_len = hi
         self._planned = True
         return t
 
@@ -593,6 +609,12 @@ class RequestLayout:
                 self._context[i] = own_c[i]
             for i in range(n, p):
                 self._context[i] = 0
+        if self._token_prefix is not None:  # every token its own query; padding: none
+            prefix: cython.int[::1] = self._token_prefix
+            for i in range(t + 1):
+                prefix[i] = cython.cast(cython.int, i)
+            for i in range(t + 1, pt + 1):
+                prefix[i] = cython.cast(cython.int, t)
         values = self._values
         self._values = ()
         spec: tuple
@@ -601,10 +623,10 @@ class RequestLayout:
             if spec[1] is not None:
                 _copy(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
         for k in range(len(self._plans)):
-            self._plan_real[k] = _plan_rows(self._plans[k], own_q, own_c, n,
-                                            self._plan_counts[k])
-            if self._plan_counts[k] < 0:
-                self._plan_counts[k] = self._plan_real[k]
+            self.plan_real[k] = _plan_rows(self._plans[k], own_q, own_c, n,
+                                           self.plan_published[k])
+            if self.plan_published[k] < 0:
+                self.plan_published[k] = self.plan_real[k]
         return self._total
 
 
@@ -699,8 +721,6 @@ def _uniform(value: object, kind: cython.int, size: cython.Py_ssize_t) -> cython
             if vl[i] != vl[0]:
                 return False
         return True
-    if not cython.compiled:  # float32 bits
-        return bool(value.tobytes() == value[:1].tobytes() * size)  # type: ignore[attr-defined, index]
     vi: cython.pointer[cython.int] = _ints(value)  # int32, or a float32's bits
     for i in range(1, size):  # noqa: SIM110 - a C loop when compiled
         if vi[i] != vi[0]:
@@ -799,10 +819,8 @@ def _sum_ints(value: object, size: cython.Py_ssize_t) -> cython.longlong:
     return total
 
 
-# Array access. Compiled, these read numpy's C fields directly (a typed memoryview costs
-# ~0.3 µs per array and step, several times the loop it feeds); interpreted, they hand
-# the array itself to the same loops.
-_TYPENUMS = (np.dtype(np.int32).num, np.dtype(np.float32).num, np.dtype(np.int64).num)
+# Array access: numpy's C fields read directly (a typed memoryview costs ~0.3 µs per array
+# and step, several times the loop it feeds).
 
 
 @cython.cfunc
@@ -810,52 +828,37 @@ _TYPENUMS = (np.dtype(np.int32).num, np.dtype(np.float32).num, np.dtype(np.int64
 def _size(value: object, kind: cython.int) -> cython.Py_ssize_t:
     """The item count of ``value`` if it is a 1-D C-contiguous aligned native-order array
     of the kind (0 int32, 1 float32, 2 int64), else -1."""
-    if cython.compiled:
-        if not cnp.PyArray_Check(value):
-            return -1
-        a = cython.cast(cnp.ndarray, value)
-        typenum: cython.int = (cnp.NPY_INT32 if kind == 0 else cnp.NPY_FLOAT32 if kind == 1
-                               else cnp.NPY_INT64)  # C constants: no tuple read per call
-        if (cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != typenum
-                or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
-                or not cnp.PyArray_ISNOTSWAPPED(a)):
-            return -1
-        return cnp.PyArray_DIM(a, 0)
-    if (not isinstance(value, np.ndarray) or value.ndim != 1
-            or value.dtype.num != _TYPENUMS[kind] or not value.dtype.isnative
-            or not value.flags.c_contiguous or not value.flags.aligned):
+    if not cnp.PyArray_Check(value):
         return -1
-    return value.size
+    a = cython.cast(cnp.ndarray, value)
+    typenum: cython.int = (cnp.NPY_INT32 if kind == 0 else cnp.NPY_FLOAT32 if kind == 1
+                           else cnp.NPY_INT64)  # C constants: no tuple read per call
+    if (cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != typenum
+            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
+            or not cnp.PyArray_ISNOTSWAPPED(a)):
+        return -1
+    return cnp.PyArray_DIM(a, 0)
 
 
 @cython.cfunc
 @cython.inline
 def _ints(value: object) -> cython.pointer[cython.int]:
-    if cython.compiled:
-        return cython.cast(cython.pointer[cython.int],
-                           cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
-    else:
-        return value
+    return cython.cast(cython.pointer[cython.int],
+                       cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
 
 
 @cython.cfunc
 @cython.inline
 def _floats(value: object) -> cython.pointer[cython.float]:
-    if cython.compiled:
-        return cython.cast(cython.pointer[cython.float],
-                           cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
-    else:
-        return value
+    return cython.cast(cython.pointer[cython.float],
+                       cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
 
 
 @cython.cfunc
 @cython.inline
 def _longs(value: object) -> cython.pointer[cython.longlong]:
-    if cython.compiled:
-        return cython.cast(cython.pointer[cython.longlong],
-                           cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
-    else:
-        return value
+    return cython.cast(cython.pointer[cython.longlong],
+                       cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
 
 
 @cython.cfunc

@@ -22,8 +22,7 @@ clears only the columns its previous content occupied. Rows of unknown content (
 prepared, or after :meth:`PageTableSnapshot.invalidate`) are compared and cleared over the
 whole width the first time a batch covers them. When a prepare replaces every row of its
 batch (a new batch mapping), the rows' IDs are copied first and then every exposed tail
-is cleared in one pass over the storage (one gather and one scatter in numpy, one sweep
-in the compiled twin), not row by row.
+is cleared in one pass over the storage (one compiled sweep), not row by row.
 
 A rejected batch (any :class:`~block_tables.errors.BlockTableError`) is rejected before the
 first write and changes nothing. The revision counts byte changes: it advances by one
@@ -74,6 +73,8 @@ _INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows alwa
 
 Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 
+# the compiled paths (_snapshot.pyx): the common decode step, the write of a fully
+# replaced batch and the all-versioned key diffs; required (NativeBuildError without it)
 _native = require_extension("block_tables._block_tables_native")
 _native.configure(BlockTable, LENGTH_BITS)
 
@@ -125,11 +126,11 @@ class PageTableSnapshot:
     ``storage`` is never reallocated or replaced; the snapshot writes only through it.
     ``pool_limit`` (optional) makes every page ID checked against ``[0, pool_limit)``;
     ``fill_value`` is what columns past a row's length hold; ``history`` is how many
-    byte-changing revisions :meth:`changed_rows_since` can look back over. ``native``:
-    None runs the compiled common step when it is available (:mod:`block_tables.native`),
-    False never, True requires it; both paths give the same bytes and errors. Not
-    thread-safe: prepare one snapshot from one thread, and do not mutate rows while they
-    are being prepared.
+    byte-changing revisions :meth:`changed_rows_since` can look back over. ``native`` is
+    kept for source compatibility: None and True both mean the compiled core (the only
+    mode, :mod:`block_tables.native`); False raises
+    :class:`~block_tables.native.NativeBuildError`. Not thread-safe: prepare one snapshot
+    from one thread, and do not mutate rows while they are being prepared.
     """
 
     def __init__(
@@ -143,7 +144,6 @@ class PageTableSnapshot:
     ) -> None:
         _check_arguments(storage, pool_limit, fill_value, history)
         refuse_interpreted(native, "PageTableSnapshot")
-        module = _native
         rows, width = storage.shape
         self._storage = storage
         self._flat = storage.reshape(-1)  # fixed flat view for single-page scatters
@@ -162,15 +162,17 @@ class PageTableSnapshot:
         self._row_base: Int64Array = np.arange(rows, dtype=np.int64) * width
         self._ones = np.ones(rows, dtype=np.int64).tobytes()
         self._no_bytes = bytes(rows)
-        self._keys: list[int] | None = None  # packed keys of the last batch (Python path)
+        # packed keys of the last batch prepared by _prepare_changed (None after a
+        # compiled step): its hit test for batches the compiled step hands back
+        self._keys: list[int] | None = None
         # every row of the last batch was a BlockTable: equal keys then mean equal bytes
         self._all_versioned = False
-        # compiled common step (native.py), bound once to the arrays above and its own
-        # scratch (changed rows, new keys)
+        # the compiled paths, bound once to the arrays above and their own scratch
+        # (changed rows, new keys)
         self._changed_out = np.empty(rows, dtype=np.int64)
         self._limit_arg = -1 if pool_limit is None else int(pool_limit)
-        self._native = module
-        self._bound = None if module is None else module.bind(
+        self._native = _native
+        self._bound = _native.bind(
             self._row_keys, self._lengths, self._flat, self._changed_out,
             np.empty(2 * rows, dtype=np.int64), int(width))
         self._num_rows = 0
@@ -217,7 +219,7 @@ class PageTableSnapshot:
     def cleared_elements(self) -> int:
         """Storage elements that tail clears have changed to ``fill_value``, since creation.
 
-        A diagnostic of the byte rule, the same on both paths: a full-width row never adds
+        A diagnostic of the byte rule, on every write path: a full-width row never adds
         to it (it is copied without clearing), a row replaced by a shorter one adds only
         the columns its previous content held that were not already the fill value.
         """
@@ -256,15 +258,16 @@ class PageTableSnapshot:
         nbytes)``), so a caller collecting several tables' ranges in one list (a publication
         record) needs no second pass.
         """
-        native = self._native
-        if native is not None and self._all_versioned:
-            found = native.changed_byte_ranges(
+        if self._all_versioned:
+            found = self._native.changed_byte_ranges(
                 self._row_keys, keys_then, keys_then.size, num_rows, row_bytes, max_ranges,
                 max_bytes, keys_out, tag)
-            if found is not NotImplemented:  # other key dtypes: the Python path below
+            if found is not NotImplemented:
                 if found is None or tag is not None:
                     return found
                 return [(a, b - a) for a, b in found[0]], found[1]
+        # Not all versioned (the history or the unversioned rows decide), or keys the
+        # compiled diff hands back (not native int64, or a read-only keys_out): spans.py.
         # spans builds on this module: imported here, on the path that is not per step
         from .spans import changed_byte_ranges
 
@@ -336,19 +339,20 @@ class PageTableSnapshot:
             if versions is None or lengths is None:
                 raise RowTypeError("pass versions and lengths together (one of them is None)")
             return prepare_vectors(self, rows, versions, lengths, required_pages)
-        native = self._native
-        if native is not None:
-            # The common decode step (hits and one-page appends of versioned rows) in one
-            # compiled call; None means "not covered", and nothing was written.
-            changed = native.prepare_step(self._bound, rows, self._limit_arg, required_pages)
-            if changed is not None:  # a new array of the rows whose bytes changed
-                self._keys = None  # the next Python-path call compares keys again
-                self._all_versioned = True
-                self._num_rows = len(rows)
-                if len(changed):
-                    self._revision += 1
-                    self._history.append((self._revision, changed))
-                return self._revision
+        # The common decode step (hits and one-page appends of versioned rows) in one
+        # compiled call; None means "not covered", and nothing was written.
+        changed = self._native.prepare_step(self._bound, rows, self._limit_arg, required_pages)
+        if changed is not None:  # an array of the rows whose bytes changed
+            self._keys = None  # the next _prepare_changed call compares keys again
+            self._all_versioned = True
+            self._num_rows = len(rows)
+            if len(changed):
+                self._revision += 1
+                self._history.append((self._revision, changed))
+            return self._revision
+        # Handed back: another container or row kind, an unset or odd slot, a change other
+        # than a one-page append, required pages the compiled step does not read, or an
+        # error to report. The checks, messages and other write paths live here.
         try:
             keys = [row._key for row in rows]  # type: ignore[union-attr]
         except AttributeError:
@@ -569,7 +573,7 @@ class PageTableSnapshot:
         the batch (``len(lengths)``), the batch is fully replaced: :meth:`_write_replaced`.
         """
         if rewrites and len(rewrites) == lengths.shape[0] and not multi and not shrunk:
-            return self._write_replaced(rewrites, lengths)
+            return self._write_replaced(rewrites)
         storage = self._storage
         changed: list[int] = []
         for i, start, stop, ids in multi:
@@ -605,48 +609,26 @@ class PageTableSnapshot:
         tail.fill(self._fill)
         return True
 
-    def _write_replaced(
-        self, rewrites: list[tuple[int, Int32Array, int]], lengths: Int64Array
-    ) -> list[int]:
+    def _write_replaced(self, rewrites: list[tuple[int, Int32Array, int]]) -> list[int]:
         """Write a fully replaced batch: ``rewrites`` holds rows ``0..n-1`` in order.
 
-        Each row's IDs are copied without clearing first (compared first); then every
-        exposed tail (columns ``[lengths[i], stored length)``, the part of the old
-        content the new one no longer covers) is cleared in one pass over the storage:
-        the compiled twin in one sweep, numpy in one gather and one scatter. Only
-        elements that differ from the fill value are written and counted.
+        One compiled call (``write_replaced``): each row's IDs are copied without clearing
+        first (compared first); then every exposed tail (columns ``[new length, stored
+        length)``, the part of the old content the new one no longer covers) is cleared in
+        one sweep over the storage. Only elements that differ from the fill value are
+        written and counted.
         """
-        native = self._native
-        if native is not None:
-            done = native.write_replaced(self._bound, [r[1] for r in rewrites], self._fill)
-            if done is not None:  # None: an ID array it does not read (numpy below)
-                rows, cleared = done
-                self._cleared += cleared
-                return rows.tolist()
-        n = len(rewrites)
-        storage = self._storage
-        changed = np.zeros(n, dtype=bool)
-        for i, ids, _old_length in rewrites:
-            target = storage[i, : ids.shape[0]]
-            if target.tobytes() != ids.tobytes():
-                target[...] = ids
-                changed[i] = True
-        exposed = self._lengths[:n] - lengths
-        np.maximum(exposed, 0, out=exposed)
-        total = int(exposed.sum())
-        if total:
-            # Flat indices of every exposed tail element, ascending: row i's tail starts
-            # at row_base[i] + lengths[i] and runs exposed[i] elements.
-            ends = np.cumsum(exposed)
-            index = np.arange(total, dtype=np.int64)
-            index += np.repeat(self._row_base[:n] + lengths - (ends - exposed), exposed)
-            flat = self._flat
-            dirty = index[flat[index] != self._fill]
-            if dirty.size:
-                flat[dirty] = self._fill  # one scatter for every row's tail
-                self._cleared += int(dirty.size)
-                changed[dirty // self._width] = True
-        return np.flatnonzero(changed).tolist()
+        ids = [r[1] for r in rewrites]
+        done = self._native.write_replaced(self._bound, ids, self._fill)
+        if done is None:
+            # An ID array the sweep does not read in place: a strided or misaligned view
+            # of the caller's array (coerce_page_ids keeps int32 arrays as they are). The
+            # same sweep over contiguous copies, made before any write.
+            done = self._native.write_replaced(self._bound, [a.copy() for a in ids],
+                                               self._fill)
+        rows, cleared = done
+        self._cleared += cleared
+        return rows.tolist()
 
     def _check_unproven(
         self,

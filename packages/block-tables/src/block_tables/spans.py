@@ -70,12 +70,13 @@ def changed_spans(
     limit = min(num_rows, keys_then.size)
     now_all = snapshot._row_keys[:limit]
     if snapshot._all_versioned:
-        # The last batch was all versioned: equal keys mean equal bytes, so one vectorised
-        # comparison finds every changed row without the history.
-        if snapshot._native is not None:
-            found = snapshot._native.key_spans(now_all, keys_then, limit)
-            if found is not NotImplemented:  # other key dtypes: the numpy lines below
-                return ChangedSpans(*found)
+        # The last batch was all versioned: equal keys mean equal bytes, so comparing the
+        # keys finds every changed row without the history (compiled: key_spans).
+        found = snapshot._native.key_spans(now_all, keys_then, limit)
+        if found is not NotImplemented:
+            return ChangedSpans(*found)
+        # keys it does not read (not native int64: unsigned, byte-swapped): the same rule
+        # over the rows whose keys differ, below
         rows = np.flatnonzero(now_all != keys_then[:limit])
     elif revision is not None:
         changed = snapshot.changed_rows_since(revision)
@@ -131,12 +132,15 @@ def changed_byte_ranges(
     snapshot's ``num_rows`` then.
     """
     rows_then = keys_then.size
-    if snapshot._all_versioned and snapshot._native is not None:
+    if snapshot._all_versioned:
         found = snapshot._native.changed_byte_ranges(
             snapshot._row_keys, keys_then, rows_then, num_rows, row_bytes, max_ranges,
             max_bytes, keys_out)
-        if found is not NotImplemented:  # other key dtypes: the Python lines below
+        if found is not NotImplemented:
             return found
+    # Not all versioned (changed_spans asks the history, or treats unversioned rows as
+    # changed), or keys the compiled diff hands back (not native int64, or a read-only
+    # keys_out): the same ranges from changed_spans.
     if keys_out is not None:
         keys_out[:num_rows] = snapshot._row_keys[:num_rows]
     spans = changed_spans(snapshot, keys_then, num_rows, revision)

@@ -50,12 +50,23 @@ from .fused import ConsumerFn, FusedConsumer
 from .group import GroupCounters, GroupPlan
 from .producer import h2d_producer
 from .state import H2DRunnerState
-from .step import PADDED_REQS, PADDED_TOKENS, REQS, TOKENS, CountRule, LayoutStep
+from .step import (
+    OMITTED,
+    PADDED_REQS,
+    PADDED_TOKENS,
+    PLAN_ROWS,
+    REQS,
+    TOKENS,
+    CountRule,
+    LayoutStep,
+)
 
 __all__ = [
     "ENV_VAR",
+    "OMITTED",
     "PADDED_REQS",
     "PADDED_TOKENS",
+    "PLAN_ROWS",
     "REQS",
     "TOKENS",
     "Backend",

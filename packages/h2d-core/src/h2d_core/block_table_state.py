@@ -273,7 +273,8 @@ def block_table_state(
 ) -> BlockTableState:
     """Attach page-map state to a bound block-table buffer (one per buffer: each PP slot
     has its own snapshot inside, each TBO buffer gets its own state). ``native`` is passed
-    to the snapshots (:class:`block_tables.PageTableSnapshot`)."""
+    to the snapshots (:class:`block_tables.PageTableSnapshot`: compiled only, False is
+    refused)."""
     existing = getattr(buffer, "_page_map", None)
     if existing is not None:
         raise DeclarationError(

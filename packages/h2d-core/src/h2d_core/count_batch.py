@@ -27,9 +27,10 @@ class CountBatch:
     Made by :meth:`H2DRunnerState.count_batch` after ``bind()``. Members must be distinct
     buffers of the state without ``max_ranges`` (ranged members go through
     ``set_count``/``set_ranges``). ``None`` omits a member, as in ``set_count``.
-    ``native`` (None: the record's fused store; False: one store per member; True: the
-    fused store, compiled, required) selects how counts are stored when one group record
-    carries every member; the state and errors are the same either way.
+    When one group record carries every member, the record stores them all in one compiled
+    call; otherwise (or for byte-unit members) each member is checked and stored in turn,
+    with the same state and errors. ``native`` is kept for source compatibility (False,
+    the removed interpreted mode, is refused).
     """
 
     def __init__(

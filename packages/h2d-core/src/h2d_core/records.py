@@ -25,9 +25,8 @@ except ImportError:  # interpreted where Cython is not installed: no-op decorato
 class GroupRecord:
     """One publication group's per-slot, per-epoch state: counts, ranges and the arena.
 
-    Compiled by Cython when the wheel is built (the same source runs interpreted
-    otherwise): its methods are the count and range rules, and :meth:`store_counts` stores
-    a fused producer's counts in one call.
+    Compiled by Cython when the package is built (required): its methods are the count
+    and range rules, and :meth:`store_counts` stores a fused producer's counts in one call.
     """
 
     plan = cython.declare(object, visibility="public")
@@ -151,21 +150,28 @@ class GroupRecord:
 
 
 #: what a counted member publishes (:class:`CountProgram`): real requests, padded requests,
-#: real tokens, padded tokens (each plus a fixed offset, e.g. a prefix of ``padded + 1``)
+#: real tokens, padded tokens (each plus a fixed offset, e.g. a prefix of ``padded + 1``),
+#: the layout's published rows of one plan (the rule names the plan: ``RequestLayout``'s
+#: ``plan_published[k]``), or nothing (a member of the group the step leaves out, e.g. a
+#: prefill-only member of a decode step's group)
 REQS = 0
 PADDED_REQS = 1
 TOKENS = 2
 PADDED_TOKENS = 3
+PLAN_ROWS = 4
+OMITTED = 5
 
 
 @cython.cclass
 class CountProgram:
     """A fused producer's count rules for one group record, bound once: row ``k`` of
     ``rules`` is ``(member index, unit bytes, largest count stored here or -1, what, plus,
-    omit_if_uniform)``: member ``k`` publishes ``what`` (``REQS``, ``PADDED_REQS``,
-    ``TOKENS`` or ``PADDED_TOKENS``) plus ``plus`` units, or nothing when the step's uniform
-    mask has a bit of ``omit_if_uniform`` set. :meth:`store` reads C ints only: no tuple,
-    list or int object is made per step but the counts the record keeps."""
+    omit_if_uniform, plan)``: member ``k`` publishes ``what`` (``REQS``, ``PADDED_REQS``,
+    ``TOKENS``, ``PADDED_TOKENS`` or ``PLAN_ROWS``: the published rows of plan ``plan``)
+    plus ``plus`` units, or nothing when ``what`` is ``OMITTED`` or the step's uniform mask
+    has a bit of ``omit_if_uniform`` set. :meth:`store` reads C ints only (and the plan row
+    counts from the layout's list): no tuple, list or int object is made per step but the
+    counts the record keeps."""
 
     _rules = cython.declare(cython.longlong[:, ::1])
     _size = cython.declare(cython.Py_ssize_t)
@@ -173,7 +179,7 @@ class CountProgram:
     def __init__(self, rules: object) -> None:
         import numpy as np
 
-        array = np.ascontiguousarray(np.asarray(rules, dtype=np.int64).reshape(-1, 6))
+        array = np.ascontiguousarray(np.asarray(rules, dtype=np.int64).reshape(-1, 7))
         self._rules = array
         self._size = array.shape[0]
 
@@ -181,54 +187,65 @@ class CountProgram:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def store(self, record: GroupRecord, n: cython.longlong, p: cython.longlong,
-              t: cython.longlong, pt: cython.longlong, uniform: cython.longlong) -> cython.bint:
-        """Store every rule's count for ``n`` / ``p`` requests and ``t`` / ``pt`` tokens.
-        Returns False, storing nothing, when a count exceeds its member's largest (the
-        caller then raises the specific error the slow way)."""
+              t: cython.longlong, pt: cython.longlong, uniform: cython.longlong,
+              plans: list | None = None) -> cython.bint:
+        """Store every rule's count for ``n`` / ``p`` requests, ``t`` / ``pt`` tokens and
+        ``plans`` (the layout's published rows per plan, ints; None without ``PLAN_ROWS``
+        rules). Returns False, storing nothing, when a count exceeds its member's largest
+        (the caller then raises the specific error the slow way)."""
         rules = self._rules
         k: cython.Py_ssize_t
         v: cython.longlong
         for k in range(self._size):
-            if uniform & rules[k, 5]:
+            if rules[k, 3] == 5 or uniform & rules[k, 5]:  # OMITTED, or a uniform filter
                 continue
-            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt)
+            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6])
             if v < 0 or v > rules[k, 2]:
                 return False
         for k in range(self._size):
-            if uniform & rules[k, 5]:
+            if rules[k, 3] == 5 or uniform & rules[k, 5]:
                 if record.counts[rules[k, 0]] is not None:
                     record.omit(rules[k, 0])
                 continue
-            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt)
-            if not cython.compiled:
-                v = int(v)  # interpreted, the rules' reads are numpy ints
+            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6])
             record.store_count(rules[k, 0], v, rules[k, 1])
         return True
 
-    def values(self, n: int, p: int, t: int, pt: int, uniform: int) -> tuple[int | None, ...]:
+    def values(self, n: int, p: int, t: int, pt: int, uniform: int,
+               plans: list | None = None) -> tuple[int | None, ...]:
         """The counts :meth:`store` would store (None: omitted), for the slow path."""
         out: list[int | None] = []
         for row in range(self._size):
-            if uniform & self._rules[row, 5]:
+            if self._rules[row, 3] == OMITTED or uniform & self._rules[row, 5]:
                 out.append(None)
                 continue
-            out.append(int(self._rules[row, 4]) + int(_counted(self._rules[row, 3], n, p, t, pt)))
+            out.append(int(self._rules[row, 4]) + int(_counted(
+                self._rules[row, 3], n, p, t, pt, plans, self._rules[row, 6])))
         return tuple(out)
 
 
 @cython.cfunc
 @cython.inline
+@cython.boundscheck(False)
+@cython.wraparound(False)
 def _counted(what: cython.longlong, n: cython.longlong, p: cython.longlong,
-             t: cython.longlong, pt: cython.longlong) -> cython.longlong:
+             t: cython.longlong, pt: cython.longlong, plans: list | None,
+             plan: cython.longlong) -> cython.longlong:
     """The quantity ``what`` names; literals, as the module's ``REQS`` ... are Python
-    objects (comparing a C int with one costs a call)."""
+    objects (comparing a C int with one costs a call). A plan index outside ``plans``
+    (or no ``plans``) counts -1: out of range, so the caller takes the slow path, which
+    raises."""
     if what == 0:  # REQS
         return n
     if what == 1:  # PADDED_REQS
         return p
     if what == 2:  # TOKENS
         return t
-    return pt  # PADDED_TOKENS
+    if what == 3:  # PADDED_TOKENS
+        return pt
+    if plans is None or not 0 <= plan < len(plans):  # PLAN_ROWS
+        return -1
+    return plans[plan]
 
 
 # This source is compiled by Cython, as ``h2d_core._records_native``, when the package is

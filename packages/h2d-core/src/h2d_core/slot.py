@@ -68,6 +68,7 @@ class SlotLifecycle(StateOwner):
             # query of a completed one is host work like any other
             if self._slot_events is not None:
                 self.last_source_wait_ns = self._slot_events.wait(slot)
+            # torch events: the driver library did not load (h2d_core.launch says when)
             elif self._events[slot].query():
                 self.last_source_wait_ns = 0
             else:
@@ -100,7 +101,7 @@ class SlotLifecycle(StateOwner):
         if self._cuda:
             if self._slot_events is not None:
                 self._slot_events.record(self.current_slot, self._stream_id)
-            else:
+            else:  # torch events: the driver library did not load
                 self._events[self.current_slot].record(self._stream)
             self._event_recorded[self.current_slot] = True
         self._epoch_open = False

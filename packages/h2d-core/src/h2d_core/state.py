@@ -86,7 +86,8 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self._slot_groups = []
         self._counters: dict[str, GroupCounters] = {}
         self._events: list[Any] = []
-        #: the slots' events through the driver (None: the torch events in _events)
+        #: the slots' events through the driver (None: the torch events in _events, used
+        #: only when the driver library cannot be loaded; a CPU state has neither)
         self._slot_events: SlotEvents | None = None
         self._event_recorded: list[bool] = [False] * num_slots
 

@@ -26,7 +26,15 @@ from block_tables.spans import row_keys
 from h2d_kernels import RANGE_OVERHEAD
 
 from .errors import CountError, DeclarationError, DuplicatePublicationError
-from .records import PADDED_REQS, PADDED_TOKENS, REQS, TOKENS, CountProgram
+from .records import (
+    OMITTED,
+    PADDED_REQS,
+    PADDED_TOKENS,
+    PLAN_ROWS,
+    REQS,
+    TOKENS,
+    CountProgram,
+)
 
 try:
     import cython
@@ -49,14 +57,17 @@ class PublishedTable(NamedTuple):
 
 class CountRule(NamedTuple):
     """How a :class:`LayoutStep` counts one member: ``what`` (``REQS``, ``PADDED_REQS``,
-    ``TOKENS`` or ``PADDED_TOKENS``) plus ``plus``; omitted (None) when the layout's
-    ``uniform_mask`` has a bit of ``omit_if_uniform`` set (a per-request filter whose
-    values are all equal travels as a scalar instead)."""
+    ``TOKENS``, ``PADDED_TOKENS``, or ``PLAN_ROWS``: the published rows of the layout's
+    plan ``plan``) plus ``plus``; omitted (None) when ``what`` is ``OMITTED`` (a member of
+    the group this step leaves out) or the layout's ``uniform_mask`` has a bit of
+    ``omit_if_uniform`` set (a per-request filter whose values are all equal travels as a
+    scalar instead)."""
 
     buffer: Any
     what: int
     plus: int = 0
     omit_if_uniform: int = 0
+    plan: int = 0
 
 
 def _duplicate(buffer: Any) -> DuplicatePublicationError:
@@ -179,9 +190,18 @@ class LayoutStep:
     ``sum_column`` a layout column whose sum ``run`` returns (-1: none). A rejected batch
     raises ``error`` (a :class:`~h2d_core.CountError` subclass) naming the request and
     column, before any source is written.
+
+    Layouts with plans (:class:`block_tables.LayoutPlan`, the same number in every slot's
+    layout) publish their rows through ``PLAN_ROWS`` rules; after each ``run``,
+    :attr:`plan_rows` holds the written batch's rows of every plan, one tuple per
+    ``plan_group`` consecutive plans of each plan's (real rows, published rows), e.g.
+    ``((real_0, pub_0, real_1, pub_1), ...)`` for ``plan_group=2``. A run whose rows equal
+    the previous run's keeps the same tuple (a steady step builds none).
     """
 
     name = cython.declare(str, visibility="readonly")
+    #: the last run's plan rows (see the class docstring; () before the first run)
+    plan_rows = cython.declare(tuple, visibility="readonly")
     _state = cython.declare(object)
     _layouts = cython.declare(tuple)
     _snapshots = cython.declare(tuple)
@@ -192,10 +212,16 @@ class LayoutStep:
     _program = cython.declare(object)
     _sum_column = cython.declare(cython.Py_ssize_t)
     _slow = cython.declare(object)
+    # plans per layout, plans per plan_rows entry, and the rows plan_rows was built from
+    # (real and published per plan, -1 before the first run)
+    _num_plans = cython.declare(cython.Py_ssize_t)
+    _plan_group = cython.declare(cython.Py_ssize_t)
+    _rows_seen = cython.declare(cython.longlong[::1])
 
     def __init__(self, name: str, state: Any, layouts: Sequence[Any], table: Any,
                  pad_rows: Sequence[Any], counts: Sequence[CountRule], *,
-                 sum_column: int = -1, error: type[CountError] = CountError) -> None:
+                 sum_column: int = -1, error: type[CountError] = CountError,
+                 plan_group: int = 1) -> None:
         if len(layouts) != state.num_slots:
             raise DeclarationError(
                 f"LayoutStep {name!r}: {len(layouts)} layouts for {state.num_slots} slots")
@@ -212,17 +238,37 @@ class LayoutStep:
         homes = {gi for rule in counts for gi, _ in rule.buffer.homes}
         single = len(homes) == 1 and all(len(rule.buffer.homes) == 1 for rule in counts)
         self._record_index = homes.pop() if single else -1
+        plans = sorted({len(layout.plan_published) for layout in self._layouts})
+        num_plans = plans[0] if plans else 0
+        if (len(plans) > 1 or type(plan_group) is not int or plan_group < 1
+                or num_plans % plan_group):
+            raise DeclarationError(
+                f"LayoutStep {name!r}: the layouts bind {plans} plans, grouped by "
+                f"{plan_group!r}; bind the same plans in every slot's layout and group them "
+                "by a divisor of their number")
         for r in counts:
-            if r.what not in (REQS, PADDED_REQS, TOKENS, PADDED_TOKENS):
+            if r.what not in (REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED):
                 raise DeclarationError(
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts {r.what!r}; use "
-                    "REQS, PADDED_REQS, TOKENS or PADDED_TOKENS")
+                    "REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS or OMITTED")
+            if r.what == PLAN_ROWS and (type(r.plan) is not int
+                                        or not 0 <= r.plan < num_plans):
+                raise DeclarationError(
+                    f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts the rows of plan "
+                    f"{r.plan!r}; the layouts bind {num_plans} plans")
         self._program = CountProgram([(r.buffer.homes[0][1], r.buffer._unit_bytes,
                                        r.buffer._fast_capacity, r.what, r.plus,
-                                       r.omit_if_uniform) for r in counts])
+                                       r.omit_if_uniform,
+                                       r.plan if r.what == PLAN_ROWS else 0) for r in counts])
         self._sum_column = sum_column
         # the specific error for a count out of range (none is, for a bound layout)
         self._slow = state.count_batch([r.buffer for r in counts])
+        self._num_plans = num_plans
+        self._plan_group = plan_group
+        import numpy as np
+
+        self._rows_seen = np.full(2 * num_plans, -1, dtype=np.int64)
+        self.plan_rows = ()
 
     @cython.ccall
     def run(self, query_lens: Any, context_lens: Any, rows: Any,
@@ -232,7 +278,8 @@ class LayoutStep:
         tokens when eager), ``values`` the layout's bound columns. Returns ``(num_reqs,
         padded_reqs, max_query_len, num_tokens, padded_tokens, kv_pages, table_stage,
         uniform_mask, column_sum)`` (``max_query_len`` at least 1; ``table_stage`` "" and
-        ``kv_pages`` 0 without a table). Call from inside the producer (its epoch)."""
+        ``kv_pages`` 0 without a table) and sets :attr:`plan_rows`. Call from inside the
+        producer (its epoch)."""
         st = self._state
         if st._invalid is not None or not st._epoch_open or get_ident() != st._owner:
             st._check_ready(f"producer {self.name}")
@@ -258,15 +305,44 @@ class LayoutStep:
             self._snapshots[slot].prepare(rows, required_pages=layout.required_pages)
         total: cython.longlong = layout.write()
         uniform: cython.longlong = layout.uniform_mask
+        # the written batch's published rows per plan: the layout's own list, read in place
+        published: list | None = layout.plan_published if self._num_plans else None
         records: list = st._slot_groups[slot]
         if self._record_index < 0 or not self._program.store(
-                records[self._record_index], n, p, t, pt, uniform):
+                records[self._record_index], n, p, t, pt, uniform, published):
             # members in several records, or a count out of range (the specific error)
-            self._slow.set(*self._program.values(n, p, t, pt, uniform))
+            self._slow.set(*self._program.values(n, p, t, pt, uniform, published))
         stage = "" if table is None else stage_table(table, st, slot, p)
+        if published is not None:
+            self._note_rows(layout.plan_real, published)
         q = layout.max_query_len
         return (n, p, q if q > 0 else 1, t, pt, total, stage, uniform,
                 layout.column_sum(self._sum_column) if self._sum_column >= 0 else 0)
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _note_rows(self, real: list, published: list) -> cython.void:
+        """Set :attr:`plan_rows` from the layout's real and published rows per plan,
+        building the tuples only when a count differs from the last run's."""
+        seen = self._rows_seen
+        k: cython.Py_ssize_t
+        same: cython.bint = True
+        r: cython.longlong
+        c: cython.longlong
+        for k in range(self._num_plans):
+            r = real[k]
+            c = published[k]
+            if seen[2 * k] != r or seen[2 * k + 1] != c:
+                same = False
+                seen[2 * k] = r
+                seen[2 * k + 1] = c
+        if same:
+            return
+        g: cython.Py_ssize_t = self._plan_group
+        flat = [seen[k] for k in range(2 * self._num_plans)]
+        self.plan_rows = tuple([tuple(flat[2 * g * j: 2 * g * (j + 1)])
+                                for j in range(self._num_plans // g)])
 
 
 # This source is compiled by Cython, as ``h2d_core._step_native``, when the package is

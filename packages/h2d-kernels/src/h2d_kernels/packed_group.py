@@ -1,7 +1,8 @@
 """One packed publication group's arena per slot, and the one call that publishes it.
 
 A :class:`PackedGroup` holds where each member lives in the arena, the members' pinned
-sources, and the compiled binding of its publication. ``publish(counts, ranges, ...)``
+sources, and the compiled binding of its publication (``_packed.pyx``, the only
+implementation of the header writes and packing). ``publish(counts, ranges, ...)``
 writes the header, packs what must be packed, issues the DMA and the scatter (or replays
 the captured graph of both): the caller hands counts and byte ranges, never descriptor
 columns or graph handles.
@@ -26,7 +27,6 @@ Arena order: header | in-place regions (ascending) | staging | tail regions (asc
 
 from __future__ import annotations
 
-import ctypes
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -46,8 +46,6 @@ SPAN_STAGING_DIVISOR = 4
 #: staging bytes each range costs beyond its payload (its alignment)
 RANGE_OVERHEAD = 16
 _ALIGN = 16
-
-_memmove = ctypes.memmove
 
 
 class Placement(enum.IntEnum):
@@ -186,20 +184,21 @@ class PackedGroup:
 
     @property
     def compiled(self) -> bool:
-        """Whether publications run the compiled helper (else the Python path)."""
-        return self._binding is not None
+        """Always True: publications run the compiled helper (there is no Python path; kept
+        for callers that read it)."""
+        return True
 
     @property
     def launches_graphs(self) -> bool:
         """Whether the compiled helper launches the arena's captured graphs itself."""
         return self._launch_table is not None
 
-    def _bind_native(self) -> object | None:
-        self._launch_table = None
-        if _native is None:
-            return None
+    def _bind_native(self, graphs: bool = True) -> object:
+        """The compiled binding of this group's publication (``bind_publish``): it launches
+        the arena's captured graphs when the arena has a launch table and ``graphs`` is
+        true, else it only packs and :meth:`publish` hands the launch to the arena."""
         arena = self.arena
-        table = arena.graph_launch_table()
+        table = arena.graph_launch_table() if graphs else None
         self._launch_table = table
         execs, launch, capturing = ((table.execs, table.graph_launch, table.stream_is_capturing)
                                     if table is not None else ((), 0, 0))
@@ -225,47 +224,12 @@ class PackedGroup:
         ``stream_id`` is the raw handle of ``stream`` (the current stream when None), for
         the compiled launch; on the CPU pass 0.
         """
-        binding = self._binding
-        if binding is not None:
-            end = _native.publish_packed(  # type: ignore[union-attr]
-                binding, counts, ranges, stream_id)
-            if end > 0:
-                return int(end)
-            end = -end  # packed, not launched (capture, no graph, CPU): the plain launch
-        else:
-            end = self._pack_python(counts, ranges)
-        self.arena.publish(end, stream)
-        return int(end)
-
-    def _pack_python(self, counts: list[int | None],
-                     ranges: list[tuple[int, int, int]]) -> int:
-        """The compiled ``publish_packed``'s header writes and packing, in Python: the same
-        header rows and bytes. Returns where the DMA must end."""
-        header = self.header
-        end = self.arena.header_bytes
-        for i, (n, unit, off) in enumerate(zip(counts, self._unit_bytes, self.offsets,
-                                               strict=True)):
-            nbytes = (n or 0) * unit
-            header[i, 1] = nbytes
-            if nbytes and off >= 0 and off + nbytes > end:
-                end = off + nbytes
-        base = self._host_base
-        off = self.staging_offset
-        for i, src, unit in self._staged:
-            n = counts[i]
-            if not n:
-                continue
-            nbytes = n * unit
-            _memmove(base + off, src, nbytes)
-            header[i, 0] = off
-            off = _align(off + nbytes)
-            end = max(end, off)
-        row = self._first_extra
-        for i, dst_off, nbytes in ranges:
-            _memmove(base + off, self._src_base[i] + dst_off, nbytes)
-            header[row] = (off, nbytes, i, dst_off)
-            row += 1
-            off = _align(off + nbytes)
-            end = max(end, off)
-        header[row:, 1] = 0  # unused range rows scatter nothing
-        return end
+        end: int = _native.publish_packed(self._binding, counts, ranges, stream_id)
+        if end > 0:
+            return end  # packed and launched the bucket's graph
+        # Packed, not launched: the compiled helper hands back what it has no launcher for
+        # (a CPU arena, an arena without driver-launched graphs, a stream under capture, a
+        # size no graph covers); the arena enqueues the DMA and scatter (or raises
+        # PublishError for a size outside the arena).
+        self.arena.publish(-end, stream)
+        return -end

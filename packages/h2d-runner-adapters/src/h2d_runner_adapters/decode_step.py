@@ -68,9 +68,8 @@ class DecodeStepInputs:
     Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
     ``.decode``) and combines their producer groups into ``DECODE_STEP``; construct before
     ``state.bind()``. :meth:`from_adapters` composes adapters the caller declared (e.g.
-    shared with a prefill path). ``native`` chooses the packages' compiled helpers (the
-    request layout, the block-table snapshots, the count store): None uses them when
-    built, True requires them, False always runs their interpreted sources.
+    shared with a prefill path). ``native`` is kept for source compatibility: every rule
+    runs compiled (None and True), and False, the removed interpreted mode, is refused.
     ``fuse_kv_indices`` puts KV-index generation inside the step's publication (its CUDA
     graphs, counts read on the device): ``decode.generate_kv_indices(plan)`` then launches
     nothing (see :class:`MhaDecodeInputs`).

@@ -154,8 +154,8 @@ class MhaDecodeInputs(PagedInputs):
         (positions, KV slots, context lengths, KV prefix), reading the slot's prepared
         table; plus the query prefix into each ``cu_query`` buffer and the columns
         ``columns(slot)`` gives over that slot's sources (a fused step's sampling and
-        token columns). After ``bind()``; ``native`` as for the snapshots (None: the
-        compiled class when built, False: the interpreted one)."""
+        token columns). After ``bind()``; ``native`` as for the snapshots (compiled only;
+        False is refused)."""
         cls = select_layout(native, name)
         snapshots = self.tables.snapshots
         out = []

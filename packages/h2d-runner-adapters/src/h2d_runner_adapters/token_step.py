@@ -100,8 +100,8 @@ class TokenStepPlan(NamedTuple):
 
 class TokenStepInputs:
     """Declares sampling and token inputs on ``state`` (``.sampling``, ``.tokens``) and
-    combines them into ``group``; construct before ``state.bind()``. ``native`` chooses the
-    compiled helpers as for :class:`DecodeStepInputs`."""
+    combines them into ``group``; construct before ``state.bind()``. ``native`` as for
+    :class:`DecodeStepInputs` (compiled only; False is refused)."""
 
     def __init__(
         self,

@@ -21,7 +21,9 @@ and two scatters" of an ordinary V4.1 DSpark decode), graph padding included:
 * ``v41_qo_indptr`` (fp8 KV only, int32 ``[T + 1]``): ``arange(t + 1)``, then ``t`` repeated.
 
 Rows, per token and per request, come from one :class:`block_tables.RequestLayout` pass
-over the prepared table. First consumer: step indptr generation
+over the prepared table; a decode step (plan, table rows, writes, ``qo_indptr``, counts
+and the table's stage) is one compiled :class:`h2d_core.LayoutStep` call after the
+adapter's own input checks. First consumer: step indptr generation
 (:func:`generate_v4_step_indptrs`, :func:`expand_v4_token_tables`), which derives the
 per-token SWA/CSA/HCA prefixes, committed counts, per-token block tables and HCA index
 head on the GPU. Further consumers: the decode window tails
@@ -48,11 +50,18 @@ from block_tables import (
     RequestLayoutError,
 )
 from block_tables.lineage import LENGTH_BITS
+from block_tables.native import refuse_interpreted
 from h2d_core import (
+    OMITTED,
+    PADDED_REQS,
+    PADDED_TOKENS,
+    PLAN_ROWS,
     CountBatch,
+    CountRule,
     DeclarationError,
     H2DBuffer,
     H2DRunnerState,
+    LayoutStep,
     h2d_producer,
 )
 
@@ -82,6 +91,7 @@ from .mha_decode import select_layout
 from .paged import PagedInputs
 
 V41_METADATA = "v41_metadata"
+_new = tuple.__new__
 #: V4 block size (tokens per block-table entry)
 V4_BLOCK = 256
 #: (ratio, window K): ratio 4 pools an overlapping window of 2 * 4, ratio 128 one of 128
@@ -279,6 +289,7 @@ class V41MetadataInputs(PagedInputs):
         prefix: str = "",
     ) -> None:
         g = f"{prefix}{V41_METADATA}"
+        refuse_interpreted(native, g)
         _check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
         self.prefix = prefix
         super().__init__(state, g, f"{prefix}v41_block_tables", max_reqs=max_reqs,
@@ -337,9 +348,8 @@ class V41MetadataInputs(PagedInputs):
         self._pad_rows: list[BlockTable] = [BlockTable([dummy_block])] * max_reqs
         self._layouts: list[RequestLayout] = []
         self._prefill_layouts: list[RequestLayout] = []
-        self._tokens = np.arange(max_tokens + 1, dtype=np.int32)
         self._counts: CountBatch | None = None
-        self._qo_written: list[tuple[int, int] | None] = [None] * state.num_slots
+        self._step: LayoutStep | None = None  # the decode step, bound on first use
         # What the last accepted steps proved free of the dummy slot and block, so that a
         # steady decode step re-checks neither (two bytes compares): the state-slot
         # columns' bytes, and per runner slot the row keys (BlockTable._key: version <<
@@ -349,7 +359,7 @@ class V41MetadataInputs(PagedInputs):
         self._proven_rows: list[list[int]] = [[] for _ in range(state.num_slots)]
 
     # -- binding -------------------------------------------------------------------------
-    def _bind(self) -> None:
+    def _bind(self) -> LayoutStep:
         cls = select_layout(self.native, self.group)
         snapshots = self.tables.snapshots
         for slot in range(self.h2d_state.num_slots):
@@ -362,11 +372,14 @@ class V41MetadataInputs(PagedInputs):
                 pad = self.dummy_state_slot if graph else None
                 extra = [] if graph else [LayoutColumn("chunk_starts", src(self.chunk_starts),
                                                        pad=None)]
+                # decode writes the fp8 per-token query prefix too (prefill omits it)
+                qo = (src(self.qo_indptr) if graph and self.qo_indptr is not None
+                      else None)
                 return cls(
                     self.group, V4_BLOCK, snapshots[slot].storage,
                     np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
                     positions=src(self.positions), token_requests=src(self.token_batch_ids),
-                    context_lens=src(self.seq_lens),
+                    context_lens=src(self.seq_lens), token_prefix=qo,
                     columns=[LayoutColumn("state_slot_out", src(self.state_slot_out), pad=pad),
                              LayoutColumn("state_slot_in", src(self.state_slot_in), pad=pad),
                              *extra],
@@ -383,6 +396,22 @@ class V41MetadataInputs(PagedInputs):
         if self.qo_indptr is not None:
             members.append(self.qo_indptr)
         self._counts = self.h2d_state.count_batch(members, native=self.native)
+        # decode: the graph grid; chunk starts are prefill's; plan k's published rows
+        rules = [CountRule(self.positions, PADDED_TOKENS),
+                 CountRule(self.token_batch_ids, PADDED_TOKENS),
+                 CountRule(self.seq_lens, PADDED_REQS),
+                 CountRule(self.state_slot_out, PADDED_REQS),
+                 CountRule(self.state_slot_in, PADDED_REQS),
+                 CountRule(self.chunk_starts, OMITTED)]
+        for k, (cb, wb) in enumerate(zip(self.compress_plans, self.write_plans, strict=True)):
+            rules += [CountRule(cb, PLAN_ROWS, plan=2 * k), CountRule(wb, PLAN_ROWS,
+                                                                      plan=2 * k + 1)]
+        if self.qo_indptr is not None:
+            rules.append(CountRule(self.qo_indptr, PADDED_TOKENS, 1))
+        # plan_rows: per ratio (real compress rows, published, real write rows, published)
+        self._step = LayoutStep(self.group, self.h2d_state, self._layouts, self.tables,
+                                self._pad_rows, rules, error=AdapterInputError, plan_group=2)
+        return self._step
 
     # -- the producer --------------------------------------------------------------------
     @h2d_producer(lambda self: self.group)
@@ -400,39 +429,21 @@ class V41MetadataInputs(PagedInputs):
         :class:`AdapterInputError` (or the block table's own error) and changes nothing."""
         cols, slots_proof = self._span_columns(spans)
         n = cols.query_lens.size
-        if padded is not None:
-            padded = padded_count(self.group, n, padded)
-        st = self.h2d_state
-        slot = st.current_slot
+        # eager (no padding) keeps the graph grid of n requests: n, not -1
+        p = n if padded is None else padded_count(self.group, n, padded)
+        slot = self.h2d_state.current_slot
         keys = self._check_rows(block_tables, n, slot)
-        if not self._layouts:
-            self._bind()
-        layout = self._layouts[slot]
-        try:
-            layout.plan(cols.query_lens, cols.context_lens, -1 if padded is None else padded,
-                        -1, (cols.state_slots_out, cols.state_slots_in))
-        except RequestLayoutError as exc:
-            raise AdapterInputError(str(exc)) from exc
-        p, t, pt = layout.padded_reqs, layout.num_tokens, layout.padded_tokens
-        rows = block_tables if p == n else [*block_tables, *self._pad_rows[: p - n]]
-        tables = self.tables
-        tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
-        layout.write()  # rows, columns and plans; nothing below can fail
+        step = self._step
+        if step is None:
+            step = self._bind()
+        # plan (every length checked), prepare the rows (each validated), write every
+        # member (qo_indptr included), count and stage: one call; nothing after it fails
+        n, p, q, t, pt, _, stage, _, _ = step.run(
+            cols.query_lens, cols.context_lens, block_tables, p, -1,
+            (cols.state_slots_out, cols.state_slots_in))
         self._remember(slot, slots_proof, keys)
-        counts: list[int | None] = [pt, pt, p, p, p, None]
-        plan_rows = self._plan_rows(layout, counts)
-        if self.qo_indptr is not None:
-            # only this producer writes the slot's source: same shape, same bytes
-            if self._qo_written[slot] != (t, pt):
-                qo = self.qo_indptr.np
-                qo[: t + 1] = self._tokens[: t + 1]
-                qo[t + 1 : pt + 1] = t
-                self._qo_written[slot] = (t, pt)
-            counts.append(pt + 1)
-        self._counts.set(*counts)  # type: ignore[union-attr]
-        stage = tables.stage(p)
-        return V41Plan(layout.num_reqs, p, t, pt, layout.max_query_len or 1, plan_rows,
-                       stage)
+        # tuple.__new__ skips the NamedTuple's Python-level __new__
+        return _new(V41Plan, (n, p, t, pt, q, step.plan_rows, stage))
 
     @h2d_producer(lambda self: self.group)
     def begin_prefill(

@@ -1,0 +1,565 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: binding=False, embedsignature=False
+"""Compiled paths of PageTableSnapshot (``block_tables._block_tables_native``).
+
+A decode step's prepare reads 64-256 row keys, scatters a few appended page IDs and
+diffs row keys into byte ranges: a few hundred nanoseconds of arithmetic, tens of
+microseconds as Python and numpy calls. These are that arithmetic, compiled:
+
+* ``prepare_step`` covers the common decode step: every row a ``BlockTable`` whose key
+  equals the stored key (a hit) or exceeds it by one (the same lineage grew by one page).
+  Any other batch, and every error, returns None before the first write: snapshot.py then
+  handles the batch, so its rules and messages live in one place.
+* ``write_replaced`` is the write phase of a fully replaced batch (snapshot.py has made
+  every check): the rows' IDs, then one sweep over the exposed tails.
+* ``key_spans`` and ``changed_byte_ranges`` diff two all-versioned row-key vectors into
+  column spans, or byte ranges of the row-major table (spans.py).
+
+Python sees what the C module it replaces (``_snapshot_native.c``) showed: builtin
+functions taking positional arguments, a ``PyCapsule`` named ``"block_tables_snapshot"``
+as the binding, None / NotImplemented for what they hand back, and the same exceptions
+with the same messages. Integer arguments go through ``PyLong_AsLongLong`` /
+``PyLong_AsSsize_t`` in the C code's order. Differences, none visible to snapshot.py:
+a call that changed no byte returns a shared read-only empty array (the caller only takes
+its length), not a new one; ``configure`` takes only ``__slots__`` members (it reads
+their offsets); a ``_key`` / ``_last`` slot set by hand to an int outside int64 raises
+OverflowError with Cython's message rather than the C API's.
+"""
+
+from cpython.buffer cimport (PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE, PyBuffer_Release,
+                             PyObject_GetBuffer)
+# PyList_Append called directly: Cython's list.append() inlines a check that short lists
+# fail anyway (~10 instructions an item more)
+from cpython.list cimport PyList_Append, PyList_CheckExact, PyList_GET_SIZE
+from cpython.long cimport PyLong_AsLong, PyLong_AsLongLong, PyLong_AsSsize_t
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from cpython.object cimport PyObject
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
+from cpython.ref cimport Py_INCREF, Py_XDECREF
+from cpython.sequence cimport PySequence_Fast_GET_SIZE, PySequence_Fast_ITEMS
+from cpython.tuple cimport PyTuple_CheckExact
+from libc.stdint cimport INT32_MAX, INT32_MIN, INT64_MIN, int32_t, int64_t, uint32_t, uint64_t
+from libc.string cimport memcmp, memcpy, memmove
+
+cdef extern from "Python.h":
+    ctypedef struct RawType "PyTypeObject":
+        const char *tp_name
+    RawType *type_of "Py_TYPE"(PyObject *)
+    bint long_check_exact "PyLong_CheckExact"(PyObject *)
+    # a __slots__ entry's descriptor: the member it reads (structmember.h)
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef *d_member
+    RawType PyMemberDescr_Type
+
+cdef extern from "structmember.h":
+    enum:
+        T_OBJECT_EX  # an object slot; unset reads raise AttributeError
+
+# numpy's C API, through its macros on raw pointers (as the C module read arrays: the
+# buffer protocol costs ~0.2 µs a call)
+cdef extern from *:
+    """
+    #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+    """
+cdef extern from "numpy/arrayobject.h":
+    ctypedef Py_ssize_t npy_intp
+    ctypedef struct PyArrayObject:
+        pass
+    enum:
+        NPY_INT32
+        NPY_INT64
+    bint PyArray_Check(PyObject *)
+    int PyArray_NDIM(PyArrayObject *)
+    npy_intp PyArray_DIM(PyArrayObject *, int)
+    npy_intp PyArray_STRIDE(PyArrayObject *, int)
+    npy_intp PyArray_ITEMSIZE(PyArrayObject *)
+    int PyArray_TYPE(PyArrayObject *)
+    void *PyArray_DATA(PyArrayObject *)
+    bint PyArray_ISINTEGER(PyArrayObject *)
+    bint PyArray_ISSIGNED(PyArrayObject *)
+    bint PyArray_ISUNSIGNED(PyArrayObject *)
+    bint PyArray_ISALIGNED(PyArrayObject *)
+    bint PyArray_ISNOTSWAPPED(PyArrayObject *)
+    bint PyArray_ISWRITEABLE(PyArrayObject *)
+    object PyArray_SimpleNew(int, npy_intp *, int)
+    int _import_array() except -1
+
+_import_array()
+
+# ---- configuration: BlockTable's slots and the key layout (configure) -----------------
+
+# BlockTable and where its `_key` / `_last` slots live, read once from their member
+# descriptors: a row's slot is then one load (a borrowed reference, NULL when unset), not
+# a generic attribute lookup (~30 ns a row) nor a descriptor call (~10 ns). Every row is
+# checked to be exactly BlockTable first. `configured` holds the references.
+cdef object configured = None
+cdef PyObject *table_type = NULL
+cdef Py_ssize_t key_offset = 0
+cdef Py_ssize_t last_offset = 0
+cdef int length_bits = 24
+cdef int64_t length_mask = (1 << 24) - 1
+
+
+cdef object empty_rows():
+    cdef npy_intp dims[1]
+    dims[0] = 0
+    rows = PyArray_SimpleNew(1, dims, NPY_INT64)
+    rows.setflags(write=False)
+    return rows
+
+
+# what a call that changed no byte returns (the caller only takes its length)
+cdef object EMPTY = empty_rows()
+
+
+def configure(table, bits, /):
+    """configure(BlockTable, LENGTH_BITS): the row type and the key's length field."""
+    global configured, table_type, key_offset, last_offset, length_bits, length_mask
+    cdef long nbits
+    cdef Py_ssize_t offsets[2]
+    cdef PyMemberDef *member
+    cdef int k
+    if not isinstance(table, type):
+        raise TypeError("configure(BlockTable, LENGTH_BITS)")
+    nbits = PyLong_AsLong(bits)
+    for k, name in enumerate(("_key", "_last")):
+        descr = getattr(table, name)
+        member = (<PyMemberDescrObject *><PyObject *>descr).d_member
+        if type_of(<PyObject *>descr) != &PyMemberDescr_Type or member.type != T_OBJECT_EX:
+            raise TypeError(f"{(<RawType *><PyObject *>table).tp_name.decode()}.{name} "
+                            "is not a slot descriptor")
+        offsets[k] = member.offset
+    configured = table
+    table_type = <PyObject *>table
+    key_offset = offsets[0]
+    last_offset = offsets[1]
+    length_bits = <int>nbits
+    length_mask = (<int64_t>1 << nbits) - 1
+
+
+cdef inline int slot_int64(PyObject *row, Py_ssize_t offset, int64_t *out) except -1:
+    """A BlockTable slot's value: 0 and it in out; 1 when it is unset or not an exact int
+    (snapshot.py handles such a row); -1 with the exception set (OverflowError)."""
+    cdef PyObject *v = (<PyObject **>(<char *>row + offset))[0]  # borrowed, or NULL
+    if v == NULL or not long_check_exact(v):
+        return 1
+    out[0] = <int64_t><object>v
+    return 0
+
+
+# ---- the binding: the snapshot's own arrays (bind) -------------------------------------
+
+cdef const char *CAPSULE = b"block_tables_snapshot"
+
+cdef struct Bound:
+    PyObject *owner  # a strong reference: the tuple of the five arrays (they never move)
+    int64_t *row_keys
+    int64_t *lengths
+    int64_t *changed
+    int64_t *scratch
+    int32_t *storage
+    Py_ssize_t capacity
+    Py_ssize_t width
+
+
+cdef void bound_free(object capsule) noexcept:
+    cdef Bound *b = <Bound *>PyCapsule_GetPointer(capsule, CAPSULE)
+    if b == NULL:
+        return
+    Py_XDECREF(b.owner)
+    PyMem_Free(b)
+
+
+def bind(row_keys, lengths, storage, changed, scratch, width, /):
+    """bind(row_keys, lengths, storage, changed, scratch, width) -> capsule
+
+    row_keys, lengths, changed: int64[capacity]; storage: int32[capacity, width];
+    scratch: int64[2 * capacity]; each writable and C-contiguous. Bound once, so per-step
+    calls pay no buffer-protocol lookup for them."""
+    cdef Py_ssize_t w = PyLong_AsSsize_t(width)
+    cdef Py_ssize_t itemsize[5]
+    cdef Py_ssize_t items[5]
+    cdef void *ptr[5]
+    cdef Py_buffer view
+    cdef Py_ssize_t capacity
+    cdef bint bad
+    cdef Bound *b
+    cdef int i
+    arrays = (row_keys, lengths, storage, changed, scratch)
+    itemsize[:] = [8, 8, 4, 8, 8]
+    for i in range(5):
+        PyObject_GetBuffer(arrays[i], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
+        ptr[i] = view.buf
+        items[i] = view.len // itemsize[i]
+        bad = view.itemsize != itemsize[i]
+        PyBuffer_Release(&view)  # the arrays stay alive (owner), and never reallocate
+        if bad:
+            raise ValueError("internal array has the wrong item size or length")
+    capacity = items[0]
+    if (items[1] < capacity or items[2] < capacity * w or items[3] < capacity
+            or items[4] < 2 * capacity):
+        raise ValueError("bind: arrays too small for the capacity")
+    b = <Bound *>PyMem_Calloc(1, sizeof(Bound))
+    if b == NULL:
+        raise MemoryError()
+    b.row_keys = <int64_t *>ptr[0]
+    b.lengths = <int64_t *>ptr[1]
+    b.storage = <int32_t *>ptr[2]
+    b.changed = <int64_t *>ptr[3]
+    b.scratch = <int64_t *>ptr[4]
+    b.capacity = capacity
+    b.width = w
+    try:
+        capsule = PyCapsule_New(b, CAPSULE, bound_free)
+    except BaseException:
+        PyMem_Free(b)  # no capsule: nothing else refers to b
+        raise
+    Py_INCREF(arrays)  # dropped by the capsule's destructor
+    b.owner = <PyObject *>arrays
+    return capsule
+
+
+cdef inline object rows_array(const int64_t *rows, Py_ssize_t count):
+    """A new int64 array of ``rows[0, count)`` (EMPTY when there are none)."""
+    cdef npy_intp dims[1]
+    if count == 0:
+        return EMPTY
+    dims[0] = count
+    out = PyArray_SimpleNew(1, dims, NPY_INT64)
+    memcpy(PyArray_DATA(<PyArrayObject *>out), rows, <size_t>count * sizeof(int64_t))
+    return out
+
+
+# ---- the common decode step -------------------------------------------------------------
+
+def prepare_step(bound, rows, limit, required, /):
+    """prepare_step(bound, rows, limit, required) -> changed rows, or None
+
+    rows: list or tuple; limit: the pool limit or -1; required: None or a 1-D signed or
+    unsigned 4/8-byte integer array of len(rows). Returns an int64 array of the rows whose
+    bytes changed, ascending (empty for a hit), or None, before any write, when the batch
+    is not covered."""
+    cdef Bound *b
+    cdef PyObject **items
+    cdef PyObject *row
+    cdef PyArrayObject *r
+    cdef Py_ssize_t n, i, c
+    cdef int64_t lim, width, key, stored, length, need, last
+    cdef int64_t *new_keys
+    cdef int64_t *lasts
+    cdef int32_t *cell
+    cdef const char *req = NULL
+    cdef const char *at
+    cdef Py_ssize_t req_stride = 0, req_size = 0
+    cdef bint unsigned_req = False
+    if table_type == NULL:
+        raise RuntimeError("prepare_step before configure()")
+    b = <Bound *>PyCapsule_GetPointer(bound, CAPSULE)
+    if not PyList_CheckExact(rows) and not PyTuple_CheckExact(rows):
+        return None
+    n = PySequence_Fast_GET_SIZE(rows)
+    items = PySequence_Fast_ITEMS(rows)
+    lim = PyLong_AsLongLong(limit)
+    width = b.width
+    if n > b.capacity:
+        return None
+    # required pages: a 1-D aligned native-order integer array of 4 or 8 bytes per item;
+    # anything else goes to snapshot.py, which coerces and checks it
+    if required is not None:
+        if not PyArray_Check(<PyObject *>required):
+            return None
+        r = <PyArrayObject *><PyObject *>required
+        req_size = PyArray_ITEMSIZE(r)
+        if (PyArray_NDIM(r) != 1 or PyArray_DIM(r, 0) != n or not PyArray_ISINTEGER(r)
+                or (req_size != 4 and req_size != 8) or not PyArray_ISALIGNED(r)
+                or not PyArray_ISNOTSWAPPED(r)):
+            return None
+        req = <const char *>PyArray_DATA(r)
+        req_stride = PyArray_STRIDE(r, 0)
+        unsigned_req = PyArray_ISUNSIGNED(r)
+
+    new_keys = b.scratch
+    lasts = b.scratch + b.capacity  # the appended page ID, or INT64_MIN for a hit
+
+    # ---- check everything: no write before the batch is known to be covered ----
+    for i in range(n):
+        row = items[i]
+        if <PyObject *>type_of(row) != table_type:
+            return None
+        if slot_int64(row, key_offset, &key):
+            return None
+        length = key & length_mask
+        if length > width:
+            return None
+        if req != NULL:
+            at = req + i * req_stride
+            if req_size == 4:
+                need = (<int64_t>(<const uint32_t *>at)[0] if unsigned_req
+                        else <int64_t>(<const int32_t *>at)[0])
+            else:
+                need = (<const int64_t *>at)[0]  # uint64 past 2**63 reads negative: huge
+            if <uint64_t>need > <uint64_t>length:  # negative reads as huge
+                return None
+        new_keys[i] = key
+        stored = b.row_keys[i]
+        if key == stored:
+            lasts[i] = INT64_MIN
+        elif <uint64_t>key - <uint64_t>stored == 1:  # unsigned: no overflow
+            if slot_int64(row, last_offset, &last):
+                return None
+            if lim >= 0 and <uint64_t><uint32_t>last >= <uint64_t>lim:
+                return None
+            lasts[i] = last
+        else:
+            return None
+
+    # ---- write: one page ID per grown row, counted only when its bytes differ ----
+    c = 0
+    for i in range(n):
+        if lasts[i] != INT64_MIN:
+            cell = b.storage + i * width + b.lengths[i]
+            if cell[0] != <int32_t>lasts[i]:
+                cell[0] = <int32_t>lasts[i]
+                b.changed[c] = i
+                c += 1
+            b.row_keys[i] = new_keys[i]
+            b.lengths[i] = new_keys[i] & length_mask
+    return rows_array(b.changed, c)
+
+
+# ---- a fully replaced batch ---------------------------------------------------------------
+
+cdef inline int64_t clear_span(int32_t *p, int64_t count, int32_t fill) noexcept nogil:
+    """Set the ``count`` elements at ``p`` that differ from ``fill`` to it; return how
+    many. The only place this module writes the fill value."""
+    cdef int64_t k, cleared = 0
+    for k in range(count):
+        if p[k] != fill:
+            p[k] = fill
+            cleared += 1
+    return cleared
+
+
+def write_replaced(bound, ids, fill, /):
+    """write_replaced(bound, ids, fill) -> (changed rows, cleared), or None
+
+    The write phase of a fully replaced batch (every check made in snapshot.py): row i of
+    [0, len(ids)) takes the int32 array ids[i]. First each row's IDs, compared first and
+    copied without clearing; then one sweep over rows [0, n) clears each exposed tail,
+    columns [len(ids[i]), lengths[i]) (lengths: what the rows held), writing only elements
+    that differ from ``fill``. Returns an int64 array of the rows whose bytes changed,
+    ascending, and the number of elements cleared; None, before any write, when an item
+    is not a 1-D aligned native-order C-contiguous int32 array of at most ``width`` IDs."""
+    cdef Bound *b
+    cdef PyObject **items
+    cdef PyArrayObject *a
+    cdef Py_ssize_t n, i, c, width
+    cdef int64_t fill64, exposed, k, cleared = 0
+    cdef int32_t value
+    cdef int64_t *flags
+    cdef int64_t *lens
+    cdef int32_t *row
+    cdef size_t nbytes
+    b = <Bound *>PyCapsule_GetPointer(bound, CAPSULE)
+    if not PyList_CheckExact(ids):
+        return None
+    fill64 = PyLong_AsLongLong(fill)
+    if fill64 < INT32_MIN or fill64 > INT32_MAX:
+        raise ValueError("write_replaced: fill must be an int32")
+    value = <int32_t>fill64
+    n = PyList_GET_SIZE(ids)
+    width = b.width
+    if n > b.capacity:
+        return None
+    items = PySequence_Fast_ITEMS(ids)
+    flags = b.scratch  # per row: bytes changed
+    lens = b.scratch + b.capacity
+    # ---- check every row: nothing is written before all are known to be readable ----
+    for i in range(n):
+        if not PyArray_Check(items[i]):
+            return None
+        a = <PyArrayObject *>items[i]
+        if (PyArray_NDIM(a) != 1 or PyArray_TYPE(a) != NPY_INT32 or not PyArray_ISALIGNED(a)
+                or not PyArray_ISNOTSWAPPED(a) or PyArray_DIM(a, 0) > width
+                or (PyArray_DIM(a, 0) > 1 and PyArray_STRIDE(a, 0) != <npy_intp>sizeof(int32_t))):
+            return None
+        lens[i] = PyArray_DIM(a, 0)
+    # ---- the IDs: compared first, copied without clearing what they replace ----
+    for i in range(n):
+        row = b.storage + i * width
+        nbytes = <size_t>lens[i] * sizeof(int32_t)
+        flags[i] = nbytes != 0 and memcmp(row, PyArray_DATA(<PyArrayObject *>items[i]),
+                                          nbytes) != 0
+        if flags[i]:  # memmove: a caller's array may be a view of the storage
+            memmove(row, PyArray_DATA(<PyArrayObject *>items[i]), nbytes)
+    # ---- one sweep over rows [0, n): the exposed tails ----
+    for i in range(n):
+        exposed = b.lengths[i] - lens[i]
+        if exposed > 0:
+            k = clear_span(b.storage + i * width + lens[i], exposed, value)
+            cleared += k
+            if k > 0:
+                flags[i] = 1
+    c = 0
+    for i in range(n):
+        if flags[i]:
+            b.changed[c] = i
+            c += 1
+    return rows_array(b.changed, c), cleared
+
+
+# ---- row-key diffs (spans.py) -----------------------------------------------------------
+
+cdef inline bint get_keys(object obj, const int64_t **data, Py_ssize_t count,
+                          Py_ssize_t *stride):
+    """False and data/stride (in items) for a 1-D aligned native-order signed int64
+    array (any stride) of at least ``count`` items; True for anything else (the caller
+    hands it back to the Python path)."""
+    cdef PyArrayObject *a
+    if not PyArray_Check(<PyObject *>obj):
+        return True
+    a = <PyArrayObject *><PyObject *>obj
+    if (PyArray_NDIM(a) != 1 or PyArray_ITEMSIZE(a) != 8 or not PyArray_ISSIGNED(a)
+            or not PyArray_ISINTEGER(a) or not PyArray_ISALIGNED(a)
+            or not PyArray_ISNOTSWAPPED(a) or PyArray_DIM(a, 0) < count
+            or PyArray_STRIDE(a, 0) % 8):
+        return True
+    data[0] = <const int64_t *>PyArray_DATA(a)
+    stride[0] = PyArray_STRIDE(a, 0) // 8
+    return False
+
+
+cdef inline bint span_of(int64_t then, int64_t now, int64_t *start, int64_t *stop) noexcept:
+    """The columns a row with key ``then`` and now ``now`` differs in: an append in the
+    same lineage (a version above 0, not shorter) in [len_then, len_now), anything else in
+    [0, max(len_then, len_now)). False when that is empty (equal keys included)."""
+    cdef int64_t len_then, len_now, version
+    if then == now:
+        return False
+    len_then = then & length_mask
+    len_now = now & length_mask
+    version = now >> length_bits
+    if (then >> length_bits) == version and version > 0 and len_now >= len_then:
+        start[0] = len_then
+        stop[0] = len_now
+    else:
+        start[0] = 0
+        stop[0] = len_then if len_then > len_now else len_now
+    return stop[0] > start[0]
+
+
+def key_spans(now, then, limit, /):
+    """key_spans(now, then, limit) -> (rows, starts, stops), or NotImplemented
+
+    The all-versioned branch of spans.changed_spans: rows of [0, limit) whose int64 keys
+    differ, with their column spans (span_of); NotImplemented when the keys are not int64
+    arrays this reads."""
+    cdef Py_ssize_t lim = PyLong_AsSsize_t(limit)
+    cdef const int64_t *w
+    cdef const int64_t *t
+    cdef Py_ssize_t ns, ts, r
+    cdef int64_t start, stop
+    cdef list rows, starts, stops
+    if get_keys(now, &w, lim, &ns) or get_keys(then, &t, lim, &ts):
+        return NotImplemented
+    rows, starts, stops = [], [], []
+    for r in range(lim):
+        if span_of(t[r * ts], w[r * ns], &start, &stop):
+            PyList_Append(rows, r)
+            PyList_Append(starts, start)
+            PyList_Append(stops, stop)
+    return rows, starts, stops
+
+
+cdef inline tuple byte_range(int64_t start, int64_t stop, int64_t tag):
+    """(start, stop), or the record triple (tag, start, nbytes) when tag >= 0."""
+    if tag < 0:
+        return (start, stop)
+    return (tag, start, stop - start)
+
+
+cdef int byte_ranges(const int64_t *now, Py_ssize_t ns, const int64_t *then, Py_ssize_t ts,
+                     int64_t limit, int64_t rows_then, int64_t num_rows, int64_t row_bytes,
+                     int64_t tag, list out, int64_t *count, int64_t *total) except -1:
+    """One pass of changed_byte_ranges: count the merged ranges and their bytes, and
+    append each to ``out`` unless it is None."""
+    cdef int64_t r, a, e, cur_start = -1, cur_stop = -1
+    count[0] = 0
+    total[0] = 0
+    for r in range(limit + 1):
+        if r < limit:
+            if not span_of(then[r * ts], now[r * ns], &a, &e):
+                continue
+            a = r * row_bytes + 4 * a
+            e = r * row_bytes + 4 * e
+        elif num_rows > rows_then:  # rows the destination never held travel whole
+            a = rows_then * row_bytes
+            e = num_rows * row_bytes
+        else:
+            break
+        total[0] += e - a
+        if cur_stop == a:  # byte-adjacent: one range
+            cur_stop = e
+            continue
+        if cur_start >= 0:
+            if out is not None:
+                PyList_Append(out, byte_range(cur_start, cur_stop, tag))
+            count[0] += 1
+        cur_start = a
+        cur_stop = e
+    if cur_start >= 0:
+        if out is not None:
+            PyList_Append(out, byte_range(cur_start, cur_stop, tag))
+        count[0] += 1
+    return 0
+
+
+def changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, max_bytes,
+                        keys_out=None, tag=None, /):
+    """changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges,
+    max_bytes[, keys_out[, tag]]) -> (ranges, total_bytes), None or NotImplemented
+
+    What a publisher holding rows [0, rows_then) with keys ``then`` must send so the GPU
+    holds rows [0, num_rows) with keys ``now`` (all versioned): the key spans of rows
+    below min(num_rows, rows_then) as byte ranges of a row-major int32 table, plus rows
+    [rows_then, num_rows) whole, byte-adjacent pieces merged. None when more than
+    max_ranges ranges or max_bytes bytes would travel; NotImplemented when the keys (or
+    keys_out) are not int64 arrays this reads (the Python path handles them). keys_out,
+    when given, receives now[0, num_rows) whatever the result: the keys to remember for
+    this upload, without a separate copy. tag (an int >= 0), when given, makes each range
+    the triple (tag, start, nbytes) a publication record takes (h2d_core)."""
+    cdef int64_t n_then = PyLong_AsLongLong(rows_then)
+    cdef int64_t n_now = PyLong_AsLongLong(num_rows)
+    cdef int64_t nbytes = PyLong_AsLongLong(row_bytes)
+    cdef int64_t most_ranges = PyLong_AsLongLong(max_ranges)
+    cdef int64_t most_bytes = PyLong_AsLongLong(max_bytes)
+    cdef int64_t label = -1, limit, r, count, total
+    cdef const int64_t *w
+    cdef const int64_t *t
+    cdef const int64_t *src
+    cdef int64_t *dst
+    cdef Py_ssize_t ns, ts, ss, ds
+    if tag is not None:
+        label = PyLong_AsLongLong(tag)
+        if label < 0:
+            raise ValueError("changed_byte_ranges: tag must be >= 0")
+    limit = n_now if n_now < n_then else n_then
+    if get_keys(now, &w, limit, &ns) or get_keys(then, &t, limit, &ts):
+        return NotImplemented
+    if keys_out is not None:
+        if (n_now < 0 or get_keys(now, &src, n_now, &ss)
+                or get_keys(keys_out, <const int64_t **>&dst, n_now, &ds)
+                or not PyArray_ISWRITEABLE(<PyArrayObject *><PyObject *>keys_out)):
+            return NotImplemented
+        for r in range(n_now):
+            dst[r * ds] = src[r * ss]
+    # first pass: count ranges and bytes without allocating; second: build the list
+    byte_ranges(w, ns, t, ts, limit, n_then, n_now, nbytes, label, None, &count, &total)
+    if count > most_ranges or total > most_bytes:
+        return None
+    ranges = []
+    byte_ranges(w, ns, t, ts, limit, n_then, n_now, nbytes, label, ranges, &count, &total)
+    return ranges, total

@@ -1,0 +1,363 @@
+# cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# cython: binding=False
+"""The compiled publication of a packed group (``h2d_kernels._h2d_kernels_native``).
+
+:meth:`h2d_kernels.PackedGroup.publish` runs once per step and per slot on the engine's
+hot path, so its header writes, packing and graph launch live here, as one call that
+creates no Python object on its common path but the int it returns:
+
+* ``bind_publish``: once per slot's arena: host base, header, staging, staged members,
+  every member's unit bytes and in-place offset, the captured graphs by size bucket and
+  the driver's graph launch and capture query (as addresses; 0 when not launching).
+* ``publish_packed``: write every member's header byte count from its count, copy staged
+  members' used bytes and the pending ranges into staging (their header rows too), zero
+  the range rows it does not use, then launch the graph that covers the DMA end through a
+  function pointer.
+
+There is no Python version of these rules in the package (tests/oracle_packed.py holds a
+plain one for the tests only). No CUDA or HIP header is needed: entry points arrive as
+addresses and handles as integers; their status codes are reported, never interpreted
+beyond success.
+
+``binding=False`` makes the functions builtins, as the C extension's were: the
+interpreter's specialized call of a builtin reaches them directly (a Cython function
+object takes the generic call). ``publish_packed``'s parameters are positional-only, as
+they were in C, so no keyword parsing sits on its path.
+"""
+
+from cpython.mem cimport PyMem_Calloc, PyMem_Free
+from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
+from libc.stdint cimport int64_t, intptr_t
+from libc.string cimport memmove
+
+
+# Borrowed-pointer forms of the C API: the hot loop reads list and tuple items without
+# taking references, as the C extension this module replaced did (a cast to ``object``
+# would add an incref/decref pair per item).
+cdef extern from "Python.h":
+    bint PyList_CheckExact(PyObject *o)
+    bint PyTuple_CheckExact(PyObject *o)
+    Py_ssize_t PyList_GET_SIZE(PyObject *o)
+    Py_ssize_t PyTuple_GET_SIZE(PyObject *o)
+    PyObject *PyList_GET_ITEM(PyObject *o, Py_ssize_t i)
+    PyObject *PyTuple_GET_ITEM(PyObject *o, Py_ssize_t i)
+    # an int's value, with CPython's own errors (TypeError, OverflowError)
+    long long as_i64 "PyLong_AsLongLong"(PyObject *o) except? -1
+
+# Counts, offsets and sizes are almost always exact ints of one digit (< 2**30): read those
+# in line (as Cython's own conversions do), saving the call into PyLong_AsLongLong, which
+# takes every other object, so values and errors stay CPython's.
+cdef extern from *:
+    """
+    #if PY_VERSION_HEX < 0x030B0000
+    #include "longintrepr.h"  /* ob_digit; Python.h includes it from 3.11 on */
+    #endif
+    static inline int h2d_compact_int(PyObject *o, long long *out) {
+        if (!PyLong_CheckExact(o))
+            return 0;
+    #if PY_VERSION_HEX >= 0x030C0000
+        if (!PyUnstable_Long_IsCompact((PyLongObject *)o))
+            return 0;
+        *out = (long long)PyUnstable_Long_CompactValue((PyLongObject *)o);
+    #else
+        Py_ssize_t size = Py_SIZE(o);
+        if (size < -1 || size > 1)
+            return 0;
+        *out = size * (long long)((PyLongObject *)o)->ob_digit[0];
+    #endif
+        return 1;
+    }
+    """
+    bint compact_int "h2d_compact_int"(PyObject *o, long long *out) noexcept
+
+cdef extern from *:
+    # gcc and clang (the C extension used it too); never called with 0
+    int clzll "__builtin_clzll"(unsigned long long x) noexcept nogil
+
+# The driver entry points (cuGraphLaunch / hipGraphLaunch, cuStreamIsCapturing /
+# hipStreamIsCapturing), called through the addresses h2d_kernels.driver hands out.
+ctypedef int (*graph_launch_fn)(void *graph_exec, void *stream) noexcept nogil
+ctypedef int (*is_capturing_fn)(void *stream, int *status) noexcept nogil
+
+cdef enum:
+    ALIGN = 16  # staged payloads and ranges start on 16-byte boundaries (PAYLOAD_ALIGN)
+
+
+cdef inline int64_t align_up(int64_t n) noexcept nogil:
+    return (n + ALIGN - 1) & ~(<int64_t>(ALIGN - 1))
+
+
+cdef inline Py_ssize_t bucket_of(int64_t nbytes) noexcept nogil:
+    """The graph bucket whose DMA size 2**index is the smallest covering ``nbytes``
+    (h2d_kernels.graphs.bucket_index)."""
+    if nbytes <= 1:
+        return 0
+    return 64 - clzll(<unsigned long long>(nbytes - 1))
+
+
+ctypedef struct Staged:
+    int64_t index, src, unit_bytes
+
+
+ctypedef struct Publish:
+    char *host
+    int64_t *header
+    int64_t staging_offset, first_extra, header_bytes, total_bytes
+    int64_t header_rows      # rows of the header: members, then range rows
+    Py_ssize_t num_staged, num_src, num_execs, num_members
+    Staged *staged
+    int64_t *src_base
+    int64_t *unit_bytes      # per member: bytes per counted unit
+    int64_t *inplace         # per member: fixed arena offset, or -1 for a staged member
+    int64_t *execs           # by bucket index: the graph of DMA size 2**index (0: none)
+    graph_launch_fn launch
+    is_capturing_fn is_capturing
+    PyObject *owner          # keeps the arena (host memory, graphs) alive
+
+
+cdef void publish_release(Publish *p) noexcept:
+    """Everything a binding holds (a partly built one too: its unset pointers are NULL)."""
+    Py_XDECREF(p.owner)
+    PyMem_Free(p.staged)
+    PyMem_Free(p.src_base)
+    PyMem_Free(p.unit_bytes)
+    PyMem_Free(p.inplace)
+    PyMem_Free(p.execs)
+    PyMem_Free(p)
+
+
+cdef void publish_free(object capsule) noexcept:
+    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+    if p != NULL:
+        publish_release(p)
+
+
+cdef inline int64_t i64(object o) except? -1:
+    return as_i64(<PyObject *>o)
+
+
+cdef inline int64_t int_of(PyObject *o) except? -1:
+    """``o``'s value as PyLong_AsLongLong gives it (an exact one-digit int read in line)."""
+    cdef long long v = 0
+    if compact_int(o, &v):
+        return v
+    return as_i64(o)
+
+
+cdef int64_t *i64_array(object t, str what, Py_ssize_t *size) except NULL:
+    """The int items of a tuple in a new array (freed by publish_release)."""
+    if not PyTuple_CheckExact(<PyObject *>t):
+        raise TypeError(f"bind_publish: {what} must be a tuple")
+    cdef Py_ssize_t n = PyTuple_GET_SIZE(<PyObject *>t), k
+    cdef int64_t *a = <int64_t *>PyMem_Calloc(<size_t>(n if n else 1), sizeof(int64_t))
+    if a == NULL:
+        raise MemoryError()
+    try:
+        for k in range(n):
+            a[k] = as_i64(PyTuple_GET_ITEM(<PyObject *>t, k))
+    except BaseException:
+        PyMem_Free(a)
+        raise
+    size[0] = n
+    return a
+
+
+cdef int bind_into(Publish *p, tuple args) except -1:
+    """Fill ``p`` from bind_publish's arguments; on an error the caller releases ``p``."""
+    cdef int64_t host = i64(args[0])
+    cdef int64_t header = i64(args[1])
+    p.staging_offset = i64(args[2])
+    p.first_extra = i64(args[3])
+    p.header_bytes = i64(args[6])
+    p.total_bytes = i64(args[7])
+    cdef int64_t launch = i64(args[9])
+    cdef int64_t capturing = i64(args[10])
+    if (launch == 0) != (capturing == 0):  # one without the other cannot launch
+        raise ValueError("bind_publish: null driver function address")
+    p.host = <char *><intptr_t>host
+    p.header = <int64_t *><intptr_t>header
+    p.launch = <graph_launch_fn><intptr_t>launch
+    p.is_capturing = <is_capturing_fn><intptr_t>capturing
+
+    cdef object staged = args[4]
+    cdef PyObject *e
+    cdef Staged *d
+    cdef Py_ssize_t k
+    if not PyTuple_CheckExact(<PyObject *>staged):
+        raise TypeError("bind_publish: staged must be a tuple")
+    p.num_staged = PyTuple_GET_SIZE(<PyObject *>staged)
+    p.staged = <Staged *>PyMem_Calloc(<size_t>(p.num_staged if p.num_staged else 1),
+                                      sizeof(Staged))
+    if p.staged == NULL:
+        raise MemoryError()
+    for k in range(p.num_staged):
+        e = PyTuple_GET_ITEM(<PyObject *>staged, k)
+        d = &p.staged[k]
+        if not PyTuple_CheckExact(e) or PyTuple_GET_SIZE(e) != 3:
+            raise ValueError("bind_publish: malformed staged entry")
+        d.index = as_i64(PyTuple_GET_ITEM(e, 0))
+        d.src = as_i64(PyTuple_GET_ITEM(e, 1))
+        d.unit_bytes = as_i64(PyTuple_GET_ITEM(e, 2))
+
+    p.src_base = i64_array(args[5], "src_base", &p.num_src)
+    p.execs = i64_array(args[8], "execs", &p.num_execs)
+    p.unit_bytes = i64_array(args[12], "unit_bytes", &p.num_members)
+    cdef Py_ssize_t num_inplace = 0
+    p.inplace = i64_array(args[13], "inplace", &num_inplace)
+    p.header_rows = i64(args[14])
+    if p.header_rows < p.first_extra or p.first_extra != p.num_members:
+        raise ValueError("bind_publish: header rows do not fit the members")
+    if num_inplace != p.num_members:
+        raise ValueError("bind_publish: unit_bytes and inplace differ in length")
+    cdef object owner = args[11]
+    Py_INCREF(owner)
+    p.owner = <PyObject *>owner
+    return 0
+
+
+def bind_publish(*args):
+    """bind_publish(host_base, header_addr, staging_offset, first_extra, staged, src_base,
+    header_bytes, total_bytes, execs, launch_fn, is_capturing_fn, owner, unit_bytes,
+    inplace, header_rows) -> capsule
+
+    ``staged``: tuple of (member, source address, unit bytes); ``execs``: tuple of graph
+    exec handles by bucket index (0 where no graph covers that size); ``unit_bytes`` and
+    ``inplace``: one int per member (inplace: fixed arena offset, -1 for staged members);
+    ``header_rows``: the header's rows (members first, then the rows ranges may use);
+    ``owner`` is kept alive as long as the binding. ``launch_fn`` and ``is_capturing_fn``
+    both 0 (and no execs): a binding that only packs.
+    """
+    if len(args) != 15:
+        raise TypeError("bind_publish takes 15 arguments")
+    cdef Publish *p = <Publish *>PyMem_Calloc(1, sizeof(Publish))
+    if p == NULL:
+        raise MemoryError()
+    try:
+        bind_into(p, args)
+        return PyCapsule_New(p, "h2d_publish", publish_free)
+    except BaseException:
+        publish_release(p)
+        raise
+
+
+cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
+                   int64_t *end_out) except -1:
+    """Write every member's header byte count, copy staged members' used bytes, then the
+    ranges, into the staging region (their header rows too), and zero every range row this
+    publication does not use: the header is a function of the counts and ranges alone.
+
+    ``*end_out``: where the DMA must end (the header at least). ``counts``: one int or
+    None per member, validated against capacity by the caller; ``ranges``: (member index,
+    byte offset in the destination, byte count), validated against capacity and the
+    staging room by the caller (bounds are not checked again here).
+    """
+    # the binding's fields in locals: the header stores below could alias the struct, so
+    # the compiler would otherwise reload every field after each of them
+    cdef int64_t *header = p.header
+    cdef char *host = p.host
+    cdef const int64_t *unit_bytes = p.unit_bytes
+    cdef const int64_t *inplace = p.inplace
+    cdef Py_ssize_t num_members = p.num_members
+    if (not PyList_CheckExact(counts) or not PyList_CheckExact(ranges)
+            or PyList_GET_SIZE(counts) != num_members):
+        raise TypeError("publish: counts (one per member) and ranges lists")
+    cdef PyObject *c
+    cdef PyObject *r
+    cdef const Staged *d
+    cdef int64_t *h
+    cdef Py_ssize_t i, k
+    cdef int64_t n, nbytes, member, dst_off, row
+    cdef int64_t end = p.header_bytes
+
+    # in-place and tail members: their bytes are already where the DMA reads them
+    for i in range(num_members):
+        c = PyList_GET_ITEM(counts, i)
+        n = 0 if c == <PyObject *>None else int_of(c)
+        nbytes = n * unit_bytes[i]
+        header[4 * i + 1] = nbytes
+        if nbytes and inplace[i] >= 0 and inplace[i] + nbytes > end:
+            end = inplace[i] + nbytes
+
+    # staged members: their used bytes only, packed back to back from staging_offset on
+    cdef int64_t off = p.staging_offset
+    cdef const Staged *staged = p.staged
+    for k in range(p.num_staged):
+        d = &staged[k]
+        if d.index < 0 or d.index >= num_members:
+            raise ValueError("publish: malformed count or range")
+        c = PyList_GET_ITEM(counts, d.index)
+        if c == <PyObject *>None:
+            continue
+        n = int_of(c)
+        if n == 0:
+            continue
+        nbytes = n * d.unit_bytes
+        memmove(host + off, <const char *><intptr_t>d.src, <size_t>nbytes)
+        header[4 * d.index] = off
+        off = align_up(off + nbytes)
+        if off > end:
+            end = off
+
+    # ranges right after them, each in its own header row past the members' rows
+    cdef const int64_t *src_base = p.src_base
+    cdef Py_ssize_t num_src = p.num_src
+    row = p.first_extra
+    for k in range(PyList_GET_SIZE(ranges)):
+        r = PyList_GET_ITEM(ranges, k)
+        if not PyTuple_CheckExact(r) or PyTuple_GET_SIZE(r) != 3:
+            raise ValueError("publish: malformed count or range")
+        member = int_of(PyTuple_GET_ITEM(r, 0))
+        dst_off = int_of(PyTuple_GET_ITEM(r, 1))
+        nbytes = int_of(PyTuple_GET_ITEM(r, 2))
+        if member < 0 or member >= num_src:
+            raise ValueError("publish: malformed count or range")
+        memmove(host + off, <const char *><intptr_t>(src_base[member] + dst_off),
+                <size_t>nbytes)
+        h = header + 4 * row
+        h[0] = off
+        h[1] = nbytes
+        h[2] = member
+        h[3] = dst_off
+        row += 1
+        off = align_up(off + nbytes)
+        if off > end:
+            end = off
+    cdef int64_t header_rows = p.header_rows
+    while row < header_rows:
+        header[4 * row + 1] = 0  # an unused range row scatters nothing
+        row += 1
+    end_out[0] = end
+    return 0
+
+
+def publish_packed(capsule, counts, ranges, stream, /):
+    """publish_packed(capsule, counts, ranges, stream) -> int
+
+    Writes the header and packs, then launches the graph of the bucket covering the DMA
+    end on the raw ``stream`` handle. Returns that DMA size when launched, or its negation
+    when nothing was launched because the binding only packs, the stream is being captured,
+    no graph covers the size or the size lies outside the arena: the caller then enqueues
+    (or raises) through ``PackedArena.publish``. A driver error raises RuntimeError naming
+    the call and the status.
+    """
+    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+    cdef void *handle = <void *><intptr_t>int_of(<PyObject *>stream)
+    cdef int64_t end = 0
+    pack_into(p, <PyObject *>counts, <PyObject *>ranges, &end)
+    if p.launch == NULL or end < p.header_bytes or end > p.total_bytes:
+        return -end  # the arena's publish launches (or raises)
+    cdef Py_ssize_t b = bucket_of(end)
+    cdef void *graph_exec = <void *><intptr_t>p.execs[b] if b < p.num_execs else NULL
+    if graph_exec == NULL:
+        return -end
+    cdef int capturing = 0
+    cdef int rc = p.is_capturing(handle, &capturing)
+    if rc:
+        raise RuntimeError(f"stream capture query failed with driver error {rc}")
+    if capturing:  # a graph cannot be launched into a capture: the plain launch can
+        return -end
+    rc = p.launch(graph_exec, handle)
+    if rc:
+        raise RuntimeError(f"graph launch failed with driver error {rc}")
+    return end

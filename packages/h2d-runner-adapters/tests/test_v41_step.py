@@ -1,0 +1,133 @@
+"""``V41MetadataInputs.begin_step`` through the compiled ``LayoutStep``, against hand-computed
+values: the plan-row counts (``PLAN_ROWS`` rules), ``v41_qo_indptr`` (the layout's
+``token_prefix`` output), the prefill-only member left out (``OMITTED``) and the eager
+grid, byte for byte on the destinations with untouched tails."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from block_tables import BlockTable
+from h2d_runner_adapters import V41_METADATA, RequestSpan
+
+sys.path.insert(0, str(Path(__file__).parent))
+from v4_helpers import V4_POISON, v41_state
+
+# three requests of 1, 3 and 2 tokens padded to 4: the graph grid is 4 * 3 = 12 tokens
+SPANS = [RequestSpan(1, 300, 0), RequestSpan(3, 260, 1), RequestSpan(2, 10, 2)]
+ROWS = [[1, 2], [3, 4], [5]]
+# positions 299 | 257 258 259 | 8 9. Ratio 4 (window 8): 299 and 259 close a block, every
+# token is among its request's last 8; published 4 * ceil(3/4) = 4 and 4 * min(3, 8) = 12.
+# Ratio 128 (window 128): no token closes a block, every token is a tail row.
+PLAN_ROWS_WANT = ((2, 4, 6, 12), (0, 4, 6, 12))
+QO_WANT = [0, 1, 2, 3, 4, 5, 6] + [6] * 6
+
+
+def _dest(st: object, name: str) -> bytes:
+    return st.buffers()[name].gpu.cpu().numpy().tobytes()  # type: ignore[attr-defined]
+
+
+def _rows() -> list[BlockTable]:
+    return [BlockTable(r) for r in ROWS]
+
+
+def test_v41_step_counts_plan_rows_and_qo_indptr_exact_bytes(device: str) -> None:
+    st, v4 = v41_state(device)
+    st.begin()
+    plan = v4.begin_step(SPANS, block_tables=_rows(), padded=4)
+    assert plan[:5] == (3, 4, 6, 12, 3)
+    assert plan.plan_rows == PLAN_ROWS_WANT
+    assert plan.table_stage == "whole"
+    counts = {name: st.count(b) for name, b in st.buffers().items()}
+    assert counts == {
+        "v41_positions": 12, "v41_token_batch_ids": 12, "v41_seq_lens": 4,
+        "v41_state_slot_out": 4, "v41_state_slot_in": 4, "v41_chunk_starts": None,
+        "v41_compress_plan_4": 4, "v41_write_plan_4": 12, "v41_compress_plan_128": 4,
+        "v41_write_plan_128": 12, "v41_qo_indptr": 13, "v41_block_tables": 4}
+    st.publish(V41_METADATA)
+    st.finish()
+    qo = _dest(st, "v41_qo_indptr")
+    head = np.array(QO_WANT, np.int32).tobytes()
+    assert qo[: len(head)] == head
+    assert qo[len(head):] == bytes([V4_POISON]) * (len(qo) - len(head))  # untouched tail
+    # the plans as the counts say: real rows, then -1 rows up to the published count
+    c4 = torch.frombuffer(bytearray(_dest(st, "v41_compress_plan_4")), dtype=torch.int32)
+    assert c4[:16].view(4, 4).tolist() == [[0, 0, 299, 7], [3, 1, 259, 5], [-1] * 4, [-1] * 4]
+    assert set(_dest(st, "v41_compress_plan_4")[64:]) == {V4_POISON}
+    assert set(_dest(st, "v41_chunk_starts")) == {V4_POISON}  # omitted: never sent
+
+
+def test_v41_qo_indptr_follows_each_shape_and_leaves_the_rest(device: str) -> None:
+    st, v4 = v41_state(device)
+    src = v4.qo_indptr.source(0).numpy()  # type: ignore[union-attr]
+    src[:] = -5
+    shapes = [(SPANS, _rows(), 4, QO_WANT),
+              # two requests of 1 token padded to 2: [0, 1, 2]; entries 3.. keep the last
+              # step's values (the layout writes padded_tokens + 1 entries)
+              ([RequestSpan(1, 300, 0), RequestSpan(1, 9, 2)],
+               [BlockTable([1, 2]), BlockTable([5])], 2, [0, 1, 2]),
+              (SPANS, _rows(), 4, QO_WANT)]
+    full = [-5] * src.size
+    for spans, rows, padded, want in shapes:
+        full[: len(want)] = want  # the rest keeps what it held
+        st.begin()
+        plan = v4.begin_step(spans, block_tables=rows, padded=padded)
+        assert st.count(v4.qo_indptr) == plan.padded_tokens + 1 == len(want)
+        assert src.tolist() == full
+        st.publish(V41_METADATA)
+        st.finish()
+        qo = _dest(st, "v41_qo_indptr")
+        head = np.array(want, np.int32).tobytes()
+        assert qo[: len(head)] == head
+
+
+def test_v41_plan_rows_keep_one_tuple_over_steady_steps(device: str) -> None:
+    st, v4 = v41_state(device, num_slots=2)
+    plans = []
+    for _ in range(3):
+        st.begin()
+        plans.append(v4.begin_step(SPANS, block_tables=_rows(), padded=4))
+        st.publish(V41_METADATA)
+        st.finish()
+    assert plans[0].plan_rows == PLAN_ROWS_WANT
+    assert plans[1].plan_rows is plans[0].plan_rows is plans[2].plan_rows
+    st.begin()
+    one = v4.begin_step(SPANS[:1], block_tables=_rows()[:1], padded=1)
+    # one token at position 299: a ratio-4 block closes; 1 * ceil(1/4), 1 * min(1, 8), ...
+    assert one.plan_rows == ((1, 1, 1, 1), (0, 1, 1, 1))
+    st.finish()
+
+
+def test_v41_eager_step_keeps_the_grid_of_its_requests(device: str) -> None:
+    """``padded=None``: no padded requests, but the tokens still form the grid of the widest
+    query (2 * 3 = 6 here, 4 real), as before the step was compiled."""
+    st, v4 = v41_state(device)
+    st.begin()
+    plan = v4.begin_step(SPANS[:2], block_tables=_rows()[:2])
+    assert plan[:5] == (2, 2, 4, 6, 3)
+    assert st.count(v4.qo_indptr) == 7
+    qo = v4.qo_indptr.source(0).numpy()  # type: ignore[union-attr]
+    assert qo[:7].tolist() == [0, 1, 2, 3, 4, 4, 4]
+    assert plan.plan_rows == ((2, 2, 4, 6), (0, 2, 4, 6))
+    st.finish()
+
+
+def test_v41_decode_after_prefill_in_one_epoch_leaves_out_the_chunk_starts(device: str
+                                                                            ) -> None:
+    """A prefill's chunk starts, counted earlier in the epoch (produced, not published),
+    are left out by the decode step that replaces it (an ``OMITTED`` rule)."""
+    st, v4 = v41_state(device)
+    st.begin()
+    v4.begin_prefill(SPANS, block_tables=_rows())
+    assert st.count(v4.chunk_starts) == 3
+    assert st.count(v4.qo_indptr) is None
+    v4.begin_step(SPANS, block_tables=_rows(), padded=4, h2d_reason="decode replaces it")
+    assert st.count(v4.chunk_starts) is None
+    assert st.count(v4.qo_indptr) == 13
+    st.publish(V41_METADATA)
+    st.finish()
+    assert set(_dest(st, "v41_chunk_starts")) == {V4_POISON}
