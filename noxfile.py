@@ -133,7 +133,7 @@ def stress(session: nox.Session) -> None:
 
 @nox.session
 def sanitize(session: nox.Session) -> None:
-    """The compiled core's suites (block-tables, h2d-core, h2d-kernels) with every C and
+    """The compiled core's suites (block-tables, h2d-core, h2d-kernels) with every
     Cython extension built under AddressSanitizer and UndefinedBehaviorSanitizer (gcc);
     the first report aborts the run."""
     flags = "-fsanitize=address,undefined -fno-omit-frame-pointer -O1 -g"
