@@ -34,6 +34,7 @@ from h2d_core import H2DRunnerState, PublicationEnqueueError
 from h2d_core.launch import SlotEvents
 from h2d_core.native import native as core_native
 from h2d_kernels import GraphLaunchTable
+from h2d_kernels.driver import CUDA, HIP, DriverSymbols
 from h2d_kernels.graphs import bucket_index, bucket_sizes
 from h2d_kernels.native import helper as kernels_native
 
@@ -327,24 +328,32 @@ def test_slot_events_record_and_wait_through_the_driver() -> None:
     assert fake.recorded[-1] == (0x11, 0x7F12_3456_7890)
 
 
+@pytest.mark.parametrize("symbols", [CUDA, HIP, None], ids=["cuda", "hip", "no-symbols"])
 @pytest.mark.parametrize("case", ["query", "sync", "record", "slot"])
-def test_slot_event_errors_name_the_call(case: str) -> None:
+def test_slot_event_errors_name_the_call(case: str, symbols: DriverSymbols | None) -> None:
+    """A failed driver call is named by the runtime's own entry point (the owner's driver
+    symbols: CUDA's or HIP's), or neutrally without them."""
     native = core_native
     fake = FakeEvents()
-    cap = fake.bind((0x11,))
+    cap = fake.bind((0x11,), symbols)
+
+    def named(call: str) -> str:
+        if symbols is None:
+            return f"^{call} failed with driver error"
+        return f"^{getattr(symbols, call)} failed with {symbols.runtime} error"
+
     if case == "query":
         fake.query_rc = 1
-        with pytest.raises(RuntimeError, match=r"^cuEventQuery failed with CUDA error 1$"):
+        with pytest.raises(RuntimeError, match=named("event_query") + " 1$"):
             native.event_wait(cap, 0)
         assert fake.synchronized == []
     elif case == "sync":
         fake.query_rc, fake.sync_rc = NOT_READY, 700
-        with pytest.raises(RuntimeError,
-                           match=r"^cuEventSynchronize failed with CUDA error 700$"):
+        with pytest.raises(RuntimeError, match=named("event_synchronize") + " 700$"):
             native.event_wait(cap, 0)
     elif case == "record":
         fake.record_rc = 400
-        with pytest.raises(RuntimeError, match=r"^cuEventRecord failed with CUDA error 400$"):
+        with pytest.raises(RuntimeError, match=named("event_record") + " 400$"):
             native.event_record(cap, 0, 1)
     else:
         with pytest.raises(IndexError, match=r"^slot 1 is not in \[0, 1\)$"):
@@ -509,6 +518,7 @@ class FakeDeviceDriver:
         self.created: list[int] = []
         self.destroyed: list[int] = []
         self.fail_after = fail_after
+        self.symbols = HIP  # SlotEvents names its errors by these
 
     def address(self, name: str) -> int:
         record, query, sync = self.fake.addresses
@@ -536,6 +546,10 @@ def test_slot_events_go_through_the_driver_table_and_destroy_their_events() -> N
     assert events.wait(1) >= 1 and fake.synchronized == [0x22]
     with pytest.raises(IndexError, match=r"slot 2 is not in \[0, 2\)"):
         events.wait(2)
+    fake.record_rc = 400  # named by the driver's own symbols (HIP's here)
+    with pytest.raises(RuntimeError, match=r"^hipEventRecord failed with hip error 400$"):
+        events.record(0, 1)
+    fake.record_rc = 0
     assert driver.destroyed == []
     del events
     gc.collect()

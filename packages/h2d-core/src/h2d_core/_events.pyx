@@ -66,9 +66,15 @@ cdef int raise_slot_error(Py_ssize_t slot, Py_ssize_t count) except -1:
     raise IndexError(f"slot {slot} is not in [0, {count})")
 
 
-cdef int raise_driver_error(str call, int rc) except -1:
-    # the messages name CUDA's calls, as the C module's did: callers match them
-    raise RuntimeError(f"{call} failed with CUDA error {rc}")
+cdef int raise_driver_error(Events *e, str call, int rc) except -1:
+    # Named by the runtime's own entry point when the owner carries the driver's symbols
+    # (h2d_kernels.driver.DriverSymbols: cuEventRecord or hipEventRecord), else neutrally.
+    owner = <object>e.owner
+    name = getattr(owner, call, None)
+    runtime = getattr(owner, "runtime", None)
+    if type(name) is not str or type(runtime) is not str:
+        name, runtime = call, "driver"
+    raise RuntimeError(f"{name} failed with {runtime} error {rc}")
 
 
 cdef int raise_overflow() except -1:
@@ -117,7 +123,8 @@ cdef object c_bind_events(PyObject *module, PyObject **args, Py_ssize_t nargs):
 
     ``events``: a tuple of event handles (ints), one per slot; the three functions are
     driver entry-point addresses (ints, none 0); ``owner`` is kept alive as long as the
-    capsule (the object that destroys the events, or None). Nothing is called here.
+    capsule (the driver's symbols, ``h2d_kernels.driver.DriverSymbols``, whose names the
+    errors use; or any object, or None: neutral names). Nothing is called here.
     """
     cdef Py_ssize_t n, k
     cdef int64_t record, query, sync
@@ -164,7 +171,7 @@ cdef object c_event_record(PyObject *module, PyObject **args, Py_ssize_t nargs):
     cdef int64_t stream = as_i64(<object>args[2])
     cdef int rc = e.record(e.events[s], <void *><intptr_t>stream)
     if rc:
-        raise_driver_error("cuEventRecord", rc)
+        raise_driver_error(e, "event_record", rc)
     return None
 
 
@@ -183,13 +190,13 @@ cdef object c_event_wait(PyObject *module, PyObject **args, Py_ssize_t nargs):
     if rc == 0:
         return 0
     if rc != NOT_READY:
-        raise_driver_error("cuEventQuery", rc)
+        raise_driver_error(e, "event_query", rc)
     clock_gettime(CLOCK_MONOTONIC, &t0)
     with nogil:  # other Python threads run while this one blocks in the driver
         rc = e.synchronize(event)
     clock_gettime(CLOCK_MONOTONIC, &t1)
     if rc:
-        raise_driver_error("cuEventSynchronize", rc)
+        raise_driver_error(e, "event_synchronize", rc)
     ns = <long long>(t1.tv_sec - t0.tv_sec) * 1000000000 + (t1.tv_nsec - t0.tv_nsec)
     return ns if ns > 0 else 1
 

@@ -45,7 +45,7 @@ class SlotEvents:
     def __init__(self, driver: DeviceDriver, events: tuple[int, ...]) -> None:
         self._bound = native.bind_events(
             events, driver.address("event_record"), driver.address("event_query"),
-            driver.address("event_synchronize"), None)
+            driver.address("event_synchronize"), driver.symbols)  # names its errors
         self._finalizer = weakref.finalize(self, _destroy, driver, events)
 
     @classmethod

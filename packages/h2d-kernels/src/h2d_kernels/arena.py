@@ -347,9 +347,10 @@ class PackedArena:
                 torch.cuda.set_device(self.device)
                 rc = driver.memcpy_htod_async(self._device_addr, self._host_addr, nbytes, stream)
             if rc:
+                sym = driver.symbols
                 raise ScatterBackendError(
-                    f"cuMemcpyHtoDAsync of {nbytes} bytes failed with CUDA error {rc}"
-                )
+                    f"{sym.memcpy_htod_async} of {nbytes} bytes failed with {sym.runtime} "
+                    f"error {rc}")
             return
         dev_view, host_view = self._dma_views[bucket_index(nbytes)]
         if stream == torch._C._cuda_getCurrentRawStream(self._index):
