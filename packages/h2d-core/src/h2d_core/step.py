@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from threading import get_ident
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from block_tables import RequestLayoutError
 from block_tables.spans import row_keys
 from h2d_kernels import RANGE_OVERHEAD
@@ -265,8 +267,6 @@ class LayoutStep:
         self._slow = state.count_batch([r.buffer for r in counts])
         self._num_plans = num_plans
         self._plan_group = plan_group
-        import numpy as np
-
         self._rows_seen = np.full(2 * num_plans, -1, dtype=np.int64)
         self.plan_rows = ()
 

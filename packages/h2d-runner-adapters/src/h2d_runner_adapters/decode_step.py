@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from block_tables.native import refuse_interpreted
 from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
@@ -39,7 +40,7 @@ from h2d_core import (
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count
-from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs, select_layout
+from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import (
     QUERY_PREFIX,
@@ -148,8 +149,7 @@ class DecodeStepInputs:
         spec = (SPEC_INDICES,) if tokens.max_drafts else ()
         state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, MHA_DECODE,
                               *extra_groups])
-        self._native_choice = native
-        self._layout_class = select_layout(native, "DecodeStepInputs")
+        refuse_interpreted(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice
         self._step: LayoutStep | None = None  # bound on first use (after bind)
 
@@ -187,7 +187,7 @@ class DecodeStepInputs:
     def _bind(self) -> LayoutStep:
         s, t, d = self.sampling, self.tokens, self.decode
         layouts = d.request_layouts(
-            self.group, cu_query=(t.cu_seqlens_q, t.decode_cu), native=self._native_choice,
+            self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),
             columns=lambda slot: step_columns(s, t, slot))
         rules = (*step_counts(s, t),
                  CountRule(d.positions, PADDED_TOKENS), CountRule(d.slot_mapping, PADDED_TOKENS),

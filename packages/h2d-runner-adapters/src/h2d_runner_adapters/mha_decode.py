@@ -66,13 +66,6 @@ from .paged import PagedInputs
 MHA_DECODE = "mha_decode"
 
 
-def select_layout(native: bool | None, what: str) -> type[RequestLayout]:
-    """The compiled :class:`RequestLayout` (the only one); ``native=False``, kept for
-    source compatibility, asked for the removed interpreted mode and raises."""
-    refuse_interpreted(native, what)
-    return RequestLayout
-
-
 class DecodePlan(NamedTuple):
     """What a decode step published: requests (real, padded), the widest query (from the
     CPU lengths), tokens (real, padded), KV pages and the block table's stage."""
@@ -156,13 +149,13 @@ class MhaDecodeInputs(PagedInputs):
         ``columns(slot)`` gives over that slot's sources (a fused step's sampling and
         token columns). After ``bind()``; ``native`` as for the snapshots (compiled only;
         False is refused)."""
-        cls = select_layout(native, name)
+        refuse_interpreted(native, name)
         snapshots = self.tables.snapshots
         out = []
         for slot in range(self.h2d_state.num_slots):
             src = [b.source(slot).numpy() for b in (self.positions, self.slot_mapping,
                                                     self.context_lens, self.kv_indptr)]
-            out.append(cls(
+            out.append(RequestLayout(
                 name, self.page_size, snapshots[slot].storage,
                 np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
                 positions=src[0], slot_mapping=src[1], context_lens=src[2],

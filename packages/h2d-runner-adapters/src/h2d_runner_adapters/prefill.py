@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from block_tables import PageTableSnapshot, RequestLayout, RequestLayoutError
+from block_tables.native import refuse_interpreted
 from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, PageRow, ScheduledBatch
 from .checks import INT32_MAX, AdapterInputError, bool_mask, describe
 from .consumers import prepare_prefill_attention
-from .mha_decode import select_layout
 from .mrope import check_prompt_positions, declare_mrope, mrope_planes, write_prefill_planes
 from .paged import PagedInputs
 
@@ -82,7 +82,8 @@ class PrefillInputs(PagedInputs):
         self._scratch: tuple[PageTableSnapshot, RequestLayout, np.ndarray] | None = None
 
     def _bind_layouts(self) -> list[RequestLayout]:
-        cls = select_layout(self.native, self.group)
+        refuse_interpreted(self.native, self.group)
+        cls = RequestLayout
         out = []
         for slot, snap in enumerate(self.tables.snapshots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
@@ -191,7 +192,7 @@ class PrefillInputs(PagedInputs):
         if self._scratch is None:
             storage = np.zeros(self.block_tables.spec.shape, np.int32)
             slots = np.zeros(self.slot_mapping.spec.capacity, np.int64)
-            layout = select_layout(self.native, self.group)(
+            layout = RequestLayout(
                 self.group, self.page_size, storage,
                 np.zeros(self.context_lens.spec.capacity, dtype=np.int32), slot_mapping=slots)
             snap = PageTableSnapshot(storage, pool_limit=self.pool_limit, native=self.native)

@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from block_tables import LayoutColumn
+from block_tables import LayoutColumn, RequestLayout
+from block_tables.native import refuse_interpreted
 from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
@@ -36,7 +37,6 @@ from h2d_core import (
 from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, padded_count
 from .consumers import GREEDY_TEMPERATURE
-from .mha_decode import select_layout
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import (
     QUERY_PREFIX,
@@ -122,13 +122,12 @@ class TokenStepInputs:
         # (tokens.prepare_spec_indices produces them)
         spec = (SPEC_INDICES,) if max_drafts else ()
         state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec])
-        self._native = native
-        self._layout_class = select_layout(native, "TokenStepInputs")
+        refuse_interpreted(native, "TokenStepInputs")
         self._step: LayoutStep | None = None  # bound on first use (after bind)
 
     def _bind(self) -> LayoutStep:
         s, t = self.sampling, self.tokens
-        layouts = [self._layout_class(
+        layouts = [RequestLayout(
             self.group, 1, None, None,
             cu_query=(t.cu_seqlens_q.source(slot).numpy(), t.decode_cu.source(slot).numpy()),
             columns=step_columns(s, t, slot)) for slot in range(self.h2d_state.num_slots)]

@@ -87,7 +87,6 @@ from .consumers import (
     write_v4_decode_window_indices,
     write_v4_prefill_indices,
 )
-from .mha_decode import select_layout
 from .paged import PagedInputs
 
 V41_METADATA = "v41_metadata"
@@ -360,7 +359,7 @@ class V41MetadataInputs(PagedInputs):
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> LayoutStep:
-        cls = select_layout(self.native, self.group)
+        cls = RequestLayout  # (native=False was refused at construction)
         snapshots = self.tables.snapshots
         for slot in range(self.h2d_state.num_slots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
