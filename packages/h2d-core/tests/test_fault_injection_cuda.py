@@ -6,7 +6,8 @@ of several launch paths; each gets a failure injected where the runtime would re
 
 * ``graph:compiled``: the compiled core's ``cuGraphLaunch`` through its driver function
   pointer (rebound to a function that returns a driver error);
-* ``graph:python``: the graph replay through the Python driver wrapper (an error status);
+* ``graph:python``: the arena's graph replay through the Python driver wrapper, the compiled
+  helper packing only (an error status);
 * ``dma:driver``: ``cuMemcpyHtoDAsync`` on the compiled (non-graph) path (an error status);
 * ``dma:torch``: the torch copy of the arena on the compiled path (an exception);
 * ``scatter:compiled``: the compiled scatter launch after its DMA was enqueued;
@@ -107,7 +108,9 @@ def route(position: str, packed: Any, patch: pytest.MonkeyPatch) -> None:
     if position == "graph:compiled":
         assert packed.compiled and packed.launches_graphs, "the compiled graph path is off"
         return
-    patch.setattr(packed, "_binding", None)  # the Python arena path
+    # The compiled helper packs only and hands the launch to the arena's own paths.
+    patch.setattr(packed, "_launch_table", packed._launch_table)  # restored afterwards
+    patch.setattr(packed, "_binding", packed._bind_native(graphs=False))
     if position == "graph:python":
         assert arena.launch == "graph"
     elif position.endswith(":jit"):
