@@ -126,7 +126,9 @@ class V41Runner:
             st, max_reqs=cfg.max_reqs, max_tokens=cfg.max_tokens,
             max_blocks_per_req=cfg.max_blocks, dummy_state_slot=cfg.num_state_slots,
             dummy_block=0, num_blocks=cfg.num_blocks, window=cfg.window,
-            index_topk=cfg.index_topk, fp8=True, envelope_rows=cfg.envelope_rows)
+            index_topk=cfg.index_topk, fp8=True, envelope_rows=cfg.envelope_rows,
+            # packed: the first consumer runs inside the publication; direct: launched
+            fuse_step_indptrs=True)
         st.bind()
         g = torch.Generator().manual_seed(cfg.seed)
         h = cfg.hidden

@@ -3,6 +3,8 @@
 * ``PLAN_ROWS``: a member publishes the layout's published rows of the plan its rule
   names (``RequestLayout.plan_published[k]``), read by the compiled ``CountProgram``;
 * ``OMITTED``: a member of the group the step leaves out (a count set earlier is dropped);
+* ``STEP_COUNTS``: the step writes ``(n, P, t, T)`` into an int32 member and publishes
+  those 4 entries (what a first consumer fused into the publication reads on the device);
 * ``LayoutStep.plan_rows``: each plan's (real rows, published rows), grouped by
   ``plan_group``, the same tuple while the rows stay the same;
 * ``RequestLayout``'s ``token_prefix`` output: ``0, 1, ..., t`` then ``t`` up to the padded
@@ -31,7 +33,7 @@ from h2d_core import (
     LayoutStep,
 )
 from h2d_core.records import CountProgram
-from h2d_core.step import OMITTED, PLAN_ROWS
+from h2d_core.step import OMITTED, PLAN_ROWS, STEP_COUNTS
 
 POISON = 0x5A
 SOURCE_POISON = -3  # every source element starts as this: what the step leaves shows
@@ -209,7 +211,8 @@ def test_declarations_name_the_plan_and_the_grouping() -> None:
                                                r"the layouts bind 2 plans"):
         LayoutStep(GROUP, s.state, s.layouts, None, (), bad)
     with pytest.raises(DeclarationError, match=r"counts 9; use REQS, PADDED_REQS, TOKENS, "
-                                               r"PADDED_TOKENS, PLAN_ROWS or OMITTED"):
+                                               r"PADDED_TOKENS, PLAN_ROWS, OMITTED or "
+                                               r"STEP_COUNTS"):
         LayoutStep(GROUP, s.state, s.layouts, None, (), [CountRule(s.pos, 9)])
     with pytest.raises(DeclarationError, match=r"bind \[2\] plans, grouped by 3"):
         LayoutStep(GROUP, s.state, s.layouts, None, (), rules, plan_group=3)
@@ -238,3 +241,32 @@ def test_count_program_plan_rows_from_c_values_and_the_slow_path() -> None:
         s.state.count_batch([s.plan_a, s.plan_b, s.extra]).set(
             *program.values(1, 1, 1, 1, 0, [2, 5]))
     st.finish()
+
+
+def test_step_counts_member_carries_the_four_counts_and_nothing_more() -> None:
+    s = Setup(num_slots=2)
+    st = s.state
+    rules = [*s.rules()[:-1], CountRule(s.extra, STEP_COUNTS)]
+    step = LayoutStep(GROUP, st, s.layouts, None, (), rules, plan_group=2)
+    # padded to the grid, then eager with uneven widths: exactly the real tokens
+    for slot, (q, ctx, padded, want) in enumerate([(Q, CTX, PADDED, [3, 4, 6, 12]),
+                                                   ([1, 2], [3, 4], -1, [2, 2, 3, 3])]):
+        st.begin()
+        assert st.current_slot == slot
+        step.run(np.array(q, np.int32), np.array(ctx, np.int32), None, padded, -1, ())
+        assert st.count(s.extra) == 4
+        src = s.extra.source(slot).tolist()
+        assert src == want + [SOURCE_POISON] * 4  # entries past the four are never written
+        st.publish(GROUP)
+        st.finish()
+        _published_bytes(s.extra, want, np.int32)
+
+
+def test_step_counts_declaration_names_the_member_and_the_rule() -> None:
+    s = Setup()
+    base = s.rules()[:-1]
+    for bad in ([CountRule(s.pos, STEP_COUNTS)],  # int64
+                [CountRule(s.extra, STEP_COUNTS), CountRule(s.lens, STEP_COUNTS)]):  # two
+        with pytest.raises(DeclarationError, match=r"STEP_COUNTS names .*; name one "
+                                                   r"contiguous int32 buffer of at least 4"):
+            LayoutStep(GROUP, s.state, s.layouts, None, (), [*base, *bad], plan_group=2)

@@ -154,10 +154,17 @@ def test_bad_arguments_are_refused(dev: torch.device) -> None:
 
 
 # ------------------------------------------------------------- the v41_metadata group
-@pytest.mark.parametrize("backend", ["packed", "direct"])
-def test_v41_metadata_exact_values_over_steps(device: str, backend: str) -> None:
+@pytest.mark.parametrize(("backend", "fuse"), [("packed", False), ("direct", False),
+                                               ("packed", True), ("direct", True)])
+def test_v41_metadata_exact_values_over_steps(device: str, backend: str, fuse: bool) -> None:
+    """Every member and the first consumer's outputs against the context document's
+    formulas; with ``fuse`` the consumer runs inside the packed publication (counts read on
+    the device), and on the direct backend, where nothing can fuse, it is launched."""
     ah.need_kernels(device)
-    st_, v4 = v41_state(device, backend)
+    st_, v4 = v41_state(device, backend, fuse=fuse)
+    if fuse:
+        assert v4.step_indptrs_consumer is not None
+        assert v4.step_indptrs_consumer.fused is (backend == "packed")
     pop = Population(3)
     schedule = [(3, False, 1, None), (3, False, 1, 4), (5, True, 4, 8), (2, True, 3, 2),
                 (6, False, 2, None), (1, False, 1, 8), (0, False, 1, 2), (4, True, 4, 4)]

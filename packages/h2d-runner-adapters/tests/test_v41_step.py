@@ -9,13 +9,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from block_tables import BlockTable
 from h2d_runner_adapters import V41_METADATA, RequestSpan
 
 sys.path.insert(0, str(Path(__file__).parent))
-from v4_helpers import V4_POISON, v41_state
+import adapter_helpers as ah
+from v4_helpers import TOPK, V4_POISON, v41_state
 
 # three requests of 1, 3 and 2 tokens padded to 4: the graph grid is 4 * 3 = 12 tokens
 SPANS = [RequestSpan(1, 300, 0), RequestSpan(3, 260, 1), RequestSpan(2, 10, 2)]
@@ -131,3 +133,45 @@ def test_v41_decode_after_prefill_in_one_epoch_leaves_out_the_chunk_starts(devic
     st.publish(V41_METADATA)
     st.finish()
     assert set(_dest(st, "v41_chunk_starts")) == {V4_POISON}
+
+
+def test_fused_step_indptrs_launch_nothing_and_a_prefill_leaves_them(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fuse_step_indptrs`` the packed publication runs the first consumer:
+    ``generate_step_indptrs`` launches nothing, and a prefill publication (its
+    ``v41_step_counts`` omitted, so the fused kernels read zero counts) changes no decode
+    indptr past entry 0."""
+    ah.need_kernels(device)
+    st, v4 = v41_state(device, fuse=True)
+    assert v4.step_indptrs_consumer is not None and v4.step_indptrs_consumer.fused
+    import h2d_runner_adapters.v41_metadata as module
+
+    def refuse(*_: object, **__: object) -> None:
+        raise AssertionError("a fused first consumer was launched by the caller")
+
+    monkeypatch.setattr(module, "generate_v4_step_indptrs", refuse)
+    monkeypatch.setattr(module, "expand_v4_token_tables", refuse)
+    st.begin()
+    plan = v4.begin_step(SPANS, block_tables=_rows(), padded=4)
+    assert st.count(v4.step_counts) == 4  # type: ignore[arg-type]
+    st.publish(V41_METADATA)
+    out = v4.generate_step_indptrs(plan)
+    st.finish()
+    ah.sync(device)
+    # 299 | 257 258 259 | 8 9, then 6 padding tokens: swa_t = min(p + 1, 128)
+    swa = [0, 128, 128 * 2, 128 * 3, 128 * 4, 128 * 4 + 9, 128 * 4 + 19] + [128 * 4 + 19] * 6
+    assert out.swa_indptr[:13].tolist() == swa
+    # ctx // 4 for the three requests, index_topk for the padded one
+    assert out.n_committed_csa_per_seq[:4].tolist() == [75, 65, 2, TOPK]
+    before = [t.clone() for t in out]
+    tables = v4.block_tables_per_token.clone()  # type: ignore[union-attr]
+    st.begin()
+    # another batch: kernels run again on stale counts would change the outputs
+    v4.begin_prefill([RequestSpan(2, 40, 5)], block_tables=[BlockTable([7])])
+    assert st.count(v4.step_counts) is None  # type: ignore[arg-type]
+    st.publish(V41_METADATA)
+    st.finish()
+    ah.sync(device)
+    for got, was in zip(out, before, strict=True):
+        assert torch.equal(got, was)
+    assert torch.equal(v4.block_tables_per_token, tables)  # type: ignore[arg-type]

@@ -30,14 +30,15 @@ GEOMETRY = WindowGeometry(slot_rows=1000, ring_positions=WINDOW + 3,
 V4_POISON = 0x5A
 
 
-def v41_state(device: str, backend: str = "packed", num_slots: int = 1, fp8: bool = True
-              ) -> tuple[H2DRunnerState, V41MetadataInputs]:
+def v41_state(device: str, backend: str = "packed", num_slots: int = 1, fp8: bool = True,
+              fuse: bool = False) -> tuple[H2DRunnerState, V41MetadataInputs]:
     st_ = H2DRunnerState(device, backend=backend, num_slots=num_slots,
                          scatter=ah.scatter_for(device))
     v4 = V41MetadataInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                            max_blocks_per_req=MAX_BLOCKS, dummy_state_slot=DUMMY_SLOT,
                            dummy_block=DUMMY_BLOCK, num_blocks=NUM_BLOCKS, window=WINDOW,
-                           index_topk=TOPK, fp8=fp8, envelope_rows=ENVELOPE, max_ranges=4)
+                           index_topk=TOPK, fp8=fp8, envelope_rows=ENVELOPE, max_ranges=4,
+                           fuse_step_indptrs=fuse)
     st_.bind()
     for b in st_.buffers().values():
         b.gpu.view(-1).view(torch.uint8).fill_(V4_POISON)
@@ -66,6 +67,7 @@ def v41_reference(spans: list[RequestSpan], rows: list[list[int]], padded: int
         "v41_state_slot_in": [s.fork_source if s.fork_source >= 0 else s.state_slot
                               for s in spans] + [DUMMY_SLOT] * (padded - n),
         "v41_qo_indptr": list(range(t + 1)) + [t] * (pt - t),
+        "v41_step_counts": [n, padded, t, pt],  # published when the consumer is fused
     }
     for r, k in V4_RATIOS:
         compress, write = [], []

@@ -153,13 +153,17 @@ class GroupRecord:
 #: real tokens, padded tokens (each plus a fixed offset, e.g. a prefix of ``padded + 1``),
 #: the layout's published rows of one plan (the rule names the plan: ``RequestLayout``'s
 #: ``plan_published[k]``), or nothing (a member of the group the step leaves out, e.g. a
-#: prefill-only member of a decode step's group)
+#: prefill-only member of a decode step's group), or the step's four counts themselves
+#: (``STEP_COUNTS``: ``(n, p, t, pt)`` as int32, which a :class:`~h2d_core.LayoutStep`
+#: writes into the member's source, so first consumers fused into the publication read the
+#: real request count on the device)
 REQS = 0
 PADDED_REQS = 1
 TOKENS = 2
 PADDED_TOKENS = 3
 PLAN_ROWS = 4
 OMITTED = 5
+STEP_COUNTS = 6
 
 
 @cython.cclass
@@ -243,6 +247,8 @@ def _counted(what: cython.longlong, n: cython.longlong, p: cython.longlong,
         return t
     if what == 3:  # PADDED_TOKENS
         return pt
+    if what == 6:  # STEP_COUNTS: (n, p, t, pt)
+        return 4
     if plans is None or not 0 <= plan < len(plans):  # PLAN_ROWS
         return -1
     return plans[plan]

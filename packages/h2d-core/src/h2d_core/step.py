@@ -22,6 +22,7 @@ from threading import get_ident
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from block_tables import RequestLayoutError
 from block_tables.spans import row_keys
@@ -34,6 +35,7 @@ from .records import (
     PADDED_TOKENS,
     PLAN_ROWS,
     REQS,
+    STEP_COUNTS,
     TOKENS,
     CountProgram,
 )
@@ -59,9 +61,12 @@ class PublishedTable(NamedTuple):
 
 class CountRule(NamedTuple):
     """How a :class:`LayoutStep` counts one member: ``what`` (``REQS``, ``PADDED_REQS``,
-    ``TOKENS``, ``PADDED_TOKENS``, or ``PLAN_ROWS``: the published rows of the layout's
-    plan ``plan``) plus ``plus``; omitted (None) when ``what`` is ``OMITTED`` (a member of
-    the group this step leaves out) or the layout's ``uniform_mask`` has a bit of
+    ``TOKENS``, ``PADDED_TOKENS``, ``PLAN_ROWS``: the published rows of the layout's
+    plan ``plan``, or ``STEP_COUNTS``: an int32 member of at least 4 elements into which
+    the step writes its counts ``(num_reqs, padded_reqs, num_tokens, padded_tokens)``, for
+    first consumers that read them on the device) plus ``plus``; omitted (None) when
+    ``what`` is ``OMITTED`` (a member of the group this step leaves out) or the layout's
+    ``uniform_mask`` has a bit of
     ``omit_if_uniform`` set (a per-request filter whose values are all equal travels as a
     scalar instead)."""
 
@@ -177,6 +182,22 @@ def _try_ranges(state: Any, buffer: Any, records: list, triples: list,
     return True
 
 
+def _count_addresses(name: str, state: Any, rules: Sequence[CountRule]) -> Any:
+    """Per slot, the pinned source address of the one ``STEP_COUNTS`` member (an int32
+    buffer of at least 4 elements), or an empty array without one."""
+    members = [r.buffer for r in rules if r.what == STEP_COUNTS]
+    if not members:
+        return np.zeros(0, dtype=np.intp)
+    buffer = members[0]
+    if (len(members) > 1 or buffer.spec.dtype != torch.int32 or buffer.spec.capacity < 4
+            or not buffer.source(0).is_contiguous()):
+        raise DeclarationError(
+            f"LayoutStep {name!r}: STEP_COUNTS names {[b.name for b in members]}; name one "
+            "contiguous int32 buffer of at least 4 elements")
+    return np.array([buffer.source(slot).data_ptr() for slot in range(state.num_slots)],
+                    dtype=np.intp)
+
+
 @cython.cclass
 class LayoutStep:
     """A fused producer's step, bound once: ``run`` plans the layout over the batch's
@@ -219,6 +240,9 @@ class LayoutStep:
     _num_plans = cython.declare(cython.Py_ssize_t)
     _plan_group = cython.declare(cython.Py_ssize_t)
     _rows_seen = cython.declare(cython.longlong[::1])
+    # per slot, the address of the STEP_COUNTS member's pinned source (empty: none)
+    _count_addrs = cython.declare(cython.Py_ssize_t[::1])
+    _has_counts = cython.declare(cython.bint)
 
     def __init__(self, name: str, state: Any, layouts: Sequence[Any], table: Any,
                  pad_rows: Sequence[Any], counts: Sequence[CountRule], *,
@@ -249,15 +273,19 @@ class LayoutStep:
                 f"{plan_group!r}; bind the same plans in every slot's layout and group them "
                 "by a divisor of their number")
         for r in counts:
-            if r.what not in (REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED):
+            if r.what not in (REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED,
+                              STEP_COUNTS):
                 raise DeclarationError(
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts {r.what!r}; use "
-                    "REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS or OMITTED")
+                    "REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED or "
+                    "STEP_COUNTS")
             if r.what == PLAN_ROWS and (type(r.plan) is not int
                                         or not 0 <= r.plan < num_plans):
                 raise DeclarationError(
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts the rows of plan "
                     f"{r.plan!r}; the layouts bind {num_plans} plans")
+        self._count_addrs = _count_addresses(name, state, counts)
+        self._has_counts = self._count_addrs.shape[0] > 0
         self._program = CountProgram([(r.buffer.homes[0][1], r.buffer._unit_bytes,
                                        r.buffer._fast_capacity, r.what, r.plus,
                                        r.omit_if_uniform,
@@ -312,6 +340,13 @@ class LayoutStep:
                 records[self._record_index], n, p, t, pt, uniform, published):
             # members in several records, or a count out of range (the specific error)
             self._slow.set(*self._program.values(n, p, t, pt, uniform, published))
+        if self._has_counts:  # the counts fused consumers read on the device
+            out: cython.pointer[cython.int] = cython.cast(cython.pointer[cython.int],
+                                                          self._count_addrs[slot])
+            out[0] = cython.cast(cython.int, n)
+            out[1] = cython.cast(cython.int, p)
+            out[2] = cython.cast(cython.int, t)
+            out[3] = cython.cast(cython.int, pt)
         stage = "" if table is None else stage_table(table, st, slot, p)
         if published is not None:
             self._note_rows(layout.plan_real, published)

@@ -26,7 +26,9 @@ and the table's stage) is one compiled :class:`h2d_core.LayoutStep` call after t
 adapter's own input checks. First consumer: step indptr generation
 (:func:`generate_v4_step_indptrs`, :func:`expand_v4_token_tables`), which derives the
 per-token SWA/CSA/HCA prefixes, committed counts, per-token block tables and HCA index
-head on the GPU. Further consumers: the decode window tails
+head on the GPU; with ``fuse_step_indptrs`` both run inside the group's publication (its
+CUDA graphs), reading the step's counts from the ``v41_step_counts`` member on the device.
+Further consumers: the decode window tails
 (:meth:`V41MetadataInputs.write_decode_window_indices`), prefill indptrs with context
 parallelism (:meth:`~V41MetadataInputs.generate_prefill_indptrs`), the sparse (Opus)
 prefill indices and the FP8 DSpark indexer rectangle; ``prefix=`` declares a TBO ubatch.
@@ -56,9 +58,11 @@ from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
     PLAN_ROWS,
+    STEP_COUNTS,
     CountBatch,
     CountRule,
     DeclarationError,
+    FusedConsumer,
     H2DBuffer,
     H2DRunnerState,
     LayoutStep,
@@ -87,6 +91,8 @@ from .consumers import (
     write_v4_decode_window_indices,
     write_v4_prefill_indices,
 )
+from .consumers._launch import interpreted
+from .consumers.v4_decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
 from .paged import PagedInputs
 
 V41_METADATA = "v41_metadata"
@@ -265,7 +271,10 @@ class V41MetadataInputs(PagedInputs):
     comes from the CPU lengths (``V41Plan.max_query_len``), never a device reduction.
     ``envelope_rows`` (compressed rows per block over all compressed layers) enables the
     per-token expansion of the first consumer (per-token block tables and the HCA index
-    head, device buffers of ``max_tokens`` rows).
+    head, device buffers of ``max_tokens`` rows). ``fuse_step_indptrs`` puts that first
+    consumer inside the group's publication (a packed group: its CUDA graphs), with the
+    step's counts published as ``v41_step_counts`` and read on the device;
+    :meth:`generate_step_indptrs` then launches nothing.
     """
 
     def __init__(
@@ -286,6 +295,7 @@ class V41MetadataInputs(PagedInputs):
         max_ranges: int = 64,
         native: bool | None = None,
         prefix: str = "",
+        fuse_step_indptrs: bool = False,
     ) -> None:
         g = f"{prefix}{V41_METADATA}"
         refuse_interpreted(native, g)
@@ -343,6 +353,18 @@ class V41MetadataInputs(PagedInputs):
                                                       dtype=torch.int32, device=dev)
             self.hca_indices = torch.zeros(max_tokens * (window + 2 * max_blocks_per_req),
                                            dtype=torch.int32, device=dev)
+        #: the step's counts (n, P, t, T) for the fused first consumer, and that consumer
+        #: (None: not declared; its ``fused`` says whether the publication runs it)
+        self.step_counts: H2DBuffer | None = None
+        self.step_indptrs_consumer: FusedConsumer | None = None
+        if fuse_step_indptrs:
+            if dev.type == "cpu" and not interpreted(_step_indptrs_kernel):
+                raise DeclarationError(
+                    f"{g}: fuse_step_indptrs on a CPU state runs the Triton kernels in their "
+                    "interpreter: set TRITON_INTERPRET=1 before triton is imported")
+            self.step_counts = buf(f"{prefix}v41_step_counts", (4,), torch.int32, group=g)
+            self.step_indptrs_consumer = state.fuse_consumer(
+                f"{g}.step_indptrs", [self.step_counts], self._enqueue_step_indptrs)
         # padded requests read only the dummy block (private: nothing appends to it)
         self._pad_rows: list[BlockTable] = [BlockTable([dummy_block])] * max_reqs
         self._layouts: list[RequestLayout] = []
@@ -394,6 +416,8 @@ class V41MetadataInputs(PagedInputs):
             members += [cb, wb]
         if self.qo_indptr is not None:
             members.append(self.qo_indptr)
+        if self.step_counts is not None:
+            members.append(self.step_counts)
         self._counts = self.h2d_state.count_batch(members, native=self.native)
         # decode: the graph grid; chunk starts are prefill's; plan k's published rows
         rules = [CountRule(self.positions, PADDED_TOKENS),
@@ -407,6 +431,8 @@ class V41MetadataInputs(PagedInputs):
                                                                       plan=2 * k + 1)]
         if self.qo_indptr is not None:
             rules.append(CountRule(self.qo_indptr, PADDED_TOKENS, 1))
+        if self.step_counts is not None:
+            rules.append(CountRule(self.step_counts, STEP_COUNTS))
         # plan_rows: per ratio (real compress rows, published, real write rows, published)
         self._step = LayoutStep(self.group, self.h2d_state, self._layouts, self.tables,
                                 self._pad_rows, rules, error=AdapterInputError, plan_group=2)
@@ -478,6 +504,8 @@ class V41MetadataInputs(PagedInputs):
         counts: list[int | None] = [t, t, n, n, n, n]
         plan_rows = self._plan_rows(layout, counts)
         if self.qo_indptr is not None:
+            counts.append(None)
+        if self.step_counts is not None:  # prefill: the fused decode consumer reads 0
             counts.append(None)
         self._counts.set(*counts)  # type: ignore[union-attr]
         stage = tables.stage(n)
@@ -661,7 +689,12 @@ class V41MetadataInputs(PagedInputs):
         """Step indptr generation: per-token SWA/CSA/HCA prefixes and committed counts,
         then (with ``envelope_rows``) the per-token block tables and the HCA index head,
         on the GPU from the published rows (:func:`generate_v4_step_indptrs`,
-        :func:`expand_v4_token_tables`)."""
+        :func:`expand_v4_token_tables`). Fused (``fuse_step_indptrs=True`` on a packed
+        group), the publication already enqueued both, with the counts read on the device:
+        this launches nothing."""
+        fused = self.step_indptrs_consumer
+        if fused is not None and fused.fused:
+            return self.step_indptrs
         out = generate_v4_step_indptrs(
             self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
             self.step_indptrs, num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs,
@@ -674,3 +707,16 @@ class V41MetadataInputs(PagedInputs):
                 num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs, window=self.window,
                 envelope_rows=self.envelope_rows)
         return out
+
+    def _enqueue_step_indptrs(self, header: torch.Tensor, rows: tuple[int, ...]) -> None:
+        assert self.step_counts is not None
+        expansion = None
+        if self.envelope_rows is not None:
+            assert self.block_tables_per_token is not None and self.hca_indices is not None
+            expansion = (self.block_tables.gpu, self.block_tables_per_token, self.hca_indices,
+                         self.envelope_rows)
+        launch_v4_decode_steps_from_counts(
+            self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu, self.step_indptrs,
+            self.step_counts.gpu, header, rows[0], max_tokens=self.positions.spec.capacity,
+            max_reqs=self.seq_lens.spec.capacity, window=self.window,
+            index_topk=self.index_topk, expansion=expansion)
