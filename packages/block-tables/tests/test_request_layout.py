@@ -623,3 +623,40 @@ def test_batches_past_the_capacity_say_so(cls: Any) -> None:
         layout.plan(np.array([21, 21], np.int32), np.array([21, 21], np.int32), -1, -1)
     for name, value in arrays.items():
         assert value.tobytes() == before[name].tobytes(), name
+
+
+@given(batches(), st.integers(1, 40))
+@settings(max_examples=60, deadline=None)
+def test_last_page_lens_and_the_capped_context_prefix_match_the_oracle(
+        batch: tuple[int, list[int], list[int], int, int], cap: int) -> None:
+    """MLA's per-request members: the tokens in each request's last page and the prefix of
+    ``min(context_len, cap)``, padded requests owning none, from the definitions."""
+    page, q, c, p, pt = batch
+    last, prefix = np.full(ROWS, 99, np.int32), np.full(ROWS + 2, 99, np.int32)
+    layout = RequestLayout("mla", page, np.zeros((ROWS, WIDTH), np.int32),
+                           np.zeros(ROWS, np.int32), last_page_lens=last,
+                           context_prefix=prefix, context_cap=cap)
+    layout.plan(np.array(q, np.int32), np.array(c, np.int32), p, pt)
+    layout.write()
+    want_last = [(ci - 1) % page + 1 for ci in c] + [0] * (p - len(c))
+    assert last.tolist() == want_last + [99] * (ROWS - p)
+    capped = [min(ci, cap) for ci in c] + [0] * (p - len(c))
+    assert prefix.tolist() == ([0, *np.cumsum(capped, dtype=np.int64).tolist()]
+                               + [99] * (ROWS + 1 - p))
+
+
+def test_a_context_prefix_past_int32_is_refused_and_changes_nothing() -> None:
+    prefix = np.full(4, 99, np.int32)
+    layout = RequestLayout("mla", 1 << 20, np.zeros((3, 4096), np.int32),
+                           np.zeros(3, np.int32), context_prefix=prefix)
+    ctx = np.array([2**31 - 1, 1], np.int32)
+    with pytest.raises(RequestLayoutError, match=r"mla: the batch's context prefix \(the "
+                                                 r"sum of context_len over its requests\) "
+                                                 r"is 2147483648, more than its int32 array"):
+        layout.plan(np.ones(2, np.int32), ctx, 2, -1)
+    assert prefix.tolist() == [99] * 4
+    layout.plan(np.ones(2, np.int32), np.array([2**31 - 2, 1], np.int32), 2, -1)  # fits
+    layout.write()
+    assert prefix.tolist()[:3] == [0, 2**31 - 2, 2**31 - 1]
+    with pytest.raises(RequestLayoutError, match=r"context_cap must be None or an int"):
+        RequestLayout("mla", 16, None, None, context_prefix=prefix, context_cap=0)

@@ -436,7 +436,8 @@ def test_prefill_key_prefix_that_would_wrap_int32_is_refused(device: str) -> Non
     big = ScheduledBatch((), True, page, given_columns=_p_columns([1, 1, 1], [2**30] * 3),
                          given_block_tables=rows)
     refuse(_prefill_seen(st, pre), lambda: pre.prepare(big), AdapterInputError,
-           r"context lengths sum to 3221225472 keys, more than the int32 key prefix")
+           r"prefill_inputs: the batch's context prefix \(the sum of context_len over its "
+           r"requests\) is 3221225472, more than its int32 array holds")
     ok = ScheduledBatch((), True, page, given_columns=_p_columns([1, 1, 1], [2**29] * 3),
                         given_block_tables=rows)
     pre.prepare(ok)
@@ -564,7 +565,8 @@ def test_mla_sparse_prefix_that_would_wrap_int32_is_refused(device: str) -> None
     rows = [BlockTable(range(k * 1024, (k + 1) * 1024)) for k in range(3)]
     st.begin()
     refuse(_mla_seen(st, mla), lambda: mla.prepare(_mla_batch([2**30] * 3, rows, page)),
-           AdapterInputError, r"sparse KV prefix .* is 3221225472, more than its int32 buffer")
+           CountError, r"mla_decode: the batch's context prefix \(the sum of context_len "
+                       r"over its requests\) is 3221225472, more than its int32 array")
     mla.prepare(_mla_batch([2**29] * 3, rows, page))
     st.publish(mla.group)
     st.finish()

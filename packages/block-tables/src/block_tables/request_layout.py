@@ -42,6 +42,8 @@ if cython.compiled:
     cnp.import_array()
 
 _INT32_MAX = 2**31 - 1
+#: ``padded_tokens`` of :meth:`RequestLayout.plan` for an eager step: exactly the tokens
+EXACT_TOKENS = -2
 
 
 def _array(name: str, what: str, value: Any, dtype: Any, ndim: int) -> Any:
@@ -131,8 +133,12 @@ class RequestLayout:
     may be a tuple of such arrays: the same prefix goes to each),
     ``context_lens`` int32 ``[requests]``, ``token_prefix`` int32 ``[tokens + 1]``: the
     query prefix of the batch's tokens as queries of one token each (``0, 1, ..., t``,
-    then ``t`` up to ``padded_tokens``: a per-token kernel's ``qo_indptr``). ``name``
-    prefixes every error message.
+    then ``t`` up to ``padded_tokens``: a per-token kernel's ``qo_indptr``),
+    ``last_page_lens`` int32 ``[requests]``: the tokens in each request's last page,
+    ``(context_len - 1) % page_size + 1`` (0 for padded requests), and ``context_prefix``
+    int32 ``[requests + 1]``: the prefix of ``min(context_len, context_cap)`` (no cap:
+    ``context_len``; the tail repeats the total), which :meth:`plan` refuses past int32.
+    ``name`` prefixes every error message.
     """
 
     name = cython.declare(str, visibility="readonly")
@@ -150,6 +156,9 @@ class RequestLayout:
     _kv_indptr = cython.declare(cython.int[::1])
     _context = cython.declare(cython.int[::1])
     _token_prefix = cython.declare(cython.int[::1])
+    _last_page = cython.declare(cython.int[::1])
+    _context_prefix = cython.declare(cython.int[::1])
+    _context_cap = cython.declare(cython.longlong)
     # the planned batch: a private copy of its lengths (the table's preparation runs
     # Python code between plan and write, which could change the caller's arrays)
     _q = cython.declare(cython.int[::1])
@@ -207,6 +216,9 @@ class RequestLayout:
         kv_page_indptr: np.ndarray | None = None,
         context_lens: np.ndarray | None = None,
         token_prefix: np.ndarray | None = None,
+        last_page_lens: np.ndarray | None = None,
+        context_prefix: np.ndarray | None = None,
+        context_cap: int | None = None,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
     ) -> None:
@@ -232,7 +244,14 @@ class RequestLayout:
             "kv_page_indptr": _array(name, "kv_page_indptr", kv_page_indptr, np.int32, 1),
             "context_lens": _array(name, "context_lens", context_lens, np.int32, 1),
             "token_prefix": _array(name, "token_prefix", token_prefix, np.int32, 1),
+            "last_page_lens": _array(name, "last_page_lens", last_page_lens, np.int32, 1),
+            "context_prefix": _array(name, "context_prefix", context_prefix, np.int32, 1),
         }
+        if context_cap is not None and (type(context_cap) is not int
+                                        or not 1 <= context_cap <= _INT32_MAX):
+            raise RequestLayoutError(
+                f"{name}: context_cap must be None or an int in [1, 2**31), got "
+                f"{context_cap!r}")
         if token_prefix is not None and token_prefix.size < 1:
             raise RequestLayoutError(
                 f"{name}: token_prefix needs at least 1 entry (tokens + 1), got "
@@ -250,14 +269,15 @@ class RequestLayout:
         req_caps = ([table.shape[0], required_pages.size]
                     if table is not None and required_pages is not None else [])
         tok_caps = []
-        for key in ("cu_query", "kv_page_indptr"):
+        for key in ("cu_query", "kv_page_indptr", "context_prefix"):
             if key in self.arrays:
                 req_caps.append(self.arrays[key].size - 1)
         for k, a in enumerate(copies, 1):
             self.arrays[f"cu_query[{k}]"] = a
             req_caps.append(a.size - 1)
-        if context_lens is not None:
-            req_caps.append(context_lens.size)
+        for key in ("context_lens", "last_page_lens"):
+            if key in self.arrays:
+                req_caps.append(self.arrays[key].size)
         for key in ("positions", "slot_mapping", "token_requests"):
             if key in self.arrays:
                 tok_caps.append(self.arrays[key].size)
@@ -333,6 +353,9 @@ class RequestLayout:
         self._kv_indptr = kv_page_indptr
         self._context = context_lens
         self._token_prefix = token_prefix
+        self._last_page = last_page_lens
+        self._context_prefix = context_prefix
+        self._context_cap = _INT32_MAX if context_cap is None else context_cap
         self._q = np.zeros(self._max_reqs, dtype=np.int32)
         self._c = np.zeros(self._max_reqs, dtype=np.int32)
         self._planned = False
@@ -378,7 +401,8 @@ class RequestLayout:
         ``[context_lens[i] - query_lens[i], context_lens[i])``; both are 1-D int32 of the
         same length n. The batch is padded to ``padded_reqs`` requests (-1: n) and
         ``padded_tokens`` tokens (-1: ``padded_reqs`` times the widest query, at least 1,
-        the graph grid of a decode step). ``values`` holds one array per bound column, in order
+        the graph grid of a decode step; ``EXACT_TOKENS`` (-2): exactly the batch's tokens,
+        an eager step). ``values`` holds one array per bound column, in order
         (n values, or t for a per-token column, of the column's dtype, within the column's
         bounds). Raises
         :class:`RequestLayoutError` (naming the request or column and the rule) before
@@ -446,11 +470,24 @@ class RequestLayout:
             raise RequestLayoutError(
                 f"{name}: the batch needs {total} KV pages in all, more than an int32 "
                 "page prefix holds; split the batch")
+        if self._context_prefix is not None:
+            keys: cython.longlong = 0
+            cap: cython.longlong = self._context_cap
+            for i in range(n):
+                keys += min(cython.cast(cython.longlong, cv[i]), cap)
+            if keys > _INT32_MAX:
+                what = ("context_len" if cap == _INT32_MAX
+                        else f"min(context_len, {cap})")
+                raise RequestLayoutError(
+                    f"{name}: the batch's context prefix (the sum of {what} over its "
+                    f"requests) is {keys}, more than its int32 array holds; split the batch")
         if t > self._max_tokens:
             raise RequestLayoutError(
                 f"{name}: {t} tokens exceed the bound arrays' capacity of "
                 f"{self._max_tokens} tokens; split the batch")
-        if padded_tokens < 0:  # the graph grid: every padded request runs the widest query
+        if padded_tokens == EXACT_TOKENS:  # eager: exactly the real tokens
+            padded_tokens = t
+        elif padded_tokens < 0:  # the graph grid: every padded request runs the widest query
             padded_tokens = padded_reqs * (hi if hi > 0 else 1)
         if not t <= padded_tokens <= self._max_tokens:
             raise RequestLayoutError(
@@ -609,6 +646,24 @@ class RequestLayout:
                 self._context[i] = own_c[i]
             for i in range(n, p):
                 self._context[i] = 0
+        if self._last_page is not None:  # tokens in the last page; padded: no pages
+            last: cython.int[::1] = self._last_page
+            for i in range(n):
+                c = cython.cast(cython.longlong, own_c[i]) - 1
+                last[i] = cython.cast(cython.int, (c & (page - 1) if shift >= 0
+                                                   else c % page) + 1)
+            for i in range(n, p):
+                last[i] = 0
+        if self._context_prefix is not None:  # keys per request, capped; padded: none
+            cpre: cython.int[::1] = self._context_prefix
+            cap_c: cython.longlong = self._context_cap
+            acc = 0
+            cpre[0] = 0
+            for i in range(n):
+                acc += min(cython.cast(cython.longlong, own_c[i]), cap_c)
+                cpre[i + 1] = cython.cast(cython.int, acc)
+            for i in range(n, p):
+                cpre[i + 1] = cython.cast(cython.int, acc)
         if self._token_prefix is not None:  # every token its own query; padding: none
             prefix: cython.int[::1] = self._token_prefix
             for i in range(t + 1):

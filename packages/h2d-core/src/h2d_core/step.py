@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from block_tables import RequestLayoutError
+from block_tables.request_layout import EXACT_TOKENS
 from block_tables.spans import row_keys
 from h2d_kernels import RANGE_OVERHEAD
 
@@ -212,7 +213,10 @@ class LayoutStep:
     them in one call when one group record holds them all, a fused producer's usual case);
     ``sum_column`` a layout column whose sum ``run`` returns (-1: none). A rejected batch
     raises ``error`` (a :class:`~h2d_core.CountError` subclass) naming the request and
-    column, before any source is written.
+    column, before any source is written. ``check`` (optional) is called with the planned
+    layout before anything is prepared or written: an adapter's checks that need the
+    planned batch (e.g. per-token inputs against its token count) raise there and change
+    nothing.
 
     Layouts with plans (:class:`block_tables.LayoutPlan`, the same number in every slot's
     layout) publish their rows through ``PLAN_ROWS`` rules; after each ``run``,
@@ -235,6 +239,7 @@ class LayoutStep:
     _program = cython.declare(object)
     _sum_column = cython.declare(cython.Py_ssize_t)
     _slow = cython.declare(object)
+    _check = cython.declare(object)
     # plans per layout, plans per plan_rows entry, and the rows plan_rows was built from
     # (real and published per plan, -1 before the first run)
     _num_plans = cython.declare(cython.Py_ssize_t)
@@ -247,7 +252,7 @@ class LayoutStep:
     def __init__(self, name: str, state: Any, layouts: Sequence[Any], table: Any,
                  pad_rows: Sequence[Any], counts: Sequence[CountRule], *,
                  sum_column: int = -1, error: type[CountError] = CountError,
-                 plan_group: int = 1) -> None:
+                 plan_group: int = 1, check: Any = None) -> None:
         if len(layouts) != state.num_slots:
             raise DeclarationError(
                 f"LayoutStep {name!r}: {len(layouts)} layouts for {state.num_slots} slots")
@@ -258,6 +263,7 @@ class LayoutStep:
         self._snapshots = () if table is None else tuple(table.snapshots)
         self._pad_rows = list(pad_rows)
         self._error = error
+        self._check = check
         # One record carrying every member (a fused producer's group) stores the counts
         # in one call; members in several records (a group combined with others that
         # share a buffer) go through the count batch's per-record stores.
@@ -300,27 +306,30 @@ class LayoutStep:
 
     @cython.ccall
     def run(self, query_lens: Any, context_lens: Any, rows: Any,
-            padded: cython.Py_ssize_t, tokens: cython.Py_ssize_t, values: tuple) -> tuple:
+            padded: cython.Py_ssize_t, tokens: cython.Py_ssize_t, values: tuple,
+            stage: cython.bint = True) -> tuple:
         """One step: ``padded`` requests (-1: eager), ``tokens`` published tokens (-1: the
         graph grid of ``padded`` requests times the widest query, or exactly the real
         tokens when eager), ``values`` the layout's bound columns. Returns ``(num_reqs,
         padded_reqs, max_query_len, num_tokens, padded_tokens, kv_pages, table_stage,
         uniform_mask, column_sum)`` (``max_query_len`` at least 1; ``table_stage`` "" and
-        ``kv_pages`` 0 without a table) and sets :attr:`plan_rows`. Call from inside the
-        producer (its epoch)."""
+        ``kv_pages`` 0 without a table) and sets :attr:`plan_rows`. ``stage=False``
+        prepares the table's rows without staging them (the caller leaves the table out of
+        this publication; ``table_stage`` ""). Call from inside the producer (its
+        epoch)."""
         st = self._state
         if st._invalid is not None or not st._epoch_open or get_ident() != st._owner:
             st._check_ready(f"producer {self.name}")
         slot: cython.Py_ssize_t = st.current_slot
         layout = self._layouts[slot]
         try:
-            # -1 tokens: the graph grid (exactly the tokens when eager and uniform)
-            layout.plan(query_lens, context_lens, padded, tokens, values)
-            if tokens < 0 and padded < 0 and layout.min_query_len != layout.max_query_len:
-                # eager with uneven widths: exactly the real tokens
-                layout.plan(query_lens, context_lens, -1, layout.num_tokens, values)
+            # -1 tokens: the graph grid of the padded requests; eager: exactly the tokens
+            layout.plan(query_lens, context_lens, padded,
+                        EXACT_TOKENS if tokens < 0 and padded < 0 else tokens, values)
         except RequestLayoutError as exc:
             raise self._error(str(exc)) from exc
+        if self._check is not None:
+            self._check(layout)
         n: cython.Py_ssize_t = layout.num_reqs
         p: cython.Py_ssize_t = layout.padded_reqs
         t: cython.Py_ssize_t = layout.num_tokens
@@ -347,11 +356,11 @@ class LayoutStep:
             out[1] = cython.cast(cython.int, p)
             out[2] = cython.cast(cython.int, t)
             out[3] = cython.cast(cython.int, pt)
-        stage = "" if table is None else stage_table(table, st, slot, p)
+        staged = "" if table is None or not stage else stage_table(table, st, slot, p)
         if published is not None:
             self._note_rows(layout.plan_real, published)
         q = layout.max_query_len
-        return (n, p, q if q > 0 else 1, t, pt, total, stage, uniform,
+        return (n, p, q if q > 0 else 1, t, pt, total, staged, uniform,
                 layout.column_sum(self._sum_column) if self._sum_column >= 0 else 0)
 
     @cython.cfunc

@@ -1,7 +1,9 @@
 """MHA decode metadata: slots, context lengths, block tables, KV prefix and positions.
 
 The ``mha_decode`` producer group. Positions, KV slots, context lengths and the KV prefix
-come from one :class:`block_tables.RequestLayout` pass over the prepared table. First
+come from one :class:`block_tables.RequestLayout` pass over the prepared table; the step
+(plan, table rows, writes, counts, the table's stage) is one compiled
+:class:`h2d_core.LayoutStep` call. First
 consumer: KV-index generation (:func:`generate_kv_indices` builds ``kv_indices`` from the
 block tables and ``kv_indptr``).
 Block tables go through :func:`h2d_core.block_table_state`: unchanged tables are not
@@ -33,24 +35,24 @@ checked with the batch before any source is written.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from block_tables import (
-    BlockTable,
-    LayoutColumn,
-    RequestLayout,
-    RequestLayoutError,
-)
+from block_tables import BlockTable, LayoutColumn, RequestLayout
 from block_tables.native import refuse_interpreted
 from h2d_core import (
+    OMITTED,
+    PADDED_REQS,
+    PADDED_TOKENS,
     CountError,
+    CountRule,
     DeclarationError,
     FusedConsumer,
     H2DBuffer,
     H2DRunnerState,
+    LayoutStep,
     h2d_producer,
 )
 
@@ -64,6 +66,7 @@ from .mrope import check_deltas, declare_mrope, mrope_planes, write_decode_plane
 from .paged import PagedInputs
 
 MHA_DECODE = "mha_decode"
+_new = tuple.__new__
 
 
 class DecodePlan(NamedTuple):
@@ -115,7 +118,7 @@ class MhaDecodeInputs(PagedInputs):
         # Padded requests get this adapter's own empty row: versioned, so padding costs
         # nothing on a hit; private, so nothing can append to it.
         self._pad_rows: list[BlockTable] = [BlockTable()] * max_reqs
-        self._layouts: list[RequestLayout] = []  # per slot, made on first use
+        self._step: LayoutStep | None = None  # the compiled step, bound on first use
         #: KV-index generation fused into the publication (its graphs) when the packed
         #: group carries ``kv_indptr`` (see h2d_core.fused); None: launched by the caller
         self.kv_indices_consumer: FusedConsumer | None = None
@@ -161,8 +164,30 @@ class MhaDecodeInputs(PagedInputs):
                 positions=src[0], slot_mapping=src[1], context_lens=src[2],
                 kv_page_indptr=src[3],
                 cu_query=tuple(b.source(slot).numpy() for b in cu_query),
-                columns=() if columns is None else columns(slot)))
+                columns=() if columns is None else columns(slot),
+                **self._layout_outputs(slot)))
         return out
+
+    def _layout_outputs(self, slot: int) -> dict[str, Any]:
+        """Further :class:`block_tables.RequestLayout` outputs over ``slot``'s sources
+        (a subclass's own members, e.g. MLA's last-page lengths); none here."""
+        return {}
+
+    def _count_rules(self) -> list[CountRule]:
+        """What the step publishes of each member: the graph grid of tokens, padded
+        requests (the KV prefix one more); MRoPE planes replace the 1-D positions."""
+        positions = OMITTED if self.mrope_positions is not None else PADDED_TOKENS
+        return [CountRule(self.positions, positions),
+                CountRule(self.slot_mapping, PADDED_TOKENS),
+                CountRule(self.context_lens, PADDED_REQS),
+                CountRule(self.kv_indptr, PADDED_REQS, 1)]
+
+    def _bind(self) -> LayoutStep:
+        self._step = LayoutStep(self.group, self.h2d_state,
+                                self.request_layouts(self.group, native=self.native),
+                                self.tables, self._pad_rows, self._count_rules(),
+                                error=CountError)
+        return self._step
 
     def _prepare(self, batch: ScheduledBatch, padded: int | None,
                  mrope_deltas: np.ndarray | None = None) -> DecodePlan:
@@ -177,37 +202,19 @@ class MhaDecodeInputs(PagedInputs):
             raise AdapterInputError(
                 f"{self.group}: mrope_deltas given but the adapter has no MRoPE planes; "
                 "construct it with mrope=True")
-        st = self.h2d_state
-        if not self._layouts:
-            self._layouts = self.request_layouts(self.group, native=self.native)
-        layout = self._layouts[st.current_slot]
-        try:
-            # -1: the graph grid, p times the widest query (exactly the tokens when eager
-            # and uniform)
-            layout.plan(qlens, cols.context_lens, p, -1)
-            if padded is None and layout.min_query_len != layout.max_query_len:
-                layout.plan(qlens, cols.context_lens, p, layout.num_tokens)  # eager ragged
-        except RequestLayoutError as exc:
-            raise CountError(str(exc)) from exc
-        pt = layout.padded_tokens
-        rows = batch.block_tables
-        if p > n:
-            rows = [*rows, *self._pad_rows[: p - n]]
-        tables = self.tables
-        tables.prepare(rows, required_pages=layout.required_pages)
-        total = layout.write()  # positions, KV slots, lengths, KV prefix from the table
-        if mrope is not None:  # the planes replace the 1-D positions
+        step = self._step
+        if step is None:
+            step = self._bind()
+        # plan (every length checked; -1 tokens: the graph grid, p times the widest query,
+        # exactly the real tokens when eager), prepare the rows, write, count and stage:
+        # one call; nothing after it fails
+        n, p, q, t, pt, total, stage, _, _ = step.run(
+            qlens, cols.context_lens, batch.block_tables, -1 if padded is None else p, -1, ())
+        if mrope is not None:  # the planes replace the 1-D positions (omitted above)
             write_decode_planes(mrope.np, self.positions.np, qlens, mrope_deltas,  # type: ignore[arg-type]
-                                layout.num_tokens, pt)
-            st.set_count(mrope, 3 * pt)
-            st.set_count(self.positions, None)
-        else:
-            st.set_count(self.positions, pt)
-        st.set_count(self.slot_mapping, pt)
-        st.set_count(self.context_lens, p)
-        st.set_count(self.kv_indptr, p + 1)
-        stage = tables.stage(p)
-        return DecodePlan(n, p, layout.max_query_len or 1, layout.num_tokens, pt, total, stage)
+                                t, pt)
+            self.h2d_state.set_count(mrope, 3 * pt)
+        return _new(DecodePlan, (n, p, q, t, pt, total, stage))
 
     def mrope_planes(self, plan: DecodePlan) -> torch.Tensor:
         """The step's MRoPE planes as a ``(3, padded_tokens)`` view (the running width)."""

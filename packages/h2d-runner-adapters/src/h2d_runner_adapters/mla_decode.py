@@ -10,19 +10,24 @@ page size, plus:
   ``index_topk`` is given): the prefix of ``min(ctx, index_topk)``; the tail repeats the
   total.
 
-One group, one DMA and one scatter (with ``token_inputs``: two). First consumer: KV-index
-generation at MLA's page size (:meth:`generate_kv_indices`).
+Both come from the same compiled :class:`block_tables.RequestLayout` pass as the MHA
+members (its ``last_page_lens`` and capped ``context_prefix`` outputs), inside the one
+:class:`h2d_core.LayoutStep` call. One group, one DMA and one scatter (with
+``token_inputs``: two). First consumer: KV-index generation at MLA's page size
+(:meth:`generate_kv_indices`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
+from h2d_core import PADDED_REQS, CountRule, DeclarationError, H2DRunnerState, h2d_producer
 
 from .batch import ScheduledBatch
-from .checks import INT32_MAX, AdapterInputError
+from .checks import INT32_MAX
 from .mha_decode import DecodePlan, MhaDecodeInputs
 
 MLA_DECODE = "mla_decode"
@@ -71,40 +76,19 @@ class MlaDecodeInputs(MhaDecodeInputs):
     def prepare(self, batch: ScheduledBatch, padded: int | None = None, *,
                 mrope_deltas: np.ndarray | None = None) -> DecodePlan:
         """Write and count the MLA decode members (see the module docstring); the batch
-        is checked before any source is written (by the MHA members' checks, and here for
-        what only MLA derives from it: the sparse KV prefix must fit int32)."""
-        self._check_sparse_total(batch)
-        plan = self._prepare(batch, padded, mrope_deltas)
-        n, p = plan.num_reqs, plan.padded_reqs
-        ctx = self.context_lens.np[:n]  # written by the layout pass
-        last = self.kv_last_page_lens.np
-        np.remainder(ctx - 1, self.page_size, out=last[:n])
-        last[:n] += 1
-        last[n:p] = 0
-        st = self.h2d_state
-        st.set_count(self.kv_last_page_lens, p)
-        if self.sparse_kv_indptr is not None:
-            sp = self.sparse_kv_indptr.np
-            sp[0] = 0
-            np.cumsum(np.minimum(ctx, self.index_topk), out=sp[1 : n + 1])
-            sp[n + 1 : p + 1] = sp[n]
-            st.set_count(self.sparse_kv_indptr, p + 1)
-        return plan
+        is checked before any source is written (the layout pass refuses a sparse KV prefix
+        past int32 too)."""
+        return self._prepare(batch, padded, mrope_deltas)
 
-    def _check_sparse_total(self, batch: ScheduledBatch) -> None:
-        """Refuse a batch whose sparse KV prefix (the sum of ``min(ctx, index_topk)``)
-        would wrap its int32 buffer. Only a batch of ``n * index_topk > INT32_MAX`` can,
-        so the common step costs no pass; lengths the MHA checks refuse anyway (not an
-        integer array, negative) are left to them."""
-        if self.sparse_kv_indptr is None or not isinstance(batch, ScheduledBatch):
-            return
-        ctx = batch.columns.context_lens
-        if (not isinstance(ctx, np.ndarray) or ctx.ndim != 1 or ctx.dtype.kind not in "iu"
-                or ctx.size * self.index_topk <= INT32_MAX):
-            return
-        total = int(np.minimum(ctx, self.index_topk).sum(dtype=np.int64))
-        if total > INT32_MAX:
-            raise AdapterInputError(
-                f"{self.group}: the batch's sparse KV prefix (sum of min(context_len, "
-                f"index_topk={self.index_topk})) is {total}, more than its int32 buffer holds; "
-                "split the batch")
+    def _layout_outputs(self, slot: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"last_page_lens": self.kv_last_page_lens.source(slot).numpy()}
+        if self.sparse_kv_indptr is not None:
+            out["context_prefix"] = self.sparse_kv_indptr.source(slot).numpy()
+            out["context_cap"] = self.index_topk
+        return out
+
+    def _count_rules(self) -> list[CountRule]:
+        rules = [*super()._count_rules(), CountRule(self.kv_last_page_lens, PADDED_REQS)]
+        if self.sparse_kv_indptr is not None:
+            rules.append(CountRule(self.sparse_kv_indptr, PADDED_REQS, 1))
+        return rules

@@ -6,6 +6,12 @@ a position this rank does not write), ``positions`` and the block tables (throug
 :func:`h2d_core.block_table_state`, its own state: prefill and decode tables are separate
 buffers). The query prefix ``cu_seqlens_q`` comes from the token inputs.
 
+One compiled :class:`h2d_core.LayoutStep` call plans the chunk (every length checked),
+prepares the rows, writes positions, KV slots, context lengths and ``cu_seqlens_k`` (the
+layout's ``context_prefix``), counts every member and stages the table; the adapter's own
+checks that need the planned chunk (token ids, ``owns_slot``'s mask, MRoPE prompt
+positions) run inside it, before anything is written.
+
 First consumer: attention preparation (:func:`prepare_prefill_attention`), which derives
 each token's request, the KV page prefix and ``kv_indices``. Prefill runs eagerly: no graph
 padding. The block tables are needed by this runner's paged attention whether or not a
@@ -21,16 +27,27 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
-from block_tables import PageTableSnapshot, RequestLayout, RequestLayoutError
+from block_tables import PageTableSnapshot, RequestLayout
 from block_tables.native import refuse_interpreted
-from h2d_core import CountError, H2DBuffer, H2DRunnerState, h2d_producer
+from h2d_core import (
+    OMITTED,
+    PADDED_REQS,
+    PADDED_TOKENS,
+    CountError,
+    CountRule,
+    H2DBuffer,
+    H2DRunnerState,
+    LayoutStep,
+    h2d_producer,
+)
 
 from .batch import BatchColumns, PageRow, ScheduledBatch
-from .checks import INT32_MAX, AdapterInputError, bool_mask, describe
+from .checks import AdapterInputError, bool_mask, describe
 from .consumers import prepare_prefill_attention
 from .mrope import check_prompt_positions, declare_mrope, mrope_planes, write_prefill_planes
 from .paged import PagedInputs
@@ -76,23 +93,34 @@ class PrefillInputs(PagedInputs):
         self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=dev)
-        self._layouts: list[RequestLayout] = []  # per slot, made on first use
+        self._step: LayoutStep | None = None  # the compiled step, bound on first use
+        # the call's inputs the planned-chunk checks read (set by prepare, per call)
+        self._call: tuple[Any, ...] = ()
+        self._checked: tuple[np.ndarray | None, list[np.ndarray | None]] = (None, [])
         # owns_slot's input, computed before any write: a private table the rows are
         # prepared into, and a layout writing only KV slots from it (made on first use)
         self._scratch: tuple[PageTableSnapshot, RequestLayout, np.ndarray] | None = None
 
-    def _bind_layouts(self) -> list[RequestLayout]:
+    def _bind(self) -> LayoutStep:
         refuse_interpreted(self.native, self.group)
-        cls = RequestLayout
-        out = []
+        layouts = []
         for slot, snap in enumerate(self.tables.snapshots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
                 return b.source(slot).numpy()
-            out.append(cls(self.group, self.page_size, snap.storage,
-                           np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
-                           positions=src(self.positions), slot_mapping=src(self.slot_mapping),
-                           context_lens=src(self.context_lens)))
-        return out
+            layouts.append(RequestLayout(
+                self.group, self.page_size, snap.storage,
+                np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
+                positions=src(self.positions), slot_mapping=src(self.slot_mapping),
+                context_lens=src(self.context_lens), context_prefix=src(self.cu_seqlens_k)))
+        # eager: the padded counts are the real ones; MRoPE planes replace the positions
+        positions = OMITTED if self.mrope_positions is not None else PADDED_TOKENS
+        rules = [CountRule(self.positions, positions),
+                 CountRule(self.slot_mapping, PADDED_TOKENS),
+                 CountRule(self.context_lens, PADDED_REQS),
+                 CountRule(self.cu_seqlens_k, PADDED_REQS, 1)]
+        self._step = LayoutStep(self.group, self.h2d_state, layouts, self.tables, (), rules,
+                                error=AdapterInputError, check=self._check_planned)
+        return self._step
 
     @h2d_producer(PREFILL_INPUTS)
     def prepare(
@@ -132,56 +160,51 @@ class PrefillInputs(PagedInputs):
             got = len(rows) if isinstance(rows, Sequence | np.ndarray) else describe(rows)
             raise AdapterInputError(
                 f"{g}: batch.block_tables must hold one row per request ({n}), got {got}")
-        st = self.h2d_state
         mrope = self.mrope_positions
         if mrope is None and mrope_positions is not None:
             raise CountError(
                 f"{g}: mrope_positions given but the adapter has no MRoPE planes; "
                 "construct it with mrope=True")
-        if not self._layouts:
-            self._layouts = self._bind_layouts()
-        layout = self._layouts[st.current_slot]
-        t = int(np.add.reduce(qlens, dtype=np.int64)) if n else 0
-        try:  # positions and KV slots: the same rule as decode, one compiled pass
-            layout.plan(qlens, ctx, n, max(t, 0))
-        except RequestLayoutError as exc:
-            raise AdapterInputError(str(exc)) from exc
-        ids = cols.token_ids
+        step = self._step
+        if step is None:
+            step = self._bind()
+        self._call = (cols.token_ids, rows, qlens, ctx, owns_slot, mrope_positions)
+        try:
+            # plan (every length checked; eager: exactly the real tokens), the checks of
+            # the planned chunk (_check_planned), prepare the rows, write, count, stage
+            _, _, _, t, _, _, stage, _, _ = step.run(qlens, ctx, rows, -1, -1, (),
+                                                     publish_tables)
+        finally:
+            self._call = ()
+        mask, sources = self._checked
+        self._checked = (None, [])
+        st = self.h2d_state
+        if mrope is not None:  # the planes replace the 1-D positions (omitted above)
+            write_prefill_planes(mrope.np, self.positions.np, qlens, ctx, sources, t)
+            st.set_count(mrope, 3 * t)
+        if mask is not None:
+            self.slot_mapping.np[:t][~mask] = -1
+        if not publish_tables:
+            st.set_count(self.block_tables, None)
+        return PrefillPlan(n, t, stage)
+
+    def _check_planned(self, layout: RequestLayout) -> None:
+        """The checks that need the planned chunk (its token count), before any write:
+        one token id per token (the layout refused a key prefix past int32), MRoPE prompt
+        positions, ``owns_slot``'s mask (kept in ``_checked`` for after the write)."""
+        g = self.group
+        ids, rows, qlens, ctx, owns_slot, mrope_positions = self._call
+        n, t = layout.num_reqs, layout.num_tokens
         if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
             raise AdapterInputError(
                 f"{g}: batch.columns.token_ids must be a 1-D array of the chunk's {t} query "
                 f"tokens (one id per token), got {describe(ids)}")
-        if n > 1 and int(np.add.reduce(ctx, dtype=np.int64)) > INT32_MAX:  # one fits int32
-            raise AdapterInputError(
-                f"{g}: the batch's context lengths sum to "
-                f"{int(np.add.reduce(ctx, dtype=np.int64))} keys, more than the int32 key "
-                "prefix (cu_seqlens_k) holds; split the batch")
         sources: list[np.ndarray | None] = []
-        if mrope is not None:
+        if self.mrope_positions is not None:
             sources = check_prompt_positions(
                 g, [None] * n if mrope_positions is None else mrope_positions, ctx, qlens)
         mask = None if owns_slot is None else self._owned(owns_slot, rows, qlens, ctx, t)
-        tables = self.tables
-        tables.prepare(rows, required_pages=layout.required_pages)  # validates every row
-        layout.write()  # nothing below can fail
-        cu = self.cu_seqlens_k.np
-        cu[0] = 0
-        np.cumsum(ctx, out=cu[1 : n + 1])
-        st.set_count(self.cu_seqlens_k, n + 1)
-        st.set_count(self.context_lens, n)
-        if mrope is not None:  # the planes replace the 1-D positions
-            write_prefill_planes(mrope.np, self.positions.np, qlens, ctx, sources, t)
-            st.set_count(mrope, 3 * t)
-            st.set_count(self.positions, None)
-        else:
-            st.set_count(self.positions, t)
-        if mask is not None:
-            self.slot_mapping.np[:t][~mask] = -1
-        st.set_count(self.slot_mapping, t)
-        stage = tables.stage(n) if publish_tables else ""
-        if not publish_tables:
-            st.set_count(self.block_tables, None)
-        return PrefillPlan(n, t, stage)
+        self._checked = (mask, sources)
 
     def _owned(self, owns_slot: Callable[[np.ndarray], np.ndarray], rows: Sequence[PageRow],
                qlens: np.ndarray, ctx: np.ndarray, t: int) -> np.ndarray:
