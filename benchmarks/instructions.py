@@ -12,8 +12,9 @@ rows, but **publish is not counted**: callgrind's collection is toggled off arou
   ``benchmarks/step_targets.py`` builds it);
 * ``v41``: ``TokenStepInputs.prepare`` + ``V41MetadataInputs.begin_step`` at bs=64, 128K
   contexts (``benchmarks/v41_step.py``'s batches); both groups published, not counted;
-* ``mtp``: ``DecodeStepInputs(max_drafts=1).prepare`` + ``tokens.prepare_spec_indices`` at
-  bs=64, 32K contexts, k=1 verify steps (``benchmarks/mtp_step.py``'s batches).
+* ``mtp``: ``DecodeStepInputs(max_drafts=1).prepare_verify`` (the step and its
+  verification indices in one call) at bs=64, 32K contexts, k=1 verify steps
+  (``benchmarks/mtp_step.py``'s batches).
 
 How: each run is a child Python process under ``valgrind --tool=callgrind
 --instr-atstart=no``, so the torch import and the setup run uninstrumented (about 5x
@@ -240,13 +241,12 @@ def _setup_mtp(warmup: int, built: int, extra: int) -> Setup:
     for b in (*warm, *work):
         b.columns, b.block_tables  # noqa: B018
     begin, finish, publish = state.begin, state.finish, state.publish
-    prepare, spec = _costlier(step.prepare, extra), step.tokens.prepare_spec_indices
+    prepare = _costlier(step.prepare_verify, extra)
 
     def loop(items: Sequence[Any], off: Callable[[], None], on: Callable[[], None]) -> None:
         for b in items:
             begin()
             prepare(b)
-            spec(b)
             off()
             publish(DECODE_STEP)
             on()

@@ -109,8 +109,7 @@ class Library:
     def publish(self, batch: ScheduledBatch) -> Any:
         st, step = self.state, self.step
         st.begin()
-        plan = step.prepare(batch)
-        step.tokens.prepare_spec_indices(batch)
+        plan = step.prepare_verify(batch)  # the step and its verification indices
         if self.gdn is not None:
             self.gdn.prepare(self.groups, num_accepted=self.accepted)
         st.publish(DECODE_STEP)

@@ -172,8 +172,7 @@ class MtpRunner:
         else:
             t0 = time.perf_counter_ns()
             st.begin()
-            plan = step.prepare(batch)
-            step.tokens.prepare_spec_indices(batch)
+            plan = step.prepare_verify(batch)  # the step and its verification indices
             if self.gdn is not None:
                 gplan = self.gdn.prepare(np.arange(n, dtype=np.int32),
                                          num_accepted=self.last_accepted + 1)

@@ -24,6 +24,7 @@ import torch
 
 from block_tables import LayoutPlan, RequestLayout
 from h2d_core import (
+    DRAFTS,
     PADDED_REQS,
     PADDED_TOKENS,
     CountError,
@@ -211,9 +212,12 @@ def test_declarations_name_the_plan_and_the_grouping() -> None:
                                                r"the layouts bind 2 plans"):
         LayoutStep(GROUP, s.state, s.layouts, None, (), bad)
     with pytest.raises(DeclarationError, match=r"counts 9; use REQS, PADDED_REQS, TOKENS, "
-                                               r"PADDED_TOKENS, PLAN_ROWS, OMITTED or "
-                                               r"STEP_COUNTS"):
+                                               r"PADDED_TOKENS, PLAN_ROWS, OMITTED, "
+                                               r"STEP_COUNTS or DRAFTS"):
         LayoutStep(GROUP, s.state, s.layouts, None, (), [CountRule(s.pos, 9)])
+    with pytest.raises(DeclarationError, match=r"buffer 'extra' counts DRAFTS, the sum of the "
+                                               r"layout's summed column; pass sum_column"):
+        LayoutStep(GROUP, s.state, s.layouts, None, (), [CountRule(s.extra, DRAFTS)])
     with pytest.raises(DeclarationError, match=r"bind \[2\] plans, grouped by 3"):
         LayoutStep(GROUP, s.state, s.layouts, None, (), rules, plan_group=3)
 

@@ -138,7 +138,13 @@ class RequestLayout:
     ``(context_len - 1) % page_size + 1`` (0 for padded requests), and ``context_prefix``
     int32 ``[requests + 1]``: the prefix of ``min(context_len, context_cap)`` (no cap:
     ``context_len``; the tail repeats the total), which :meth:`plan` refuses past int32.
-    ``name`` prefixes every error message.
+    ``drafts`` names a bound int32 per-request column of draft counts ``d`` (speculative
+    verification): :meth:`plan` refuses ``d < 0`` or ``d >= q`` (the last token of a
+    request is its bonus row) and more drafts in all than ``draft_targets`` holds, and
+    :meth:`write` fills ``draft_targets`` int64 (request ``r``'s target rows
+    ``cu[r] .. cu[r] + d_r - 1``, the drafts back to back), ``draft_prefix`` int32 (the
+    inclusive prefix of ``d``) and ``draft_bonus`` int64 (``cu[r] + d_r``), real requests
+    only; ``cu`` is the query prefix. ``name`` prefixes every error message.
     """
 
     name = cython.declare(str, visibility="readonly")
@@ -159,6 +165,10 @@ class RequestLayout:
     _last_page = cython.declare(cython.int[::1])
     _context_prefix = cython.declare(cython.int[::1])
     _context_cap = cython.declare(cython.longlong)
+    _draft_col = cython.declare(cython.Py_ssize_t)
+    _targets = cython.declare(cython.longlong[::1])
+    _draft_prefix = cython.declare(cython.int[::1])
+    _bonus = cython.declare(cython.longlong[::1])
     # the planned batch: a private copy of its lengths (the table's preparation runs
     # Python code between plan and write, which could change the caller's arrays)
     _q = cython.declare(cython.int[::1])
@@ -219,6 +229,10 @@ class RequestLayout:
         last_page_lens: np.ndarray | None = None,
         context_prefix: np.ndarray | None = None,
         context_cap: int | None = None,
+        drafts: str | None = None,
+        draft_targets: np.ndarray | None = None,
+        draft_prefix: np.ndarray | None = None,
+        draft_bonus: np.ndarray | None = None,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
     ) -> None:
@@ -246,6 +260,9 @@ class RequestLayout:
             "token_prefix": _array(name, "token_prefix", token_prefix, np.int32, 1),
             "last_page_lens": _array(name, "last_page_lens", last_page_lens, np.int32, 1),
             "context_prefix": _array(name, "context_prefix", context_prefix, np.int32, 1),
+            "draft_targets": _array(name, "draft_targets", draft_targets, np.int64, 1),
+            "draft_prefix": _array(name, "draft_prefix", draft_prefix, np.int32, 1),
+            "draft_bonus": _array(name, "draft_bonus", draft_bonus, np.int64, 1),
         }
         if context_cap is not None and (type(context_cap) is not int
                                         or not 1 <= context_cap <= _INT32_MAX):
@@ -275,7 +292,7 @@ class RequestLayout:
         for k, a in enumerate(copies, 1):
             self.arrays[f"cu_query[{k}]"] = a
             req_caps.append(a.size - 1)
-        for key in ("context_lens", "last_page_lens"):
+        for key in ("context_lens", "last_page_lens", "draft_prefix", "draft_bonus"):
             if key in self.arrays:
                 req_caps.append(self.arrays[key].size)
         for key in ("positions", "slot_mapping", "token_requests"):
@@ -312,6 +329,19 @@ class RequestLayout:
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
+        self._draft_col = -1
+        given = [a is not None for a in (draft_targets, draft_prefix, draft_bonus)]
+        if drafts is not None or any(given):
+            names = [spec[5] for spec in bound]
+            if (drafts not in names or not all(given)
+                    or bound[names.index(drafts)][0] != 0 or bound[names.index(drafts)][2]):
+                raise RequestLayoutError(
+                    f"{name}: drafts names a bound int32 per-request column and needs "
+                    "draft_targets, draft_prefix and draft_bonus; pass all four, or none")
+            self._draft_col = names.index(drafts)
+        self._targets = draft_targets
+        self._draft_prefix = draft_prefix
+        self._bonus = draft_bonus
         self._sums = [0] * len(bound)
         self._spare_sums = [0] * len(bound)
         bound_plans = []
@@ -523,6 +553,9 @@ class RequestLayout:
                     "array")
         sums: list = self._spare_sums
         mask: cython.longlong = _check_columns(name, self._columns, values, n, t, sums)
+        if self._draft_col >= 0:
+            _check_drafts(name, _ints(values[self._draft_col]), qv, n,
+                          self._targets.shape[0])
         # the whole batch passed: nothing below raises
         self._spare_sums = self._sums
         self._sums = sums
@@ -672,6 +705,24 @@ class RequestLayout:
                 prefix[i] = cython.cast(cython.int, t)
         values = self._values
         self._values = ()
+        if self._draft_col >= 0:  # verification rows: the drafts, then the bonus row
+            dv: cython.pointer[cython.int] = _ints(values[self._draft_col])
+            targets: cython.longlong[::1] = self._targets
+            dpre: cython.int[::1] = self._draft_prefix
+            bonus: cython.longlong[::1] = self._bonus
+            start: cython.longlong = 0
+            dsum: cython.longlong = 0
+            m: cython.Py_ssize_t = 0
+            d: cython.longlong
+            for i in range(n):
+                d = dv[i]
+                for j in range(d):
+                    targets[m] = start + j
+                    m += 1
+                dsum += d
+                dpre[i] = cython.cast(cython.int, dsum)
+                bonus[i] = start + d
+                start += own_q[i]
         spec: tuple
         for i in range(len(values)):
             spec = self._columns[i]
@@ -683,6 +734,26 @@ class RequestLayout:
             if self.plan_published[k] < 0:
                 self.plan_published[k] = self.plan_real[k]
         return self._total
+
+
+@cython.cfunc
+def _check_drafts(name: str, dv: cython.pointer[cython.int], qv: cython.pointer[cython.int],
+                  n: cython.Py_ssize_t, capacity: cython.Py_ssize_t) -> cython.void:
+    """Refuse a request verifying ``d < 0`` or ``d >= q`` drafts, or more drafts in all
+    than ``capacity``."""
+    i: cython.Py_ssize_t
+    total: cython.longlong = 0
+    for i in range(n):
+        if dv[i] < 0 or dv[i] >= qv[i]:
+            raise RequestLayoutError(
+                f"{name}: request {i} verifies {dv[i]} drafts with {qv[i]} query tokens; a "
+                "request verifies 0 <= drafts < its query tokens (the last token is the "
+                "bonus row)")
+        total += dv[i]
+    if total > capacity:
+        raise RequestLayoutError(
+            f"{name}: {total} draft tokens exceed draft_targets' capacity {capacity} "
+            "(max_reqs * max_drafts); raise max_drafts")
 
 
 @cython.cfunc

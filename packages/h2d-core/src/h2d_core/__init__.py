@@ -51,6 +51,7 @@ from .group import GroupCounters, GroupPlan
 from .producer import h2d_producer
 from .state import H2DRunnerState
 from .step import (
+    DRAFTS,
     OMITTED,
     PADDED_REQS,
     PADDED_TOKENS,
@@ -63,6 +64,7 @@ from .step import (
 )
 
 __all__ = [
+    "DRAFTS",
     "ENV_VAR",
     "OMITTED",
     "PADDED_REQS",

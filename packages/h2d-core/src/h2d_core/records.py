@@ -164,6 +164,8 @@ PADDED_TOKENS = 3
 PLAN_ROWS = 4
 OMITTED = 5
 STEP_COUNTS = 6
+#: the step's draft tokens: the sum of its layout's summed column (``sum_column``)
+DRAFTS = 7
 
 
 @cython.cclass
@@ -192,18 +194,19 @@ class CountProgram:
     @cython.wraparound(False)
     def store(self, record: GroupRecord, n: cython.longlong, p: cython.longlong,
               t: cython.longlong, pt: cython.longlong, uniform: cython.longlong,
-              plans: list | None = None) -> cython.bint:
+              plans: list | None = None, drafts: cython.longlong = 0) -> cython.bint:
         """Store every rule's count for ``n`` / ``p`` requests, ``t`` / ``pt`` tokens and
         ``plans`` (the layout's published rows per plan, ints; None without ``PLAN_ROWS``
-        rules). Returns False, storing nothing, when a count exceeds its member's largest
-        (the caller then raises the specific error the slow way)."""
+        rules) and ``drafts`` draft tokens. Returns False, storing nothing, when a count
+        exceeds its member's largest (the caller then raises the specific error the slow
+        way)."""
         rules = self._rules
         k: cython.Py_ssize_t
         v: cython.longlong
         for k in range(self._size):
             if rules[k, 3] == 5 or uniform & rules[k, 5]:  # OMITTED, or a uniform filter
                 continue
-            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6])
+            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6], drafts)
             if v < 0 or v > rules[k, 2]:
                 return False
         for k in range(self._size):
@@ -211,12 +214,12 @@ class CountProgram:
                 if record.counts[rules[k, 0]] is not None:
                     record.omit(rules[k, 0])
                 continue
-            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6])
+            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6], drafts)
             record.store_count(rules[k, 0], v, rules[k, 1])
         return True
 
     def values(self, n: int, p: int, t: int, pt: int, uniform: int,
-               plans: list | None = None) -> tuple[int | None, ...]:
+               plans: list | None = None, drafts: int = 0) -> tuple[int | None, ...]:
         """The counts :meth:`store` would store (None: omitted), for the slow path."""
         out: list[int | None] = []
         for row in range(self._size):
@@ -224,7 +227,7 @@ class CountProgram:
                 out.append(None)
                 continue
             out.append(int(self._rules[row, 4]) + int(_counted(
-                self._rules[row, 3], n, p, t, pt, plans, self._rules[row, 6])))
+                self._rules[row, 3], n, p, t, pt, plans, self._rules[row, 6], drafts)))
         return tuple(out)
 
 
@@ -234,7 +237,7 @@ class CountProgram:
 @cython.wraparound(False)
 def _counted(what: cython.longlong, n: cython.longlong, p: cython.longlong,
              t: cython.longlong, pt: cython.longlong, plans: list | None,
-             plan: cython.longlong) -> cython.longlong:
+             plan: cython.longlong, drafts: cython.longlong) -> cython.longlong:
     """The quantity ``what`` names; literals, as the module's ``REQS`` ... are Python
     objects (comparing a C int with one costs a call). A plan index outside ``plans``
     (or no ``plans``) counts -1: out of range, so the caller takes the slow path, which
@@ -249,6 +252,8 @@ def _counted(what: cython.longlong, n: cython.longlong, p: cython.longlong,
         return pt
     if what == 6:  # STEP_COUNTS: (n, p, t, pt)
         return 4
+    if what == 7:  # DRAFTS
+        return drafts
     if plans is None or not 0 <= plan < len(plans):  # PLAN_ROWS
         return -1
     return plans[plan]

@@ -31,6 +31,7 @@ from h2d_kernels import RANGE_OVERHEAD
 
 from .errors import CountError, DeclarationError, DuplicatePublicationError
 from .records import (
+    DRAFTS,
     OMITTED,
     PADDED_REQS,
     PADDED_TOKENS,
@@ -65,7 +66,8 @@ class CountRule(NamedTuple):
     ``TOKENS``, ``PADDED_TOKENS``, ``PLAN_ROWS``: the published rows of the layout's
     plan ``plan``, or ``STEP_COUNTS``: an int32 member of at least 4 elements into which
     the step writes its counts ``(num_reqs, padded_reqs, num_tokens, padded_tokens)``, for
-    first consumers that read them on the device) plus ``plus``; omitted (None) when
+    first consumers that read them on the device; or ``DRAFTS``: the sum of the layout's
+    summed column, the step's draft tokens) plus ``plus``; omitted (None) when
     ``what`` is ``OMITTED`` (a member of the group this step leaves out) or the layout's
     ``uniform_mask`` has a bit of
     ``omit_if_uniform`` set (a per-request filter whose values are all equal travels as a
@@ -280,11 +282,15 @@ class LayoutStep:
                 "by a divisor of their number")
         for r in counts:
             if r.what not in (REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED,
-                              STEP_COUNTS):
+                              STEP_COUNTS, DRAFTS):
                 raise DeclarationError(
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts {r.what!r}; use "
-                    "REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED or "
-                    "STEP_COUNTS")
+                    "REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED, "
+                    "STEP_COUNTS or DRAFTS")
+            if r.what == DRAFTS and sum_column < 0:
+                raise DeclarationError(
+                    f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts DRAFTS, the sum of "
+                    "the layout's summed column; pass sum_column")
             if r.what == PLAN_ROWS and (type(r.plan) is not int
                                         or not 0 <= r.plan < num_plans):
                 raise DeclarationError(
@@ -342,13 +348,15 @@ class LayoutStep:
             self._snapshots[slot].prepare(rows, required_pages=layout.required_pages)
         total: cython.longlong = layout.write()
         uniform: cython.longlong = layout.uniform_mask
+        summed: cython.longlong = (layout.column_sum(self._sum_column)
+                                   if self._sum_column >= 0 else 0)
         # the written batch's published rows per plan: the layout's own list, read in place
         published: list | None = layout.plan_published if self._num_plans else None
         records: list = st._slot_groups[slot]
         if self._record_index < 0 or not self._program.store(
-                records[self._record_index], n, p, t, pt, uniform, published):
+                records[self._record_index], n, p, t, pt, uniform, published, summed):
             # members in several records, or a count out of range (the specific error)
-            self._slow.set(*self._program.values(n, p, t, pt, uniform, published))
+            self._slow.set(*self._program.values(n, p, t, pt, uniform, published, summed))
         if self._has_counts:  # the counts fused consumers read on the device
             out: cython.pointer[cython.int] = cython.cast(cython.pointer[cython.int],
                                                           self._count_addrs[slot])
@@ -360,8 +368,7 @@ class LayoutStep:
         if published is not None:
             self._note_rows(layout.plan_real, published)
         q = layout.max_query_len
-        return (n, p, q if q > 0 else 1, t, pt, total, staged, uniform,
-                layout.column_sum(self._sum_column) if self._sum_column >= 0 else 0)
+        return (n, p, q if q > 0 else 1, t, pt, total, staged, uniform, summed)
 
     @cython.cfunc
     @cython.boundscheck(False)

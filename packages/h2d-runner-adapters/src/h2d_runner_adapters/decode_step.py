@@ -29,8 +29,10 @@ from typing import NamedTuple
 
 from block_tables.native import refuse_interpreted
 from h2d_core import (
+    DRAFTS,
     PADDED_REQS,
     PADDED_TOKENS,
+    REQS,
     CountRule,
     DeclarationError,
     H2DRunnerState,
@@ -152,6 +154,7 @@ class DecodeStepInputs:
         refuse_interpreted(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice
         self._step: LayoutStep | None = None  # bound on first use (after bind)
+        self._verify: LayoutStep | None = None  # prepare_verify's, bound on first use
 
     @property
     def native(self) -> bool:
@@ -184,14 +187,58 @@ class DecodeStepInputs:
             _new(DecodePlan, (n, p, q, t, pt, total, stage)),
         ))
 
-    def _bind(self) -> LayoutStep:
+    @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, SPEC_INDICES, MHA_DECODE)
+    def prepare_verify(self, batch: ScheduledBatch, padded: int | None = None
+                       ) -> DecodeStepPlan:
+        """A speculative verify step in one call: :meth:`prepare` plus the verification
+        indices :meth:`TokenInputs.prepare_spec_indices` writes (target and bonus logits
+        rows, the draft prefix), from ``batch.columns.num_drafts``; the indices ride in the
+        same DMA. Needs ``max_drafts > 0``. Checked whole before any write, as
+        :meth:`prepare`."""
+        tokens = self.tokens
+        step = self._verify
+        if step is None:
+            if not tokens.max_drafts:
+                raise DeclarationError(
+                    f"{self.group}: prepare_verify needs speculative buffers; construct "
+                    "with max_drafts=k")
+            step = self._verify = self._bind(verify=True)
+        cols = batch.columns
+        n = len(cols.query_lens)
+        p = -1 if padded is None else padded_count(self.group, n, padded)
+        n, p, q, t, pt, total, stage, uniform, drafts = step.run(
+            cols.query_lens, cols.context_lens, batch.block_tables, p, -1,
+            (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+             cols.token_ids, cols.num_drafts))
+        # prepare_spec_indices' cache of what the slot's sources hold is stale now
+        tokens._spec_written[self.h2d_state.current_slot] = None
+        return _new(DecodeStepPlan, (
+            sampling_plan(cols, n, uniform),
+            _new(TokenPlan, (n, p, t, pt, drafts)),
+            _new(DecodePlan, (n, p, q, t, pt, total, stage)),
+        ))
+
+    def _bind(self, verify: bool = False) -> LayoutStep:
         s, t, d = self.sampling, self.tokens, self.decode
+
+        def drafts(slot: int) -> dict[str, object]:
+            return {"drafts": "num_drafts",
+                    "draft_targets": t.target_logits_indices.source(slot).numpy(),
+                    "draft_prefix": t.cu_num_draft_tokens.source(slot).numpy(),
+                    "draft_bonus": t.bonus_logits_indices.source(slot).numpy()}
+
         layouts = d.request_layouts(
             self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),
-            columns=lambda slot: step_columns(s, t, slot))
-        rules = (*step_counts(s, t),
+            columns=lambda slot: step_columns(s, t, slot), outputs=drafts if verify else None)
+        rules = [*step_counts(s, t),
                  CountRule(d.positions, PADDED_TOKENS), CountRule(d.slot_mapping, PADDED_TOKENS),
-                 CountRule(d.context_lens, PADDED_REQS), CountRule(d.kv_indptr, PADDED_REQS, 1))
-        self._step = LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
-                                rules, sum_column=5, error=AdapterInputError)
-        return self._step
+                 CountRule(d.context_lens, PADDED_REQS), CountRule(d.kv_indptr, PADDED_REQS, 1)]
+        if verify:  # the verification indices: real requests, the step's draft tokens
+            rules += [CountRule(t.target_logits_indices, DRAFTS),
+                      CountRule(t.cu_num_draft_tokens, REQS),
+                      CountRule(t.bonus_logits_indices, REQS)]
+        step = LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
+                          rules, sum_column=5, error=AdapterInputError)
+        if not verify:
+            self._step = step
+        return step

@@ -144,13 +144,15 @@ class MhaDecodeInputs(PagedInputs):
         *,
         cu_query: tuple[H2DBuffer, ...] = (),
         columns: Callable[[int], Sequence[LayoutColumn]] | None = None,
+        outputs: Callable[[int], dict[str, Any]] | None = None,
         native: bool | None = None,
     ) -> list[RequestLayout]:
         """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
         (positions, KV slots, context lengths, KV prefix), reading the slot's prepared
-        table; plus the query prefix into each ``cu_query`` buffer and the columns
+        table; plus the query prefix into each ``cu_query`` buffer, the columns
         ``columns(slot)`` gives over that slot's sources (a fused step's sampling and
-        token columns). After ``bind()``; ``native`` as for the snapshots (compiled only;
+        token columns) and the further outputs ``outputs(slot)`` names (a verify step's
+        draft indices). After ``bind()``; ``native`` as for the snapshots (compiled only;
         False is refused)."""
         refuse_interpreted(native, name)
         snapshots = self.tables.snapshots
@@ -165,7 +167,7 @@ class MhaDecodeInputs(PagedInputs):
                 kv_page_indptr=src[3],
                 cu_query=tuple(b.source(slot).numpy() for b in cu_query),
                 columns=() if columns is None else columns(slot),
-                **self._layout_outputs(slot)))
+                **self._layout_outputs(slot), **({} if outputs is None else outputs(slot))))
         return out
 
     def _layout_outputs(self, slot: int) -> dict[str, Any]:

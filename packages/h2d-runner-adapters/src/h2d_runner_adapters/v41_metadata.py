@@ -49,7 +49,6 @@ from block_tables import (
     LayoutColumn,
     LayoutPlan,
     RequestLayout,
-    RequestLayoutError,
 )
 from block_tables.lineage import LENGTH_BITS
 from block_tables.native import refuse_interpreted
@@ -58,8 +57,9 @@ from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
     PLAN_ROWS,
+    REQS,
     STEP_COUNTS,
-    CountBatch,
+    TOKENS,
     CountRule,
     DeclarationError,
     FusedConsumer,
@@ -369,8 +369,8 @@ class V41MetadataInputs(PagedInputs):
         self._pad_rows: list[BlockTable] = [BlockTable([dummy_block])] * max_reqs
         self._layouts: list[RequestLayout] = []
         self._prefill_layouts: list[RequestLayout] = []
-        self._counts: CountBatch | None = None
         self._step: LayoutStep | None = None  # the decode step, bound on first use
+        self._prefill_step: LayoutStep | None = None  # the prefill step, bound with it
         # What the last accepted steps proved free of the dummy slot and block, so that a
         # steady decode step re-checks neither (two bytes compares): the state-slot
         # columns' bytes, and per runner slot the row keys (BlockTable._key: version <<
@@ -410,15 +410,6 @@ class V41MetadataInputs(PagedInputs):
                            for b, tail in ((cb, False), (wb, True))])
             self._layouts.append(layout(True))
             self._prefill_layouts.append(layout(False))
-        members = [self.positions, self.token_batch_ids, self.seq_lens, self.state_slot_out,
-                   self.state_slot_in, self.chunk_starts]
-        for cb, wb in zip(self.compress_plans, self.write_plans, strict=True):
-            members += [cb, wb]
-        if self.qo_indptr is not None:
-            members.append(self.qo_indptr)
-        if self.step_counts is not None:
-            members.append(self.step_counts)
-        self._counts = self.h2d_state.count_batch(members, native=self.native)
         # decode: the graph grid; chunk starts are prefill's; plan k's published rows
         rules = [CountRule(self.positions, PADDED_TOKENS),
                  CountRule(self.token_batch_ids, PADDED_TOKENS),
@@ -436,6 +427,17 @@ class V41MetadataInputs(PagedInputs):
         # plan_rows: per ratio (real compress rows, published, real write rows, published)
         self._step = LayoutStep(self.group, self.h2d_state, self._layouts, self.tables,
                                 self._pad_rows, rules, error=AdapterInputError, plan_group=2)
+        # prefill: eager (the real counts), the chunk starts instead of the decode-only
+        # members, the eager plans' published rows
+        prefill = [CountRule(self.positions, TOKENS), CountRule(self.token_batch_ids, TOKENS),
+                   CountRule(self.seq_lens, REQS), CountRule(self.state_slot_out, REQS),
+                   CountRule(self.state_slot_in, REQS), CountRule(self.chunk_starts, REQS)]
+        prefill += rules[6: 6 + 2 * len(self.ratios)]  # the plans: PLAN_ROWS as decode
+        prefill += [CountRule(b, OMITTED) for b in (self.qo_indptr, self.step_counts)
+                    if b is not None]
+        self._prefill_step = LayoutStep(self.group, self.h2d_state, self._prefill_layouts,
+                                        self.tables, (), prefill, error=AdapterInputError,
+                                        plan_group=2)
         return self._step
 
     # -- the producer --------------------------------------------------------------------
@@ -485,31 +487,20 @@ class V41MetadataInputs(PagedInputs):
         n = cols.query_lens.size
         slot = self.h2d_state.current_slot
         keys = self._check_rows(block_tables, n, slot)
-        if not self._layouts:
+        if self._step is None:
             self._bind()
-        layout = self._prefill_layouts[slot]
         qlens, ctx = cols.query_lens, cols.context_lens
-        t = int(np.add.reduce(qlens, dtype=np.int64)) if n else 0
         # int32 columns, so the difference fits int64; a negative start (context shorter
         # than the chunk) is refused by the plan below before this array is copied anywhere
         starts = np.subtract(ctx, qlens, dtype=np.int32) if n else qlens
-        try:
-            layout.plan(qlens, ctx, n, t, (cols.state_slots_out, cols.state_slots_in, starts))
-        except RequestLayoutError as exc:
-            raise AdapterInputError(str(exc)) from exc
-        tables = self.tables
-        tables.prepare(block_tables, required_pages=layout.required_pages)
-        layout.write()
+        # plan (eager: exactly the tokens), prepare the rows, write, count, stage: one call
+        # (qo_indptr and the fused decode consumer's counts are left out)
+        n, _, q, t, _, _, stage, _, _ = self._prefill_step.run(  # type: ignore[union-attr]
+            qlens, ctx, block_tables, -1, -1,
+            (cols.state_slots_out, cols.state_slots_in, starts))
         self._remember(slot, slots_proof, keys)
-        counts: list[int | None] = [t, t, n, n, n, n]
-        plan_rows = self._plan_rows(layout, counts)
-        if self.qo_indptr is not None:
-            counts.append(None)
-        if self.step_counts is not None:  # prefill: the fused decode consumer reads 0
-            counts.append(None)
-        self._counts.set(*counts)  # type: ignore[union-attr]
-        stage = tables.stage(n)
-        return V41Plan(n, n, t, t, layout.max_query_len, plan_rows, stage)
+        return V41Plan(n, n, t, t, q if n else 0, self._prefill_step.plan_rows,  # type: ignore[union-attr]
+                       stage)
 
     # -- input checks (before any write) -------------------------------------------------
     def _span_columns(self, spans: Sequence[RequestSpan] | SpanColumns
@@ -643,18 +634,6 @@ class V41MetadataInputs(PagedInputs):
             self.chunk_starts.gpu, self.prefill_indptrs, num_tokens=plan.num_tokens,
             num_reqs=plan.num_reqs, window=self.window, index_topk=self.index_topk,
             pcp_rank=pcp_rank, pcp_size=pcp_size)
-
-    def _plan_rows(self, layout: RequestLayout, counts: list[int | None]
-                   ) -> tuple[tuple[int, int, int, int], ...]:
-        """Per ratio (real compress rows, published, real write rows, published) of the
-        written batch; appends the published counts to ``counts`` in member order."""
-        out = []
-        for k in range(0, 2 * len(self.ratios), 2):
-            real_c, c = layout.plan_rows(k)
-            real_w, w = layout.plan_rows(k + 1)
-            counts += [c, w]
-            out.append((real_c, c, real_w, w))
-        return tuple(out)
 
     def write_decode_window_indices(self, plan: V41Plan, geometry: WindowGeometry,
                                     out: DecodeWindowIndices) -> DecodeWindowIndices:
