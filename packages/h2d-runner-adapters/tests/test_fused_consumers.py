@@ -1,4 +1,5 @@
-"""KV-index generation fused into the decode step's publication (``fuse_kv_indices``).
+"""KV-index generation and token assembly fused into the decode step's publication
+(``fuse_kv_indices``, ``fuse_token_assembly``).
 
 The oracle is a plain host computation of ``kv_indices`` from the batch's own page rows
 (the spec's rule: row ``r``'s first ``ceil(context / page)`` page ids, rows back to back,
@@ -14,6 +15,9 @@ padded requests owning none), not the eager launch of the same kernel.
   nothing, and the step can still be published.
 * Declaration errors: after ``bind()``, a foreign buffer, a CPU state without the Triton
   interpreter.
+* Token assembly: the deferred requests' ids come from the engine's sampled-token buffer
+  (the oracle: ``prev[src, 0]`` for a deferred request, the staged id otherwise), filled by
+  the publication itself; ``tokens.assemble`` launches nothing and refuses another buffer.
 """
 
 from __future__ import annotations
@@ -177,3 +181,43 @@ def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(DeclarationError, match="TRITON_INTERPRET=1"):
         DecodeStepInputs(st, max_reqs=2, max_tokens=2, max_pages_per_req=2, page_size=PAGE,
                          fuse_kv_indices=True)
+
+
+def test_fused_token_assembly_fills_deferred_ids(device: str) -> None:
+    ah.need_kernels(device)
+    from h2d_runner_adapters import DECODE_STEP
+    from h2d_runner_adapters.checks import AdapterInputError
+
+    prev = torch.zeros(MAX_REQS, 2, dtype=torch.int32, device=device)
+    st = H2DRunnerState(device, backend="packed", scatter=ah.scatter_for(device))
+    step = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                            max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=512,
+                            max_ranges=4, fuse_kv_indices=True, fuse_token_assembly=prev)
+    st.bind()
+    assert step.tokens.assembly_consumer is not None and step.tokens.assembly_consumer.fused
+    rng = np.random.default_rng(5)
+    for k, (ctx, tables, padded) in enumerate(_schedule(11)):
+        n = len(ctx)
+        prev.copy_(torch.from_numpy(rng.integers(1000, 9000, (MAX_REQS, 2), dtype=np.int32)))
+        src = rng.integers(-1, MAX_REQS, n).astype(np.int32)  # -1: staged from the host
+        batch = _batch(ctx, tables, padded)
+        batch.columns.prev_sample_rows[:] = src
+        batch.columns.token_ids[:] = 1 + k * 100 + np.arange(n)
+        st.begin()
+        plan = step.prepare(batch, padded)
+        st.publish(DECODE_STEP)
+        ids = step.tokens.assemble(plan.tokens, prev)  # launches nothing: fused
+        st.finish()
+        ah.sync(device)
+        host = prev.cpu().numpy()
+        want = [int(host[s, 0]) if s >= 0 else 1 + k * 100 + i for i, s in enumerate(src)]
+        assert ids[:n].cpu().tolist() == want, k
+        assert ids[n: plan.tokens.padded_tokens].cpu().tolist() == [0] * (
+            plan.tokens.padded_tokens - n)
+    st.begin()
+    plan = step.prepare(batch, padded)
+    st.publish(DECODE_STEP)
+    with pytest.raises(AdapterInputError, match=r"reads the prev_sampled given to "
+                                                r"fuse_assembly; pass that tensor"):
+        step.tokens.assemble(plan.tokens, prev.clone())
+    st.finish()

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import torch
+
 from block_tables.native import refuse_interpreted
 from h2d_core import (
     DRAFTS,
@@ -75,7 +77,10 @@ class DecodeStepInputs:
     runs compiled (None and True), and False, the removed interpreted mode, is refused.
     ``fuse_kv_indices`` puts KV-index generation inside the step's publication (its CUDA
     graphs, counts read on the device): ``decode.generate_kv_indices(plan)`` then launches
-    nothing (see :class:`MhaDecodeInputs`).
+    nothing (see :class:`MhaDecodeInputs`). ``fuse_token_assembly`` (the engine's
+    persistent int32 ``[rows, W]`` buffer of the previous step's sampled tokens) puts token
+    assembly there too: ``tokens.assemble(plan, that_buffer)`` then launches nothing (see
+    :meth:`TokenInputs.fuse_assembly`).
     """
 
     def __init__(
@@ -92,6 +97,7 @@ class DecodeStepInputs:
         extra_groups: Sequence[str] = (),
         native: bool | None = None,
         fuse_kv_indices: bool = False,
+        fuse_token_assembly: torch.Tensor | None = None,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
@@ -103,6 +109,8 @@ class DecodeStepInputs:
                             fuse_kv_indices=fuse_kv_indices),
             DECODE_STEP, native, tuple(extra_groups),
         )
+        if fuse_token_assembly is not None:
+            self.tokens.fuse_assembly(fuse_token_assembly)
 
     @classmethod
     def from_adapters(

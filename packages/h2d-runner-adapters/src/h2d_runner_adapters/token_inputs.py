@@ -10,8 +10,9 @@ publication group (or a combined step group that includes them):
 * ``spec_indices``: ``target_logits_indices`` (int64), ``cu_num_draft_tokens`` and
   ``bonus_logits_indices`` (int64), for speculative verification.
 
-First consumers: token assembly (:func:`assemble_token_ids` fills deferred ids on the GPU),
-then the draft-ID gather.
+First consumers: token assembly (:func:`assemble_token_ids` fills deferred ids on the GPU;
+with :meth:`TokenInputs.fuse_assembly` it runs inside the publication's CUDA graphs, its
+request count read on the device), then the draft-ID gather.
 
 CUDA-graph padding (``padded`` > ``n`` requests, decode): ``cu_seqlens_q`` and ``decode_cu``
 repeat their last real value up to entry ``padded`` (padded requests own no tokens);
@@ -35,11 +36,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
+from h2d_core import DeclarationError, FusedConsumer, H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, padded_count
 from .consumers import assemble_token_ids, gather_draft_ids
+from .consumers._launch import check_tensor, interpreted
+from .consumers.token_assembly import _assemble_kernel, launch_assembly_from_header
 from .sampling import SAMPLING, refuse_column
 
 TOKEN_IDS = "token_ids"
@@ -87,6 +90,39 @@ class TokenInputs:
                                            group=SPEC_INDICES)
             self.bonus_logits_indices = buf("bonus_logits_indices", (max_reqs,), torch.int64,
                                             group=SPEC_INDICES)
+        #: token assembly fused into the publication (fuse_assembly), and what it reads
+        self.assembly_consumer: FusedConsumer | None = None
+        self._fused_prev: torch.Tensor | None = None
+
+    def fuse_assembly(self, prev_sampled: torch.Tensor) -> FusedConsumer:
+        """Put token assembly inside the publication of the group carrying ``decode_cu``
+        (its CUDA graphs), reading ``prev_sampled`` (int32 ``[rows, W]`` on the state's
+        device: the engine's persistent buffer of the previous step's sampled tokens, the
+        same tensor every step). Declare before ``bind()``; after it the handle's ``fused``
+        says whether the publication runs it (a packed group), and :meth:`assemble` then
+        launches nothing."""
+        st = self.h2d_state
+        prev = check_tensor("fuse_assembly", "prev_sampled", prev_sampled, dtype=torch.int32,
+                            ndim=2, unit_stride=False)
+        if prev.device != st.device:
+            raise DeclarationError(
+                f"{TOKEN_IDS}: fuse_assembly's prev_sampled lives on {prev.device}, the state "
+                f"on {st.device}; pass the engine's sampled-token buffer on {st.device}")
+        if st.device.type == "cpu" and not interpreted(_assemble_kernel):
+            raise DeclarationError(
+                f"{TOKEN_IDS}: fused token assembly on a CPU state runs the Triton kernel in "
+                "its interpreter: set TRITON_INTERPRET=1 before triton is imported")
+        if self.assembly_consumer is not None:
+            raise DeclarationError(f"{TOKEN_IDS}: token assembly is already fused")
+        self._fused_prev = prev
+        self.assembly_consumer = st.fuse_consumer(f"{TOKEN_IDS}.assembly", [self.decode_cu],
+                                                  self._enqueue_assembly)
+        return self.assembly_consumer
+
+    def _enqueue_assembly(self, header: torch.Tensor, rows: tuple[int, ...]) -> None:
+        assert self._fused_prev is not None
+        launch_assembly_from_header(self.input_ids.gpu, self.decode_cu.gpu,
+                                    self.decode_src.gpu, self._fused_prev, header, rows[0])
 
     @property
     def producer_groups(self) -> tuple[str, ...]:
@@ -229,7 +265,17 @@ class TokenInputs:
     # -- first consumers --------------------------------------------------------------------
     def assemble(self, plan: TokenPlan, prev_sampled: torch.Tensor) -> torch.Tensor:
         """Token assembly: fill deferred ids from ``prev_sampled`` (int32 [rows, W]);
-        returns the step's ``input_ids`` view (padding included)."""
+        returns the step's ``input_ids`` view (padding included). Fused
+        (:meth:`fuse_assembly` on a packed group), the publication already enqueued it: this
+        launches nothing, and ``prev_sampled`` must be the tensor the fusion reads."""
+        fused = self.assembly_consumer
+        if fused is not None and fused.fused:
+            if prev_sampled is not self._fused_prev:
+                raise AdapterInputError(
+                    f"{TOKEN_IDS}: token assembly is fused into the publication and reads "
+                    "the prev_sampled given to fuse_assembly; pass that tensor (or declare "
+                    "without the fusion)")
+            return self.input_ids.gpu[: plan.padded_tokens]
         assemble_token_ids(self.input_ids.gpu, self.decode_cu.gpu, self.decode_src.gpu,
                            prev_sampled, plan.padded_reqs)
         return self.input_ids.gpu[: plan.padded_tokens]

@@ -24,6 +24,10 @@ carry ``decode_src = -1``; either alone makes them write nothing. A source row
 outside ``[0, R_prev)`` writes nothing (there is nothing valid to read); a span
 longer than ``W`` gets its first ``W`` tokens and keeps the staged rest, since
 the previous step sampled no more than ``W`` tokens for it.
+
+Fused into the publication (:func:`launch_assembly_from_header`), the request count is
+``decode_cu``'s published entries minus one, read from the arena header on the device, over
+a grid of every request ``decode_cu`` can hold: one captured launch serves every step.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ REQUESTS_PER_PROGRAM = 128
 """Requests one program handles: decode spans are short, so many share a program."""
 
 
-@triton.jit(do_not_specialize=["num_ids", "prev_rows", "num_reqs"])
+@triton.jit(do_not_specialize=["num_ids", "prev_rows", "num_reqs", "header_row"])
 def _assemble_kernel(  # type: ignore[no-untyped-def]
     input_ids_ptr,  # *i32 [num_ids]
     num_ids,  # i32: elements of input_ids (writes stay below it)
@@ -56,10 +60,16 @@ def _assemble_kernel(  # type: ignore[no-untyped-def]
     prev_stride0,
     prev_stride1,
     width,  # i32: W, columns of prev_sampled
-    num_reqs,  # i32: requests to process, graph padding included
+    num_reqs,  # i32: requests to process, graph padding included (FROM_HEADER: the most)
+    header_ptr,  # *i64 [rows, 4]: the arena header the publication's DMA carried
+    header_row,  # decode_cu's row: column 1 holds its published bytes
     BLOCK_R: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    FROM_HEADER: tl.constexpr,
 ):
+    if FROM_HEADER:  # fused into the publication's graph: this step's requests, on the device
+        cu_bytes = tl.load(header_ptr + header_row * 4 + 1)
+        num_reqs = tl.minimum(tl.maximum(cu_bytes // 4 - 1, 0), num_reqs).to(tl.int32)
     reqs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = reqs < num_reqs
     src = tl.load(decode_src_ptr + reqs, mask=live, other=-1)
@@ -108,6 +118,28 @@ def assemble_token_ids(
         decode_src=decode_src,
         prev_sampled=prev_sampled,
     )
+    _launch(input_ids, decode_cu, decode_src, prev_sampled, num_reqs, decode_cu, 0, False)
+
+
+def launch_assembly_from_header(
+    input_ids: torch.Tensor,
+    decode_cu: torch.Tensor,
+    decode_src: torch.Tensor,
+    prev_sampled: torch.Tensor,
+    header: torch.Tensor,
+    header_row: int,
+) -> None:
+    """The same kernel, fused into a publication: the request count is ``decode_cu``'s
+    published entries minus one, read from ``header[header_row, 1]`` (bytes) on the device;
+    the grid covers every request ``decode_cu`` can hold. Arguments are checked once, by
+    the adapter that declares the fusion."""
+    _launch(input_ids, decode_cu, decode_src, prev_sampled, decode_cu.numel() - 1, header,
+            header_row, True)
+
+
+def _launch(input_ids: torch.Tensor, decode_cu: torch.Tensor, decode_src: torch.Tensor,
+            prev_sampled: torch.Tensor, num_reqs: int, header: torch.Tensor, header_row: int,
+            from_header: bool) -> None:
     prev_rows, width = prev_sampled.shape
     grid = (cdiv(bucket(num_reqs), REQUESTS_PER_PROGRAM),)
     _assemble_kernel[grid](
@@ -121,6 +153,9 @@ def assemble_token_ids(
         prev_sampled.stride(1),
         width,
         num_reqs,
+        header,  # unread unless from_header
+        header_row,
         BLOCK_R=REQUESTS_PER_PROGRAM,
         BLOCK_W=next_power_of_two(width),
+        FROM_HEADER=from_header,
     )
