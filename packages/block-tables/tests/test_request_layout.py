@@ -660,3 +660,36 @@ def test_a_context_prefix_past_int32_is_refused_and_changes_nothing() -> None:
     assert prefix.tolist()[:3] == [0, 2**31 - 2, 2**31 - 1]
     with pytest.raises(RequestLayoutError, match=r"context_cap must be None or an int"):
         RequestLayout("mla", 16, None, None, context_prefix=prefix, context_cap=0)
+
+
+def test_state_slot_outputs_and_mrope_planes_from_their_definitions() -> None:
+    """GDN's state slots (``g * k1``, a fork's ``f * k1``, rows ``g * k1 + j``, -1 for padded
+    requests) and MRoPE's three planes at stride ``padded_tokens`` (position + delta, 0 for
+    padding), hand-computed; entries past the padded counts keep what they held."""
+    base, read = np.full(4, 99, np.int32), np.full(4, 99, np.int32)
+    rows = np.full(8, 99, np.int32)
+    layout = RequestLayout(
+        "gdn", 1, None, None,
+        columns=[LayoutColumn("groups", low=0, high=9), LayoutColumn("forks", low=-1, high=9)],
+        state_groups="groups", state_forks="forks", slots_per_group=2, state_base=base,
+        state_read=read, state_rows=rows)
+    ones = np.ones(2, np.int32)
+    layout.plan(ones, ones, 3, -1, (np.array([3, 0], np.int32), np.array([-1, 5], np.int32)))
+    layout.write()
+    assert base.tolist() == [6, 0, -1, 99] and read.tolist() == [6, 10, -1, 99]
+    assert rows.tolist() == [6, 7, 0, 1, -1, -1, 99, 99]
+    with pytest.raises(RequestLayoutError, match=r"gdn: request 1 has forks=-2; forks must"):
+        layout.plan(ones, ones, 3, -1, (np.array([3, 0], np.int32),
+                                        np.array([-1, -2], np.int32)))
+    planes = np.full(3 * 6, 99, np.int64)
+    mrope = RequestLayout("vl", 16, np.zeros((2, 4), np.int32), np.zeros(2, np.int32),
+                          columns=[LayoutColumn("deltas")], mrope="deltas",
+                          mrope_planes=planes)
+    # request 0: 2 tokens at positions 8, 9 (delta -3); request 1: 1 token at 4 (delta 7)
+    mrope.plan(np.array([2, 1], np.int32), np.array([10, 5], np.int32), 2, 5,
+               (np.array([-3, 7], np.int32),))
+    mrope.write()
+    plane = [5, 6, 11, 0, 0]
+    assert planes.tolist() == plane * 3 + [99] * 3
+    with pytest.raises(RequestLayoutError, match=r"mrope names a bound int32 per-request"):
+        RequestLayout("vl", 16, None, None, mrope="deltas", mrope_planes=planes)

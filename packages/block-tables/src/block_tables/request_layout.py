@@ -144,7 +144,17 @@ class RequestLayout:
     :meth:`write` fills ``draft_targets`` int64 (request ``r``'s target rows
     ``cu[r] .. cu[r] + d_r - 1``, the drafts back to back), ``draft_prefix`` int32 (the
     inclusive prefix of ``d``) and ``draft_bonus`` int64 (``cu[r] + d_r``), real requests
-    only; ``cu`` is the query prefix. ``name`` prefixes every error message.
+    only; ``cu`` is the query prefix. ``mrope`` names a bound int32 per-request column
+    of MRoPE position deltas: :meth:`write` fills ``mrope_planes`` int64 (three planes at
+    the running width as their stride, ``3 * padded_tokens`` entries: every plane of a
+    token holds its position plus its request's delta, 0 for padding tokens).
+    ``state_groups`` names a bound int32 per-request column of state groups ``g`` (a
+    recurrent model's state pool, ``slots_per_group`` consecutive slots per group; the
+    column's bounds keep every slot in the pool): :meth:`write` fills ``state_base``
+    (``g * slots_per_group``), ``state_read`` (the same, or ``f * slots_per_group`` where
+    the ``state_forks`` column names a fork source ``f >= 0``) and ``state_rows``
+    (``[requests, slots_per_group]``: ``g * slots_per_group + j``), each -1 for padded
+    requests. ``name`` prefixes every error message.
     """
 
     name = cython.declare(str, visibility="readonly")
@@ -169,6 +179,14 @@ class RequestLayout:
     _targets = cython.declare(cython.longlong[::1])
     _draft_prefix = cython.declare(cython.int[::1])
     _bonus = cython.declare(cython.longlong[::1])
+    _mrope_col = cython.declare(cython.Py_ssize_t)
+    _group_col = cython.declare(cython.Py_ssize_t)
+    _fork_col = cython.declare(cython.Py_ssize_t)
+    _per_group = cython.declare(cython.int)
+    _state_base = cython.declare(cython.int[::1])
+    _state_read = cython.declare(cython.int[::1])
+    _state_rows = cython.declare(cython.int[::1])
+    _planes = cython.declare(cython.longlong[::1])
     # the planned batch: a private copy of its lengths (the table's preparation runs
     # Python code between plan and write, which could change the caller's arrays)
     _q = cython.declare(cython.int[::1])
@@ -233,6 +251,14 @@ class RequestLayout:
         draft_targets: np.ndarray | None = None,
         draft_prefix: np.ndarray | None = None,
         draft_bonus: np.ndarray | None = None,
+        mrope: str | None = None,
+        mrope_planes: np.ndarray | None = None,
+        state_groups: str | None = None,
+        state_forks: str | None = None,
+        slots_per_group: int = 1,
+        state_base: np.ndarray | None = None,
+        state_read: np.ndarray | None = None,
+        state_rows: np.ndarray | None = None,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
     ) -> None:
@@ -263,6 +289,10 @@ class RequestLayout:
             "draft_targets": _array(name, "draft_targets", draft_targets, np.int64, 1),
             "draft_prefix": _array(name, "draft_prefix", draft_prefix, np.int32, 1),
             "draft_bonus": _array(name, "draft_bonus", draft_bonus, np.int64, 1),
+            "mrope_planes": _array(name, "mrope_planes", mrope_planes, np.int64, 1),
+            "state_base": _array(name, "state_base", state_base, np.int32, 1),
+            "state_read": _array(name, "state_read", state_read, np.int32, 1),
+            "state_rows": _array(name, "state_rows", state_rows, np.int32, 1),
         }
         if context_cap is not None and (type(context_cap) is not int
                                         or not 1 <= context_cap <= _INT32_MAX):
@@ -292,7 +322,8 @@ class RequestLayout:
         for k, a in enumerate(copies, 1):
             self.arrays[f"cu_query[{k}]"] = a
             req_caps.append(a.size - 1)
-        for key in ("context_lens", "last_page_lens", "draft_prefix", "draft_bonus"):
+        for key in ("context_lens", "last_page_lens", "draft_prefix", "draft_bonus",
+                    "state_base", "state_read"):
             if key in self.arrays:
                 req_caps.append(self.arrays[key].size)
         for key in ("positions", "slot_mapping", "token_requests"):
@@ -300,6 +331,8 @@ class RequestLayout:
                 tok_caps.append(self.arrays[key].size)
         if token_prefix is not None:
             tok_caps.append(token_prefix.size - 1)
+        if mrope_planes is not None:
+            tok_caps.append(mrope_planes.size // 3)
         bound: list[tuple[Any, ...]] = []
         for col in columns:
             out = col.out
@@ -339,6 +372,25 @@ class RequestLayout:
                     f"{name}: drafts names a bound int32 per-request column and needs "
                     "draft_targets, draft_prefix and draft_bonus; pass all four, or none")
             self._draft_col = names.index(drafts)
+        self._mrope_col = -1
+        if mrope is not None or mrope_planes is not None:
+            names = [spec[5] for spec in bound]
+            if (mrope not in names or mrope_planes is None
+                    or bound[names.index(mrope)][0] != 0 or bound[names.index(mrope)][2]):
+                raise RequestLayoutError(
+                    f"{name}: mrope names a bound int32 per-request column of position "
+                    "deltas and needs mrope_planes; pass both, or neither")
+            self._mrope_col = names.index(mrope)
+        self._planes = mrope_planes
+        self._group_col, self._fork_col = _state_columns(
+            name, bound, state_groups, state_forks, slots_per_group,
+            (state_base, state_read, state_rows))
+        self._per_group = slots_per_group
+        if state_rows is not None:
+            req_caps.append(state_rows.size // slots_per_group)
+        self._state_base = state_base
+        self._state_read = state_read
+        self._state_rows = state_rows
         self._targets = draft_targets
         self._draft_prefix = draft_prefix
         self._bonus = draft_bonus
@@ -705,6 +757,23 @@ class RequestLayout:
                 prefix[i] = cython.cast(cython.int, t)
         values = self._values
         self._values = ()
+        if self._mrope_col >= 0:  # three planes at stride pt: position + the request's delta
+            deltas: cython.pointer[cython.int] = _ints(values[self._mrope_col])
+            planes: cython.longlong[::1] = self._planes
+            k = 0
+            for i in range(n):
+                q = cython.cast(cython.longlong, own_q[i])
+                c = cython.cast(cython.longlong, own_c[i])
+                for j in range(q):
+                    planes[k] = c - q + j + deltas[i]
+                    k += 1
+            for k in range(t, pt):
+                planes[k] = 0
+            for k in range(pt):
+                planes[pt + k] = planes[k]
+                planes[2 * pt + k] = planes[k]
+        if self._group_col >= 0:
+            _write_state_slots(self, values, n, p)
         if self._draft_col >= 0:  # verification rows: the drafts, then the bonus row
             dv: cython.pointer[cython.int] = _ints(values[self._draft_col])
             targets: cython.longlong[::1] = self._targets
@@ -734,6 +803,59 @@ class RequestLayout:
             if self.plan_published[k] < 0:
                 self.plan_published[k] = self.plan_real[k]
         return self._total
+
+
+def _state_columns(name: str, bound: list, groups: str | None, forks: str | None,
+                   per_group: int, outputs: tuple) -> tuple[int, int]:
+    """The column indices of the state groups and fork sources (-1: none), checked."""
+    names = [spec[5] for spec in bound]
+    if groups is None and forks is None and all(a is None for a in outputs):
+        return -1, -1
+
+    def int_column(col: str | None) -> bool:
+        return col in names and bound[names.index(col)][0] == 0 and not bound[
+            names.index(col)][2]
+
+    if (not int_column(groups) or (forks is not None and not int_column(forks))
+            or all(a is None for a in outputs) or (outputs[1] is not None) != (forks is not None)
+            or type(per_group) is not int or per_group < 1):
+        raise RequestLayoutError(
+            f"{name}: state_groups names a bound int32 per-request column, state_forks "
+            "another (with state_read, and only with it), slots_per_group is an int >= 1, "
+            "and at least one of state_base, state_read, state_rows is bound")
+    return names.index(groups), -1 if forks is None else names.index(forks)
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _write_state_slots(layout: RequestLayout, values: tuple, n: cython.Py_ssize_t,
+                       p: cython.Py_ssize_t) -> cython.void:
+    """The state-slot outputs of the planned batch (see the class docstring)."""
+    groups: cython.pointer[cython.int] = _ints(values[layout._group_col])
+    k1: cython.int = layout._per_group
+    i: cython.Py_ssize_t
+    j: cython.Py_ssize_t
+    if layout._state_base is not None:
+        base: cython.int[::1] = layout._state_base
+        for i in range(n):
+            base[i] = groups[i] * k1
+        for i in range(n, p):
+            base[i] = -1
+    if layout._state_read is not None:
+        forks: cython.pointer[cython.int] = _ints(values[layout._fork_col])
+        read: cython.int[::1] = layout._state_read
+        for i in range(n):
+            read[i] = (forks[i] if forks[i] >= 0 else groups[i]) * k1
+        for i in range(n, p):
+            read[i] = -1
+    if layout._state_rows is not None:
+        rows: cython.int[::1] = layout._state_rows
+        for i in range(n):
+            for j in range(k1):
+                rows[i * k1 + j] = groups[i] * k1 + cython.cast(cython.int, j)
+        for i in range(n * k1, p * k1):
+            rows[i] = -1
 
 
 @cython.cfunc

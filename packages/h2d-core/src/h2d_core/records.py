@@ -172,12 +172,12 @@ DRAFTS = 7
 class CountProgram:
     """A fused producer's count rules for one group record, bound once: row ``k`` of
     ``rules`` is ``(member index, unit bytes, largest count stored here or -1, what, plus,
-    omit_if_uniform, plan)``: member ``k`` publishes ``what`` (``REQS``, ``PADDED_REQS``,
-    ``TOKENS``, ``PADDED_TOKENS`` or ``PLAN_ROWS``: the published rows of plan ``plan``)
-    plus ``plus`` units, or nothing when ``what`` is ``OMITTED`` or the step's uniform mask
-    has a bit of ``omit_if_uniform`` set. :meth:`store` reads C ints only (and the plan row
-    counts from the layout's list): no tuple, list or int object is made per step but the
-    counts the record keeps."""
+    omit_if_uniform, plan[, times])``: member ``k`` publishes ``times`` (default 1) times
+    ``what`` (``REQS``, ``PADDED_REQS``, ``TOKENS``, ``PADDED_TOKENS`` or ``PLAN_ROWS``: the
+    published rows of plan ``plan``) plus ``plus`` units, or nothing when ``what`` is
+    ``OMITTED`` or the step's uniform mask has a bit of ``omit_if_uniform`` set.
+    :meth:`store` reads C ints only (and the plan row counts from the layout's list): no
+    tuple, list or int object is made per step but the counts the record keeps."""
 
     _rules = cython.declare(cython.longlong[:, ::1])
     _size = cython.declare(cython.Py_ssize_t)
@@ -185,7 +185,11 @@ class CountProgram:
     def __init__(self, rules: object) -> None:
         import numpy as np
 
-        array = np.ascontiguousarray(np.asarray(rules, dtype=np.int64).reshape(-1, 7))
+        array = np.asarray(rules, dtype=np.int64)
+        array = array.reshape(-1, array.shape[-1] if array.size else 7)
+        if array.shape[1] == 7:  # no multiplier given: 1
+            array = np.concatenate([array, np.ones((array.shape[0], 1), np.int64)], axis=1)
+        array = np.ascontiguousarray(array.reshape(-1, 8))
         self._rules = array
         self._size = array.shape[0]
 
@@ -206,7 +210,8 @@ class CountProgram:
         for k in range(self._size):
             if rules[k, 3] == 5 or uniform & rules[k, 5]:  # OMITTED, or a uniform filter
                 continue
-            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6], drafts)
+            v = rules[k, 4] + rules[k, 7] * _counted(rules[k, 3], n, p, t, pt, plans,
+                                                     rules[k, 6], drafts)
             if v < 0 or v > rules[k, 2]:
                 return False
         for k in range(self._size):
@@ -214,7 +219,8 @@ class CountProgram:
                 if record.counts[rules[k, 0]] is not None:
                     record.omit(rules[k, 0])
                 continue
-            v = rules[k, 4] + _counted(rules[k, 3], n, p, t, pt, plans, rules[k, 6], drafts)
+            v = rules[k, 4] + rules[k, 7] * _counted(rules[k, 3], n, p, t, pt, plans,
+                                                     rules[k, 6], drafts)
             record.store_count(rules[k, 0], v, rules[k, 1])
         return True
 
@@ -226,7 +232,7 @@ class CountProgram:
             if self._rules[row, 3] == OMITTED or uniform & self._rules[row, 5]:
                 out.append(None)
                 continue
-            out.append(int(self._rules[row, 4]) + int(_counted(
+            out.append(int(self._rules[row, 4]) + int(self._rules[row, 7]) * int(_counted(
                 self._rules[row, 3], n, p, t, pt, plans, self._rules[row, 6], drafts)))
         return tuple(out)
 

@@ -78,6 +78,8 @@ class CountRule(NamedTuple):
     plus: int = 0
     omit_if_uniform: int = 0
     plan: int = 0
+    #: the count is ``times * what + plus`` (e.g. 3 planes of the padded tokens)
+    times: int = 1
 
 
 def _duplicate(buffer: Any) -> DuplicatePublicationError:
@@ -287,6 +289,10 @@ class LayoutStep:
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts {r.what!r}; use "
                     "REQS, PADDED_REQS, TOKENS, PADDED_TOKENS, PLAN_ROWS, OMITTED, "
                     "STEP_COUNTS or DRAFTS")
+            if type(r.times) is not int or r.times < 1:
+                raise DeclarationError(
+                    f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts {r.times!r} times "
+                    "its quantity; times must be an int >= 1")
             if r.what == DRAFTS and sum_column < 0:
                 raise DeclarationError(
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts DRAFTS, the sum of "
@@ -301,7 +307,8 @@ class LayoutStep:
         self._program = CountProgram([(r.buffer.homes[0][1], r.buffer._unit_bytes,
                                        r.buffer._fast_capacity, r.what, r.plus,
                                        r.omit_if_uniform,
-                                       r.plan if r.what == PLAN_ROWS else 0) for r in counts])
+                                       r.plan if r.what == PLAN_ROWS else 0, r.times)
+                                      for r in counts])
         self._sum_column = sum_column
         # the specific error for a count out of range (none is, for a bound layout)
         self._slow = state.count_batch([r.buffer for r in counts])

@@ -15,8 +15,10 @@ for padded rows):
   ``num_accepted_tokens[i]`` (accepted drafts + 1, ``1`` for padded rows): one per-request
   array, not one scalar store per request; the spec token count is the host's.
 
-Only the members of the step's kind are published (the others are omitted). First
-consumer: the state readers (:func:`gather_gdn_states` stands in for them).
+Only the members of the step's kind are published (the others are omitted). A step is one
+compiled :class:`h2d_core.LayoutStep` call over the state-slot outputs of
+:class:`block_tables.RequestLayout` (the columns' bounds keep every slot in the pool).
+First consumer: the state readers (:func:`gather_gdn_states` stands in for them).
 
 Inputs are checked whole before any write, each in its own dtype (an int64 of ``2**32``
 or a uint64 of ``2**63`` is refused, never wrapped to a small slot; floats are refused):
@@ -36,7 +38,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
+from block_tables import LayoutColumn, RequestLayout
+from h2d_core import (
+    OMITTED,
+    PADDED_REQS,
+    CountRule,
+    DeclarationError,
+    H2DRunnerState,
+    LayoutStep,
+    h2d_producer,
+)
 
 from .checks import INT32_MAX, AdapterInputError, describe, padded_count
 from .consumers.gdn_states import gather_gdn_states
@@ -85,9 +96,51 @@ class GdnStateInputs:
                          group=group, unit="rows") if num_spec else None)
         self.num_accepted = (buf(f"{group}_num_accepted_tokens", (max_reqs,), torch.int32,
                                  group=group) if num_spec else None)
-        self._offsets = np.arange(num_spec + 1, dtype=np.int32)
-        #: per slot: the (state groups, padding) whose speculative rows its sources hold
-        self._spec_rows: list[tuple[object, ...] | None] = [None] * state.num_slots
+        # every request runs one "token" of one "context": the layout's lengths (views of
+        # one array per count, made once), and "no fork" for each request
+        self._ones = [np.ones(max_reqs, np.int32)[:i] for i in range(max_reqs + 1)]
+        self._no_forks = [np.full(max_reqs, -1, np.int32)[:i] for i in range(max_reqs + 1)]
+        self._steps: tuple[LayoutStep, LayoutStep | None] | None = None  # bound on first use
+
+    def _bind(self) -> tuple[LayoutStep, LayoutStep | None]:
+        st, g, k1 = self.h2d_state, self.group, self.num_spec + 1
+        top = self._limit // k1 - 1  # the largest group whose slots all lie in the pool
+        groups = LayoutColumn("state_groups", low=0, high=top)
+
+        def layouts(spec: bool) -> list[RequestLayout]:
+            out = []
+            for slot in range(st.num_slots):
+                if spec:
+                    assert self.spec is not None and self.num_accepted is not None
+                    acc = LayoutColumn("num_accepted", self.num_accepted.source(slot).numpy(),
+                                       pad=1, low=1, high=k1)
+                    out.append(RequestLayout(
+                        g, 1, None, None, columns=[groups, acc], state_groups="state_groups",
+                        slots_per_group=k1,
+                        state_rows=self.spec.source(slot).numpy().reshape(-1)))
+                else:
+                    forks = LayoutColumn("fork_sources", low=-1, high=top)
+                    out.append(RequestLayout(
+                        g, 1, None, None, columns=[groups, forks],
+                        state_groups="state_groups", state_forks="fork_sources",
+                        slots_per_group=k1,
+                        state_base=self.non_spec.source(slot).numpy(),
+                        state_read=self.non_spec_in.source(slot).numpy()))
+            return out
+
+        non_spec = [CountRule(self.non_spec, PADDED_REQS),
+                    CountRule(self.non_spec_in, PADDED_REQS)]
+        spec_step = None
+        if self.spec is not None and self.num_accepted is not None:
+            spec = [CountRule(self.spec, PADDED_REQS), CountRule(self.num_accepted, PADDED_REQS)]
+            spec_step = LayoutStep(g, st, layouts(True),
+                                   None, (), spec + [CountRule(b.buffer, OMITTED)
+                                                     for b in non_spec],
+                                   error=AdapterInputError)
+            non_spec += [CountRule(r.buffer, OMITTED) for r in spec]
+        self._steps = (LayoutStep(g, st, layouts(False), None, (), non_spec,
+                                  error=AdapterInputError), spec_step)
+        return self._steps
 
     @h2d_producer(lambda self: self.group)
     def prepare(
@@ -105,48 +158,52 @@ class GdnStateInputs:
         :class:`AdapterInputError` and changes nothing."""
         n = self._check_batch(state_groups)
         p = padded_count(self.group, n, padded, self.non_spec.spec.capacity)
+        steps = self._steps
+        if steps is None:
+            steps = self._bind()
+        ones = self._ones[n]
         if num_accepted is not None:
-            return self._prepare_spec(state_groups, p, fork_sources, num_accepted)
-        groups = self._check_groups(state_groups)
-        fork = None if fork_sources is None else self._check_forks(fork_sources, n)
-        k1 = self.num_spec + 1
-        base = groups * k1
-        src = base if fork is None else np.where(fork >= 0, fork * k1, base)
-        out, out_in = self.non_spec.np, self.non_spec_in.np
-        out[:n] = base
-        out[n:p] = -1
-        out_in[:n] = src
-        out_in[n:p] = -1
-        st = self.h2d_state
-        st.set_count(self.non_spec, p)
-        st.set_count(self.non_spec_in, p)
-        if self.spec is not None and self.num_accepted is not None:
-            st.set_count(self.spec, None)
-            st.set_count(self.num_accepted, None)
-        return GdnPlan(n, p, False)
+            if not self.num_spec:
+                self._check_accepted(num_accepted, fork_sources, n)  # raises: num_spec=0
+            if fork_sources is not None:
+                self._check_accepted(num_accepted, fork_sources, n)  # forks: prefill-only
+            acc = self._ints("num_accepted", num_accepted, n)
+            values = (self._int32(state_groups), self._int32(acc))
+            step = steps[1]
+        else:
+            forks = (self._no_forks[n] if fork_sources is None
+                     else self._ints("fork_sources", fork_sources, n))
+            values = (self._int32(state_groups), self._int32(forks))
+            step = steps[0]
+        assert step is not None
+        try:  # every value checked against its bounds, written and counted: one call
+            step.run(ones, ones, None, p, -1, values)
+        except AdapterInputError:
+            # the specific message (which argument, which request, which rule) comes from
+            # the checks below, in the caller's dtype; nothing was written
+            self._refuse(state_groups, fork_sources, num_accepted, n)
+            raise
+        return GdnPlan(n, p, num_accepted is not None)
 
-    def _prepare_spec(self, state_groups: np.ndarray, p: int, fork_sources: object,
-                      num_accepted: object) -> GdnPlan:
-        """The speculative step: rows ``base + j`` (PAD_SLOT_ID past ``n``), rewritten only
-        when the slot's sources hold other requests or another padding."""
-        n = state_groups.size
-        slot = self.h2d_state.current_slot
-        # the padded count is part of the key: the rows [n, p) hold PAD_SLOT_ID only for
-        # the padding they were written with (another p would publish stale real slots)
-        key = (state_groups.dtype.str, state_groups.shape, state_groups.tobytes(), p)
-        cached = self._spec_rows[slot] == key
-        # rows whose sources already hold these bytes were checked when written
-        groups = None if cached else self._check_groups(state_groups)
-        acc = self._check_accepted(num_accepted, fork_sources, n)
-        if groups is not None:
-            assert self.spec is not None
-            rows = self.spec.np
-            np.add((groups * (self.num_spec + 1))[:, None], self._offsets[None, :],
-                   out=rows[:n])
-            rows[n:p] = -1
-            self._spec_rows[slot] = key
-        self._write_accepted(acc, n, p)
-        return GdnPlan(n, p, True)
+    def _int32(self, values: np.ndarray) -> np.ndarray:
+        """``values`` (a 1-D integer array) as the C-contiguous int32 the layout reads: as
+        given when it is one; otherwise after the checks in its own dtype (so no value is
+        wrapped), converted."""
+        if values.dtype == np.int32 and values.flags.c_contiguous:
+            return values
+        return np.ascontiguousarray(values.astype(np.int32, copy=False)) if (
+            values.size == 0 or (int(values.min()) >= -(2**31) and int(values.max()) <= INT32_MAX)
+        ) else np.full(values.size, -(2**31), np.int32)  # out of int32: refused by the bounds
+
+    def _refuse(self, state_groups: np.ndarray, fork_sources: object, num_accepted: object,
+                n: int) -> None:
+        """Raise the specific error for a batch the layout refused (its rules, checked in
+        the caller's dtype)."""
+        self._check_groups(state_groups)
+        if num_accepted is not None:
+            self._check_accepted(num_accepted, fork_sources, n)
+        elif fork_sources is not None:
+            self._check_forks(fork_sources, n)
 
     def _check_batch(self, state_groups: object) -> int:
         """The request count of ``state_groups`` (a 1-D integer array of at most
@@ -224,19 +281,6 @@ class GdnStateInputs:
                 f"{g}: request {i} has num_accepted={int(acc[i])}; it must be in [1, {k + 1}]"
                 " (accepted drafts + 1)")
         return acc.astype(np.int32, copy=False)  # exact: the range fits
-
-    def _write_accepted(self, acc: np.ndarray, n: int, p: int) -> None:
-        """Write the (checked) accepted counts; count the speculative members and omit the
-        others."""
-        assert self.spec is not None and self.num_accepted is not None
-        a = self.num_accepted.np
-        a[:n] = acc
-        a[n:p] = 1
-        st = self.h2d_state
-        st.set_count(self.spec, p)
-        st.set_count(self.num_accepted, p)
-        st.set_count(self.non_spec, None)
-        st.set_count(self.non_spec_in, None)
 
     def _ints(self, name: str, values: object, n: int) -> np.ndarray:
         """``values`` as given: a 1-D integer array of ``n`` entries (no conversion)."""

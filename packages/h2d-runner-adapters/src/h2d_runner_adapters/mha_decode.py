@@ -62,7 +62,7 @@ from .consumers import generate_kv_indices
 from .consumers._launch import interpreted
 from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_header
 from .consumers.mrope import select_mrope_positions
-from .mrope import check_deltas, declare_mrope, mrope_planes, write_decode_planes
+from .mrope import check_deltas, declare_mrope, mrope_planes
 from .paged import PagedInputs
 
 MHA_DECODE = "mha_decode"
@@ -172,21 +172,36 @@ class MhaDecodeInputs(PagedInputs):
 
     def _layout_outputs(self, slot: int) -> dict[str, Any]:
         """Further :class:`block_tables.RequestLayout` outputs over ``slot``'s sources
-        (a subclass's own members, e.g. MLA's last-page lengths); none here."""
-        return {}
+        (a subclass's own members, e.g. MLA's last-page lengths): here the MRoPE planes,
+        from the deltas column of :meth:`_layout_columns`."""
+        if self.mrope_positions is None:
+            return {}
+        return {"mrope": "mrope_deltas",
+                "mrope_planes": self.mrope_positions.source(slot).numpy()}
+
+    def _layout_columns(self) -> list[LayoutColumn]:
+        """The adapter's own request columns (values passed to each step): MRoPE's
+        per-request position deltas, checked and read by the planes' output."""
+        return [LayoutColumn("mrope_deltas")] if self.mrope_positions is not None else []
 
     def _count_rules(self) -> list[CountRule]:
         """What the step publishes of each member: the graph grid of tokens, padded
         requests (the KV prefix one more); MRoPE planes replace the 1-D positions."""
-        positions = OMITTED if self.mrope_positions is not None else PADDED_TOKENS
-        return [CountRule(self.positions, positions),
+        rules = []
+        positions = PADDED_TOKENS
+        if self.mrope_positions is not None:  # three planes at the running width
+            rules.append(CountRule(self.mrope_positions, PADDED_TOKENS, times=3))
+            positions = OMITTED
+        return [*rules, CountRule(self.positions, positions),
                 CountRule(self.slot_mapping, PADDED_TOKENS),
                 CountRule(self.context_lens, PADDED_REQS),
                 CountRule(self.kv_indptr, PADDED_REQS, 1)]
 
     def _bind(self) -> LayoutStep:
+        own = self._layout_columns()
         self._step = LayoutStep(self.group, self.h2d_state,
-                                self.request_layouts(self.group, native=self.native),
+                                self.request_layouts(self.group, native=self.native,
+                                                     columns=lambda slot: own),
                                 self.tables, self._pad_rows, self._count_rules(),
                                 error=CountError)
         return self._step
@@ -211,11 +226,8 @@ class MhaDecodeInputs(PagedInputs):
         # exactly the real tokens when eager), prepare the rows, write, count and stage:
         # one call; nothing after it fails
         n, p, q, t, pt, total, stage, _, _ = step.run(
-            qlens, cols.context_lens, batch.block_tables, -1 if padded is None else p, -1, ())
-        if mrope is not None:  # the planes replace the 1-D positions (omitted above)
-            write_decode_planes(mrope.np, self.positions.np, qlens, mrope_deltas,  # type: ignore[arg-type]
-                                t, pt)
-            self.h2d_state.set_count(mrope, 3 * pt)
+            qlens, cols.context_lens, batch.block_tables, -1 if padded is None else p, -1,
+            () if mrope is None else (mrope_deltas,))
         return _new(DecodePlan, (n, p, q, t, pt, total, stage))
 
     def mrope_planes(self, plan: DecodePlan) -> torch.Tensor:

@@ -10,7 +10,9 @@ ran (a graph bound at its padded width, an eager step at its token count) never 
 another step's stride. Padding tokens hold 0 on every plane.
 
 Decode: every plane of request ``i``'s tokens holds ``position + delta_i`` (the request's
-MRoPE position delta; text after an image continues from the image's largest position).
+MRoPE position delta; text after an image continues from the image's largest position),
+written by the decode step's layout pass (:class:`block_tables.RequestLayout`'s ``mrope``
+output).
 Prefill: a request's planes come from its precomputed ``[3, L]`` prompt positions (the
 chunk's columns ``[ctx - q, ctx)``), or its ordinary positions on every plane when it has
 none.
@@ -47,9 +49,10 @@ def mrope_planes(buffer: H2DBuffer, width: int) -> torch.Tensor:
 
 def check_deltas(group: str, deltas: object, n: int) -> np.ndarray:
     """``deltas`` (``mrope_deltas``: one integer per request, in int32 range, compared in
-    its own dtype) as an int64 ``[n]`` array; raises :class:`AdapterInputError` otherwise.
-    A delta shifts an int32 position, so ``position + delta`` always fits the int64
-    planes; a uint64 of ``2**63`` is refused, never wrapped."""
+    its own dtype) as a C-contiguous int32 ``[n]`` array (what the layout pass reads);
+    raises :class:`AdapterInputError` otherwise. A delta shifts an int32 position, so
+    ``position + delta`` always fits the int64 planes; a uint64 of ``2**63`` is refused,
+    never wrapped."""
     if not isinstance(deltas, np.ndarray) or deltas.ndim != 1 or deltas.size != n \
             or deltas.dtype.kind not in "iu":
         raise AdapterInputError(
@@ -57,18 +60,7 @@ def check_deltas(group: str, deltas: object, n: int) -> np.ndarray:
             f"request ({n}), got {describe(deltas)}; pass zeros for text-only requests")
     int_array(group, "mrope_deltas", deltas, lo=INT32_MIN, hi=INT32_MAX,
               rule="an MRoPE delta is the shift of a request's int32 positions")
-    return deltas.astype(np.int64, copy=False)  # exact: the range fits
-
-
-def write_decode_planes(flat: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
-                        deltas: np.ndarray, num_tokens: int, width: int) -> None:
-    """Planes at stride ``width`` from the step's written ``positions``: ``position +
-    delta`` of the owning request for the first ``num_tokens`` tokens, 0 after them."""
-    plane = flat[:width]
-    np.add(positions[:num_tokens], np.repeat(deltas, query_lens), out=plane[:num_tokens])
-    plane[num_tokens:] = 0
-    flat[width : 2 * width] = plane
-    flat[2 * width : 3 * width] = plane
+    return np.ascontiguousarray(deltas, dtype=np.int32)  # exact: the range fits
 
 
 def check_prompt_positions(group: str, sources: object, context_lens: np.ndarray,
