@@ -31,6 +31,9 @@ TRITON = "triton==3.6.0"
 TEST_DEPS = ["numpy", "pytest", "hypothesis"]
 # the CPU suites in parallel, one worker per core (CI has 2): each worker is its own process
 PARALLEL = ["pytest-xdist"]
+# the real-client oracle (tests-integration/test_llama_oracle.py): transformers' own models,
+# pinned beside torch
+TRANSFORMERS = "transformers==5.24.0"
 nox.options.sessions = ["block_tables", "tests"]
 nox.options.default_venv_backend = "venv"
 
@@ -67,11 +70,11 @@ def block_tables(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every CPU suite; Triton kernels run through the interpreter on CPU tensors."""
-    session.install(TORCH, TRITON, *TEST_DEPS, *PARALLEL)
+    session.install(TORCH, TRITON, TRANSFORMERS, *TEST_DEPS, *PARALLEL)
     _install_local(session, PACKAGES)
     session.run(
         "python", "-m", "pytest", "-n", "auto", *_test_dirs(), *session.posargs,
-        env={"TRITON_INTERPRET": "1"},
+        env={"TRITON_INTERPRET": "1", "H2D_REQUIRE_TRANSFORMERS": "1"},
     )
 
 

@@ -87,10 +87,13 @@ class DecodeRunner:
     """Runs scheduled batches through publication, first consumers and the model."""
 
     def __init__(self, cfg: RunnerConfig, device: str | torch.device,
-                 backend: str | None = None, *, tbo: bool = False) -> None:
+                 backend: str | None = None, *, tbo: bool = False,
+                 model: Any = None) -> None:
         """``backend``: "packed", "direct" (the library's two backends) or "atom" (decode
         steps published the ATOM-style way, :mod:`.atom_style`, into the same
-        destinations; prefill and TBO steps still go through the library, direct)."""
+        destinations; prefill and TBO steps still go through the library, direct).
+        ``model``: the decoder to run (``TinyDecoder``'s interface, e.g.
+        :class:`~decode_runner.llama.LlamaPagedDecoder`); None builds the stand-in."""
         self.cfg = cfg
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
@@ -117,7 +120,7 @@ class DecodeRunner:
             st.combine(TBO_STEP, [*token_groups, self.ubatches[0].group])
         st.bind()
 
-        self.model = TinyDecoder(
+        self.model = model if model is not None else TinyDecoder(
             TinyDecoderConfig(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers,
                               heads=cfg.heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
                               num_pages=cfg.num_pages, dtype=cfg.dtype),

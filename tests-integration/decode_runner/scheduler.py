@@ -256,6 +256,8 @@ class Scheduler:
         self._preempted: list[int] = []
         self._migrated: list[int] = []
         self._finished: list[int] = []
+        #: finished requests: their tokens (prompt + outputs) and how many were generated
+        self._sequences: dict[int, tuple[list[int], int]] = {}
         self._arrived_ids: list[int] = []
         self.stats = SchedulerStats()
 
@@ -266,6 +268,10 @@ class Scheduler:
         """Every request arrived and finished."""
         return (self._arrived == self.config.num_requests and not self._waiting
                 and not self._running)
+
+    def finished_sequences(self) -> dict[int, tuple[list[int], list[int]]]:
+        """Every finished request's (prompt, generated tokens), by request id."""
+        return {i: (t[: len(t) - g], t[len(t) - g:]) for i, (t, g) in self._sequences.items()}
 
     @property
     def free_page_count(self) -> int:
@@ -350,6 +356,7 @@ class Scheduler:
         self._free.extend(req.table.tolist())
         req.table.clear()
         self._finished.append(req.req_id)
+        self._sequences[req.req_id] = (list(req.tokens), req.generated)
         self.stats.finished += 1
 
     # -- arrivals and random events -------------------------------------------------------

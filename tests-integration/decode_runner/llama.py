@@ -1,0 +1,115 @@
+"""A transformers ``LlamaForCausalLM`` run over a paged KV cache from published metadata.
+
+The model's own modules do everything but attention's bookkeeping: its embedding,
+``input_layernorm``, ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``, its rotary embedding
+(``model.model.rotary_emb`` at the published positions, applied by transformers'
+``apply_rotary_pos_emb``), ``post_attention_layernorm``, MLP, final norm and ``lm_head``.
+Where each token's key and value go (``slot_mapping``), which keys it sees (its request's
+pages through ``kv_indptr`` / ``kv_indices``, up to its position and its request's context
+length) and its rotary position come only from :class:`DecoderInputs`, the library's
+published destinations and their first consumers' outputs. GQA: each key/value head
+serves ``num_attention_heads / num_key_value_heads`` query heads.
+
+Same interface as :class:`~decode_runner.model.TinyDecoder` (``forward``,
+``compute_logits``, ``move_pages``, ``kv_cache``), so :class:`DecodeRunner` runs it as its
+model. Unwritten and freed pages hold large garbage from the start, so a wrong page, slot
+or length changes the output instead of reading zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from .model import DecoderInputs
+
+GARBAGE = 1.0e4
+
+
+class LlamaPagedDecoder:
+    """``model`` (a ``LlamaForCausalLM``, eval mode) over a paged KV cache of ``num_pages``
+    pages of ``page_size`` slots; ``max_pages`` bounds the pages one request attends to."""
+
+    def __init__(self, model: torch.nn.Module, *, page_size: int, num_pages: int,
+                 max_pages: int) -> None:
+        cfg = model.config
+        self.model = model
+        self.page_size = page_size
+        self.max_pages = max_pages
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.vocab = cfg.vocab_size
+        dev = next(model.parameters()).device
+        dtype = next(model.parameters()).dtype
+        slots = num_pages * page_size
+        self.trash_slot = slots  # slot -1 writes here; no page maps it
+        gen = torch.Generator().manual_seed(1234)
+        self.kv_cache = ((torch.rand(cfg.num_hidden_layers, 2, slots + 1, self.kv_heads,
+                                     self.head_dim, generator=gen) * 2 - 1) * GARBAGE).to(
+            device=dev, dtype=dtype)
+        self._page_cols = torch.arange(max_pages, device=dev)
+        self._slot_in_page = torch.arange(page_size, device=dev)
+        self._key_pos = torch.arange(max_pages * page_size, device=dev)
+
+    @torch.no_grad()
+    def forward(self, inputs: DecoderInputs,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        inner = self.model.model
+        ps, tokens = self.page_size, inputs.input_ids.shape[0]
+        keys = self.max_pages * ps
+        ids = inputs.input_ids.long().clamp(0, self.vocab - 1)
+        positions = inputs.positions.clamp(min=0)
+        write = torch.where(inputs.slot_mapping >= 0, inputs.slot_mapping, self.trash_slot)
+        # each token's visible keys: its request's pages, up to its position and context
+        req = inputs.token_request.long()
+        start = inputs.kv_indptr.index_select(0, req).long()
+        count = inputs.kv_indptr.index_select(0, req + 1).long() - start
+        context = inputs.context_lens.index_select(0, req).long()
+        last = inputs.kv_indices.shape[0] - 1
+        flat = (start[:, None] + self._page_cols[None, :]).clamp(0, last)
+        page_ok = self._page_cols[None, :] < count[:, None]
+        pages = torch.where(page_ok, inputs.kv_indices[flat].long(), 0)
+        key_slots = (pages[:, :, None] * ps + self._slot_in_page).reshape(tokens, keys)
+        visible = (page_ok[:, :, None].expand(tokens, self.max_pages, ps).reshape(tokens, keys)
+                   & (self._key_pos[None, :] <= positions[:, None])
+                   & (self._key_pos[None, :] < context[:, None]))
+        h = inner.embed_tokens(ids)[None]  # [1, T, hidden]: the model's batch of one
+        cos, sin = inner.rotary_emb(h, positions[None])
+        group = self.heads // self.kv_heads
+        for index, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            a = layer.input_layernorm(h)
+            q = attn.q_proj(a).view(1, tokens, self.heads, self.head_dim).transpose(1, 2)
+            k = attn.k_proj(a).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = attn.v_proj(a).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            cache_k, cache_v = self.kv_cache[index, 0], self.kv_cache[index, 1]
+            cache_k.index_copy_(0, write, k[0].transpose(0, 1))
+            cache_v.index_copy_(0, write, v[0].transpose(0, 1))
+            gk = cache_k[key_slots].repeat_interleave(group, dim=2)  # [T, L, H, D]
+            gv = cache_v[key_slots].repeat_interleave(group, dim=2)
+            scores = torch.einsum("thd,tlhd->thl", q[0].transpose(0, 1), gk) * attn.scaling
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(gv.dtype)
+            out = torch.einsum("thl,tlhd->thd", weights, gv).reshape(1, tokens, -1)
+            h = h + attn.o_proj(out)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = inner.norm(h)[0]
+        if logits_indices is not None:
+            hidden = hidden.index_select(0, logits_indices)
+        return self.compute_logits(hidden)
+
+    __call__ = forward
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(hidden).float()
+
+    def move_pages(self, moves: Sequence[tuple[int, int]]) -> None:
+        """Copy KV pages ``src -> dst`` in order (a page migration)."""
+        ps = self.page_size
+        for src, dst in moves:
+            self.kv_cache[:, :, dst * ps:(dst + 1) * ps] = self.kv_cache[:, :, src * ps:
+                                                                         (src + 1) * ps]
