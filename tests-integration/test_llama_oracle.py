@@ -10,7 +10,8 @@ prefill attention preparation). The scheduler's workload has arrivals and finish
 and output lengths that vary, page boundaries crossed, pages freed and reused, page
 migrations (lineage copies), batch reordering and recompute preemptions; every page starts
 as large garbage. Packed and direct backends both run; each request's tokens must equal
-``generate``'s, which runs the same model with its dense cache.
+``generate``'s, which runs the same model with its dense cache, and every sampled step's
+logits the dense forward's at the same position (float32, 1e-4).
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ def _model(device: str) -> torch.nn.Module:
     return model
 
 
-def _run(device: str, backend: str) -> tuple[dict[int, tuple[list[int], list[int]]], dict]:
+Logits = dict[tuple[int, int], torch.Tensor]
+
+
+def _run(device: str, backend: str
+         ) -> tuple[dict[int, tuple[list[int], list[int]]], dict, Logits]:
+    """The finished requests' (prompt, generated), the scheduler's counters, and every
+    sampled row's logits by (request, the position they predict)."""
     sched_cfg = SchedulerConfig(
         seed=5, page_size=PAGE, num_pages=PAGES, max_batch=6, prefill_chunk_tokens=24,
         prompt_len=(1, 30), output_len=(3, 24), num_requests=14, vocab_size=VOCAB,
@@ -64,24 +71,71 @@ def _run(device: str, backend: str) -> tuple[dict[int, tuple[list[int], list[int
                                 max_pages=sched_cfg.max_pages_per_request))
     sched = Scheduler(sched_cfg)
     sampled: list[int] | None = None
+    logits: Logits = {}
     for _ in range(STEPS):
         batch = sched.step(sampled)
         if batch is None:
             break
-        sampled = runner.step(batch).sampled.cpu().tolist()
-    return sched.finished_sequences(), vars(sched.stats)
+        res = runner.step(batch)
+        sampled = res.sampled.cpu().tolist()
+        rows = res.logits.float().cpu()
+        for r, (req, samples) in enumerate(zip(batch.requests, batch.extras["sample_rows"],
+                                               strict=True)):
+            if samples:
+                logits[(req.req_id, req.context_len)] = rows[r]
+    return sched.finished_sequences(), vars(sched.stats), logits
 
 
 @pytest.mark.parametrize("backend", ["packed", "direct"])
 def test_llama_greedy_tokens_equal_generate(device: str, backend: str) -> None:
     needs_kernels(device)
-    done, stats = _run(device, backend)
+    done, stats, logits = _run(device, backend)
     assert len(done) >= 12, stats  # the workload ran to its end
     assert stats["preemptions"] >= 1 and stats["migrations"] >= 1, stats
     model = _model(device)
+    checked = 0
     for req, (prompt, generated) in sorted(done.items()):
         ids = torch.tensor([prompt], device=device)
         want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                               max_new_tokens=len(generated), min_new_tokens=len(generated),
                               pad_token_id=0)[0, len(prompt):].tolist()
         assert generated == want, (req, len(prompt))
+        # each sampled step's logits: the dense model's at the position they predict
+        full = torch.tensor([prompt + generated], device=device)
+        with torch.no_grad():
+            dense = model(full).logits[0].float().cpu()
+        for pos in range(len(prompt), len(prompt) + len(generated)):
+            got = logits[(req, pos)]
+            torch.testing.assert_close(got, dense[pos - 1], rtol=1e-4, atol=1e-4)
+            checked += 1
+    assert checked == sum(len(g) for _, g in done.values())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_llama_speculative_decoding_equals_generate(device: str, k: int) -> None:
+    """Speculative decoding on the same Llama: the library's verify step
+    (``prepare_verify``: one publication with the verification indices), acceptance and
+    the draft loop (a second decoder over the model's weights, with its own KV cache and a
+    fixed bias on its proposals so drafts are both accepted and rejected). Every request's
+    committed tokens equal the target's greedy ``generate()``, whatever the drafts were."""
+    needs_kernels(device)
+    from decode_runner.mtp import MtpConfig, MtpRunner
+
+    model = _model(device)
+    cfg = MtpConfig(k=k, num_reqs=3, vocab=VOCAB, page_size=PAGE, num_pages=PAGES,
+                    max_pages_per_req=24, draft_bias=0.3, scatter="auto" if device == "cuda"
+                    else "triton")
+    decoders = tuple(LlamaPagedDecoder(model, page_size=PAGE, num_pages=PAGES,
+                                       max_pages=cfg.max_pages_per_req) for _ in range(2))
+    runner = MtpRunner(cfg, device, "packed", models=decoders)  # type: ignore[arg-type]
+    accepted = 0
+    for _ in range(8 if device == "cpu" else 40):
+        runner.iterate()
+        accepted += int(runner.last_accepted.sum())
+    assert 0 < accepted < runner.iterations * cfg.num_reqs * k  # some drafts of each kind
+    for seq in runner.sequences:
+        ids = torch.tensor([seq[:1]], device=device)
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=len(seq) - 1, min_new_tokens=len(seq) - 1,
+                              pad_token_id=0)[0].tolist()
+        assert seq == want

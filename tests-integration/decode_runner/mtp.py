@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -75,7 +76,11 @@ class MtpConfig:
 class MtpRunner:
     """The verify + draft loop over one :class:`H2DRunnerState` (see the module doc)."""
 
-    def __init__(self, cfg: MtpConfig, device: str | torch.device, backend: str) -> None:
+    def __init__(self, cfg: MtpConfig, device: str | torch.device, backend: str, *,
+                 models: tuple[Any, Any] | None = None) -> None:
+        """``models``: the (target, draft) decoders (``TinyDecoder``'s interface, e.g. two
+        :class:`~decode_runner.llama.LlamaPagedDecoder` over one model, each with its own
+        KV cache); None builds the stand-ins from ``cfg``."""
         self.cfg = cfg
         dev = self.device = torch.device(device)
         n, k = cfg.num_reqs, cfg.k
@@ -92,9 +97,10 @@ class MtpRunner:
                                  heads=cfg.heads, head_dim=cfg.head_dim,
                                  page_size=cfg.page_size, num_pages=cfg.num_pages,
                                  dtype=cfg.dtype)
-        self.target = TinyDecoder(mcfg, dev, seed=cfg.seed + 1,
-                                  max_pages=cfg.max_pages_per_req)
-        self.draft = TinyDecoder(mcfg, dev, seed=cfg.seed + 1, max_pages=cfg.max_pages_per_req)
+        if models is None:
+            models = (TinyDecoder(mcfg, dev, seed=cfg.seed + 1, max_pages=cfg.max_pages_per_req),
+                      TinyDecoder(mcfg, dev, seed=cfg.seed + 1, max_pages=cfg.max_pages_per_req))
+        self.target, self.draft = models
 
         def i32(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int32, device=dev)
