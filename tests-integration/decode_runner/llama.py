@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from .model import DecoderInputs
+from .model import DecoderInputs, key_plan
 
 GARBAGE = 1.0e4
 
@@ -58,24 +58,13 @@ class LlamaPagedDecoder:
     def forward(self, inputs: DecoderInputs,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         inner = self.model.model
-        ps, tokens = self.page_size, inputs.input_ids.shape[0]
-        keys = self.max_pages * ps
+        tokens = inputs.input_ids.shape[0]
         ids = inputs.input_ids.long().clamp(0, self.vocab - 1)
         positions = inputs.positions.clamp(min=0)
         write = torch.where(inputs.slot_mapping >= 0, inputs.slot_mapping, self.trash_slot)
         # each token's visible keys: its request's pages, up to its position and context
-        req = inputs.token_request.long()
-        start = inputs.kv_indptr.index_select(0, req).long()
-        count = inputs.kv_indptr.index_select(0, req + 1).long() - start
-        context = inputs.context_lens.index_select(0, req).long()
-        last = inputs.kv_indices.shape[0] - 1
-        flat = (start[:, None] + self._page_cols[None, :]).clamp(0, last)
-        page_ok = self._page_cols[None, :] < count[:, None]
-        pages = torch.where(page_ok, inputs.kv_indices[flat].long(), 0)
-        key_slots = (pages[:, :, None] * ps + self._slot_in_page).reshape(tokens, keys)
-        visible = (page_ok[:, :, None].expand(tokens, self.max_pages, ps).reshape(tokens, keys)
-                   & (self._key_pos[None, :] <= positions[:, None])
-                   & (self._key_pos[None, :] < context[:, None]))
+        key_slots, visible = key_plan(inputs, positions, self._page_cols, self._slot_in_page,
+                                      self._key_pos)
         h = inner.embed_tokens(ids)[None]  # [1, T, hidden]: the model's batch of one
         cos, sin = inner.rotary_emb(h, positions[None])
         group = self.heads // self.kv_heads

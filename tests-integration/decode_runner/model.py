@@ -33,6 +33,7 @@ __all__ = [
     "TinyDecoder",
     "TinyDecoderConfig",
     "greedy",
+    "key_plan",
 ]
 
 
@@ -158,6 +159,34 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return torch.argmax(logits, dim=-1).to(torch.int32)
 
 
+def key_plan(inputs: DecoderInputs, positions: torch.Tensor, page_cols: torch.Tensor,
+             slot_in_page: torch.Tensor, key_pos: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's candidate key slots ``[T, max_pages * page_size]`` (its request's pages
+    through ``kv_indptr`` / ``kv_indices``, ``page_cols`` = ``arange(max_pages)``,
+    ``slot_in_page`` = ``arange(page_size)``, ``key_pos`` = ``arange(max_pages * page_size)``)
+    and which of them it may see (a page of the request, at a position ``<=`` the token's and
+    below the request's context length). Static shapes: capturable."""
+    tokens, max_pages, page = positions.shape[0], page_cols.shape[0], slot_in_page.shape[0]
+    keys = max_pages * page
+    req = inputs.token_request.long()
+    start = inputs.kv_indptr.index_select(0, req).long()
+    count = inputs.kv_indptr.index_select(0, req + 1).long() - start
+    context = inputs.context_lens.index_select(0, req).long()
+    last = inputs.kv_indices.shape[0] - 1
+    flat = (start[:, None] + page_cols[None, :]).clamp(0, last)
+    page_ok = page_cols[None, :] < count[:, None]
+    pages = torch.where(page_ok, inputs.kv_indices[flat].long(), 0)
+    key_slots = (pages[:, :, None] * page + slot_in_page).reshape(tokens, keys)
+    visible = (
+        # expand + reshape, not repeat_interleave: no output-size sync under capture
+        page_ok[:, :, None].expand(tokens, max_pages, page).reshape(tokens, keys)
+        & (key_pos[None, :] <= positions[:, None])
+        & (key_pos[None, :] < context[:, None])
+    )
+    return key_slots, visible
+
+
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -275,7 +304,6 @@ class TinyDecoder:
         K/V."""
         cfg = self.config
         tokens = inputs.input_ids.shape[0]
-        keys = self.max_pages * cfg.page_size
 
         # Clamps keep stale padded values inside the tables; real values are in range.
         ids = inputs.input_ids.long().clamp(0, cfg.vocab - 1)
@@ -287,21 +315,8 @@ class TinyDecoder:
 
         # Key plan shared by every layer: the slots of each token's request pages, and which
         # of them it may see.
-        req = inputs.token_request.long()
-        start = inputs.kv_indptr.index_select(0, req).long()
-        count = inputs.kv_indptr.index_select(0, req + 1).long() - start
-        context = inputs.context_lens.index_select(0, req).long()
-        last = inputs.kv_indices.shape[0] - 1
-        flat = (start[:, None] + self._page_cols[None, :]).clamp(0, last)
-        page_ok = self._page_cols[None, :] < count[:, None]
-        pages = torch.where(page_ok, inputs.kv_indices[flat].long(), 0)
-        key_slots = (pages[:, :, None] * cfg.page_size + self._slot_in_page).reshape(tokens, keys)
-        key_ok = (
-            # expand + reshape, not repeat_interleave: no output-size sync under capture
-            page_ok[:, :, None].expand(tokens, self.max_pages, cfg.page_size).reshape(tokens, keys)
-            & (self._key_pos[None, :] <= positions[:, None])
-            & (self._key_pos[None, :] < context[:, None])
-        )
+        key_slots, key_ok = key_plan(inputs, positions, self._page_cols, self._slot_in_page,
+                                     self._key_pos)
         masked = ~key_ok[:, None, :]  # [T, 1, L], broadcast over heads
 
         h = self.embed.index_select(0, ids) if hidden is None else hidden
