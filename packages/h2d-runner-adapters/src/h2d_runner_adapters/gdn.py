@@ -163,42 +163,35 @@ class GdnStateInputs:
             steps = self._bind()
         ones = self._ones[n]
         if num_accepted is not None:
-            if not self.num_spec:
-                self._check_accepted(num_accepted, fork_sources, n)  # raises: num_spec=0
-            if fork_sources is not None:
-                self._check_accepted(num_accepted, fork_sources, n)  # forks: prefill-only
-            acc = self._ints("num_accepted", num_accepted, n)
-            values = (self._int32(state_groups), self._int32(acc))
+            if not self.num_spec or fork_sources is not None:  # raises: no speculative
+                self._check_accepted(num_accepted, fork_sources, n)  # buffers, or a fork
+            second = self._ints("num_accepted", num_accepted, n)
             step = steps[1]
         else:
-            forks = (self._no_forks[n] if fork_sources is None
-                     else self._ints("fork_sources", fork_sources, n))
-            values = (self._int32(state_groups), self._int32(forks))
+            second = (self._no_forks[n] if fork_sources is None
+                      else self._ints("fork_sources", fork_sources, n))
             step = steps[0]
         assert step is not None
+        values: tuple[np.ndarray, ...] = (state_groups, second)
+        if not all(v.dtype == np.int32 and v.flags.c_contiguous for v in values):
+            # another integer dtype: the checks in its own dtype first (nothing is wrapped),
+            # then the int32 copy the layout reads
+            self._check_all(state_groups, fork_sources, num_accepted, n)
+            values = tuple(np.ascontiguousarray(v, dtype=np.int32) for v in values)
         try:  # every value checked against its bounds, written and counted: one call
             step.run(ones, ones, None, p, -1, values)
         except AdapterInputError:
             # the specific message (which argument, which request, which rule) comes from
             # the checks below, in the caller's dtype; nothing was written
-            self._refuse(state_groups, fork_sources, num_accepted, n)
+            self._check_all(state_groups, fork_sources, num_accepted, n)
             raise
         return GdnPlan(n, p, num_accepted is not None)
 
-    def _int32(self, values: np.ndarray) -> np.ndarray:
-        """``values`` (a 1-D integer array) as the C-contiguous int32 the layout reads: as
-        given when it is one; otherwise after the checks in its own dtype (so no value is
-        wrapped), converted."""
-        if values.dtype == np.int32 and values.flags.c_contiguous:
-            return values
-        return np.ascontiguousarray(values.astype(np.int32, copy=False)) if (
-            values.size == 0 or (int(values.min()) >= -(2**31) and int(values.max()) <= INT32_MAX)
-        ) else np.full(values.size, -(2**31), np.int32)  # out of int32: refused by the bounds
-
-    def _refuse(self, state_groups: np.ndarray, fork_sources: object, num_accepted: object,
-                n: int) -> None:
-        """Raise the specific error for a batch the layout refused (its rules, checked in
-        the caller's dtype)."""
+    def _check_all(self, state_groups: np.ndarray, fork_sources: object,
+                   num_accepted: object, n: int) -> None:
+        """Every rule the layout's bounds enforce, checked in the caller's dtype with the
+        specific messages: on a refusal, and before an input of another dtype is narrowed
+        to int32."""
         self._check_groups(state_groups)
         if num_accepted is not None:
             self._check_accepted(num_accepted, fork_sources, n)

@@ -417,9 +417,11 @@ class V41MetadataInputs(PagedInputs):
                  CountRule(self.state_slot_out, PADDED_REQS),
                  CountRule(self.state_slot_in, PADDED_REQS),
                  CountRule(self.chunk_starts, OMITTED)]
-        for k, (cb, wb) in enumerate(zip(self.compress_plans, self.write_plans, strict=True)):
-            rules += [CountRule(cb, PLAN_ROWS, plan=2 * k), CountRule(wb, PLAN_ROWS,
-                                                                      plan=2 * k + 1)]
+        plans = [CountRule(b, PLAN_ROWS, plan=2 * k + j)
+                 for k, pair in enumerate(zip(self.compress_plans, self.write_plans,
+                                              strict=True))
+                 for j, b in enumerate(pair)]
+        rules += plans
         if self.qo_indptr is not None:
             rules.append(CountRule(self.qo_indptr, PADDED_TOKENS, 1))
         if self.step_counts is not None:
@@ -432,7 +434,7 @@ class V41MetadataInputs(PagedInputs):
         prefill = [CountRule(self.positions, TOKENS), CountRule(self.token_batch_ids, TOKENS),
                    CountRule(self.seq_lens, REQS), CountRule(self.state_slot_out, REQS),
                    CountRule(self.state_slot_in, REQS), CountRule(self.chunk_starts, REQS)]
-        prefill += rules[6: 6 + 2 * len(self.ratios)]  # the plans: PLAN_ROWS as decode
+        prefill += plans  # the eager plans' published rows
         prefill += [CountRule(b, OMITTED) for b in (self.qo_indptr, self.step_counts)
                     if b is not None]
         self._prefill_step = LayoutStep(self.group, self.h2d_state, self._prefill_layouts,
