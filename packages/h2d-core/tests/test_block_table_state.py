@@ -334,6 +334,63 @@ def test_changing_the_partial_policy_takes_effect_on_the_next_stage(device: str,
     _check_gpu(device, h, bts, 16)
 
 
+def test_ranges_past_the_staging_room_send_the_whole_table(device: str, h: Any) -> None:
+    """A policy that lets a partial publication carry most of the table (share 1.0) must
+    still keep its ranges inside the packed group's staging room: 16 replaced full rows
+    are one contiguous range of half the table, more than the room, so the table goes
+    whole, and the GPU table equals the snapshot."""
+    st, lens, _bt, bts = _setup(device, h)
+    bts.partial_max_share = 1.0
+    tables = [BlockTable(list(range(i * WIDTH, (i + 1) * WIDTH))) for i in range(ROWS)]
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    for i in range(ROWS // 2):  # new lineages: every byte of rows [0, 16) changes
+        tables[i] = BlockTable(list(range(5000 + i * WIDTH, 5000 + (i + 1) * WIDTH)))
+    rec = st._slot_groups[0][0]
+    assert (ROWS // 2) * WIDTH * 4 > rec.packed.range_capacity  # the case this pins
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    _check_gpu(device, h, bts, ROWS)
+    tables[3] = BlockTable(list(range(7000, 7000 + WIDTH)))  # one row: fits the room
+    assert _publish(st, lens, bts, tables) == StageResult.PARTIAL
+    _check_gpu(device, h, bts, ROWS)
+
+
+def test_unpublished_compiled_steps_stay_in_the_history(device: str, h: Any) -> None:
+    """A step prepared by the compiled path and never published (prefill preparing without
+    uploading) must stay in the snapshot's history: a later step of unversioned rows
+    diffs against the published revision through that history, so both steps' rows
+    travel and the GPU table equals the snapshot."""
+    st, lens, _bt, bts = _setup(device, h)
+    tables = [BlockTable([i * 3, i * 3 + 1]) for i in range(16)]
+    assert _publish(st, lens, bts, tables) == StageResult.WHOLE
+    published = bts.published.revision
+    st.begin()
+    tables[1].append_one(901)  # a one-page append: the compiled step
+    bts.prepare(tables)
+    st.finish()
+    assert bts.prepared_revision == published + 1
+    rows = [t.to_numpy() for t in tables]  # unversioned rows: no compiled diff
+    rows[6] = np.array([600, 601, 602], np.int32)
+    assert _publish(st, lens, bts, rows) == StageResult.PARTIAL
+    _check_gpu(device, h, bts, 16)
+
+
+def test_a_batch_seen_before_a_compiled_step_is_no_hit_after_it(device: str, h: Any) -> None:
+    """The snapshot's hit test (same ordered row keys as the last batch it prepared itself
+    means same bytes) must forget that batch once the compiled step wrote other rows:
+    preparing the first batch again rewrites the row the compiled step changed."""
+    st, lens, _bt, bts = _setup(device, h)
+    first = [BlockTable([i * 4, i * 4 + 1]) for i in range(8)]
+    assert _publish(st, lens, bts, first) == StageResult.WHOLE  # whole rows: not compiled
+    second = list(first)
+    second[2] = first[2].lineage_copy()
+    second[2].append_one(700)  # a one-page append of a copy: the compiled step
+    _publish(st, lens, bts, second)
+    assert bts.snapshot.storage[2, 2] == 700
+    _publish(st, lens, bts, first)  # the first batch again: row 2 loses page 700
+    assert bts.snapshot.storage[2, 2] == 0
+    _check_gpu(device, h, bts, 8)
+
+
 # -- capture-time preparation ----------------------------------------------------------------
 
 

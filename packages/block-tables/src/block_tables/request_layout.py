@@ -80,6 +80,9 @@ class LayoutColumn:
     infinities. A float32 column with any bound or ``finite`` refuses NaN too. A value
     outside is refused naming the request (or token), the column and the rule. Integer
     columns take int bounds.
+
+    ``distinct`` (an int32 per-request column with both bounds: distinct rows) refuses a
+    value an earlier request of the batch already holds, naming both requests.
     """
 
     name: str
@@ -91,6 +94,7 @@ class LayoutColumn:
     high: float | None = None
     low_open: bool = False
     finite: bool = False
+    distinct: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,7 +158,15 @@ class RequestLayout:
     (``g * slots_per_group``), ``state_read`` (the same, or ``f * slots_per_group`` where
     the ``state_forks`` column names a fork source ``f >= 0``) and ``state_rows``
     (``[requests, slots_per_group]``: ``g * slots_per_group + j``), each -1 for padded
-    requests. ``name`` prefixes every error message.
+    requests. ``cursors`` names a bound int32 per-request column of cursors into rows of
+    ``cursor_limit`` entries (a cursor + query-length bound): :meth:`plan` refuses a
+    cursor below 0 or one whose ``q`` tokens run past ``cursor_limit``. ``candidate_drafts``
+    names a bound int32 per-request column of draft counts ``d`` (it needs ``cursors``):
+    :meth:`plan` refuses ``d < 0`` and ``d > min(candidate_width - 1, q - 1)``, and
+    :meth:`write` fills ``candidates`` int32 (``[requests, candidate_width]``, flat):
+    request ``i``'s entry ``a`` is the cursor it reaches if ``a`` of its ``d`` drafts are
+    accepted, ``cursor + q - d + a`` for ``a <= d``, then -1; -1 for padded requests.
+    ``name`` prefixes every error message.
     """
 
     name = cython.declare(str, visibility="readonly")
@@ -187,6 +199,16 @@ class RequestLayout:
     _state_read = cython.declare(cython.int[::1])
     _state_rows = cython.declare(cython.int[::1])
     _planes = cython.declare(cython.longlong[::1])
+    _cursor_col = cython.declare(cython.Py_ssize_t)
+    _cursor_limit = cython.declare(cython.longlong)
+    _cand_col = cython.declare(cython.Py_ssize_t)
+    _cand_width = cython.declare(cython.Py_ssize_t)
+    _candidates = cython.declare(object)
+    # per distinct column: (column index, low, stamp table or None: a sort), the stamp of
+    # the last check (a table entry is stamp * 2**32 + request) and the sort's scratch
+    _distinct = cython.declare(tuple)
+    _stamp = cython.declare(cython.longlong)
+    _sort_keys = cython.declare(object)
     # the planned batch: a private copy of its lengths (the table's preparation runs
     # Python code between plan and write, which could change the caller's arrays)
     _q = cython.declare(cython.int[::1])
@@ -259,6 +281,11 @@ class RequestLayout:
         state_base: np.ndarray | None = None,
         state_read: np.ndarray | None = None,
         state_rows: np.ndarray | None = None,
+        cursors: str | None = None,
+        cursor_limit: int | None = None,
+        candidate_drafts: str | None = None,
+        candidates: np.ndarray | None = None,
+        candidate_width: int = 1,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
     ) -> None:
@@ -293,6 +320,7 @@ class RequestLayout:
             "state_base": _array(name, "state_base", state_base, np.int32, 1),
             "state_read": _array(name, "state_read", state_read, np.int32, 1),
             "state_rows": _array(name, "state_rows", state_rows, np.int32, 1),
+            "candidates": _array(name, "candidates", candidates, np.int32, 1),
         }
         if context_cap is not None and (type(context_cap) is not int
                                         or not 1 <= context_cap <= _INT32_MAX):
@@ -388,6 +416,15 @@ class RequestLayout:
         self._per_group = slots_per_group
         if state_rows is not None:
             req_caps.append(state_rows.size // slots_per_group)
+        self._cursor_col, self._cand_col = _cursor_columns(
+            name, bound, cursors, cursor_limit, candidate_drafts, candidates, candidate_width)
+        self._cursor_limit = 0 if cursor_limit is None else cursor_limit
+        self._cand_width = candidate_width
+        self._candidates = candidates
+        if candidates is not None:
+            req_caps.append(candidates.size // candidate_width)
+        self._distinct = _distinct_columns(name, columns, bound)
+        self._stamp = 0
         self._state_base = state_base
         self._state_read = state_read
         self._state_rows = state_rows
@@ -440,6 +477,8 @@ class RequestLayout:
         self._context_cap = _INT32_MAX if context_cap is None else context_cap
         self._q = np.zeros(self._max_reqs, dtype=np.int32)
         self._c = np.zeros(self._max_reqs, dtype=np.int32)
+        self._sort_keys = np.zeros(self._max_reqs if any(
+            d[2] is None for d in self._distinct) else 0, dtype=np.int64)
         self._planned = False
 
     @property
@@ -608,6 +647,12 @@ class RequestLayout:
         if self._draft_col >= 0:
             _check_drafts(name, _ints(values[self._draft_col]), qv, n,
                           self._targets.shape[0])
+        if self._distinct:
+            _check_distinct(self, values, n)
+        if self._cursor_col >= 0:
+            _check_cursors(self, values, qv, n)
+        if self._cand_col >= 0:
+            _check_candidates(self, values, qv, n)
         # the whole batch passed: nothing below raises
         self._spare_sums = self._sums
         self._sums = sums
@@ -774,6 +819,8 @@ class RequestLayout:
                 planes[2 * pt + k] = planes[k]
         if self._group_col >= 0:
             _write_state_slots(self, values, n, p)
+        if self._candidates is not None:
+            _write_candidates(self, values, own_q, n, p)
         if self._draft_col >= 0:  # verification rows: the drafts, then the bonus row
             dv: cython.pointer[cython.int] = _ints(values[self._draft_col])
             targets: cython.longlong[::1] = self._targets
@@ -856,6 +903,214 @@ def _write_state_slots(layout: RequestLayout, values: tuple, n: cython.Py_ssize_
                 rows[i * k1 + j] = groups[i] * k1 + cython.cast(cython.int, j)
         for i in range(n * k1, p * k1):
             rows[i] = -1
+
+
+def _cursor_columns(name: str, bound: list, cursors: str | None, limit: int | None,
+                    drafts: str | None, candidates: np.ndarray | None,
+                    width: int) -> tuple[int, int]:
+    """The column indices of the cursors and of the candidates' draft counts (-1: none),
+    checked."""
+    if cursors is None and limit is None and drafts is None and candidates is None:
+        return -1, -1
+    names = [spec[5] for spec in bound]
+    cols = [-1, -1]
+    for k, col in enumerate((cursors, drafts)):
+        if col in names and bound[names.index(col)][0] == 0 \
+                and not bound[names.index(col)][2]:
+            cols[k] = names.index(col)
+    if (cols[0] < 0 or type(limit) is not int or not 0 <= limit <= _INT32_MAX
+            or (drafts is None) != (candidates is None) or (drafts is not None and cols[1] < 0)
+            or type(width) is not int or not 1 <= width <= _INT32_MAX):
+        raise RequestLayoutError(
+            f"{name}: cursors names a bound int32 per-request column and needs cursor_limit "
+            "(an int in [0, 2**31)); candidate_drafts names another and goes with "
+            "candidates (candidate_width: an int >= 1); pass cursors and cursor_limit, with "
+            "or without candidate_drafts and candidates")
+    return cols[0], cols[1]
+
+
+#: the widest value range a distinct column checks with a stamp table (64K entries of 8
+#: bytes); wider ones sort the batch's values
+_STAMP_SPAN = 1 << 16
+
+
+def _distinct_columns(name: str, columns: Sequence[LayoutColumn], bound: list) -> tuple:
+    """Per distinct column: (column index, its lowest value, its stamp table or None)."""
+    out = []
+    for k, col in enumerate(columns):
+        if not getattr(col, "distinct", False):
+            continue
+        spec = bound[k]
+        if spec[0] != 0 or spec[2] or col.low is None or col.high is None:
+            raise RequestLayoutError(
+                f"{name}: column {col.name!r}: distinct applies to int32 per-request columns "
+                "with both bounds (low and high)")
+        lo, hi = spec[6][0], spec[6][1]
+        table = np.zeros(hi - lo + 1, np.int64) if hi - lo < _STAMP_SPAN else None
+        out.append((k, lo, table))
+    return tuple(out)
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _check_distinct(layout: RequestLayout, values: tuple, n: cython.Py_ssize_t) -> cython.void:
+    """Refuse a distinct column's value that an earlier request holds (the column's bounds
+    were checked: every value indexes its stamp table)."""
+    if n < 2:
+        return
+    k: cython.Py_ssize_t
+    i: cython.Py_ssize_t
+    lo: cython.longlong
+    stamp: cython.longlong
+    entry: cython.longlong
+    seen: cython.pointer[cython.longlong]
+    for k in range(len(layout._distinct)):
+        spec = layout._distinct[k]
+        v: cython.pointer[cython.int] = _ints(values[spec[0]])
+        table = spec[2]
+        if table is None:
+            if _sorted_repeat(v, n, _longs(layout._sort_keys)):
+                _distinct_error(layout.name, layout._columns[spec[0]][5], values[spec[0]], n)
+            continue
+        if layout._stamp >= _INT32_MAX:  # the stamps start over: every table cleared
+            for d in layout._distinct:
+                if d[2] is not None:
+                    d[2].fill(0)
+            layout._stamp = 0
+        layout._stamp += 1
+        stamp = layout._stamp * 4294967296
+        lo = spec[1]
+        seen = _longs(table)
+        for i in range(n):
+            entry = seen[v[i] - lo]
+            if entry >= stamp:  # this check's stamp: request entry - stamp holds it
+                _repeat_error(layout.name, layout._columns[spec[0]][5], v[i], i,
+                              entry - stamp)
+            seen[v[i] - lo] = stamp + i
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _sorted_repeat(v: cython.pointer[cython.int], n: cython.Py_ssize_t,
+                   keys: cython.pointer[cython.longlong]) -> cython.bint:
+    """Whether two of the ``n`` values repeat: a heap sort of ``value * 2**32 +
+    request`` into ``keys``, then a look at neighbours."""
+    i: cython.Py_ssize_t
+    x: cython.longlong
+    for i in range(n):
+        keys[i] = cython.cast(cython.longlong, v[i]) * 4294967296 + i
+    for i in range(n // 2 - 1, -1, -1):
+        _sift_down(keys, i, n)
+    for i in range(n - 1, 0, -1):
+        x = keys[0]
+        keys[0] = keys[i]
+        keys[i] = x
+        _sift_down(keys, 0, i)
+    for i in range(1, n):
+        if keys[i] - (keys[i] & 0xFFFFFFFF) == keys[i - 1] - (keys[i - 1] & 0xFFFFFFFF):
+            return True
+    return False
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _sift_down(a: cython.pointer[cython.longlong], root: cython.Py_ssize_t,
+               end: cython.Py_ssize_t) -> cython.void:
+    child: cython.Py_ssize_t
+    x: cython.longlong
+    while True:
+        child = 2 * root + 1
+        if child >= end:
+            return
+        if child + 1 < end and a[child + 1] > a[child]:
+            child += 1
+        if a[root] >= a[child]:
+            return
+        x = a[root]
+        a[root] = a[child]
+        a[child] = x
+        root = child
+
+
+def _distinct_error(name: str, col: str, value: Any, n: int) -> None:
+    """The refusal of the first request whose value an earlier request holds."""
+    seen: dict[int, int] = {}
+    for i in range(n):
+        x = int(value[i])
+        if x in seen:
+            _repeat_error(name, col, x, i, seen[x])
+        seen[x] = i
+
+
+def _repeat_error(name: str, col: str, x: int, i: int, first: int) -> None:
+    raise RequestLayoutError(
+        f"{name}: request {i} has {col}={x}, already request {first}'s; {col} must be "
+        "distinct (each request owns its own value)")
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _check_cursors(layout: RequestLayout, values: tuple, qv: cython.pointer[cython.int],
+                   n: cython.Py_ssize_t) -> cython.void:
+    """Refuse a cursor below 0, or one whose query tokens run past ``cursor_limit``."""
+    cur: cython.pointer[cython.int] = _ints(values[layout._cursor_col])
+    limit: cython.longlong = layout._cursor_limit
+    i: cython.Py_ssize_t
+    for i in range(n):
+        if cur[i] < 0 or cython.cast(cython.longlong, cur[i]) + qv[i] > limit:
+            col = layout._columns[layout._cursor_col][5]
+            if cur[i] < 0:
+                raise RequestLayoutError(
+                    f"{layout.name}: request {i} has a negative cursor ({col}={cur[i]}); "
+                    f"{col} must be >= 0")
+            raise RequestLayoutError(
+                f"{layout.name}: request {i} has {col} + query tokens past the length "
+                f"{limit} ({col}={cur[i]}, query_lens={qv[i]}); {col} + query_lens must be "
+                f"<= {limit}")
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _check_candidates(layout: RequestLayout, values: tuple, qv: cython.pointer[cython.int],
+                      n: cython.Py_ssize_t) -> cython.void:
+    """Refuse a draft count outside ``[0, min(candidate_width - 1, q - 1)]``."""
+    dv: cython.pointer[cython.int] = _ints(values[layout._cand_col])
+    top: cython.longlong = layout._cand_width - 1
+    i: cython.Py_ssize_t
+    for i in range(n):
+        if dv[i] < 0 or dv[i] > top or dv[i] >= qv[i]:
+            col = layout._columns[layout._cand_col][5]
+            raise RequestLayoutError(
+                f"{layout.name}: request {i} has {col}={dv[i]} with query_lens={qv[i]}; "
+                f"{col} must lie in [0, min({top}, query_lens - 1)] ({top + 1} candidates "
+                "per request, the last query token never a draft)")
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _write_candidates(layout: RequestLayout, values: tuple, own_q: cython.int[::1],
+                      n: cython.Py_ssize_t, p: cython.Py_ssize_t) -> cython.void:
+    """The candidate rows of the planned batch (see the class docstring); the checks
+    keep every entry within int32."""
+    cur: cython.pointer[cython.int] = _ints(values[layout._cursor_col])
+    dv: cython.pointer[cython.int] = _ints(values[layout._cand_col])
+    out: cython.pointer[cython.int] = _ints(layout._candidates)
+    w: cython.Py_ssize_t = layout._cand_width
+    i: cython.Py_ssize_t
+    a: cython.Py_ssize_t
+    first: cython.int
+    for i in range(n):
+        first = cur[i] + own_q[i] - dv[i]
+        for a in range(w):
+            out[i * w + a] = first + cython.cast(cython.int, a) if a <= dv[i] else -1
+    for i in range(n * w, p * w):
+        out[i] = -1
 
 
 @cython.cfunc

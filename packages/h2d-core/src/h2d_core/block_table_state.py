@@ -36,7 +36,7 @@ from .buffer import CountUnit, H2DBuffer
 from .config import Backend
 from .errors import CountError, DeclarationError, DuplicatePublicationError
 from .state import H2DRunnerState
-from .step import PARTIAL, REUSED, WHOLE, PublishedTable, stage_table
+from .table_stage import PARTIAL, REUSED, WHOLE, PublishedTable, TableStager
 
 # When changed spans travel as ranges instead of the whole table (measured on the H200,
 # docs/benchmarks.md "block-table crossover"): each range costs a few µs of host time
@@ -52,7 +52,6 @@ LARGE_TABLE_BYTES = 4 << 20
 LARGE_TABLE_RANGES = 32
 #: and a partial publication never carries more than this share of the table's bytes
 PARTIAL_MAX_SHARE = 0.5
-
 
 
 class StageResult:
@@ -94,33 +93,19 @@ class BlockTableState:
                               fill_value=fill_value, native=native)
             for slot in range(state.num_slots)
         )
-        self.published: PublishedTable | None = None
-        #: partial-publication limits by row count (cleared when the policy changes)
-        self._limit_cache: dict[int, tuple[int, int]] = {}
-        self.partial_max_share = partial_max_share
-        self.partial_max_ranges = partial_max_ranges
+        self._partial_max_share = partial_max_share
+        self._partial_max_ranges = partial_max_ranges
         self._row_bytes = spec.unit_bytes
-        self._ranged = (
+        ranged = (
             buffer.max_ranges > 0
             and state.backend is Backend.PACKED
             and state.plan(buffer.publication_group).packed
         )
-        self.last_stage = ""
-        self._member = buffer.homes[0][1]  # tags this table's ranges in the group record
-        # Row keys remembered per upload, in two reused arrays: stage() writes the one the
-        # published record does not hold (no allocation per step).
-        self._key_bufs = (np.empty(spec.shape[0], np.int64), np.empty(spec.shape[0], np.int64))
-        self._spare = 0
-        self._views: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] = ({}, {})
+        # the published record, key buffers and limits as compiled state, made once
+        self._stager = TableStager(self, self._limit_table(), ranged)
         # Capture rows: one private empty row (versioned, so a repeated capture
         # preparation is a hit; private, so nothing ever appends to it).
         self._empty_rows = [BlockTable()] * spec.shape[0]
-        # What the last stage would publish, committed by the group's publication: the
-        # two on_publish entries are made once (stage_table registers one per stage).
-        self._pending: PublishedTable | None = None
-        self._pending_spare = 0
-        self._commit_if_sent = (buffer, self._commit, True)
-        self._commit_always = (buffer, self._commit, False)
         state._reset_hooks.append(self.forget_gpu)
 
     # -- CPU side ---------------------------------------------------------------------------
@@ -145,8 +130,9 @@ class BlockTableState:
         state = self.state
         if state._invalid is not None or not state._epoch_open or get_ident() != state._owner:
             state._check_ready(f"prepare of {self.buffer.name!r}")
-        return self.snapshots[state.current_slot].prepare(
-            rows, required_pages=required_pages)  # type: ignore[arg-type]
+        slot = state.current_slot
+        self._stager.prepare(slot, rows, required_pages)
+        return self.snapshots[slot].revision
 
     def prepare_capture(self, num_rows: int) -> str:
         """Prepare and stage the table a CUDA-graph capture of ``num_rows`` requests binds:
@@ -205,23 +191,29 @@ class BlockTableState:
                 f"buffer {self.buffer.name!r}: {num_rows} rows requested but slot {slot}'s "
                 f"snapshot prepared {snap.num_rows}; prepare() the rows (padding included) first"
             )
-        return stage_table(self, state, slot, num_rows)
+        return self._stager.stage(slot, num_rows)
 
-    def _commit(self) -> None:
-        # idempotent: a stage repeated before its publication registers a second entry
-        self.published = self._pending
-        self._spare = 1 - self._pending_spare
+    @property
+    def published(self) -> PublishedTable | None:
+        """What the GPU table holds (slot, revision, rows, row keys), or None when unknown
+        (the next stage sends it whole). Moves only when a publication succeeded."""
+        return self._stager.published
+
+    @property
+    def last_stage(self) -> str:
+        """The last stage's :class:`StageResult` ("" before the first)."""
+        return self._stager.last_stage
 
     def _limits(self, num_rows: int) -> tuple[int, int]:
         """(most ranges, most bytes) of a partial publication of ``num_rows`` rows."""
-        cached = self._limit_cache.get(num_rows)
-        if cached is None:
-            whole = num_rows * self._row_bytes
-            limit = min(self.partial_max_ranges or (
-                LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
-                self.buffer.max_ranges)
-            cached = self._limit_cache[num_rows] = (limit, int(self.partial_max_share * whole))
-        return cached
+        whole = num_rows * self._row_bytes
+        limit = min(self._partial_max_ranges or (
+            LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
+            self.buffer.max_ranges)
+        return limit, int(self._partial_max_share * whole)
+
+    def _limit_table(self) -> list[tuple[int, int]]:
+        return [self._limits(n) for n in range(self.buffer.spec.shape[0] + 1)]
 
     @property
     def partial_max_share(self) -> float:
@@ -231,7 +223,7 @@ class BlockTableState:
     @partial_max_share.setter
     def partial_max_share(self, value: float) -> None:
         self._partial_max_share = value
-        self._limit_cache = {}
+        self._stager.set_limits(self._limit_table())
 
     @property
     def partial_max_ranges(self) -> int | None:
@@ -241,25 +233,17 @@ class BlockTableState:
     @partial_max_ranges.setter
     def partial_max_ranges(self, value: int | None) -> None:
         self._partial_max_ranges = value
-        self._limit_cache = {}
-
-    def _key_views(self, spare: int, num_rows: int) -> np.ndarray:
-        """``self._key_bufs[spare][:num_rows]``, one view per size made once."""
-        views = self._views[spare]
-        view = views.get(num_rows)
-        if view is None:
-            view = views[num_rows] = self._key_bufs[spare][:num_rows]
-        return view
+        self._stager.set_limits(self._limit_table())
 
     def forget_gpu(self) -> None:
         """Forget what the GPU table holds (after a failure); the next stage sends it whole."""
-        self.published = None
+        self._stager.forget()
 
     def invalidate(self) -> None:
         """Recover after something wrote the CPU or GPU table outside this state."""
         for snap in self.snapshots:
             snap.invalidate()
-        self.published = None
+        self._stager.forget()
 
 
 def block_table_state(

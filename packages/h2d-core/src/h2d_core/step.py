@@ -8,9 +8,10 @@ slot, bound once after ``state.bind()``, and runs the sequence in one call, so a
 pays for no interpreter frames between the pieces. Adapters configure it (which members
 count what) and keep their public API; nothing here knows a model family.
 
-:func:`stage_table` is the one rule that decides what a block table publishes this epoch
-(reused, changed spans as ranges, or whole rows); :class:`BlockTableState.stage
-<h2d_core.BlockTableState.stage>` and :class:`LayoutStep` both call it.
+:class:`~h2d_core.table_stage.TableStager` holds the one rule that decides what a block
+table publishes this epoch (reused, changed spans as ranges, or whole rows);
+:meth:`BlockTableState.stage <h2d_core.BlockTableState.stage>` and :class:`LayoutStep`
+both call it.
 
 Compiled by Cython as ``h2d_core._step_native`` when the package is built (required).
 """
@@ -26,10 +27,8 @@ import torch
 
 from block_tables import RequestLayoutError
 from block_tables.request_layout import EXACT_TOKENS
-from block_tables.spans import row_keys
-from h2d_kernels import RANGE_OVERHEAD
 
-from .errors import CountError, DeclarationError, DuplicatePublicationError
+from .errors import CountError, DeclarationError
 from .records import (
     DRAFTS,
     OMITTED,
@@ -46,19 +45,6 @@ try:
     import cython
 except ImportError:  # interpreted where Cython is not installed: no-op decorators
     from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
-
-REUSED = "reused"
-PARTIAL = "partial"
-WHOLE = "whole"
-
-
-class PublishedTable(NamedTuple):
-    """What the GPU destination holds: slot's snapshot, its revision, rows, row keys."""
-
-    slot: int
-    revision: int
-    rows: int
-    keys: Any
 
 
 class CountRule(NamedTuple):
@@ -80,111 +66,6 @@ class CountRule(NamedTuple):
     plan: int = 0
     #: the count is ``times * what + plus`` (e.g. 3 planes of the padded tokens)
     times: int = 1
-
-
-def _duplicate(buffer: Any) -> DuplicatePublicationError:
-    return DuplicatePublicationError(
-        f"buffer {buffer.name!r}: group {buffer.group!r} was already published in this "
-        "epoch; a second publication needs a reason (reopen())")
-
-
-@cython.cfunc
-def _omit(records: list, homes: list) -> cython.void:
-    for gi, i in homes:
-        records[gi].omit(i)
-
-
-@cython.cfunc
-def _store(records: list, buffer: Any, homes: list, n: cython.longlong) -> cython.void:
-    for gi, i in homes:
-        if i in records[gi].ranged:
-            raise CountError(
-                f"buffer {buffer.name!r}: ranges were already set this epoch; publish either "
-                "a count or ranges, not both")
-    for gi, i in homes:
-        records[gi].store_count(i, n, buffer._unit_bytes)
-
-
-@cython.ccall
-def stage_table(table: Any, state: Any, slot: cython.Py_ssize_t,
-                num_rows: cython.Py_ssize_t) -> str:
-    """Decide and set what ``table`` (a :class:`~h2d_core.BlockTableState`) publishes this
-    epoch for rows ``[0, num_rows)`` of slot ``slot``'s snapshot: ``REUSED`` (member
-    omitted: the GPU already holds these rows at this revision), ``PARTIAL`` (changed spans
-    as ranges, or nothing when none changed) or ``WHOLE`` (a row count). The published
-    record moves only once the group's publication succeeded. The caller checked the
-    epoch and ``num_rows`` against the snapshot."""
-    buffer = table.buffer
-    if buffer.group in state._published:
-        raise _duplicate(buffer)
-    snap = table.snapshots[slot]
-    rev = snap._revision
-    rec = table.published
-    records: list = state._slot_groups[slot]
-    homes: list = buffer.homes
-    if rec is not None and rec.slot == slot and rec.revision == rev and rec.rows == num_rows:
-        _omit(records, homes)
-        table.last_stage = REUSED
-        return REUSED
-    spare: cython.Py_ssize_t = table._spare
-    keys = table._key_bufs[spare]
-    found: Any = None
-    if table._ranged and rec is not None:
-        limits = table._limit_cache.get(num_rows)
-        if limits is None:
-            limits = table._limits(num_rows)
-        # Same slot: the snapshot's history is exact. Another slot's table on the same
-        # destination: compare row keys (versioned rows need no page-ID reads). The
-        # member index tags each range: the record's (member, offset, bytes) triples.
-        found = snap.changed_byte_ranges(
-            rec.keys, num_rows, table._row_bytes, limits[0], limits[1], keys, table._member,
-            rec.revision if rec.slot == slot else None)
-    else:
-        row_keys(snap, num_rows, out=keys)
-    stage: str
-    if found is not None and not found[0]:
-        _omit(records, homes)
-        stage = PARTIAL
-    elif found is not None and _try_ranges(state, buffer, records, found[0], found[1]):
-        stage = PARTIAL
-    else:
-        found = None
-        _store(records, buffer, homes, num_rows)
-        stage = WHOLE
-    view = table._views[spare].get(num_rows)
-    if view is None:
-        view = table._key_views(spare, num_rows)
-    table._pending = PublishedTable(slot, rev, num_rows, view)
-    table._pending_spare = spare
-    table.last_stage = stage
-    # With nothing to send the GPU already holds these bytes; the record still moves only
-    # once the group's publication succeeded (state.on_publish without its checks, which
-    # the caller made; the entries are made once by the table).
-    entries = state._on_publish.get(buffer.group)
-    if entries is None:
-        entries = state._on_publish[buffer.group] = []
-    entries.append(table._commit_if_sent if found is None or found[0] else table._commit_always)
-    return stage
-
-
-@cython.cfunc
-def _try_ranges(state: Any, buffer: Any, records: list, triples: list,
-                total: cython.longlong) -> cython.bint:
-    """Set ``triples`` (trusted ``(member, offset, bytes)`` ranges) as the member's ranges
-    when they fit its ``max_ranges`` and the group's staging room; False, changing
-    nothing, otherwise."""
-    if len(triples) > buffer.max_ranges:
-        return False
-    gi, i = buffer.homes[0]
-    rec = records[gi]
-    packed = rec.packed
-    if packed is None:
-        return False
-    room = rec.range_room(i) if rec.ranges else packed.range_capacity
-    if total + RANGE_OVERHEAD * len(triples) > room:
-        return False
-    rec.replace_ranges(i, triples, total)
-    return True
 
 
 def _count_addresses(name: str, state: Any, rules: Sequence[CountRule]) -> Any:
@@ -235,8 +116,8 @@ class LayoutStep:
     plan_rows = cython.declare(tuple, visibility="readonly")
     _state = cython.declare(object)
     _layouts = cython.declare(tuple)
-    _snapshots = cython.declare(tuple)
     _table = cython.declare(object)
+    _stager = cython.declare(object)
     _pad_rows = cython.declare(list)
     _error = cython.declare(object)
     _record_index = cython.declare(cython.Py_ssize_t)
@@ -264,7 +145,7 @@ class LayoutStep:
         self._state = state
         self._layouts = tuple(layouts)
         self._table = table
-        self._snapshots = () if table is None else tuple(table.snapshots)
+        self._stager = None if table is None else table._stager
         self._pad_rows = list(pad_rows)
         self._error = error
         self._check = check
@@ -352,7 +233,7 @@ class LayoutStep:
             if p > n:
                 rows = list(rows) + self._pad_rows[: p - n]
             # validates every row before writing the table; nothing below can fail
-            self._snapshots[slot].prepare(rows, required_pages=layout.required_pages)
+            self._stager.prepare(slot, rows, layout.required_pages)
         total: cython.longlong = layout.write()
         uniform: cython.longlong = layout.uniform_mask
         summed: cython.longlong = (layout.column_sum(self._sum_column)
@@ -371,7 +252,7 @@ class LayoutStep:
             out[1] = cython.cast(cython.int, p)
             out[2] = cython.cast(cython.int, t)
             out[3] = cython.cast(cython.int, pt)
-        staged = "" if table is None or not stage else stage_table(table, st, slot, p)
+        staged = "" if table is None or not stage else self._stager.stage(slot, p)
         if published is not None:
             self._note_rows(layout.plan_real, published)
         q = layout.max_query_len
@@ -409,6 +290,4 @@ if not cython.compiled:
     from block_tables.native import require_extension
 
     _compiled = require_extension("h2d_core._step_native")
-    stage_table = _compiled.stage_table
     LayoutStep = _compiled.LayoutStep  # type: ignore[misc]
-    PublishedTable = _compiled.PublishedTable  # type: ignore[misc]

@@ -26,6 +26,10 @@ tentative write, which starts at the new snapshot.
 any write: ``rows`` distinct and inside the history table, ``cursors`` in
 ``[0, history_len]`` with ``cursor + q <= history_len``, the batch's ``query_lens`` >= 1
 and ``num_drafts`` in ``[0, min(max_drafts, q - 1)]``, all of one length ``<= max_reqs``.
+A step is one compiled :class:`h2d_core.LayoutStep` call over a
+:class:`block_tables.RequestLayout` whose vocabulary states these rules (a distinct rows
+column, a cursor + query-length bound, the candidate rows); an input the layout cannot
+read in place (another integer dtype, a list) is checked here first, in its own dtype.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from h2d_core import DeclarationError, H2DRunnerState, h2d_producer
+from block_tables import LayoutColumn, RequestLayout
+from h2d_core import REQS, CountRule, DeclarationError, H2DRunnerState, LayoutStep, h2d_producer
 
 from .batch import ScheduledBatch
 from .checks import INT32_MAX, AdapterInputError, describe, int_array
@@ -84,7 +89,26 @@ class EngramInputs:
         #: the device history table and the committed cursors (device only)
         self.history = torch.zeros(history_rows, history_len, dtype=torch.int32, device=dev)
         self.committed = torch.zeros(max_reqs, dtype=torch.int32, device=dev)
-        self._offsets = np.arange(max_drafts + 1, dtype=np.int64)
+        self._step: LayoutStep | None = None  # bound on first use (after bind)
+
+    def _bind(self) -> LayoutStep:
+        st, g = self.h2d_state, self.group
+        layouts = []
+        for slot in range(st.num_slots):
+            columns = [
+                LayoutColumn("rows", self.rows.source(slot).numpy(), pad=None, low=0,
+                             high=self.history_rows - 1, distinct=True),
+                LayoutColumn("cursors", self.snapshot.source(slot).numpy(), pad=None),
+                LayoutColumn("num_drafts"),  # checked against the candidates' width
+            ]
+            layouts.append(RequestLayout(
+                g, 1, None, None, columns=columns, cursors="cursors",
+                cursor_limit=self.history_len, candidate_drafts="num_drafts",
+                candidates=self.candidates.source(slot).numpy().reshape(-1),
+                candidate_width=self.max_drafts + 1))
+        rules = [CountRule(b, REQS) for b in (self.rows, self.snapshot, self.candidates)]
+        self._step = LayoutStep(g, st, layouts, None, (), rules, error=AdapterInputError)
+        return self._step
 
     @h2d_producer(lambda self: self.group)
     def prepare(self, batch: ScheduledBatch, rows: np.ndarray, cursors: np.ndarray
@@ -93,19 +117,26 @@ class EngramInputs:
         length), its history rows and the cursor candidates. Every input is checked whole
         before any write (see :meth:`_check`); a refusal raises :class:`AdapterInputError`
         and changes nothing."""
-        q, d, c = self._check(batch, rows, cursors)
-        n = q.size
-        if n:
-            self.rows.np[:n] = rows
-            self.snapshot.np[:n] = cursors
-            cand = self.candidates.np
-            first = (c + q - d)[:, None] + self._offsets[None, :]
-            cand[:n] = np.where(self._offsets[None, :] <= d[:, None], first, -1)
-        st = self.h2d_state
-        st.set_count(self.rows, n)
-        st.set_count(self.snapshot, n)
-        st.set_count(self.candidates, n)
-        return EngramPlan(n, int(q.max()) if n else 0)
+        step = self._step
+        if step is None:
+            step = self._bind()
+        cols = batch.columns
+        q = cols.query_lens  # every request runs q tokens of a "context" of q
+        try:  # every value checked, written and counted: one call
+            out = step.run(q, q, None, -1, -1, (rows, cursors, cols.num_drafts))
+        except AdapterInputError:
+            # the specific message (which argument, which request, which rule) comes from
+            # the checks in the caller's dtype; nothing was written
+            self._check(batch, rows, cursors)
+            # every rule holds: an input the layout cannot read in place (another integer
+            # dtype, not contiguous) goes in as its exact int32 copy (the ranges fit)
+            q = np.ascontiguousarray(q, np.int32)
+            out = step.run(q, q, None, -1, -1, (
+                np.ascontiguousarray(rows, np.int32),
+                np.ascontiguousarray(cursors, np.int32),
+                np.ascontiguousarray(cols.num_drafts, np.int32)))
+        n = out[0]
+        return EngramPlan(n, out[2] if n else 0)
 
     def _check(self, batch: ScheduledBatch, rows: object, cursors: object
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
