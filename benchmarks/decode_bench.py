@@ -9,7 +9,15 @@ runner has them):
   (two groups), their first consumers and a compressed-attention stand-in, 256-token blocks;
 * ``mtp``: MHA + MTP (``MtpRunner``, k=1): a verify step (one group: sampling, tokens,
   speculative indices, MHA metadata), acceptance, and the draft loop (no upload);
-* ``gdn``: GDN + MTP: as ``mtp`` with GDN state indices riding in the verify group.
+* ``gdn``: GDN + MTP: as ``mtp`` with GDN state indices riding in the verify group;
+* ``llama`` / ``llama_sync`` (not in the default set): a transformers ``LlamaForCausalLM``,
+  Llama-3.2-1B-shaped random weights on CUDA, decoded by ``DecodeRunner`` over a paged KV
+  cache through the published metadata, one graph per padded bucket, 128K-capable block
+  tables; ``llama_sync`` reads each step's ids back (a synchronous engine loop). Their
+  rows add tokens per second, the whole step's host µs and the metadata's share of it,
+  and on CUDA the step's GPU busy µs and the GPU idle µs per step (wall less busy). See
+  ``llama_family.py``, which also holds ``--ttft``: time to first token on a
+  prefill-heavy workload (2K-8K-token prompts, chunked prefill), packed vs direct.
 
 Ways, interleaved by chunks (the lent host's speed drifts between and within processes):
 
@@ -46,13 +54,14 @@ interpreter): it checks that every loop and way runs, but its figures predict no
 ``decode_bench.json`` and ``decode_bench.png`` into ``--out`` (default ``results/``) and
 prints the tables last.
 
-    python benchmarks/decode_bench.py [--families mha,v41,mtp,gdn]
-        [--batch-sizes 1,8,64,256] [--rounds 4] [--chunk 50] [--out DIR]
+    python benchmarks/decode_bench.py [--families mha,v41,mtp,gdn,llama,llama_sync]
+        [--batch-sizes 1,8,64,256] [--rounds 4] [--chunk 50] [--ttft] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -99,7 +108,8 @@ from h2d_runner_adapters import (  # noqa: E402
     SpanColumns,
 )
 
-FAMILIES = ("mha", "v41", "mtp", "gdn")
+FAMILIES = ("mha", "v41", "mtp", "gdn", "llama", "llama_sync")
+DEFAULT_FAMILIES = FAMILIES[:4]
 WAYS = ("packed", "direct", "atom")
 PAGE = 16
 WINDOW = 512  # steady MHA rows restart every WINDOW steps (new table versions)
@@ -113,13 +123,16 @@ class Loop:
     last step's wait for source reuse; ``counters()`` the library's own per-step counts;
     ``prefetch(n)`` builds the next ``n`` steps' scheduler inputs ahead (outside any
     timing). ``runner`` holds ``host_metadata_ns``, ``span_events`` and
-    ``span_through_model``."""
+    ``span_through_model``. Optional: ``host_step_ns()``, the last step's whole host
+    work (its waits left out); ``extra(row, args)``, family-specific CUDA figures."""
 
     runner: Any
     step: Callable[[], float]
     wait_ns: Callable[[], int]
     counters: Callable[[], dict[str, float]] = field(default=lambda: {})
     prefetch: Callable[[int], None] = field(default=lambda n: None)
+    host_step_ns: Callable[[], int] | None = None
+    extra: Callable[[dict[str, Any], argparse.Namespace], dict[str, Any]] | None = None
 
 
 def _queued(make: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[int], None]]:
@@ -298,19 +311,32 @@ def mtp_loop(way: str, bs: int, args: argparse.Namespace, gdn: bool) -> Loop:
                 lambda: _library_counters(runner.state, (DECODE_STEP,)))
 
 
+# -- Llama (llama_family.py; imported on use: it needs transformers) -----------------------
+def llama_loop(way: str, bs: int, args: argparse.Namespace, sync: bool) -> Loop:
+    """The Llama-3.2-1B-shaped decode loop on ``way`` (``llama_family.LlamaDecode``)."""
+    import llama_family
+
+    d = llama_family.LlamaDecode(way, bs, args, sync=sync)
+    return Loop(d.runner, d.step, d.wait_ns, lambda: _library_counters(d.runner.state,
+                (DECODE_STEP,)), d.prefetch, d.host_step_ns, d.extra)
+
+
 BUILDERS: dict[str, Callable[[str, int, argparse.Namespace], Loop]] = {
     "mha": mha_loop,
     "v41": v41_loop,
     "mtp": lambda w, b, a: mtp_loop(w, b, a, gdn=False),
     "gdn": lambda w, b, a: mtp_loop(w, b, a, gdn=True),
+    "llama": lambda w, b, a: llama_loop(w, b, a, sync=False),
+    "llama_sync": lambda w, b, a: llama_loop(w, b, a, sync=True),
 }
 
 
 # -- measuring ---------------------------------------------------------------------------
 def _chunk(loop: Loop, steps: int, cuda: bool) -> tuple[list[float], list[float], float,
-                                                         float]:
-    """``steps`` steps: per-step host µs and wait µs, wall ms per step, tokens/request."""
-    host, wait, tokens = [], [], 0.0
+                                                         float, list[float]]:
+    """``steps`` steps: per-step host µs and wait µs, wall ms per step, tokens/request,
+    per-step whole host µs (where the loop reports it)."""
+    host, wait, whole, tokens = [], [], [], 0.0
     loop.prefetch(steps)  # the scheduler's side, outside the wall clock
     if cuda:
         torch.cuda.synchronize()
@@ -319,9 +345,11 @@ def _chunk(loop: Loop, steps: int, cuda: bool) -> tuple[list[float], list[float]
         tokens += loop.step()
         host.append(loop.runner.host_metadata_ns / 1e3)
         wait.append(loop.wait_ns() / 1e3)
+        if loop.host_step_ns is not None:
+            whole.append(loop.host_step_ns() / 1e3)
     if cuda:
         torch.cuda.synchronize()
-    return host, wait, (time.perf_counter() - t0) * 1e3 / steps, tokens / steps
+    return host, wait, (time.perf_counter() - t0) * 1e3 / steps, tokens / steps, whole
 
 
 def _span(loop: Loop, steps: int, host_p90_us: float) -> list[float]:
@@ -354,10 +382,12 @@ def measure(family: str, bs: int, args: argparse.Namespace) -> list[dict[str, An
     chunk_p50: dict[str, list[float]] = {w: [] for w in WAYS}
     wall: dict[str, list[float]] = {w: [] for w in WAYS}
     per_req: dict[str, list[float]] = {w: [] for w in WAYS}
+    whole: dict[str, list[float]] = {w: [] for w in WAYS}
     for r in range(args.rounds):
         for w in (WAYS if r % 2 == 0 else WAYS[::-1]):
-            h, wt, ms, tok = _chunk(loops[w], args.chunk, args.cuda)
+            h, wt, ms, tok, wh = _chunk(loops[w], args.chunk, args.cuda)
             host[w] += h
+            whole[w] += wh
             wait[w] += wt
             chunk_p50[w].append(float(np.median(h)))
             wall[w].append(ms)
@@ -373,12 +403,20 @@ def measure(family: str, bs: int, args: argparse.Namespace) -> list[dict[str, An
             "host_us_max": float(hs.max()), "host_us_chunk_p50s": chunk_p50[w],
             "source_wait_us_p50": float(np.median(wait[w])),
             "step_ms": ms, "tokens_per_request_step": tok, "ms_per_output_token": ms / tok,
+            "tokens_per_s": bs * tok / ms * 1e3,
             "library_per_step": loop.counters() if w != "atom" else None,
         }
+        if whole[w]:  # the whole step's host work, and the metadata's share of it
+            ws = np.asarray(whole[w])
+            row["host_step_us_p50"] = float(np.median(ws))
+            row["host_step_us_p90"] = float(np.percentile(ws, 90))
+            row["metadata_share_p50"] = float(np.median(hs / np.maximum(ws, 1e-3)))
         if args.cuda:
             span = _span(loop, args.span_steps, row["host_us_p90"])
             row["gpu_span_us_p50"] = float(np.median(span))
             row["gpu_span_us_p90"] = float(np.percentile(span, 90))
+            if loop.extra is not None:
+                row.update(loop.extra(row, args))
             loop.prefetch(args.profile_steps)
             row.update(count_per_step(loop.step, args.profile_steps))
         rows.append(row)
@@ -392,7 +430,8 @@ def measure(family: str, bs: int, args: argparse.Namespace) -> list[dict[str, An
     for row in rows:
         row["host_vs_packed"] = row["host_us_p50"] / packed["host_us_p50"]
         row["tpot_vs_packed"] = row["ms_per_output_token"] / packed["ms_per_output_token"]
-    del loops
+    del loops, loop
+    gc.collect()  # runners hold cycles (the ATOM-style way points back at its runner)
     if args.cuda:
         torch.cuda.empty_cache()
     return rows
@@ -446,7 +485,7 @@ def _plot(results: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> No
 
 def _table(results: list[dict[str, Any]]) -> str:
     lines = []
-    for fam in FAMILIES:
+    for fam in DEFAULT_FAMILIES:
         rows = [r for r in results if r["family"] == fam]
         if not rows:
             continue
@@ -467,12 +506,17 @@ def _table(results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--families", default=",".join(DEFAULT_FAMILIES),
+                    help=f"comma-separated, of {','.join(FAMILIES)}")
     ap.add_argument("--batch-sizes", default=None)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--chunk", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=None)
-    ap.add_argument("--context", type=int, default=None, help="MHA tokens per request")
+    ap.add_argument("--context", type=int, default=None,
+                    help="MHA and Llama decode tokens per request")
+    ap.add_argument("--ttft", action="store_true",
+                    help="also time to first token on the Llama prefill-heavy workload")
+    ap.add_argument("--ttft-reps", type=int, default=None)
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
     cuda = args.cuda = _CUDA
@@ -492,6 +536,9 @@ def main() -> None:
     args.mtp_context = 1024 if cuda else 40
     args.total_steps = args.warmup + args.rounds * args.chunk + args.span_steps + \
         args.profile_steps + 2
+    args.page, args.window = PAGE, WINDOW
+    args.ttft_reps = args.ttft_reps or (5 if cuda else 1)
+    llama = args.ttft or any(f.startswith("llama") for f in families)
     device = torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or 'host'})"
     if not cuda:
         print("No CUDA device: running the small CPU configuration. It checks that every "
@@ -505,7 +552,13 @@ def main() -> None:
             "cuda": cuda, "mha_context": args.context, "v41_context": args.v41_context,
             "mtp_context": args.mtp_context, "rounds": args.rounds, "chunk": args.chunk,
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])}
+    output: dict[str, Any] = {"meta": meta}
+    if llama:
+        import llama_family
+
+        meta["llama"] = llama_family.describe(args, sizes)
     results: list[dict[str, Any]] = []
+    output["results"] = results
     for fam in families:
         for bs in sizes:
             t = time.perf_counter()
@@ -515,18 +568,29 @@ def main() -> None:
                 f"{r['way']} {r['host_us_p50']:.1f} µs" for r in rows)
                 + f" ({time.perf_counter() - t:.1f} s)", flush=True)
             # written after every size: an interrupted run keeps what it measured
-            (out / "decode_bench.json").write_text(
-                json.dumps({"meta": meta, "results": results}, indent=1))
+            (out / "decode_bench.json").write_text(json.dumps(output, indent=1))
+    if args.ttft:
+        t = time.perf_counter()
+        output["ttft"] = llama_family.measure_ttft(args)
+        print("llama TTFT p50: " + ", ".join(
+            f"{w} {r['ttft_ms']['p50']:.1f} ms" for w, r in output["ttft"]["ways"].items())
+            + f" ({time.perf_counter() - t:.1f} s)", flush=True)
+        (out / "decode_bench.json").write_text(json.dumps(output, indent=1))
+    written = str(out / "decode_bench.json")
     try:
-        _plot(results, out / "decode_bench.png", meta)
-        written = f"{out / 'decode_bench.json'}, {out / 'decode_bench.png'}"
+        if results:
+            _plot(results, out / "decode_bench.png", meta)
+            written += f", {out / 'decode_bench.png'}"
     except ImportError:
         print("matplotlib is not installed: no plot written", flush=True)
-        written = str(out / "decode_bench.json")
     print(f"\nresults: {written}")
     print(f"device: {device}; torch {torch.__version__}; {args.rounds} rounds x {args.chunk} "
           "steps per way, interleaved")
     print(_table(results))
+    if llama:
+        print(llama_family.table(results, cuda))
+        if args.ttft:
+            print(llama_family.ttft_table(output["ttft"]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ the library publishes (prefill through ``PrefillInputs``, chunked; decode throug
 prefill attention preparation). The scheduler's workload has arrivals and finishes, prompt
 and output lengths that vary, page boundaries crossed, pages freed and reused, page
 migrations (lineage copies), batch reordering and recompute preemptions; every page starts
-as large garbage. Packed and direct backends both run; each request's tokens must equal
+as large garbage and every free page is refilled with garbage before each step, and each
+token's keys are bounded by its row's context length and the published query prefix, as
+a paged kernel bounds them (positions only rotate), so a wrong page, slot, length or
+prefix changes the output. Packed and direct backends both run; each request's tokens must equal
 ``generate``'s, which runs the same model with its dense cache, and every sampled step's
 logits the dense forward's at the same position (float32, 1e-4).
 """
@@ -31,7 +34,10 @@ else:  # e.g. the lent GPU machine, where transformers travels as a carried whee
 
 from decode_runner.llama import LlamaPagedDecoder
 
-PAGE, PAGES, VOCAB = 8, 96, 128
+# 40 pages of 4: the pool wraps (freed pages are handed out again) and runs short (the
+# scheduler preempts)
+PAGE, PAGES, VOCAB = 4, 40, 128
+MTP_PAGE, MTP_PAGES = 8, 96  # the speculative runner's own pool (3 requests, no scheduler)
 STEPS = int(os.environ.get("H2D_LLAMA_STEPS", "400"))
 
 
@@ -69,13 +75,25 @@ def _run(device: str, backend: str, greedy: float = 1.0
         device, backend,
         model=LlamaPagedDecoder(model, page_size=PAGE, num_pages=PAGES,
                                 max_pages=sched_cfg.max_pages_per_request))
+    decoder = runner.model
     sched = Scheduler(sched_cfg)
     sampled: list[int] | None = None
     logits: Logits = {}
+    held: set[int] = set()
+    freed: set[int] = set()  # pages some request held and gave back
+    reused = 0
     for _ in range(STEPS):
         batch = sched.step(sampled)
         if batch is None:
             break
+        owned = set(sched.page_owners())
+        freed |= held - owned
+        reused += len((owned - held) & freed)
+        held = owned
+        # free pages (no request holds them; a migration's source is copied first) are
+        # garbage again: a stale page index or length reads 1e4, not old keys
+        sources = {src for src, _ in batch.extras["kv_page_moves"]}
+        decoder.poison_pages(set(range(PAGES)) - owned - sources)
         res = runner.step(batch)
         sampled = res.sampled.cpu().tolist()
         rows = res.logits.float().cpu()
@@ -83,7 +101,7 @@ def _run(device: str, backend: str, greedy: float = 1.0
                                                strict=True)):
             if samples:
                 logits[(req.req_id, req.context_len)] = rows[r]
-    return sched.finished_sequences(), vars(sched.stats), logits
+    return sched.finished_sequences(), {**vars(sched.stats), "reused_pages": reused}, logits
 
 
 @pytest.mark.parametrize("backend", ["packed", "direct"])
@@ -92,6 +110,7 @@ def test_llama_greedy_tokens_equal_generate(device: str, backend: str) -> None:
     done, stats, logits = _run(device, backend)
     assert len(done) >= 12, stats  # the workload ran to its end
     assert stats["preemptions"] >= 1 and stats["migrations"] >= 1, stats
+    assert stats["reused_pages"] >= 1, stats  # freed pages were handed out again
     model = _model(device)
     checked = 0
     for req, (prompt, generated) in sorted(done.items()):
@@ -122,10 +141,10 @@ def test_llama_speculative_decoding_equals_generate(device: str, k: int) -> None
     from decode_runner.mtp import MtpConfig, MtpRunner
 
     model = _model(device)
-    cfg = MtpConfig(k=k, num_reqs=3, vocab=VOCAB, page_size=PAGE, num_pages=PAGES,
+    cfg = MtpConfig(k=k, num_reqs=3, vocab=VOCAB, page_size=MTP_PAGE, num_pages=MTP_PAGES,
                     max_pages_per_req=24, draft_bias=0.3, scatter="auto" if device == "cuda"
                     else "triton")
-    decoders = tuple(LlamaPagedDecoder(model, page_size=PAGE, num_pages=PAGES,
+    decoders = tuple(LlamaPagedDecoder(model, page_size=MTP_PAGE, num_pages=MTP_PAGES,
                                        max_pages=cfg.max_pages_per_req) for _ in range(2))
     runner = MtpRunner(cfg, device, "packed", models=decoders)  # type: ignore[arg-type]
     accepted = 0

@@ -18,7 +18,7 @@ or length changes the output instead of reading zeros.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -46,7 +46,7 @@ class LlamaPagedDecoder:
         dtype = next(model.parameters()).dtype
         slots = num_pages * page_size
         self.trash_slot = slots  # slot -1 writes here; no page maps it
-        gen = torch.Generator().manual_seed(1234)
+        self._gen = gen = torch.Generator().manual_seed(1234)
         self.kv_cache = ((torch.rand(cfg.num_hidden_layers, 2, slots + 1, self.kv_heads,
                                      self.head_dim, generator=gen) * 2 - 1) * GARBAGE).to(
             device=dev, dtype=dtype)
@@ -62,7 +62,8 @@ class LlamaPagedDecoder:
         ids = inputs.input_ids.long().clamp(0, self.vocab - 1)
         positions = inputs.positions.clamp(min=0)
         write = torch.where(inputs.slot_mapping >= 0, inputs.slot_mapping, self.trash_slot)
-        # each token's visible keys: its request's pages, up to its position and context
+        # each token's visible keys: its request's pages, below its context length,
+        # causal by the published query prefix (positions only rotate)
         key_slots, visible = key_plan(inputs, positions, self._page_cols, self._slot_in_page,
                                       self._key_pos)
         h = inner.embed_tokens(ids)[None]  # [1, T, hidden]: the model's batch of one
@@ -102,3 +103,16 @@ class LlamaPagedDecoder:
         for src, dst in moves:
             self.kv_cache[:, :, dst * ps:(dst + 1) * ps] = self.kv_cache[:, :, src * ps:
                                                                          (src + 1) * ps]
+
+    def poison_pages(self, pages: Iterable[int]) -> None:
+        """Refill ``pages`` (free ones: no request holds them) with large garbage, so a
+        read through a stale page index, slot or length cannot pass for a correct one."""
+        ps = self.page_size
+        slots = [p * ps + s for p in pages for s in range(ps)]
+        if not slots:
+            return
+        index = torch.tensor(slots, device=self.kv_cache.device)
+        c = self.kv_cache
+        fill = (torch.rand(c.shape[0], 2, len(slots), *c.shape[3:], generator=self._gen)
+                * 2 - 1) * GARBAGE
+        c.index_copy_(2, index, fill.to(c))

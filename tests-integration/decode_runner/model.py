@@ -97,7 +97,11 @@ class DecoderInputs:
       padded row);
     * ``kv_indptr`` int32 ``[R+1]`` and ``kv_indices`` int32 ``[>= 1]``: CSR pages per row;
       padded rows own no pages (their indptr repeats the total);
-    * ``context_lens`` int32 ``[R]``: tokens in KV after this step (0 for padded rows).
+    * ``context_lens`` int32 ``[R]``: tokens in KV after this step (0 for padded rows);
+    * ``query_start`` (optional) int32 ``[R+1]``: the published query prefix
+      (``cu_seqlens_q``). Given, each token's visible keys are bounded as a paged kernel
+      bounds them, by its row's context length and the query prefix (causal within the
+      step's query), and positions only rotate; without it, by its position too.
 
     Shapes, dtypes and devices are checked here, once, so a runner builds this over its
     fixed published destinations at init and the hot path checks nothing.
@@ -110,6 +114,7 @@ class DecoderInputs:
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     context_lens: torch.Tensor
+    query_start: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         device = self.input_ids.device
@@ -139,6 +144,12 @@ class DecoderInputs:
                 f"DecoderInputs.kv_indptr has {self.kv_indptr.shape[0]} elements for "
                 f"{self.context_lens.shape[0]} rows; it needs rows + 1"
             )
+        q = self.query_start
+        if q is not None and (q.dtype != torch.int32 or q.dim() != 1 or q.device != device
+                              or q.shape[0] != self.context_lens.shape[0] + 1):
+            raise DecoderInputError(
+                "DecoderInputs.query_start must be a 1-D int32 tensor of rows + 1 elements "
+                "on the model's device (the published query prefix)")
         if self.kv_indices.shape[0] < 1:
             raise DecoderInputError(
                 "DecoderInputs.kv_indices is empty; give it at least one element (its "
@@ -165,14 +176,20 @@ def key_plan(inputs: DecoderInputs, positions: torch.Tensor, page_cols: torch.Te
     """Each token's candidate key slots ``[T, max_pages * page_size]`` (its request's pages
     through ``kv_indptr`` / ``kv_indices``, ``page_cols`` = ``arange(max_pages)``,
     ``slot_in_page`` = ``arange(page_size)``, ``key_pos`` = ``arange(max_pages * page_size)``)
-    and which of them it may see (a page of the request, at a position ``<=`` the token's and
-    below the request's context length). Static shapes: capturable."""
+    and which of them it may see: a page of the request, below the request's context
+    length, and causal within the step's query: with ``inputs.query_start``, token ``t`` of
+    row ``r`` sees keys ``<= context[r] - query_start[r + 1] + t`` (a paged kernel's bound;
+    ``positions`` then play no part here), else keys ``<=`` its position. Static shapes:
+    capturable."""
     tokens, max_pages, page = positions.shape[0], page_cols.shape[0], slot_in_page.shape[0]
     keys = max_pages * page
     req = inputs.token_request.long()
     start = inputs.kv_indptr.index_select(0, req).long()
     count = inputs.kv_indptr.index_select(0, req + 1).long() - start
     context = inputs.context_lens.index_select(0, req).long()
+    if inputs.query_start is not None:
+        ends = inputs.query_start.index_select(0, req + 1).long()
+        positions = context - ends + torch.arange(tokens, device=context.device)
     last = inputs.kv_indices.shape[0] - 1
     flat = (start[:, None] + page_cols[None, :]).clamp(0, last)
     page_ok = page_cols[None, :] < count[:, None]

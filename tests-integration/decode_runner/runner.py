@@ -132,7 +132,8 @@ class DecodeRunner:
         self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
         self.generator = torch.Generator(device=dev)
         self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
-        #: host ns of the last step's metadata preparation + publication (begin..finish)
+        #: host ns of the last step's metadata preparation + publication (begin..finish,
+        #: decode and prefill steps; the wait for source reuse left out)
         self.host_metadata_ns = 0
         #: when set (CUDA), events around publication..first consumers of decode steps
         self.span_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
@@ -162,6 +163,9 @@ class DecodeRunner:
             kv_indptr=d.kv_indptr.gpu[: rows + 1],
             kv_indices=d.kv_indices,
             context_lens=d.context_lens.gpu[:rows],
+            # the step's query prefix bounds each token's keys (a later ubatch's rows are
+            # offset in it: its keys stay bounded by positions)
+            query_start=self.tokens.cu_seqlens_q.gpu[: rows + 1] if first_token == 0 else None,
         )
 
     def _capture(self) -> None:
@@ -298,6 +302,7 @@ class DecodeRunner:
 
     def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
         st = self.state
+        t0 = time.perf_counter_ns()
         st.begin()
         self._sampling_plan = self.sampling.prepare(batch)
         tplan = self.tokens.prepare_ids(batch)
@@ -305,6 +310,7 @@ class DecodeRunner:
         pplan = self.prefill.prepare(batch)
         st.publish(PREFILL_STEP)
         st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
         self.tokens.assemble(tplan, self.sampled)
         pf = self.prefill
         pf.prepare_attention(pplan, self.tokens.cu_seqlens_q.gpu)
@@ -314,6 +320,7 @@ class DecodeRunner:
             slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
             kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
             context_lens=pf.context_lens.gpu[:n],
+            query_start=self.tokens.cu_seqlens_q.gpu[: n + 1],
         )
         last = (self.tokens.cu_seqlens_q.gpu[1 : n + 1] - 1).long()
         return self.model(inputs, logits_indices=last), inputs

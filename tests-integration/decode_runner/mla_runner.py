@@ -1,0 +1,175 @@
+"""The decode runner for MLA models: ``token_inputs`` + ``mla_decode`` instead of one MHA group.
+
+:class:`DecodeRunner` publishes a decode step with the fused :class:`DecodeStepInputs`,
+which produces the plain ``mha_decode`` group only. An MLA model needs the MLA members
+(KV slots, pages and positions at MLA's page size, plus each request's last-page length),
+so this runner composes what the adapters' docstrings name for a two-group step: the token
+half :class:`TokenStepInputs` (sampling, ids, deferred sources, query prefix: one producer
+call, group ``token_inputs``) and :class:`MlaDecodeInputs` (group ``mla_decode``). Per
+decode step::
+
+    state.begin()
+    token_step.prepare(batch, padded); mla.prepare(batch, padded)
+    state.publish("token_inputs"); state.publish("mla_decode"); state.finish()
+    token assembly -> KV-index generation at MLA's page size     (first consumers)
+    model (eager, or its captured graph per padded size on CUDA) -> sampler
+
+``combine=True`` publishes the same producers as one combined ``mla_decode_step`` group
+instead (one DMA and one scatter a step, the analogue of the MHA runner's fused
+``decode_step``). Prefill is the parent's: ``PrefillInputs`` at the same page size,
+chunked, published with the token groups as one ``prefill_step`` (the query prefix joins
+the model's inputs: the MLA decoder bounds keys by lengths and that prefix).
+``pad_eager`` pads eager decode steps to the scheduler's graph size too, so a CPU run (no
+graphs) still reads the padded rows the library publishes for a graph (no pages, no KV
+write, last-page length 0).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from h2d_core import H2DRunnerState, restore_implicit_cpu_default
+from h2d_runner_adapters import (
+    MLA_DECODE,
+    TOKEN_INPUTS,
+    MlaDecodeInputs,
+    PrefillInputs,
+    ScheduledBatch,
+    TokenStepInputs,
+)
+
+from .deepseek import MlaDecoderInputs
+from .model import DecoderInputs
+from .runner import PREFILL_STEP, DecodeRunner, RunnerConfig
+
+MLA_STEP = "mla_decode_step"
+
+
+class MlaDecodeRunner(DecodeRunner):
+    """:class:`DecodeRunner` whose decode steps publish MLA metadata (see the module
+    docstring). ``model``: a decoder that reads :class:`MlaDecoderInputs`, e.g.
+    :class:`~decode_runner.deepseek.DeepseekV3PagedDecoder`. No ATOM-style or TBO mode."""
+
+    decode: MlaDecodeInputs
+
+    def __init__(self, cfg: RunnerConfig, device: str | torch.device, backend: str, *,
+                 model: Any, pad_eager: bool = False, combine: bool = False) -> None:
+        # Not the parent's __init__: it declares the MHA adapters and binds the state, and
+        # the MLA ones must be declared before bind(). The attributes its steps read are
+        # set here under the same names.
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.pad_eager = pad_eager
+        self.publish_groups = (MLA_STEP,) if combine else (TOKEN_INPUTS, MLA_DECODE)
+        st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
+                            scatter=cfg.scatter)
+        self.state = st
+        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
+        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
+                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
+        self.token_step = TokenStepInputs(st, **caps)
+        self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
+        self.decode = MlaDecodeInputs(st, **caps, **tables)
+        self.prefill = PrefillInputs(st, **caps, **tables)
+        token_groups = ["sampling", *self.tokens.producer_groups]
+        if combine:
+            st.combine(MLA_STEP, [*token_groups, self.decode.group])
+        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
+        st.bind()
+        self.model = model
+        dev = self.device
+        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
+        self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
+        self.generator = torch.Generator(device=dev)
+        self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
+        self.host_metadata_ns = 0
+        self.span_events = None
+        self.span_through_model = False
+        self.atom = None
+        self.ubatches = []
+        self.graphs = {}
+        self.consumer_graphs = {}
+        self.graph_inputs = {p: self._decode_inputs(self.decode, p, 0) for p in cfg.graph_sizes}
+        if self.device.type == "cuda" and cfg.graph_sizes:
+            self._capture()
+        restore_implicit_cpu_default()
+
+    def _decode_inputs(self, d: Any, rows: int, first_token: int) -> DecoderInputs:
+        return MlaDecoderInputs(
+            input_ids=self.tokens.input_ids.gpu[first_token:first_token + rows],
+            positions=d.positions.gpu[:rows],
+            slot_mapping=d.slot_mapping.gpu[:rows],
+            token_request=self.token_rows[:rows],
+            kv_indptr=d.kv_indptr.gpu[: rows + 1],
+            kv_indices=d.kv_indices,
+            context_lens=d.context_lens.gpu[:rows],
+            query_start=self.tokens.cu_seqlens_q.gpu[: rows + 1],
+            kv_last_page_lens=d.kv_last_page_lens.gpu[:rows],
+        )
+
+    def _capture(self) -> None:
+        self.decode.kv_last_page_lens.gpu.zero_()  # capture over rows that own nothing
+        super()._capture()
+
+    def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
+        """The parent's prefill step (publication, token assembly, attention preparation)
+        with the query prefix among the model's inputs: the MLA decoder bounds each token's
+        keys by lengths and that prefix, as a paged prefill kernel does."""
+        st = self.state
+        t0 = time.perf_counter_ns()
+        st.begin()
+        self._sampling_plan = self.sampling.prepare(batch)
+        tplan = self.tokens.prepare_ids(batch)
+        self.tokens.prepare_query_prefix(batch)
+        pplan = self.prefill.prepare(batch)
+        st.publish(PREFILL_STEP)
+        st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+        self.tokens.assemble(tplan, self.sampled)
+        pf = self.prefill
+        cu_q = self.tokens.cu_seqlens_q.gpu
+        pf.prepare_attention(pplan, cu_q)
+        t, n = pplan.num_tokens, pplan.num_reqs
+        inputs = MlaDecoderInputs(
+            input_ids=self.tokens.input_ids.gpu[:t], positions=pf.positions.gpu[:t],
+            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
+            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
+            context_lens=pf.context_lens.gpu[:n], query_start=cu_q[: n + 1],
+        )
+        last = (cu_q[1 : n + 1] - 1).long()
+        return self.model(inputs, logits_indices=last), inputs
+
+    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
+        """Publish both groups, run the first consumers and the model; True when the
+        captured graph also sampled (an unfiltered plan)."""
+        st = self.state
+        size = batch.padded_size
+        padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
+        t0 = time.perf_counter_ns()
+        st.begin()
+        tok = self.token_step.prepare(batch, padded)
+        dplan = self.decode.prepare(batch, padded)
+        self._sampling_plan, tplan = tok.sampling, tok.tokens
+        for group in self.publish_groups:
+            st.publish(group)
+        st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+        rows = dplan.padded_reqs
+        consumers = self.consumer_graphs.get(rows)
+        if consumers is not None and tplan.padded_tokens == rows:
+            consumers.replay()
+        else:
+            self.tokens.assemble(tplan, self.sampled)
+            self.decode.generate_kv_indices(dplan)
+        if rows in self.graphs:
+            graph, out = self.graphs[rows]
+            graph.replay()
+            sp = self._sampling_plan
+            unfiltered = (sp.top_k is None and sp.top_p is None and not sp.per_request_top_k
+                          and not sp.per_request_top_p)
+            return out, self.graph_inputs[rows], unfiltered
+        inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
+        return self.model(inputs), inputs, False
