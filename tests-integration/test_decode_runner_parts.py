@@ -660,7 +660,8 @@ def test_decode_cuda_graph_replay_matches_eager() -> None:
             logits = model.forward(step.inputs)
         else:
             if static is None:
-                static = DecoderInputs(**{k: v.clone() for k, v in vars(step.inputs).items()})
+                static = DecoderInputs(**{k: None if v is None else v.clone()
+                                         for k, v in vars(step.inputs).items()})
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 saved = model.kv_cache.clone()
