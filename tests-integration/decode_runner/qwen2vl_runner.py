@@ -1,0 +1,230 @@
+"""The decode runner for an MRoPE model: prompt planes at prefill, deltas at decode.
+
+:class:`DecodeRunner` publishes decode steps with the fused :class:`DecodeStepInputs`,
+which publishes 1-D positions and refuses an MRoPE decode adapter. So this runner composes
+the adapters the way that refusal says (as :class:`~decode_runner.mla_runner.MlaDecodeRunner`
+does for MLA): the token half :class:`TokenStepInputs` (group ``token_inputs``) and
+``MhaDecodeInputs(mrope=True)`` (group ``mha_decode``, its ``mrope_positions`` planes in
+place of ``positions``), and ``PrefillInputs(mrope=True)`` for prefill. Per step::
+
+    prefill: state.begin(); sampling, ids, query prefix;
+             prefill.prepare(batch, mrope_positions=<each request's [3, L] planes>)
+             publish "prefill_step"; finish; assembly; attention preparation
+    decode:  state.begin(); token_step.prepare(batch, padded);
+             decode.prepare(batch, padded, mrope_deltas=<each request's delta>)
+             publish "token_inputs", "mha_decode" (or one combined group); finish;
+             assembly; KV-index generation
+
+and the model reads the planes at the step's running width (``mrope_planes``: the
+prefill chunk's token count, the decode step's padded token count). The prompts' planes
+and deltas are the engine's (:mod:`.multimodal`); the image features of a prefill chunk's
+placeholder tokens go to the model beside the metadata (an engine's encoder cache, not the
+library's business). ``pad_eager`` pads eager decode steps to the scheduler's graph size,
+so a CPU run reads planes at a padded width too.
+
+``published`` records, for every real token the model ran, the planes it read, by
+(request, sequence index): the test compares them with the model's own rope index.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from h2d_core import H2DRunnerState, restore_implicit_cpu_default
+from h2d_runner_adapters import (
+    MHA_DECODE,
+    TOKEN_INPUTS,
+    MhaDecodeInputs,
+    PrefillInputs,
+    ScheduledBatch,
+    TokenStepInputs,
+)
+from h2d_runner_adapters.mrope import mrope_planes
+
+from .model import DecoderInputs
+from .multimodal import MultimodalPrompt
+from .qwen2vl import MropeDecoderInputs
+from .runner import PREFILL_STEP, DecodeRunner, RunnerConfig
+
+MROPE_STEP = "mrope_decode_step"
+Planes = tuple[int, int, int]
+
+
+class Qwen2VLRunner(DecodeRunner):
+    """:class:`DecodeRunner` for an MRoPE model (see the module docstring). ``prompts``:
+    request id -> :class:`MultimodalPrompt` (the scheduler's, filled as requests arrive).
+    ``model``: a decoder reading :class:`MropeDecoderInputs`, e.g.
+    :class:`~decode_runner.qwen2vl.Qwen2VLPagedDecoder`. No ATOM-style or TBO mode."""
+
+    decode: MhaDecodeInputs
+
+    def __init__(self, cfg: RunnerConfig, device: str | torch.device, backend: str, *,
+                 model: Any, prompts: dict[int, MultimodalPrompt], pad_eager: bool = False,
+                 combine: bool = False) -> None:
+        # Not the parent's __init__: it declares the fused decode step (which refuses
+        # MRoPE) and binds the state. The attributes its steps read are set here.
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.prompts = prompts
+        self.pad_eager = pad_eager
+        self.publish_groups = (MROPE_STEP,) if combine else (TOKEN_INPUTS, MHA_DECODE)
+        st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
+                            scatter=cfg.scatter)
+        self.state = st
+        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
+        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
+                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
+        self.token_step = TokenStepInputs(st, **caps)
+        self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
+        self.decode = MhaDecodeInputs(st, **caps, **tables, mrope=True)
+        self.prefill = PrefillInputs(st, **caps, **tables, mrope=True)
+        token_groups = ["sampling", *self.tokens.producer_groups]
+        if combine:
+            st.combine(MROPE_STEP, [*token_groups, self.decode.group])
+        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
+        st.bind()
+        self.model = model
+        dev = self.device
+        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
+        self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
+        self.generator = torch.Generator(device=dev)
+        self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
+        self.host_metadata_ns = 0
+        self.span_events = None
+        self.span_through_model = False
+        self.atom = None
+        self.ubatches = []
+        self.graphs = {}
+        self.consumer_graphs = {}
+        self.published: dict[tuple[int, int], Planes] = {}
+        #: decode steps whose planes' width (their axis stride) exceeded the real tokens
+        self.padded_steps = 0
+        self.graph_inputs = {p: self._decode_inputs(self.decode, p, 0) for p in cfg.graph_sizes}
+        if self.device.type == "cuda" and cfg.graph_sizes:
+            self._capture()
+        restore_implicit_cpu_default()
+
+    def _decode_inputs(self, d: Any, rows: int, first_token: int) -> MropeDecoderInputs:
+        """The decode step's inputs over fixed destinations; one token per request, so
+        the running width (the planes' axis stride) is ``rows``."""
+        assert d.mrope_positions is not None
+        planes = mrope_planes(d.mrope_positions, rows)
+        return MropeDecoderInputs(
+            input_ids=self.tokens.input_ids.gpu[first_token:first_token + rows],
+            positions=planes[0],  # unread: the planes rotate, the prefix and lengths bound
+            slot_mapping=d.slot_mapping.gpu[:rows],
+            token_request=self.token_rows[:rows],
+            kv_indptr=d.kv_indptr.gpu[: rows + 1],
+            kv_indices=d.kv_indices,
+            context_lens=d.context_lens.gpu[:rows],
+            query_start=self.tokens.cu_seqlens_q.gpu[: rows + 1],
+            mrope_positions=planes,
+        )
+
+    def _capture(self) -> None:
+        assert self.decode.mrope_positions is not None
+        self.decode.mrope_positions.gpu.zero_()  # capture over rows that own nothing
+        super()._capture()
+
+    # -- the engine's per-request values -----------------------------------------------------
+    def _deltas(self, batch: ScheduledBatch) -> np.ndarray:
+        return np.array([self.prompts[r.req_id].delta for r in batch.requests], np.int64)
+
+    def _prompt_planes(self, batch: ScheduledBatch) -> list[np.ndarray | None]:
+        """Each request's ``[3, L]`` planes (None: text only, its ordinary positions)."""
+        return [self.prompts[r.req_id].planes if self.prompts[r.req_id].has_images else None
+                for r in batch.requests]
+
+    def _mm_embeds(self, batch: ScheduledBatch, tokens: int, hidden: int
+                   ) -> torch.Tensor | None:
+        """The chunk's image features, one row per token (zeros for text tokens)."""
+        out = torch.zeros(tokens, hidden)
+        start, found = 0, False
+        for r in batch.requests:
+            p = self.prompts[r.req_id]
+            span = np.arange(r.first_position, r.context_len)
+            index = np.where(span < len(p.ids), p.feature_index[np.minimum(span, len(p.ids)
+                                                                            - 1)], -1)
+            rows = np.nonzero(index >= 0)[0]
+            if rows.size:
+                out[start + rows] = p.features[index[rows]]
+                found = True
+            start += r.num_tokens
+        return out.to(self.device) if found else None
+
+    def _record(self, batch: ScheduledBatch, planes: torch.Tensor) -> None:
+        cols = planes.cpu().T.tolist()
+        t = 0
+        for r in batch.requests:
+            for j in range(r.first_position, r.context_len):
+                self.published[(r.req_id, j)] = (cols[t][0], cols[t][1], cols[t][2])
+                t += 1
+
+    # -- steps -------------------------------------------------------------------------------
+    def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, MropeDecoderInputs]:
+        st = self.state
+        t0 = time.perf_counter_ns()
+        st.begin()
+        self._sampling_plan = self.sampling.prepare(batch)
+        tplan = self.tokens.prepare_ids(batch)
+        self.tokens.prepare_query_prefix(batch)
+        pplan = self.prefill.prepare(batch, mrope_positions=self._prompt_planes(batch))
+        st.publish(PREFILL_STEP)
+        st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+        self.tokens.assemble(tplan, self.sampled)
+        pf = self.prefill
+        cu_q = self.tokens.cu_seqlens_q.gpu
+        pf.prepare_attention(pplan, cu_q)
+        t, n = pplan.num_tokens, pplan.num_reqs
+        planes = pf.mrope_planes(pplan)  # (3, t): the chunk's width
+        self._record(batch, planes)
+        inputs = MropeDecoderInputs(
+            input_ids=self.tokens.input_ids.gpu[:t], positions=planes[0],
+            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
+            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
+            context_lens=pf.context_lens.gpu[:n], query_start=cu_q[: n + 1],
+            mrope_positions=planes,
+            mm_embeds=self._mm_embeds(batch, t, self.model.embed.shape[1]),
+        )
+        last = (cu_q[1 : n + 1] - 1).long()
+        return self.model(inputs, logits_indices=last), inputs
+
+    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
+        """Publish both groups (the deltas with the decode group), run the first
+        consumers and the model; True when the captured graph also sampled."""
+        st = self.state
+        size = batch.padded_size
+        padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
+        t0 = time.perf_counter_ns()
+        st.begin()
+        tok = self.token_step.prepare(batch, padded)
+        dplan = self.decode.prepare(batch, padded, mrope_deltas=self._deltas(batch))
+        self._sampling_plan, tplan = tok.sampling, tok.tokens
+        for group in self.publish_groups:
+            st.publish(group)
+        st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+        rows = dplan.padded_reqs
+        assert dplan.padded_tokens == rows  # one token per request: width = rows
+        consumers = self.consumer_graphs.get(rows)
+        if consumers is not None and tplan.padded_tokens == rows:
+            consumers.replay()
+        else:
+            self.tokens.assemble(tplan, self.sampled)
+            self.decode.generate_kv_indices(dplan)
+        self._record(batch, self.decode.mrope_planes(dplan)[:, : dplan.num_tokens])
+        self.padded_steps += dplan.padded_tokens > dplan.num_tokens
+        if rows in self.graphs:
+            graph, out = self.graphs[rows]
+            graph.replay()
+            sp = self._sampling_plan
+            unfiltered = (sp.top_k is None and sp.top_p is None and not sp.per_request_top_k
+                          and not sp.per_request_top_p)
+            return out, self.graph_inputs[rows], unfiltered
+        inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
+        return self.model(inputs), inputs, False
