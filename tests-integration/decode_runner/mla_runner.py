@@ -14,8 +14,9 @@ decode step::
     token assembly -> KV-index generation at MLA's page size     (first consumers)
     model (eager, or its captured graph per padded size on CUDA) -> sampler
 
-``combine=True`` publishes the same producers as one combined ``mla_decode_step`` group
-instead (one DMA and one scatter a step, the analogue of the MHA runner's fused
+``combine=True`` runs the library's fused MLA step instead,
+:class:`~h2d_runner_adapters.MlaDecodeStepInputs`: one producer call and one group,
+``mla_decode_step`` (one DMA and one scatter a step, the analogue of the MHA runner's fused
 ``decode_step``). Prefill is the parent's: ``PrefillInputs`` at the same page size,
 chunked, published with the token groups as one ``prefill_step`` (the query prefix joins
 the model's inputs: the MLA decoder bounds keys by lengths and that prefix).
@@ -34,8 +35,10 @@ import torch
 from h2d_core import H2DRunnerState, restore_implicit_cpu_default
 from h2d_runner_adapters import (
     MLA_DECODE,
+    MLA_DECODE_STEP,
     TOKEN_INPUTS,
     MlaDecodeInputs,
+    MlaDecodeStepInputs,
     PrefillInputs,
     ScheduledBatch,
     TokenStepInputs,
@@ -44,8 +47,6 @@ from h2d_runner_adapters import (
 from .deepseek import MlaDecoderInputs
 from .model import DecoderInputs
 from .runner import PREFILL_STEP, DecodeRunner, RunnerConfig
-
-MLA_STEP = "mla_decode_step"
 
 
 class MlaDecodeRunner(DecodeRunner):
@@ -63,20 +64,24 @@ class MlaDecodeRunner(DecodeRunner):
         self.cfg = cfg
         self.device = torch.device(device)
         self.pad_eager = pad_eager
-        self.publish_groups = (MLA_STEP,) if combine else (TOKEN_INPUTS, MLA_DECODE)
+        self.publish_groups = (MLA_DECODE_STEP,) if combine else (TOKEN_INPUTS, MLA_DECODE)
         st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
                             scatter=cfg.scatter)
         self.state = st
         caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
         tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
                                   "page_size": cfg.page_size, "num_pages": cfg.num_pages}
-        self.token_step = TokenStepInputs(st, **caps)
-        self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
-        self.decode = MlaDecodeInputs(st, **caps, **tables)
+        self.fused_step: MlaDecodeStepInputs | None = None
+        if combine:  # sampling, tokens and MLA decode: one producer call, one group
+            self.fused_step = MlaDecodeStepInputs(st, **caps, **tables)
+            self.sampling, self.tokens = self.fused_step.sampling, self.fused_step.tokens
+            self.decode = self.fused_step.decode
+        else:
+            self.token_step = TokenStepInputs(st, **caps)
+            self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
+            self.decode = MlaDecodeInputs(st, **caps, **tables)
         self.prefill = PrefillInputs(st, **caps, **tables)
         token_groups = ["sampling", *self.tokens.producer_groups]
-        if combine:
-            st.combine(MLA_STEP, [*token_groups, self.decode.group])
         st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
         st.bind()
         self.model = model
@@ -150,9 +155,13 @@ class MlaDecodeRunner(DecodeRunner):
         padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
         t0 = time.perf_counter_ns()
         st.begin()
-        tok = self.token_step.prepare(batch, padded)
-        dplan = self.decode.prepare(batch, padded)
-        self._sampling_plan, tplan = tok.sampling, tok.tokens
+        if self.fused_step is not None:
+            plan = self.fused_step.prepare(batch, padded)
+            self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
+        else:
+            tok = self.token_step.prepare(batch, padded)
+            dplan = self.decode.prepare(batch, padded)
+            self._sampling_plan, tplan = tok.sampling, tok.tokens
         for group in self.publish_groups:
             st.publish(group)
         st.finish()

@@ -50,7 +50,13 @@ from h2d_runner_adapters.consumers.acceptance import accept_draft_tokens
 from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata, advance_draft_step
 from h2d_runner_adapters.consumers.gdn_states import gather_gdn_states
 from h2d_runner_adapters.consumers.mrope import select_mrope_positions
-from h2d_runner_adapters.decode_step import DECODE_STEP, DecodeStepInputs, DecodeStepPlan
+from h2d_runner_adapters.decode_step import (
+    DECODE_STEP,
+    MLA_DECODE_STEP,
+    DecodeStepInputs,
+    DecodeStepPlan,
+    MlaDecodeStepInputs,
+)
 from h2d_runner_adapters.draft import MhaDraftLoop
 from h2d_runner_adapters.engram import ENGRAM, EngramInputs, EngramPlan
 from h2d_runner_adapters.gdn import GDN_STATE, GdnPlan, GdnStateInputs
@@ -84,6 +90,7 @@ __all__ = [
     "GREEDY_TEMPERATURE",
     "MHA_DECODE",
     "MLA_DECODE",
+    "MLA_DECODE_STEP",
     "PREFILL_INPUTS",
     "QUERY_PREFIX",
     "SAMPLING",
@@ -107,6 +114,7 @@ __all__ = [
     "MhaDecodeInputs",
     "MhaDraftLoop",
     "MlaDecodeInputs",
+    "MlaDecodeStepInputs",
     "PageRow",
     "PagedInputs",
     "PrefillInputs",

@@ -32,8 +32,6 @@ import torch
 from block_tables.native import refuse_interpreted
 from h2d_core import (
     DRAFTS,
-    PADDED_REQS,
-    PADDED_TOKENS,
     REQS,
     CountRule,
     DeclarationError,
@@ -45,6 +43,7 @@ from h2d_core import (
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
+from .mla_decode import MLA_DECODE, MlaDecodeInputs
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import (
     QUERY_PREFIX,
@@ -56,6 +55,7 @@ from .token_inputs import (
 from .token_step import sampling_plan, step_columns, step_counts
 
 DECODE_STEP = "decode_step"
+MLA_DECODE_STEP = "mla_decode_step"
 _new = tuple.__new__
 
 
@@ -82,6 +82,10 @@ class DecodeStepInputs:
     assembly there too: ``tokens.assemble(plan, that_buffer)`` then launches nothing (see
     :meth:`TokenInputs.fuse_assembly`).
     """
+
+    #: the decode group the step produces, and its adapter's class
+    _DECODE_GROUP = MHA_DECODE
+    _DECODE_ADAPTER: type[MhaDecodeInputs] = MhaDecodeInputs
 
     def __init__(
         self,
@@ -142,11 +146,13 @@ class DecodeStepInputs:
                 "DecodeStepInputs: the decode adapter carries MRoPE planes; the fused step "
                 "publishes 1-D positions (use the adapters separately for MRoPE models)"
             )
-        if decode.group != MHA_DECODE:
+        want = self._DECODE_GROUP
+        if decode.group != want or not isinstance(decode, self._DECODE_ADAPTER):
             raise DeclarationError(
-                f"DecodeStepInputs: the decode adapter publishes {decode.group!r}; the fused "
-                f"step produces the plain {MHA_DECODE!r} group (use the adapters separately "
-                "for prefixed two-batch-overlap ubatches)"
+                f"{type(self).__name__}: the decode adapter publishes {decode.group!r}; the "
+                f"fused step produces the plain {want!r} group (of a "
+                f"{self._DECODE_ADAPTER.__name__}; use the adapters separately for prefixed "
+                "two-batch-overlap ubatches)"
             )
         self.h2d_state = state
         self.group = group
@@ -157,8 +163,7 @@ class DecodeStepInputs:
         # table): with drafts they ride in the same DMA, produced by
         # tokens.prepare_spec_indices; extra groups (e.g. GDN state indices) likewise
         spec = (SPEC_INDICES,) if tokens.max_drafts else ()
-        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, MHA_DECODE,
-                              *extra_groups])
+        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, want, *extra_groups])
         refuse_interpreted(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice
         self._step: LayoutStep | None = None  # bound on first use (after bind)
@@ -177,23 +182,10 @@ class DecodeStepInputs:
         The whole batch is checked, and the block table's rows validated, before any
         source is written: a rejected batch raises a specific error and changes nothing.
         """
-        cols = batch.columns
         step = self._step
         if step is None:
-            step = self._bind()
-        n = len(cols.query_lens)
-        p = -1 if padded is None else padded_count(DECODE_STEP, n, padded)
-        # plan (every column checked), prepare the rows, write, count and stage: one call
-        n, p, q, t, pt, total, stage, uniform, drafts = step.run(
-            cols.query_lens, cols.context_lens, batch.block_tables, p, -1,
-            (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
-             cols.token_ids, cols.num_drafts))
-        # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
-        return _new(DecodeStepPlan, (
-            sampling_plan(cols, n, uniform),
-            _new(TokenPlan, (n, p, t, pt, drafts)),
-            _new(DecodePlan, (n, p, q, t, pt, total, stage)),
-        ))
+            step = self._step = self._bind()
+        return self._run(step, batch, padded)
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, SPEC_INDICES, MHA_DECODE)
     def prepare_verify(self, batch: ScheduledBatch, padded: int | None = None
@@ -203,23 +195,32 @@ class DecodeStepInputs:
         rows, the draft prefix), from ``batch.columns.num_drafts``; the indices ride in the
         same DMA. Needs ``max_drafts > 0``. Checked whole before any write, as
         :meth:`prepare`."""
-        tokens = self.tokens
+        return self._run_verify(batch, padded)
+
+    def _run_verify(self, batch: ScheduledBatch, padded: int | None) -> DecodeStepPlan:
         step = self._verify
         if step is None:
-            if not tokens.max_drafts:
+            if not self.tokens.max_drafts:
                 raise DeclarationError(
                     f"{self.group}: prepare_verify needs speculative buffers; construct "
                     "with max_drafts=k")
             step = self._verify = self._bind(verify=True)
+        plan = self._run(step, batch, padded)
+        # prepare_spec_indices' cache of what the slot's sources hold is stale now
+        self.tokens._spec_written[self.h2d_state.current_slot] = None
+        return plan
+
+    def _run(self, step: LayoutStep, batch: ScheduledBatch, padded: int | None
+             ) -> DecodeStepPlan:
         cols = batch.columns
         n = len(cols.query_lens)
         p = -1 if padded is None else padded_count(self.group, n, padded)
+        # plan (every column checked), prepare the rows, write, count and stage: one call
         n, p, q, t, pt, total, stage, uniform, drafts = step.run(
             cols.query_lens, cols.context_lens, batch.block_tables, p, -1,
             (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
              cols.token_ids, cols.num_drafts))
-        # prepare_spec_indices' cache of what the slot's sources hold is stale now
-        tokens._spec_written[self.h2d_state.current_slot] = None
+        # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
         return _new(DecodeStepPlan, (
             sampling_plan(cols, n, uniform),
             _new(TokenPlan, (n, p, t, pt, drafts)),
@@ -238,15 +239,66 @@ class DecodeStepInputs:
         layouts = d.request_layouts(
             self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),
             columns=lambda slot: step_columns(s, t, slot), outputs=drafts if verify else None)
-        rules = [*step_counts(s, t),
-                 CountRule(d.positions, PADDED_TOKENS), CountRule(d.slot_mapping, PADDED_TOKENS),
-                 CountRule(d.context_lens, PADDED_REQS), CountRule(d.kv_indptr, PADDED_REQS, 1)]
+        # the decode adapter's own rules: tokens' grid, padded requests, MLA's last-page
+        # lengths and sparse prefix
+        rules = [*step_counts(s, t), *d._count_rules()]
         if verify:  # the verification indices: real requests, the step's draft tokens
             rules += [CountRule(t.target_logits_indices, DRAFTS),
                       CountRule(t.cu_num_draft_tokens, REQS),
                       CountRule(t.bonus_logits_indices, REQS)]
-        step = LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
+        return LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
                           rules, sum_column=5, error=AdapterInputError)
-        if not verify:
-            self._step = step
-        return step
+
+
+class MlaDecodeStepInputs(DecodeStepInputs):
+    """:class:`DecodeStepInputs` over MLA decode metadata: sampling, token inputs and
+    :class:`MlaDecodeInputs` (its last-page lengths and DSA sparse prefix included) as one
+    producer call and one group, ``MLA_DECODE_STEP`` (one DMA, one scatter). Declares the
+    three adapters on ``state`` (``.sampling``, ``.tokens``, ``.decode``); construct before
+    ``state.bind()``; :meth:`from_adapters` composes adapters the caller declared. The
+    first consumer is ``decode.generate_kv_indices(plan.decode)`` at MLA's page size."""
+
+    _DECODE_GROUP = MLA_DECODE
+    _DECODE_ADAPTER = MlaDecodeInputs
+
+    def __init__(
+        self,
+        state: H2DRunnerState,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        max_pages_per_req: int,
+        page_size: int,
+        num_pages: int | None = None,
+        index_topk: int | None = None,
+        max_ranges: int = 64,
+        max_drafts: int = 0,
+        group: str = MLA_DECODE_STEP,
+        extra_groups: Sequence[str] = (),
+    ) -> None:
+        self._compose(
+            SamplingInputs(state, max_reqs),
+            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                        max_drafts=max_drafts),
+            MlaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                            max_pages_per_req=max_pages_per_req, page_size=page_size,
+                            num_pages=num_pages, index_topk=index_topk,
+                            max_ranges=max_ranges),
+            group, None, tuple(extra_groups),
+        )
+
+    @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, MLA_DECODE)
+    def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodeStepPlan:
+        """Write and count every member of the MLA step; stage the block table. Publish
+        with ``state.publish(self.group)``. Checked whole before any write."""
+        step = self._step
+        if step is None:
+            step = self._step = self._bind()
+        return self._run(step, batch, padded)
+
+    @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, SPEC_INDICES, MLA_DECODE)
+    def prepare_verify(self, batch: ScheduledBatch, padded: int | None = None
+                       ) -> DecodeStepPlan:
+        """A speculative verify step of the MLA step in one call (see
+        :meth:`DecodeStepInputs.prepare_verify`)."""
+        return self._run_verify(batch, padded)
