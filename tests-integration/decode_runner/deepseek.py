@@ -21,11 +21,11 @@ Where each token's latent goes (``slot_mapping``), which latents it sees and its
 position come only from :class:`MlaDecoderInputs`: the library's published destinations
 and their first consumers' outputs. Which latents a token sees is bounded the way a paged
 kernel bounds it, by lengths and the query prefix, never by positions (they only rotate):
-a decode step's visible length is what an AITER-style MLA decode kernel derives from the
-published MLA members, never the context lengths: ``(pages - 1) * page_size +
-kv_last_page_lens``, pages from ``kv_indptr``, the pages themselves from ``kv_indices``
-(KV-index generation); prefill steps (the prefill adapter, which has no last-page
-lengths) use its context lengths.
+a step's visible length is what an AITER-style MLA kernel derives from the published
+MLA members, never the context lengths: ``(pages - 1) * page_size + kv_last_page_lens``,
+pages from ``kv_indptr``, the pages themselves from ``kv_indices`` (KV-index generation
+in decode, attention preparation in prefill; ``PrefillInputs(last_page_lens=True)``
+publishes prefill's last-page lengths).
 
 Same interface as :class:`~decode_runner.llama.LlamaPagedDecoder`, so a runner drives it
 as its model. Unwritten pages hold large garbage from the start; :meth:`poison_pages`
@@ -55,9 +55,9 @@ class MlaDecoderInputs(DecoderInputs):
     length it gives every token's causal bound, as a paged-attention kernel derives it
     (positions only rotate).
 
-    * ``kv_last_page_lens`` (int32 ``[R]``, decode steps): tokens in each row's last page,
-      0 for padded rows. Given, it and the page counts of ``kv_indptr`` set each row's
-      visible length; None (prefill steps): the context lengths do.
+    * ``kv_last_page_lens`` (int32 ``[R]``): tokens in each row's last page, 0 for padded
+      rows. Given, it and the page counts of ``kv_indptr`` set each row's visible length;
+      None: the context lengths do.
     """
 
     kv_last_page_lens: torch.Tensor | None = None

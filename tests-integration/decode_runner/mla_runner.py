@@ -80,7 +80,7 @@ class MlaDecodeRunner(DecodeRunner):
             self.token_step = TokenStepInputs(st, **caps)
             self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
             self.decode = MlaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables)
+        self.prefill = PrefillInputs(st, **caps, **tables, last_page_lens=True)
         token_groups = ["sampling", *self.tokens.producer_groups]
         st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
         st.bind()
@@ -143,6 +143,9 @@ class MlaDecodeRunner(DecodeRunner):
             slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
             kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
             context_lens=pf.context_lens.gpu[:n], query_start=cu_q[: n + 1],
+            # the chunk's visible lengths as MLA kernels read them: pages and last-page
+            # lengths (prefill publishes both)
+            kv_last_page_lens=pf.kv_last_page_lens.gpu[:n],
         )
         last = (cu_q[1 : n + 1] - 1).long()
         return self.model(inputs, logits_indices=last), inputs

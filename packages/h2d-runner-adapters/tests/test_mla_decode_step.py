@@ -1,8 +1,9 @@
-"""The fused MLA decode step (:class:`MlaDecodeStepInputs`) against the MLA module
-docstring's formulas: one producer call, one group (one DMA, one scatter), every member's
-published bytes (positions, KV slots, context lengths, KV page prefix, last-page lengths
-``(ctx - 1) % page + 1`` and 0 for padded requests, DSA's sparse prefix of
-``min(ctx, index_topk)``, the query prefix, the block-table rows), packed and direct."""
+"""MLA metadata against the formulas of the MLA module docstring. The fused MLA decode
+step (:class:`MlaDecodeStepInputs`): one producer call, one group (one DMA, one scatter),
+every member's published bytes (positions, KV slots, context lengths, KV page prefix,
+last-page lengths ``(ctx - 1) % page + 1`` and 0 for padded requests, DSA's sparse prefix of
+``min(ctx, index_topk)``, the query prefix, the block-table rows), packed and direct; and
+prefill's last-page lengths (``PrefillInputs(last_page_lens=True)``)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from h2d_runner_adapters import (
     BatchColumns,
     DecodeStepInputs,
     MlaDecodeStepInputs,
+    PrefillInputs,
     ScheduledBatch,
+    TokenInputs,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,3 +106,32 @@ def test_each_fused_step_takes_its_own_decode_adapter() -> None:
         MlaDecodeStepInputs.from_adapters(mha.sampling, mha.tokens, mha.decode,
                                           group="other_step")
     assert torch.int32 == mha.decode.context_lens.spec.dtype  # the MHA step stays declared
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_prefill_publishes_last_page_lengths_on_request(device: str, backend: str) -> None:
+    """``PrefillInputs(last_page_lens=True)``: each request's last-page length after the
+    chunk, ``(ctx - 1) % page + 1``, a chunk over a cached prefix included."""
+    st = H2DRunnerState(device, backend=backend, scatter=scatter_for(device))
+    tokens = TokenInputs(st, max_reqs=MAX_REQS, max_tokens=16)
+    pre = PrefillInputs(st, max_reqs=MAX_REQS, max_tokens=16, max_pages_per_req=MAX_PAGES,
+                        page_size=PAGE, last_page_lens=True)
+    st.bind()
+    pre.kv_last_page_lens.gpu.fill_(-9)
+    q, ctx = [3, 5, 1], [3, 8, 6]  # request 2: one new token over 5 cached
+    tables = [BlockTable([3]), BlockTable([4, 5]), BlockTable([6, 7])]
+    n = len(q)
+    cols = BatchColumns(
+        query_lens=np.array(q, np.int32), context_lens=np.array(ctx, np.int32),
+        temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
+        top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
+        token_ids=np.arange(1, 1 + sum(q), dtype=np.int32), num_drafts=np.zeros(n, np.int32))
+    batch = ScheduledBatch((), True, MAX_REQS, given_columns=cols, given_block_tables=tables)
+    st.begin()
+    tokens.prepare_ids(batch)
+    pre.prepare(batch)
+    st.publish(pre.group)
+    st.finish()
+    sync(device)
+    assert pre.kv_last_page_lens.gpu[:n].cpu().tolist() == [(c - 1) % PAGE + 1 for c in ctx]
+    assert pre.kv_last_page_lens.gpu[n:].cpu().tolist() == [-9] * (MAX_REQS - n)

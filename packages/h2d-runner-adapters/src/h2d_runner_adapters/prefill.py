@@ -21,6 +21,10 @@ preparing the CPU rows.
 
 With ``mrope=True`` the group carries ``prefill_mrope_positions`` (three planes at the
 chunk's token width, see :mod:`h2d_runner_adapters.mrope`) in place of the positions.
+With ``last_page_lens=True`` it also carries ``prefill_kv_last_page_lens`` (int32 per
+request: tokens in each request's last page after the chunk, ``(ctx - 1) % page + 1``, the
+convention MLA kernels such as AITER's read with the page prefix and indices), from the
+same layout pass.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class PrefillInputs(PagedInputs):
         num_pages: int | None = None,
         max_ranges: int = 64,
         mrope: bool = False,
+        last_page_lens: bool = False,
     ) -> None:
         g = PREFILL_INPUTS
         super().__init__(state, g, "prefill_block_tables", max_reqs=max_reqs,
@@ -88,6 +93,9 @@ class PrefillInputs(PagedInputs):
         self.positions = buf("prefill_positions", (max_tokens,), torch.int64, group=g)
         self.mrope_positions: H2DBuffer | None = (
             declare_mrope(state, "prefill_mrope_positions", max_tokens, g) if mrope else None)
+        self.kv_last_page_lens: H2DBuffer | None = (
+            buf("prefill_kv_last_page_lens", (max_reqs,), torch.int32, group=g)
+            if last_page_lens else None)
         dev = state.device
         self.token_request = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
@@ -104,20 +112,25 @@ class PrefillInputs(PagedInputs):
     def _bind(self) -> LayoutStep:
         refuse_interpreted(self.native, self.group)
         layouts = []
+        last = self.kv_last_page_lens
         for slot, snap in enumerate(self.tables.snapshots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
                 return b.source(slot).numpy()
+            extra = {} if last is None else {"last_page_lens": src(last)}
             layouts.append(RequestLayout(
                 self.group, self.page_size, snap.storage,
                 np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
                 positions=src(self.positions), slot_mapping=src(self.slot_mapping),
-                context_lens=src(self.context_lens), context_prefix=src(self.cu_seqlens_k)))
+                context_lens=src(self.context_lens), context_prefix=src(self.cu_seqlens_k),
+                **extra))
         # eager: the padded counts are the real ones; MRoPE planes replace the positions
         positions = OMITTED if self.mrope_positions is not None else PADDED_TOKENS
         rules = [CountRule(self.positions, positions),
                  CountRule(self.slot_mapping, PADDED_TOKENS),
                  CountRule(self.context_lens, PADDED_REQS),
                  CountRule(self.cu_seqlens_k, PADDED_REQS, 1)]
+        if last is not None:
+            rules.append(CountRule(last, PADDED_REQS))
         self._step = LayoutStep(self.group, self.h2d_state, layouts, self.tables, (), rules,
                                 error=AdapterInputError, check=self._check_planned)
         return self._step
