@@ -135,9 +135,14 @@ class Qwen2VLRunner(DecodeRunner):
         return np.array([self.prompts[r.req_id].delta for r in batch.requests], np.int64)
 
     def _prompt_planes(self, batch: ScheduledBatch) -> list[np.ndarray | None]:
-        """Each request's ``[3, L]`` planes (None: text only, its ordinary positions)."""
-        return [self.prompts[r.req_id].planes if self.prompts[r.req_id].has_images else None
-                for r in batch.requests]
+        """Each request's prompt planes ``[3, len(prompt)]`` (None: text only, its ordinary
+        positions). A recompute's re-prefill of generated tokens reads past them: the
+        library extends them by the request's delta (``mrope_deltas``), as decode does."""
+        out: list[np.ndarray | None] = []
+        for r in batch.requests:
+            p = self.prompts[r.req_id]
+            out.append(p.planes[:, : len(p.ids)] if p.has_images else None)
+        return out
 
     def _mm_embeds(self, batch: ScheduledBatch, tokens: int, hidden: int
                    ) -> torch.Tensor | None:
@@ -172,7 +177,8 @@ class Qwen2VLRunner(DecodeRunner):
         self._sampling_plan = self.sampling.prepare(batch)
         tplan = self.tokens.prepare_ids(batch)
         self.tokens.prepare_query_prefix(batch)
-        pplan = self.prefill.prepare(batch, mrope_positions=self._prompt_planes(batch))
+        pplan = self.prefill.prepare(batch, mrope_positions=self._prompt_planes(batch),
+                                     mrope_deltas=self._deltas(batch))
         st.publish(PREFILL_STEP)
         st.finish()
         self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns

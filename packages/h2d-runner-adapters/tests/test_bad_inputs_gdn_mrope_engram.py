@@ -391,6 +391,20 @@ MROPE_CASES: dict[str, tuple[Callable[[MropeWorld], object], str]] = {
     "prompt-shorter-than-context": (
         lambda w: w.pre.prepare(w.prefill_batch(), mrope_positions=[None, IMAGE[:, :5], None]),
         r"mrope_positions of request 1 .* L >= its context length 11"),
+    "prompt-shorter-delta-below-zero": (
+        lambda w: w.pre.prepare(w.prefill_batch(), mrope_positions=[None, IMAGE[:, :5], None],
+                                mrope_deltas=i64(0, -9, 0)),
+        r"prefill_inputs: request 1's columns past its prompt \(5\) would hold positions "
+        r"-1\.\.1 \(column \+ mrope_deltas=-9\)"),
+    "prefill-deltas-length": (
+        lambda w: w.pre.prepare(w.prefill_batch(), mrope_positions=[None, IMAGE[:, :5], None],
+                                mrope_deltas=i64(0, 7)),
+        r"prefill_inputs: mrope_deltas must be a 1-D integer numpy array with one delta per "
+        r"request \(3\)"),
+    "prefill-deltas-int64-2**32": (
+        lambda w: w.pre.prepare(w.prefill_batch(), mrope_positions=[None, IMAGE[:, :5], None],
+                                mrope_deltas=i64(0, 2**32, 0)),
+        r"prefill_inputs: .*mrope_deltas"),
     "prompt-count": (
         lambda w: w.pre.prepare(w.prefill_batch(), mrope_positions=[IMAGE]),
         r"mrope_positions must be a sequence with one entry per request \(3\)"),
@@ -641,3 +655,24 @@ def test_draft_loop_bad_input_refused_then_retry(device: str, case: str) -> None
     assert w.loop.kv_indices[: sum(pages)].tolist() == [
         x for r, k in zip(w.rows, pages, strict=True) for x in r[:k]]
     w.state.finish()
+
+
+def test_prefill_prompt_shorter_than_context_extends_by_delta(device: str) -> None:
+    """A recompute's re-prefill reads past a request's prompt planes: with ``mrope_deltas``
+    those columns are ``position + delta`` on every plane (decode's rule); the prompt's own
+    columns and the text-only requests are as before."""
+    w = MropeWorld(device)
+    ctx = w.reqs.ctx
+    pplan = w.pre.prepare(w.prefill_batch(), mrope_positions=[IMAGE, IMAGE[:, :9], None],
+                          mrope_deltas=i64(0, 7, 0))
+    w.state.publish(w.pre.group)
+    w.state.finish()
+    ah.sync(device)
+    want: list[list[int]] = [[], [], []]
+    for a in range(3):
+        want[a] += [int(x) for x in IMAGE[a, ctx[0] - CHUNK[0]: ctx[0]]]
+        # request 1: columns ctx - 3 .. ctx - 1 = 8, 9, 10; the prompt planes end at 9
+        want[a] += [int(IMAGE[a, 8]), 9 + 7, 10 + 7]
+        want[a] += list(range(ctx[2] - CHUNK[2], ctx[2]))
+    assert ctx[1] == 11
+    assert w.pre.mrope_planes(pplan).cpu().tolist() == want

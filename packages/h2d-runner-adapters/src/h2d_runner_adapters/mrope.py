@@ -64,13 +64,16 @@ def check_deltas(group: str, deltas: object, n: int) -> np.ndarray:
 
 
 def check_prompt_positions(group: str, sources: object, context_lens: np.ndarray,
-                           query_lens: np.ndarray | None = None
-                           ) -> list[np.ndarray | None]:
+                           query_lens: np.ndarray | None = None,
+                           deltas: np.ndarray | None = None) -> list[np.ndarray | None]:
     """Per request: ``None`` or an integer ``[3, L >= ctx]`` array (``mrope_positions``)
     whose columns the step reads hold positions in ``[0, 2**31)``, compared in the array's
     own dtype (an int64 of ``2**32`` or a uint64 of ``2**63`` is refused, never wrapped;
     floats are refused). The columns read are the chunk's ``[ctx - q, ctx)`` when
-    ``query_lens`` is given, else ``[0, ctx)``. Raises :class:`AdapterInputError` naming
+    ``query_lens`` is given, else ``[0, ctx)``. With ``deltas`` (checked int32, one per
+    request) a prompt array may be shorter than the context (a recompute re-prefills the
+    generated tokens too): column ``c >= L`` is then ``c + delta`` on every plane, as in
+    decode, and must lie in ``[0, 2**31)`` too. Raises :class:`AdapterInputError` naming
     the request otherwise; the arrays are returned unconverted."""
     if not isinstance(context_lens, np.ndarray) or context_lens.ndim != 1 \
             or context_lens.dtype.kind not in "iu":
@@ -91,15 +94,25 @@ def check_prompt_positions(group: str, sources: object, context_lens: np.ndarray
         if src is None:
             out.append(None)
             continue
+        shorter = deltas is not None  # columns past the prompt come from the delta
         if not isinstance(src, np.ndarray) or src.dtype.kind not in "iu" or src.ndim != 2 \
-                or src.shape[0] != MROPE_AXES or src.shape[1] < ctx:
+                or src.shape[0] != MROPE_AXES or (src.shape[1] < ctx and not shorter):
             shape = getattr(src, "shape", None)
             raise AdapterInputError(
                 f"{group}: mrope_positions of request {i} must be an integer array of shape "
-                f"(3, L) with L >= its context length {ctx}, got {type(src).__name__} "
+                f"(3, L) with L >= its context length {ctx} (or pass mrope_deltas for the "
+                f"columns past the prompt), got {type(src).__name__} "
                 f"{shape} {getattr(src, 'dtype', '')}".rstrip())
         lo = 0 if qs is None else max(ctx - qs[i], 0)
-        _check_columns(group, i, src, lo, max(ctx, 0))
+        length = src.shape[1]
+        _check_columns(group, i, src, lo, max(min(ctx, length), 0))
+        if deltas is not None and ctx > max(lo, length):
+            first, last = max(lo, length) + int(deltas[i]), ctx - 1 + int(deltas[i])
+            if first < 0 or last > INT32_MAX:
+                raise AdapterInputError(
+                    f"{group}: request {i}'s columns past its prompt ({length}) would hold "
+                    f"positions {first}..{last} (column + mrope_deltas={int(deltas[i])}); "
+                    f"they must be in [0, {INT32_MAX}]")
         out.append(src)
     return out
 
@@ -116,12 +129,19 @@ def _check_columns(group: str, i: int, src: np.ndarray, lo: int, hi: int) -> Non
 
 def write_prefill_planes(flat: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
                          context_lens: np.ndarray, sources: list[np.ndarray | None],
-                         width: int) -> None:
+                         width: int, deltas: np.ndarray | None = None) -> None:
     """Planes at stride ``width`` (the chunk's token count): each request's chunk columns
-    of its prompt positions, or its ordinary positions on every plane."""
+    of its prompt positions (columns past a shorter prompt: the ordinary position plus
+    the request's delta), or its ordinary positions on every plane."""
     start = 0
-    for q, ctx, src in zip(query_lens.tolist(), context_lens.tolist(), sources, strict=True):
+    for i, (q, ctx, src) in enumerate(zip(query_lens.tolist(), context_lens.tolist(),
+                                          sources, strict=True)):
+        lo = ctx - q
+        cut = lo if src is None else min(max(src.shape[1], lo), ctx)  # prompt columns end
+        shift = 0 if src is None or deltas is None else int(deltas[i])
         for a in range(MROPE_AXES):
             dst = flat[a * width + start : a * width + start + q]
-            dst[:] = positions[start : start + q] if src is None else src[a, ctx - q : ctx]
+            if src is not None:
+                dst[: cut - lo] = src[a, lo:cut]
+            dst[cut - lo:] = positions[start + cut - lo : start + q] + shift
         start += q

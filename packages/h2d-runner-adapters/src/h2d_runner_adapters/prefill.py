@@ -53,7 +53,13 @@ from h2d_core import (
 from .batch import BatchColumns, PageRow, ScheduledBatch
 from .checks import AdapterInputError, bool_mask, describe
 from .consumers import prepare_prefill_attention
-from .mrope import check_prompt_positions, declare_mrope, mrope_planes, write_prefill_planes
+from .mrope import (
+    check_deltas,
+    check_prompt_positions,
+    declare_mrope,
+    mrope_planes,
+    write_prefill_planes,
+)
 from .paged import PagedInputs
 
 PREFILL_INPUTS = "prefill_inputs"
@@ -143,6 +149,7 @@ class PrefillInputs(PagedInputs):
         publish_tables: bool = True,
         owns_slot: Callable[[np.ndarray], np.ndarray] | None = None,
         mrope_positions: Sequence[np.ndarray | None] | None = None,
+        mrope_deltas: np.ndarray | None = None,
     ) -> PrefillPlan:
         """Stage one prefill (chunk) batch.
 
@@ -150,9 +157,12 @@ class PrefillInputs(PagedInputs):
         per token) to a 1-D bool mask of the ones this rank writes (context-parallel KV);
         the others get -1. An MRoPE adapter takes ``mrope_positions``: per request its
         ``[3, L]`` prompt positions, or None (text only: its ordinary positions on every
-        plane). Every argument is checked, ``owns_slot``'s mask included, before any source
-        is written: a refusal raises :class:`AdapterInputError` (or the block table's own
-        error) and changes nothing.
+        plane); with ``mrope_deltas`` (one int32 delta per request, as decode takes) a
+        prompt may be shorter than the context: a recompute's re-prefill of generated
+        tokens gets ``position + delta`` past the prompt, as decode gives them. Every
+        argument is checked, ``owns_slot``'s mask included, before any source is written: a
+        refusal raises :class:`AdapterInputError` (or the block table's own error) and
+        changes nothing.
         """
         g = self.group
         if not isinstance(batch, ScheduledBatch):
@@ -174,14 +184,16 @@ class PrefillInputs(PagedInputs):
             raise AdapterInputError(
                 f"{g}: batch.block_tables must hold one row per request ({n}), got {got}")
         mrope = self.mrope_positions
-        if mrope is None and mrope_positions is not None:
+        if mrope is None and (mrope_positions is not None or mrope_deltas is not None):
+            given = "mrope_positions" if mrope_positions is not None else "mrope_deltas"
             raise CountError(
-                f"{g}: mrope_positions given but the adapter has no MRoPE planes; "
-                "construct it with mrope=True")
+                f"{g}: {given} given but the adapter has no MRoPE planes; construct it with "
+                "mrope=True")
+        deltas = None if mrope_deltas is None else check_deltas(g, mrope_deltas, n)
         step = self._step
         if step is None:
             step = self._bind()
-        self._call = (cols.token_ids, rows, qlens, ctx, owns_slot, mrope_positions)
+        self._call = (cols.token_ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas)
         try:
             # plan (every length checked; eager: exactly the real tokens), the checks of
             # the planned chunk (_check_planned), prepare the rows, write, count, stage
@@ -193,7 +205,8 @@ class PrefillInputs(PagedInputs):
         self._checked = (None, [])
         st = self.h2d_state
         if mrope is not None:  # the planes replace the 1-D positions (omitted above)
-            write_prefill_planes(mrope.np, self.positions.np, qlens, ctx, sources, t)
+            write_prefill_planes(mrope.np, self.positions.np, qlens, ctx, sources, t,
+                                 deltas)
             st.set_count(mrope, 3 * t)
         if mask is not None:
             self.slot_mapping.np[:t][~mask] = -1
@@ -206,7 +219,7 @@ class PrefillInputs(PagedInputs):
         one token id per token (the layout refused a key prefix past int32), MRoPE prompt
         positions, ``owns_slot``'s mask (kept in ``_checked`` for after the write)."""
         g = self.group
-        ids, rows, qlens, ctx, owns_slot, mrope_positions = self._call
+        ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas = self._call
         n, t = layout.num_reqs, layout.num_tokens
         if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
             raise AdapterInputError(
@@ -215,7 +228,8 @@ class PrefillInputs(PagedInputs):
         sources: list[np.ndarray | None] = []
         if self.mrope_positions is not None:
             sources = check_prompt_positions(
-                g, [None] * n if mrope_positions is None else mrope_positions, ctx, qlens)
+                g, [None] * n if mrope_positions is None else mrope_positions, ctx, qlens,
+                deltas)
         mask = None if owns_slot is None else self._owned(owns_slot, rows, qlens, ctx, t)
         self._checked = (mask, sources)
 
