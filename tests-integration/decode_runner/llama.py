@@ -35,47 +35,76 @@ class LlamaPagedDecoder:
     def __init__(self, model: torch.nn.Module, *, page_size: int, num_pages: int,
                  max_pages: int) -> None:
         cfg = model.config
+        self._setup(model, model.model, cfg, page_size=page_size, num_pages=num_pages,
+                    max_pages=max_pages,
+                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size
+                    // cfg.num_attention_heads, seed=1234)
+
+    def _setup(self, model: torch.nn.Module, lm: torch.nn.Module, cfg: object, *,
+               page_size: int, num_pages: int, max_pages: int, head_dim: int,
+               seed: int) -> None:
+        """The cache and index tables over ``lm`` (the model's decoder stack: embedding,
+        layers, rotary embedding, norm) with ``cfg``'s head counts."""
         self.model = model
+        self.lm = lm
         self.page_size = page_size
         self.max_pages = max_pages
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.vocab = cfg.vocab_size
+        self.heads = cfg.num_attention_heads  # type: ignore[attr-defined]
+        self.kv_heads = cfg.num_key_value_heads  # type: ignore[attr-defined]
+        self.head_dim = head_dim
+        self.vocab = cfg.vocab_size  # type: ignore[attr-defined]
+        layers = cfg.num_hidden_layers  # type: ignore[attr-defined]
         dev = next(model.parameters()).device
         dtype = next(model.parameters()).dtype
         slots = num_pages * page_size
         self.trash_slot = slots  # slot -1 writes here; no page maps it
-        self._gen = gen = torch.Generator().manual_seed(1234)
-        self.kv_cache = ((torch.rand(cfg.num_hidden_layers, 2, slots + 1, self.kv_heads,
-                                     self.head_dim, generator=gen) * 2 - 1) * GARBAGE).to(
-            device=dev, dtype=dtype)
+        self._gen = torch.Generator().manual_seed(seed)
+        self.kv_cache = self._garbage_cache(
+            (layers, 2, slots + 1, self.kv_heads, self.head_dim), dev, dtype, seed)
         self._page_cols = torch.arange(max_pages, device=dev)
         self._slot_in_page = torch.arange(page_size, device=dev)
         self._key_pos = torch.arange(max_pages * page_size, device=dev)
 
+    def _garbage_cache(self, shape: tuple[int, ...], device: torch.device,
+                       dtype: torch.dtype, seed: int) -> torch.Tensor:
+        """The KV cache, every slot large garbage (drawn on the host: the same values on
+        every device)."""
+        return ((torch.rand(shape, generator=self._gen) * 2 - 1) * GARBAGE).to(
+            device=device, dtype=dtype)
+
+    # -- what a model variant changes: the embedded tokens and the rotation ---------------
+    def _embed(self, inputs: DecoderInputs, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings ``[T, hidden]``."""
+        return self.lm.embed_tokens(ids)
+
+    def _rotation(self, inputs: DecoderInputs, h: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary embedding at the published positions."""
+        return self.lm.rotary_emb(h, inputs.positions.clamp(min=0)[None])
+
+    _apply_rotary = staticmethod(apply_rotary_pos_emb)
+
     @torch.no_grad()
     def forward(self, inputs: DecoderInputs,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        inner = self.model.model
+        lm = self.lm
         tokens = inputs.input_ids.shape[0]
         ids = inputs.input_ids.long().clamp(0, self.vocab - 1)
-        positions = inputs.positions.clamp(min=0)
         write = torch.where(inputs.slot_mapping >= 0, inputs.slot_mapping, self.trash_slot)
         # each token's visible keys: its request's pages, below its context length,
         # causal by the published query prefix (positions only rotate)
-        key_slots, visible = key_plan(inputs, positions, self._page_cols, self._slot_in_page,
-                                      self._key_pos)
-        h = inner.embed_tokens(ids)[None]  # [1, T, hidden]: the model's batch of one
-        cos, sin = inner.rotary_emb(h, positions[None])
+        key_slots, visible = key_plan(inputs, inputs.positions.clamp(min=0), self._page_cols,
+                                      self._slot_in_page, self._key_pos)
+        h = self._embed(inputs, ids)[None]  # [1, T, hidden]: the model's batch of one
+        cos, sin = self._rotation(inputs, h)
         group = self.heads // self.kv_heads
-        for index, layer in enumerate(inner.layers):
+        for index, layer in enumerate(lm.layers):
             attn = layer.self_attn
             a = layer.input_layernorm(h)
             q = attn.q_proj(a).view(1, tokens, self.heads, self.head_dim).transpose(1, 2)
             k = attn.k_proj(a).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
             v = attn.v_proj(a).view(1, tokens, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = self._apply_rotary(q, k, cos, sin)
             cache_k, cache_v = self.kv_cache[index, 0], self.kv_cache[index, 1]
             cache_k.index_copy_(0, write, k[0].transpose(0, 1))
             cache_v.index_copy_(0, write, v[0].transpose(0, 1))
@@ -87,7 +116,7 @@ class LlamaPagedDecoder:
             out = torch.einsum("thl,tlhd->thd", weights, gv).reshape(1, tokens, -1)
             h = h + attn.o_proj(out)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        hidden = inner.norm(h)[0]
+        hidden = lm.norm(h)[0]
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
         return self.compute_logits(hidden)

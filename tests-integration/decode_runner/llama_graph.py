@@ -202,26 +202,12 @@ class LlamaGraphDecoder(LlamaPagedDecoder):
     def __init__(self, model: torch.nn.Module, *, page_size: int, num_pages: int,
                  max_pages: int, target_programs: int | None = None, seed: int = 1234
                  ) -> None:
-        # the parent's attributes, without its host-drawn cache (not super().__init__)
         cfg = model.config
-        self.model = model
-        self.page_size = page_size
-        self.max_pages = max_pages
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
-        self.vocab = cfg.vocab_size
-        weight = next(model.parameters())
-        dev, dtype = weight.device, weight.dtype
-        slots = num_pages * page_size
-        self.trash_slot = slots
-        gen = torch.Generator(device=dev).manual_seed(seed)
-        self.kv_cache = torch.empty(cfg.num_hidden_layers, 2, slots + 1, self.kv_heads,
-                                    self.head_dim, device=dev, dtype=dtype)
-        self.kv_cache.uniform_(-GARBAGE, GARBAGE, generator=gen)
-        self._page_cols = torch.arange(max_pages, device=dev)
-        self._slot_in_page = torch.arange(page_size, device=dev)
-        self._key_pos = torch.arange(max_pages * page_size, device=dev)
+        self._setup(model, model.model, cfg, page_size=page_size, num_pages=num_pages,
+                    max_pages=max_pages,
+                    head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size
+                    // cfg.num_attention_heads, seed=seed)
+        dev = self.kv_cache.device
         self.embed = model.model.embed_tokens.weight
         self.target_programs = target_programs or (
             4 * torch.cuda.get_device_properties(dev).multi_processor_count
@@ -230,6 +216,13 @@ class LlamaGraphDecoder(LlamaPagedDecoder):
     @property
     def kv_cache_bytes(self) -> int:
         return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def _garbage_cache(self, shape: tuple[int, ...], device: torch.device,
+                       dtype: torch.dtype, seed: int) -> torch.Tensor:
+        # drawn on the device: a host draw takes minutes and tens of GiB at this size
+        gen = torch.Generator(device=device).manual_seed(seed)
+        cache = torch.empty(shape, device=device, dtype=dtype)
+        return cache.uniform_(-GARBAGE, GARBAGE, generator=gen)
 
     @torch.no_grad()
     def forward(self, inputs: DecoderInputs,
