@@ -1,0 +1,187 @@
+"""The decode runner for a GDN hybrid: MHA metadata plus the GDN state indices, one group.
+
+:class:`DecodeRunner`'s steps with :class:`GdnStateInputs` riding in both step groups (its
+docstring's ``DecodeStepInputs(..., extra_groups=[GDN_STATE])``, and the prefill step's
+combined group): one DMA and one scatter a step. Per step::
+
+    state.begin()
+    prefill: sampling, ids, query prefix, PrefillInputs     | decode: the fused DecodeStepInputs
+    gdn.prepare(state groups of the batch's requests, padded)
+    state.publish(<step group>); state.finish()
+    token assembly -> attention preparation / KV-index generation
+    gdn.gather_states(plan, pool, rows)   (first reader: each row's initial state row)
+    model (reads the gathered rows, writes final states to ``non_spec_state_indices``)
+
+State groups are the engine's (this runner's allocator): a request gets a free group when
+first scheduled and keeps it until :meth:`release` (its finish), whereupon the group's slot
+is poisoned and handed out again. A prefix fork (:attr:`forks`, set by the engine before
+the forked request's first prefill) publishes the source request's group as the row's fork
+source: the row reads the source's slot (``non_spec_state_indices_in``) and writes its own.
+A recompute preemption keeps the group: the re-prefill starts at position 0, where the
+model takes zero state. ``pad_eager`` pads eager decode steps to the scheduler's graph
+size, so padded rows (state index -1) run on CPU too.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from h2d_core import H2DRunnerState, restore_implicit_cpu_default
+from h2d_runner_adapters import (
+    DecodeStepInputs,
+    GdnStateInputs,
+    MhaDecodeInputs,
+    PrefillInputs,
+    SamplingInputs,
+    ScheduledBatch,
+    TokenInputs,
+)
+from h2d_runner_adapters.gdn import GDN_STATE
+
+from .model import DecoderInputs
+from .qwen3next import GdnDecoderInputs
+from .runner import DECODE_STEP, PREFILL_STEP, DecodeRunner, RunnerConfig
+
+
+class Qwen3NextRunner(DecodeRunner):
+    """:class:`DecodeRunner` publishing GDN state indices (see the module docstring).
+    ``model``: a :class:`~decode_runner.qwen3next.Qwen3NextPagedDecoder` whose state pool
+    has ``num_state_groups`` slots. No ATOM-style, TBO or graph mode."""
+
+    def __init__(self, cfg: RunnerConfig, device: str | torch.device, backend: str, *,
+                 model: Any, num_state_groups: int, pad_eager: bool = False) -> None:
+        # Not the parent's __init__: the GDN group must be declared before the step groups
+        # are combined and the state bound. The attributes its steps read are set here.
+        self.cfg = cfg
+        self.device = dev = torch.device(device)
+        self.pad_eager = pad_eager
+        st = H2DRunnerState(dev, num_slots=cfg.num_slots, backend=backend, scatter=cfg.scatter)
+        self.state = st
+        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
+        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
+                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
+        self.gdn = GdnStateInputs(st, max_reqs=cfg.max_reqs, num_state_slots=num_state_groups)
+        self.sampling = SamplingInputs(st, cfg.max_reqs)
+        self.tokens = TokenInputs(st, **caps)
+        self.decode = MhaDecodeInputs(st, **caps, **tables)
+        self.prefill = PrefillInputs(st, **caps, **tables)
+        self.decode_step = DecodeStepInputs.from_adapters(
+            self.sampling, self.tokens, self.decode, group=DECODE_STEP,
+            extra_groups=[GDN_STATE])
+        st.combine(PREFILL_STEP, ["sampling", *self.tokens.producer_groups,
+                                  self.prefill.group, GDN_STATE])
+        st.bind()
+        self.model = model
+        assert model.num_state_slots == num_state_groups
+        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
+        self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
+        self.generator = torch.Generator(device=dev)
+        self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
+        self.state_rows = torch.zeros(cfg.max_reqs, model.state_width, device=dev)
+        self.host_metadata_ns = 0
+        self.span_events = None
+        self.span_through_model = False
+        self.atom = None
+        self.ubatches = []
+        self.graphs = {}
+        self.consumer_graphs = {}
+        self.graph_inputs = {}
+        # the engine's state-group allocator
+        self.groups: dict[int, int] = {}
+        self.free_groups = list(range(num_state_groups))[::-1]  # pop(): lowest first
+        #: every state group handed out again after a release
+        self.reused_groups = 0
+        self._ever: set[int] = set()
+        #: prefix forks the engine asks for: request id -> the request whose state it
+        #: starts from (its next prefill reads that request's slot, then the entry goes)
+        self.forks: dict[int, int] = {}
+        #: decode steps whose rows exceeded the real requests (padded state indices -1)
+        self.padded_steps = 0
+        restore_implicit_cpu_default()
+
+    # -- the engine's state groups -----------------------------------------------------------
+    def _state_groups(self, batch: ScheduledBatch) -> np.ndarray:
+        out = []
+        for r in batch.requests:
+            g = self.groups.get(r.req_id)
+            if g is None:
+                if not self.free_groups:
+                    raise RuntimeError("state pool exhausted: more live requests than groups")
+                g = self.groups[r.req_id] = self.free_groups.pop()  # the latest freed first
+                self.reused_groups += g in self._ever
+                self._ever.add(g)
+            out.append(g)
+        return np.array(out, np.int32)
+
+    def _fork_sources(self, batch: ScheduledBatch) -> np.ndarray | None:
+        if not any(r.req_id in self.forks for r in batch.requests):
+            return None
+        return np.array([self.groups[self.forks.pop(r.req_id)] if r.req_id in self.forks
+                         else -1 for r in batch.requests], np.int32)
+
+    def release(self, req_ids: Any) -> None:
+        """Finished requests give their state groups back (their slots become garbage)."""
+        freed = [self.groups.pop(i) for i in req_ids if i in self.groups]
+        self.model.poison_slots(freed)
+        self.free_groups.extend(freed)
+
+    def _with_states(self, base: DecoderInputs, plan: Any) -> GdnDecoderInputs:
+        rows = base.num_rows
+        pool = self.model.state_pool[: self.model.num_state_slots]  # the trash row left out
+        self.gdn.gather_states(plan, pool, self.state_rows)  # the first reader
+        return GdnDecoderInputs(**{f.name: getattr(base, f.name) for f in fields(base)},
+                                initial_states=self.state_rows[:rows],
+                                state_write=self.gdn.non_spec.gpu[:rows])
+
+    # -- steps -------------------------------------------------------------------------------
+    def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
+        st = self.state
+        t0 = time.perf_counter_ns()
+        st.begin()
+        self._sampling_plan = self.sampling.prepare(batch)
+        tplan = self.tokens.prepare_ids(batch)
+        self.tokens.prepare_query_prefix(batch)
+        pplan = self.prefill.prepare(batch)
+        groups = self._state_groups(batch)
+        gplan = self.gdn.prepare(groups, fork_sources=self._fork_sources(batch))
+        st.publish(PREFILL_STEP)
+        st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+        self.tokens.assemble(tplan, self.sampled)
+        pf = self.prefill
+        cu_q = self.tokens.cu_seqlens_q.gpu
+        pf.prepare_attention(pplan, cu_q)
+        t, n = pplan.num_tokens, pplan.num_reqs
+        base = DecoderInputs(
+            input_ids=self.tokens.input_ids.gpu[:t], positions=pf.positions.gpu[:t],
+            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
+            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
+            context_lens=pf.context_lens.gpu[:n], query_start=cu_q[: n + 1])
+        inputs = self._with_states(base, gplan)
+        last = (cu_q[1 : n + 1] - 1).long()
+        return self.model(inputs, logits_indices=last), inputs
+
+    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
+        st = self.state
+        size = batch.padded_size
+        padded = size if (self.pad_eager and size) else None
+        t0 = time.perf_counter_ns()
+        st.begin()
+        plan = self.decode_step.prepare(batch, padded)
+        gplan = self.gdn.prepare(self._state_groups(batch), padded=padded)
+        self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
+        st.publish(DECODE_STEP)
+        st.finish()
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+        rows = dplan.padded_reqs
+        assert gplan.padded_reqs == rows
+        self.padded_steps += rows > dplan.num_reqs
+        self.tokens.assemble(tplan, self.sampled)
+        self.decode.generate_kv_indices(dplan)
+        inputs = self._with_states(self._decode_inputs(self.decode, rows, 0), gplan)
+        return self.model(inputs), inputs, False
