@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from h2d_core import H2DRunnerState, restore_implicit_cpu_default
+from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     MLA_DECODE,
     MLA_DECODE_STEP,
@@ -58,21 +58,18 @@ class MlaDecodeRunner(DecodeRunner):
 
     def __init__(self, cfg: RunnerConfig, device: str | torch.device, backend: str, *,
                  model: Any, pad_eager: bool = False, combine: bool = False) -> None:
-        # Not the parent's __init__: it declares the MHA adapters and binds the state, and
-        # the MLA ones must be declared before bind(). The attributes its steps read are
-        # set here under the same names.
-        self.cfg = cfg
-        self.device = torch.device(device)
         self.pad_eager = pad_eager
-        self.publish_groups = (MLA_DECODE_STEP,) if combine else (TOKEN_INPUTS, MLA_DECODE)
-        st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
-                            scatter=cfg.scatter)
-        self.state = st
-        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
-        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
-                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
+        self.combine = combine
+        super().__init__(cfg, device, backend, model=model)
+
+    def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
+        caps: dict[str, Any] = {"max_reqs": self.cfg.max_reqs,
+                                "max_tokens": self.cfg.max_tokens}
+        tables = self.table_caps
+        self.publish_groups = ((MLA_DECODE_STEP,) if self.combine
+                               else (TOKEN_INPUTS, MLA_DECODE))
         self.fused_step: MlaDecodeStepInputs | None = None
-        if combine:  # sampling, tokens and MLA decode: one producer call, one group
+        if self.combine:  # sampling, tokens and MLA decode: one producer call, one group
             self.fused_step = MlaDecodeStepInputs(st, **caps, **tables)
             self.sampling, self.tokens = self.fused_step.sampling, self.fused_step.tokens
             self.decode = self.fused_step.decode
@@ -83,24 +80,7 @@ class MlaDecodeRunner(DecodeRunner):
         self.prefill = PrefillInputs(st, **caps, **tables, last_page_lens=True)
         token_groups = ["sampling", *self.tokens.producer_groups]
         st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
-        st.bind()
-        self.model = model
-        dev = self.device
-        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
-        self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
-        self.generator = torch.Generator(device=dev)
-        self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
-        self.host_metadata_ns = 0
-        self.span_events = None
-        self.span_through_model = False
-        self.atom = None
         self.ubatches = []
-        self.graphs = {}
-        self.consumer_graphs = {}
-        self.graph_inputs = {p: self._decode_inputs(self.decode, p, 0) for p in cfg.graph_sizes}
-        if self.device.type == "cuda" and cfg.graph_sizes:
-            self._capture()
-        restore_implicit_cpu_default()
 
     def _decode_inputs(self, d: Any, rows: int, first_token: int) -> DecoderInputs:
         return MlaDecoderInputs(

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from h2d_core import H2DRunnerState, restore_implicit_cpu_default
+from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     MHA_DECODE,
     TOKEN_INPUTS,
@@ -65,48 +65,29 @@ class Qwen2VLRunner(DecodeRunner):
     def __init__(self, cfg: RunnerConfig, device: str | torch.device, backend: str, *,
                  model: Any, prompts: dict[int, MultimodalPrompt], pad_eager: bool = False,
                  combine: bool = False) -> None:
-        # Not the parent's __init__: it declares the fused decode step (which refuses
-        # MRoPE) and binds the state. The attributes its steps read are set here.
-        self.cfg = cfg
-        self.device = torch.device(device)
         self.prompts = prompts
         self.pad_eager = pad_eager
-        self.publish_groups = (MROPE_STEP,) if combine else (TOKEN_INPUTS, MHA_DECODE)
-        st = H2DRunnerState(self.device, num_slots=cfg.num_slots, backend=backend,
-                            scatter=cfg.scatter)
-        self.state = st
-        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
-        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
-                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
+        self.combine = combine
+        self.published: dict[tuple[int, int], Planes] = {}
+        #: decode steps whose planes' width (their axis stride) exceeded the real tokens
+        self.padded_steps = 0
+        super().__init__(cfg, device, backend, model=model)
+
+    def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
+        # the fused decode step refuses MRoPE: the token step and the MRoPE decode adapter
+        caps: dict[str, Any] = {"max_reqs": self.cfg.max_reqs,
+                                "max_tokens": self.cfg.max_tokens}
+        tables = self.table_caps
+        self.publish_groups = (MROPE_STEP,) if self.combine else (TOKEN_INPUTS, MHA_DECODE)
         self.token_step = TokenStepInputs(st, **caps)
         self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
         self.decode = MhaDecodeInputs(st, **caps, **tables, mrope=True)
         self.prefill = PrefillInputs(st, **caps, **tables, mrope=True)
         token_groups = ["sampling", *self.tokens.producer_groups]
-        if combine:
+        if self.combine:
             st.combine(MROPE_STEP, [*token_groups, self.decode.group])
         st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
-        st.bind()
-        self.model = model
-        dev = self.device
-        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
-        self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
-        self.generator = torch.Generator(device=dev)
-        self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
-        self.host_metadata_ns = 0
-        self.span_events = None
-        self.span_through_model = False
-        self.atom = None
         self.ubatches = []
-        self.graphs = {}
-        self.consumer_graphs = {}
-        self.published: dict[tuple[int, int], Planes] = {}
-        #: decode steps whose planes' width (their axis stride) exceeded the real tokens
-        self.padded_steps = 0
-        self.graph_inputs = {p: self._decode_inputs(self.decode, p, 0) for p in cfg.graph_sizes}
-        if self.device.type == "cuda" and cfg.graph_sizes:
-            self._capture()
-        restore_implicit_cpu_default()
 
     def _decode_inputs(self, d: Any, rows: int, first_token: int) -> MropeDecoderInputs:
         """The decode step's inputs over fixed destinations; one token per request, so

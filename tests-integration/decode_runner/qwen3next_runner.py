@@ -31,15 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from h2d_core import H2DRunnerState, restore_implicit_cpu_default
+from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
-    DecodeStepInputs,
     GdnStateInputs,
-    MhaDecodeInputs,
-    PrefillInputs,
-    SamplingInputs,
     ScheduledBatch,
-    TokenInputs,
 )
 from h2d_runner_adapters.gdn import GDN_STATE
 
@@ -55,42 +50,9 @@ class Qwen3NextRunner(DecodeRunner):
 
     def __init__(self, cfg: RunnerConfig, device: str | torch.device, backend: str, *,
                  model: Any, num_state_groups: int, pad_eager: bool = False) -> None:
-        # Not the parent's __init__: the GDN group must be declared before the step groups
-        # are combined and the state bound. The attributes its steps read are set here.
-        self.cfg = cfg
-        self.device = dev = torch.device(device)
-        self.pad_eager = pad_eager
-        st = H2DRunnerState(dev, num_slots=cfg.num_slots, backend=backend, scatter=cfg.scatter)
-        self.state = st
-        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
-        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
-                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
-        self.gdn = GdnStateInputs(st, max_reqs=cfg.max_reqs, num_state_slots=num_state_groups)
-        self.sampling = SamplingInputs(st, cfg.max_reqs)
-        self.tokens = TokenInputs(st, **caps)
-        self.decode = MhaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables)
-        self.decode_step = DecodeStepInputs.from_adapters(
-            self.sampling, self.tokens, self.decode, group=DECODE_STEP,
-            extra_groups=[GDN_STATE])
-        st.combine(PREFILL_STEP, ["sampling", *self.tokens.producer_groups,
-                                  self.prefill.group, GDN_STATE])
-        st.bind()
-        self.model = model
         assert model.num_state_slots == num_state_groups
-        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
-        self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
-        self.generator = torch.Generator(device=dev)
-        self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
-        self.state_rows = torch.zeros(cfg.max_reqs, model.state_width, device=dev)
-        self.host_metadata_ns = 0
-        self.span_events = None
-        self.span_through_model = False
-        self.atom = None
-        self.ubatches = []
-        self.graphs = {}
-        self.consumer_graphs = {}
-        self.graph_inputs = {}
+        self.pad_eager = pad_eager
+        self.num_state_groups = num_state_groups
         # the engine's state-group allocator
         self.groups: dict[int, int] = {}
         self.free_groups = list(range(num_state_groups))[::-1]  # pop(): lowest first
@@ -102,7 +64,16 @@ class Qwen3NextRunner(DecodeRunner):
         self.forks: dict[int, int] = {}
         #: decode steps whose rows exceeded the real requests (padded state indices -1)
         self.padded_steps = 0
-        restore_implicit_cpu_default()
+        super().__init__(cfg, device, backend, model=model)
+        self.state_rows = torch.zeros(cfg.max_reqs, model.state_width, device=self.device)
+
+    def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
+        # the GDN group first: the decode and prefill steps combine it
+        self.gdn = GdnStateInputs(st, max_reqs=self.cfg.max_reqs,
+                                  num_state_slots=self.num_state_groups)
+        self.step_extra_groups = (GDN_STATE,)
+        super()._declare(st, tbo)  # the plain MHA step and prefill, the GDN group in both
+
 
     # -- the engine's state groups -----------------------------------------------------------
     def _state_groups(self, batch: ScheduledBatch) -> np.ndarray:

@@ -101,23 +101,7 @@ class DecodeRunner:
         st = H2DRunnerState(self.device, num_slots=cfg.num_slots,
                             backend="direct" if atom else backend, scatter=cfg.scatter)
         self.state = st
-        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
-        self.sampling = SamplingInputs(st, cfg.max_reqs)
-        self.tokens = TokenInputs(st, **caps)
-        tables: dict[str, Any] = {"max_pages_per_req": cfg.max_pages_per_req,
-                                  "page_size": cfg.page_size, "num_pages": cfg.num_pages}
-        self.decode = MhaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables)
-        token_groups = ["sampling", *self.tokens.producer_groups]
-        # plain decode steps: one fused producer call (compiled when available), one group
-        self.decode_step = DecodeStepInputs.from_adapters(self.sampling, self.tokens,
-                                                          self.decode, group=DECODE_STEP)
-        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
-        self.ubatches: list[MhaDecodeInputs] = []
-        if tbo:
-            self.ubatches = [MhaDecodeInputs(st, **caps, **tables, prefix=f"ub{i}_")
-                             for i in range(2)]
-            st.combine(TBO_STEP, [*token_groups, self.ubatches[0].group])
+        self._declare(st, tbo)
         st.bind()
 
         self.model = model if model is not None else TinyDecoder(
@@ -152,6 +136,42 @@ class DecodeRunner:
         # GPU initialization is over: leave any default-device mode the engine set for it,
         # so no torch call of a step dispatches through a DeviceContext
         restore_implicit_cpu_default()
+
+    #: producer groups (declared before ``_declare`` runs) that ride in both the decode and
+    #: the prefill step, e.g. GDN state indices
+    step_extra_groups: tuple[str, ...] = ()
+
+    def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
+        """Declare the adapters and groups a step publishes (before ``bind()``): here the
+        plain MHA step (sampling, token inputs, MHA decode as the fused ``decode_step``,
+        plus ``step_extra_groups``), prefill with the token groups as ``prefill_step``,
+        TBO's ubatches. A runner for another model family overrides this, and nothing else
+        of the setup."""
+        cfg = self.cfg
+        caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
+        self.sampling = SamplingInputs(st, cfg.max_reqs)
+        self.tokens = TokenInputs(st, **caps)
+        tables = self.table_caps
+        self.decode = MhaDecodeInputs(st, **caps, **tables)
+        self.prefill = PrefillInputs(st, **caps, **tables)
+        token_groups = ["sampling", *self.tokens.producer_groups]
+        # plain decode steps: one fused producer call (compiled when available), one group
+        extra = self.step_extra_groups
+        self.decode_step = DecodeStepInputs.from_adapters(
+            self.sampling, self.tokens, self.decode, group=DECODE_STEP, extra_groups=extra)
+        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group, *extra])
+        self.ubatches: list[MhaDecodeInputs] = []
+        if tbo:
+            self.ubatches = [MhaDecodeInputs(st, **caps, **tables, prefix=f"ub{i}_")
+                             for i in range(2)]
+            st.combine(TBO_STEP, [*token_groups, self.ubatches[0].group])
+
+    @property
+    def table_caps(self) -> dict[str, Any]:
+        """The block-table sizes every paged adapter of the runner is declared with."""
+        cfg = self.cfg
+        return {"max_pages_per_req": cfg.max_pages_per_req, "page_size": cfg.page_size,
+                "num_pages": cfg.num_pages}
 
     # -- inputs over fixed destinations -----------------------------------------------------
     def _decode_inputs(self, d: MhaDecodeInputs, rows: int, first_token: int) -> DecoderInputs:
