@@ -32,6 +32,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from decode_runner.oracle import Logits, run_workload
 from decode_runner.runner import RunnerConfig
 from decode_runner.scheduler import SamplingMix, Scheduler, SchedulerConfig
 from kernel_mode import needs_kernels
@@ -76,7 +77,6 @@ def _model(device: str) -> torch.nn.Module:
     return model
 
 
-Logits = dict[tuple[int, int], torch.Tensor]
 
 
 @pytest.fixture(autouse=True)
@@ -107,33 +107,7 @@ def _run(device: str, backend: str, pad: bool, combine: bool
                      graph_sizes=(1, 2, 4, 8) if device == "cuda" and pad else (),
                      scatter="auto" if device == "cuda" else "triton"),
         device, backend, model=decoder, pad_eager=pad, combine=combine)
-    sched = Scheduler(sched_cfg)
-    sampled: list[int] | None = None
-    logits: Logits = {}
-    held: set[int] = set()
-    freed: set[int] = set()  # pages some request held and gave back
-    reused = 0
-    for _ in range(STEPS):
-        batch = sched.step(sampled)
-        if batch is None:
-            break
-        owned = set(sched.page_owners())
-        freed |= held - owned
-        reused += len((owned - held) & freed)
-        held = owned
-        # free pages (no request holds them; a migration's source is copied first) are
-        # garbage again: a stale page index or length reads 1e4, not the old latents
-        sources = {src for src, _ in batch.extras["kv_page_moves"]}
-        decoder.poison_pages(set(range(PAGES)) - owned - sources)
-        res = runner.step(batch)
-        sampled = res.sampled.cpu().tolist()
-        rows = res.logits.float().cpu()
-        for r, (req, samples) in enumerate(zip(batch.requests, batch.extras["sample_rows"],
-                                               strict=True)):
-            if samples:
-                logits[(req.req_id, req.context_len)] = rows[r]
-    stats = {**vars(sched.stats), "reused_pages": reused}
-    return sched.finished_sequences(), stats, logits
+    return run_workload(runner, decoder, Scheduler(sched_cfg), PAGES, STEPS)
 
 
 @pytest.mark.parametrize("backend, pad, combine", [

@@ -23,6 +23,7 @@ import os
 
 import pytest
 import torch
+from decode_runner.oracle import Logits, run_workload
 from decode_runner.runner import DecodeRunner, RunnerConfig
 from decode_runner.scheduler import SamplingMix, Scheduler, SchedulerConfig
 from kernel_mode import needs_kernels
@@ -54,7 +55,6 @@ def _model(device: str) -> torch.nn.Module:
     return model
 
 
-Logits = dict[tuple[int, int], torch.Tensor]
 
 
 def _run(device: str, backend: str, greedy: float = 1.0
@@ -75,33 +75,7 @@ def _run(device: str, backend: str, greedy: float = 1.0
         device, backend,
         model=LlamaPagedDecoder(model, page_size=PAGE, num_pages=PAGES,
                                 max_pages=sched_cfg.max_pages_per_request))
-    decoder = runner.model
-    sched = Scheduler(sched_cfg)
-    sampled: list[int] | None = None
-    logits: Logits = {}
-    held: set[int] = set()
-    freed: set[int] = set()  # pages some request held and gave back
-    reused = 0
-    for _ in range(STEPS):
-        batch = sched.step(sampled)
-        if batch is None:
-            break
-        owned = set(sched.page_owners())
-        freed |= held - owned
-        reused += len((owned - held) & freed)
-        held = owned
-        # free pages (no request holds them; a migration's source is copied first) are
-        # garbage again: a stale page index or length reads 1e4, not old keys
-        sources = {src for src, _ in batch.extras["kv_page_moves"]}
-        decoder.poison_pages(set(range(PAGES)) - owned - sources)
-        res = runner.step(batch)
-        sampled = res.sampled.cpu().tolist()
-        rows = res.logits.float().cpu()
-        for r, (req, samples) in enumerate(zip(batch.requests, batch.extras["sample_rows"],
-                                               strict=True)):
-            if samples:
-                logits[(req.req_id, req.context_len)] = rows[r]
-    return sched.finished_sequences(), {**vars(sched.stats), "reused_pages": reused}, logits
+    return run_workload(runner, runner.model, Scheduler(sched_cfg), PAGES, STEPS)
 
 
 @pytest.mark.parametrize("backend", ["packed", "direct"])
