@@ -40,6 +40,7 @@ from h2d_runner_adapters import (
     MlaDecodeInputs,
     MlaDecodeStepInputs,
     PrefillInputs,
+    PrefillPlan,
     ScheduledBatch,
     TokenStepInputs,
 )
@@ -99,36 +100,12 @@ class MlaDecodeRunner(DecodeRunner):
         self.decode.kv_last_page_lens.gpu.zero_()  # capture over rows that own nothing
         super()._capture()
 
-    def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
-        """The parent's prefill step (publication, token assembly, attention preparation)
-        with the query prefix among the model's inputs: the MLA decoder bounds each token's
-        keys by lengths and that prefix, as a paged prefill kernel does."""
-        st = self.state
-        t0 = time.perf_counter_ns()
-        st.begin()
-        self._sampling_plan = self.sampling.prepare(batch)
-        tplan = self.tokens.prepare_ids(batch)
-        self.tokens.prepare_query_prefix(batch)
-        pplan = self.prefill.prepare(batch)
-        st.publish(PREFILL_STEP)
-        st.finish()
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
-        self.tokens.assemble(tplan, self.sampled)
-        pf = self.prefill
-        cu_q = self.tokens.cu_seqlens_q.gpu
-        pf.prepare_attention(pplan, cu_q)
-        t, n = pplan.num_tokens, pplan.num_reqs
-        inputs = MlaDecoderInputs(
-            input_ids=self.tokens.input_ids.gpu[:t], positions=pf.positions.gpu[:t],
-            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
-            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
-            context_lens=pf.context_lens.gpu[:n], query_start=cu_q[: n + 1],
-            # the chunk's visible lengths as MLA kernels read them: pages and last-page
-            # lengths (prefill publishes both)
-            kv_last_page_lens=pf.kv_last_page_lens.gpu[:n],
-        )
-        last = (cu_q[1 : n + 1] - 1).long()
-        return self.model(inputs, logits_indices=last), inputs
+    def _prefill_inputs(self, batch: ScheduledBatch, pplan: PrefillPlan) -> DecoderInputs:
+        # the chunk's visible lengths as MLA kernels read them: pages and last-page lengths
+        last = self.prefill.kv_last_page_lens
+        assert last is not None  # declared with last_page_lens=True
+        return MlaDecoderInputs(**self._prefill_fields(pplan),
+                                kv_last_page_lens=last.gpu[: pplan.num_reqs])
 
     def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
         """Publish both groups, run the first consumers and the model; True when the

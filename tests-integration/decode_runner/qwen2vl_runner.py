@@ -40,6 +40,7 @@ from h2d_runner_adapters import (
     TOKEN_INPUTS,
     MhaDecodeInputs,
     PrefillInputs,
+    PrefillPlan,
     ScheduledBatch,
     TokenStepInputs,
 )
@@ -151,35 +152,18 @@ class Qwen2VLRunner(DecodeRunner):
                 t += 1
 
     # -- steps -------------------------------------------------------------------------------
-    def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, MropeDecoderInputs]:
-        st = self.state
-        t0 = time.perf_counter_ns()
-        st.begin()
-        self._sampling_plan = self.sampling.prepare(batch)
-        tplan = self.tokens.prepare_ids(batch)
-        self.tokens.prepare_query_prefix(batch)
-        pplan = self.prefill.prepare(batch, mrope_positions=self._prompt_planes(batch),
-                                     mrope_deltas=self._deltas(batch))
-        st.publish(PREFILL_STEP)
-        st.finish()
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
-        self.tokens.assemble(tplan, self.sampled)
-        pf = self.prefill
-        cu_q = self.tokens.cu_seqlens_q.gpu
-        pf.prepare_attention(pplan, cu_q)
-        t, n = pplan.num_tokens, pplan.num_reqs
-        planes = pf.mrope_planes(pplan)  # (3, t): the chunk's width
+    def _prepare_prefill(self, batch: ScheduledBatch) -> PrefillPlan:
+        return self.prefill.prepare(batch, mrope_positions=self._prompt_planes(batch),
+                                    mrope_deltas=self._deltas(batch))
+
+    def _prefill_inputs(self, batch: ScheduledBatch, pplan: PrefillPlan) -> DecoderInputs:
+        planes = self.prefill.mrope_planes(pplan)  # (3, t): the chunk's width
         self._record(batch, planes)
-        inputs = MropeDecoderInputs(
-            input_ids=self.tokens.input_ids.gpu[:t], positions=planes[0],
-            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
-            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
-            context_lens=pf.context_lens.gpu[:n], query_start=cu_q[: n + 1],
-            mrope_positions=planes,
-            mm_embeds=self._mm_embeds(batch, t, self.model.embed.shape[1]),
-        )
-        last = (cu_q[1 : n + 1] - 1).long()
-        return self.model(inputs, logits_indices=last), inputs
+        fields = self._prefill_fields(pplan)
+        fields["positions"] = planes[0]  # no 1-D positions are published with MRoPE
+        return MropeDecoderInputs(
+            **fields, mrope_positions=planes,
+            mm_embeds=self._mm_embeds(batch, pplan.num_tokens, self.model.embed.shape[1]))
 
     def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
         """Publish both groups (the deltas with the decode group), run the first

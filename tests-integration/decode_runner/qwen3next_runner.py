@@ -34,13 +34,14 @@ import torch
 from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     GdnStateInputs,
+    PrefillPlan,
     ScheduledBatch,
 )
 from h2d_runner_adapters.gdn import GDN_STATE
 
 from .model import DecoderInputs
 from .qwen3next import GdnDecoderInputs
-from .runner import DECODE_STEP, PREFILL_STEP, DecodeRunner, RunnerConfig
+from .runner import DECODE_STEP, DecodeRunner, RunnerConfig
 
 
 class Qwen3NextRunner(DecodeRunner):
@@ -110,32 +111,15 @@ class Qwen3NextRunner(DecodeRunner):
                                 state_write=self.gdn.non_spec.gpu[:rows])
 
     # -- steps -------------------------------------------------------------------------------
-    def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
-        st = self.state
-        t0 = time.perf_counter_ns()
-        st.begin()
-        self._sampling_plan = self.sampling.prepare(batch)
-        tplan = self.tokens.prepare_ids(batch)
-        self.tokens.prepare_query_prefix(batch)
+    def _prepare_prefill(self, batch: ScheduledBatch) -> PrefillPlan:
         pplan = self.prefill.prepare(batch)
-        groups = self._state_groups(batch)
-        gplan = self.gdn.prepare(groups, fork_sources=self._fork_sources(batch))
-        st.publish(PREFILL_STEP)
-        st.finish()
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
-        self.tokens.assemble(tplan, self.sampled)
-        pf = self.prefill
-        cu_q = self.tokens.cu_seqlens_q.gpu
-        pf.prepare_attention(pplan, cu_q)
-        t, n = pplan.num_tokens, pplan.num_reqs
-        base = DecoderInputs(
-            input_ids=self.tokens.input_ids.gpu[:t], positions=pf.positions.gpu[:t],
-            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
-            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
-            context_lens=pf.context_lens.gpu[:n], query_start=cu_q[: n + 1])
-        inputs = self._with_states(base, gplan)
-        last = (cu_q[1 : n + 1] - 1).long()
-        return self.model(inputs, logits_indices=last), inputs
+        self._prefill_gdn = self.gdn.prepare(self._state_groups(batch),
+                                             fork_sources=self._fork_sources(batch))
+        return pplan
+
+    def _prefill_inputs(self, batch: ScheduledBatch, pplan: PrefillPlan) -> DecoderInputs:
+        return self._with_states(DecoderInputs(**self._prefill_fields(pplan)),
+                                 self._prefill_gdn)
 
     def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
         st = self.state

@@ -34,6 +34,7 @@ from h2d_runner_adapters import (
     DecodeStepInputs,
     MhaDecodeInputs,
     PrefillInputs,
+    PrefillPlan,
     SamplingInputs,
     SamplingPlan,
     ScheduledBatch,
@@ -321,29 +322,44 @@ class DecodeRunner:
         return self.model(inputs), inputs, False
 
     def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
+        """One prefill chunk: sampling, token ids, the query prefix and the prefill
+        members (:meth:`_prepare_prefill`) published as ``prefill_step``, token assembly
+        and attention preparation, then the model over :meth:`_prefill_inputs`."""
         st = self.state
         t0 = time.perf_counter_ns()
         st.begin()
         self._sampling_plan = self.sampling.prepare(batch)
         tplan = self.tokens.prepare_ids(batch)
         self.tokens.prepare_query_prefix(batch)
-        pplan = self.prefill.prepare(batch)
+        pplan = self._prepare_prefill(batch)
         st.publish(PREFILL_STEP)
         st.finish()
         self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
         self.tokens.assemble(tplan, self.sampled)
-        pf = self.prefill
-        pf.prepare_attention(pplan, self.tokens.cu_seqlens_q.gpu)
-        t, n = pplan.num_tokens, pplan.num_reqs
-        inputs = DecoderInputs(
-            input_ids=self.tokens.input_ids.gpu[:t], positions=pf.positions.gpu[:t],
-            slot_mapping=pf.slot_mapping.gpu[:t], token_request=pf.token_request[:t],
-            kv_indptr=pf.kv_indptr[: n + 1], kv_indices=pf.kv_indices,
-            context_lens=pf.context_lens.gpu[:n],
-            query_start=self.tokens.cu_seqlens_q.gpu[: n + 1],
-        )
-        last = (self.tokens.cu_seqlens_q.gpu[1 : n + 1] - 1).long()
+        cu_q = self.tokens.cu_seqlens_q.gpu
+        self.prefill.prepare_attention(pplan, cu_q)
+        inputs = self._prefill_inputs(batch, pplan)
+        last = (cu_q[1 : pplan.num_reqs + 1] - 1).long()
         return self.model(inputs, logits_indices=last), inputs
+
+    def _prepare_prefill(self, batch: ScheduledBatch) -> PrefillPlan:
+        """The prefill producers of the step (a family's runner adds its own)."""
+        return self.prefill.prepare(batch)
+
+    def _prefill_inputs(self, batch: ScheduledBatch, pplan: PrefillPlan) -> DecoderInputs:
+        """The model's inputs of a prefill chunk (a family's runner adds its members)."""
+        return DecoderInputs(**self._prefill_fields(pplan))
+
+    def _prefill_fields(self, pplan: PrefillPlan) -> dict[str, torch.Tensor]:
+        """:class:`DecoderInputs`' fields over the published prefill destinations and the
+        attention preparation's outputs."""
+        pf = self.prefill
+        t, n = pplan.num_tokens, pplan.num_reqs
+        return {"input_ids": self.tokens.input_ids.gpu[:t], "positions": pf.positions.gpu[:t],
+                "slot_mapping": pf.slot_mapping.gpu[:t], "token_request": pf.token_request[:t],
+                "kv_indptr": pf.kv_indptr[: n + 1], "kv_indices": pf.kv_indices,
+                "context_lens": pf.context_lens.gpu[:n],
+                "query_start": self.tokens.cu_seqlens_q.gpu[: n + 1]}
 
     def _decode_tbo(self, batch: ScheduledBatch) -> tuple[torch.Tensor, None]:
         """Two ubatches: ub0 goes out with the token inputs; ub1 is prepared late."""
