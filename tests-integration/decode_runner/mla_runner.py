@@ -27,7 +27,6 @@ write, last-page length 0).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -37,11 +36,13 @@ from h2d_runner_adapters import (
     MLA_DECODE,
     MLA_DECODE_STEP,
     TOKEN_INPUTS,
+    DecodePlan,
     MlaDecodeInputs,
     MlaDecodeStepInputs,
     PrefillInputs,
     PrefillPlan,
     ScheduledBatch,
+    TokenPlan,
     TokenStepInputs,
 )
 
@@ -107,38 +108,12 @@ class MlaDecodeRunner(DecodeRunner):
         return MlaDecoderInputs(**self._prefill_fields(pplan),
                                 kv_last_page_lens=last.gpu[: pplan.num_reqs])
 
-    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
-        """Publish both groups, run the first consumers and the model; True when the
-        captured graph also sampled (an unfiltered plan)."""
-        st = self.state
-        size = batch.padded_size
-        padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
-        t0 = time.perf_counter_ns()
-        st.begin()
-        if self.fused_step is not None:
+    def _prepare_decode(self, batch: ScheduledBatch, padded: int | None
+                        ) -> tuple[TokenPlan, DecodePlan]:
+        if self.fused_step is not None:  # one producer call
             plan = self.fused_step.prepare(batch, padded)
-            self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
-        else:
-            tok = self.token_step.prepare(batch, padded)
-            dplan = self.decode.prepare(batch, padded)
-            self._sampling_plan, tplan = tok.sampling, tok.tokens
-        for group in self.publish_groups:
-            st.publish(group)
-        st.finish()
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
-        rows = dplan.padded_reqs
-        consumers = self.consumer_graphs.get(rows)
-        if consumers is not None and tplan.padded_tokens == rows:
-            consumers.replay()
-        else:
-            self.tokens.assemble(tplan, self.sampled)
-            self.decode.generate_kv_indices(dplan)
-        if rows in self.graphs:
-            graph, out = self.graphs[rows]
-            graph.replay()
-            sp = self._sampling_plan
-            unfiltered = (sp.top_k is None and sp.top_p is None and not sp.per_request_top_k
-                          and not sp.per_request_top_p)
-            return out, self.graph_inputs[rows], unfiltered
-        inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
-        return self.model(inputs), inputs, False
+            self._sampling_plan = plan.sampling
+            return plan.tokens, plan.decode
+        tok = self.token_step.prepare(batch, padded)
+        self._sampling_plan = tok.sampling
+        return tok.tokens, self.decode.prepare(batch, padded)

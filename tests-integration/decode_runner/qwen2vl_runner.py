@@ -28,7 +28,6 @@ so a CPU run reads planes at a padded width too.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -38,10 +37,12 @@ from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     MHA_DECODE,
     TOKEN_INPUTS,
+    DecodePlan,
     MhaDecodeInputs,
     PrefillInputs,
     PrefillPlan,
     ScheduledBatch,
+    TokenPlan,
     TokenStepInputs,
 )
 from h2d_runner_adapters.mrope import mrope_planes
@@ -165,37 +166,13 @@ class Qwen2VLRunner(DecodeRunner):
             **fields, mrope_positions=planes,
             mm_embeds=self._mm_embeds(batch, pplan.num_tokens, self.model.embed.shape[1]))
 
-    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
-        """Publish both groups (the deltas with the decode group), run the first
-        consumers and the model; True when the captured graph also sampled."""
-        st = self.state
-        size = batch.padded_size
-        padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
-        t0 = time.perf_counter_ns()
-        st.begin()
+    def _prepare_decode(self, batch: ScheduledBatch, padded: int | None
+                        ) -> tuple[TokenPlan, DecodePlan]:
         tok = self.token_step.prepare(batch, padded)
-        dplan = self.decode.prepare(batch, padded, mrope_deltas=self._deltas(batch))
-        self._sampling_plan, tplan = tok.sampling, tok.tokens
-        for group in self.publish_groups:
-            st.publish(group)
-        st.finish()
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
-        rows = dplan.padded_reqs
-        assert dplan.padded_tokens == rows  # one token per request: width = rows
-        consumers = self.consumer_graphs.get(rows)
-        if consumers is not None and tplan.padded_tokens == rows:
-            consumers.replay()
-        else:
-            self.tokens.assemble(tplan, self.sampled)
-            self.decode.generate_kv_indices(dplan)
+        self._sampling_plan = tok.sampling
+        return tok.tokens, self.decode.prepare(batch, padded, mrope_deltas=self._deltas(batch))
+
+    def _decoded(self, batch: ScheduledBatch, dplan: DecodePlan) -> None:
+        assert dplan.padded_tokens == dplan.padded_reqs  # one token per request
         self._record(batch, self.decode.mrope_planes(dplan)[:, : dplan.num_tokens])
         self.padded_steps += dplan.padded_tokens > dplan.num_tokens
-        if rows in self.graphs:
-            graph, out = self.graphs[rows]
-            graph.replay()
-            sp = self._sampling_plan
-            unfiltered = (sp.top_k is None and sp.top_p is None and not sp.per_request_top_k
-                          and not sp.per_request_top_p)
-            return out, self.graph_inputs[rows], unfiltered
-        inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
-        return self.model(inputs), inputs, False

@@ -24,7 +24,6 @@ size, so padded rows (state index -1) run on CPU too.
 
 from __future__ import annotations
 
-import time
 from dataclasses import fields
 from typing import Any
 
@@ -33,15 +32,17 @@ import torch
 
 from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
+    DecodePlan,
     GdnStateInputs,
     PrefillPlan,
     ScheduledBatch,
+    TokenPlan,
 )
 from h2d_runner_adapters.gdn import GDN_STATE
 
 from .model import DecoderInputs
 from .qwen3next import GdnDecoderInputs
-from .runner import DECODE_STEP, DecodeRunner, RunnerConfig
+from .runner import DecodeRunner, RunnerConfig
 
 
 class Qwen3NextRunner(DecodeRunner):
@@ -121,22 +122,16 @@ class Qwen3NextRunner(DecodeRunner):
         return self._with_states(DecoderInputs(**self._prefill_fields(pplan)),
                                  self._prefill_gdn)
 
-    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
-        st = self.state
-        size = batch.padded_size
-        padded = size if (self.pad_eager and size) else None
-        t0 = time.perf_counter_ns()
-        st.begin()
-        plan = self.decode_step.prepare(batch, padded)
-        gplan = self.gdn.prepare(self._state_groups(batch), padded=padded)
-        self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
-        st.publish(DECODE_STEP)
-        st.finish()
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
-        rows = dplan.padded_reqs
-        assert gplan.padded_reqs == rows
-        self.padded_steps += rows > dplan.num_reqs
-        self.tokens.assemble(tplan, self.sampled)
-        self.decode.generate_kv_indices(dplan)
-        inputs = self._with_states(self._decode_inputs(self.decode, rows, 0), gplan)
-        return self.model(inputs), inputs, False
+    def _prepare_decode(self, batch: ScheduledBatch, padded: int | None
+                        ) -> tuple[TokenPlan, DecodePlan]:
+        tplan, dplan = super()._prepare_decode(batch, padded)
+        self._decode_gdn = self.gdn.prepare(self._state_groups(batch), padded=padded)
+        return tplan, dplan
+
+    def _decoded(self, batch: ScheduledBatch, dplan: DecodePlan) -> None:
+        assert self._decode_gdn.padded_reqs == dplan.padded_reqs
+        self.padded_steps += dplan.padded_reqs > dplan.num_reqs
+
+    def _decode_inputs(self, d: Any, rows: int, first_token: int) -> DecoderInputs:
+        return self._with_states(super()._decode_inputs(d, rows, first_token),
+                                 self._decode_gdn)

@@ -141,6 +141,11 @@ class DecodeRunner:
     #: producer groups (declared before ``_declare`` runs) that ride in both the decode and
     #: the prefill step, e.g. GDN state indices
     step_extra_groups: tuple[str, ...] = ()
+    #: the groups a decode step publishes, in order
+    publish_groups: tuple[str, ...] = (DECODE_STEP,)
+    #: pad eager decode steps to the scheduler's graph size too (a CPU run then reads the
+    #: padded rows the library publishes for a graph)
+    pad_eager = False
 
     def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
         """Declare the adapters and groups a step publishes (before ``bind()``): here the
@@ -279,7 +284,9 @@ class DecodeRunner:
         """Publish, run the first consumers and the model; True when the captured graph
         also sampled (an unfiltered plan), False when the caller must sample."""
         st = self.state
-        padded = batch.padded_size if batch.padded_size in self.graph_inputs else None
+        size = batch.padded_size
+        # a captured size, or (pad_eager) the scheduler's graph size on an eager run
+        padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
         events = self.span_events
         if self.atom is not None:
             self.atom.sync_lists(batch)  # the scheduler's side: outside the timed region
@@ -291,11 +298,11 @@ class DecodeRunner:
         else:
             t0 = time.perf_counter_ns()
             st.begin()
-            plan = self.decode_step.prepare(batch, padded)
-            self._sampling_plan, tplan, dplan = plan.sampling, plan.tokens, plan.decode
+            tplan, dplan = self._prepare_decode(batch, padded)
             if events is not None:
                 events[0].record()
-            st.publish(DECODE_STEP)
+            for group in self.publish_groups:
+                st.publish(group)
             st.finish()
             # host work only: the wait for source reuse (a GPU still busy with earlier
             # steps) is reported apart, as ``state.last_source_wait_ns``
@@ -307,6 +314,7 @@ class DecodeRunner:
         else:
             self.tokens.assemble(tplan, self.sampled)
             self.decode.generate_kv_indices(dplan)
+        self._decoded(batch, dplan)
         if events is not None:
             if self.span_through_model:  # the model's first kernel, eagerly
                 self.model.embed.index_select(0, self.tokens.input_ids.gpu[:rows].long())
@@ -320,6 +328,18 @@ class DecodeRunner:
             return out, self.graph_inputs[rows], unfiltered
         inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
         return self.model(inputs), inputs, False
+
+    def _prepare_decode(self, batch: ScheduledBatch, padded: int | None
+                        ) -> tuple[TokenPlan, DecodePlan]:
+        """The decode producers of the step (one fused call here; a family's runner has
+        its own) and the sampling plan; returns the token and decode plans."""
+        plan = self.decode_step.prepare(batch, padded)
+        self._sampling_plan = plan.sampling
+        return plan.tokens, plan.decode
+
+    def _decoded(self, batch: ScheduledBatch, dplan: DecodePlan) -> None:
+        """After a decode step's first consumers, before its model (a family's runner
+        records what it checks there)."""
 
     def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
         """One prefill chunk: sampling, token ids, the query prefix and the prefill
