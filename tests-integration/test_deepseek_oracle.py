@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from decode_runner.oracle import Logits, run_workload
+from decode_runner.oracle import Logits, assert_equals_generate, run_workload
 from decode_runner.runner import RunnerConfig
 from decode_runner.scheduler import SamplingMix, Scheduler, SchedulerConfig
 from kernel_mode import needs_kernels
@@ -122,19 +122,4 @@ def test_deepseek_v3_greedy_tokens_equal_generate(device: str, backend: str, pad
     assert len(done) >= 12, stats  # the workload ran to its end
     assert stats["preemptions"] >= 1 and stats["migrations"] >= 1, stats
     assert stats["reused_pages"] >= 1 and stats["reorders"] >= 1, stats
-    model = _model(device)
-    checked = 0
-    for req, (prompt, generated) in sorted(done.items()):
-        ids = torch.tensor([prompt], device=device)
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=len(generated), min_new_tokens=len(generated),
-                              pad_token_id=0)[0, len(prompt):].tolist()
-        assert generated == want, (req, len(prompt))
-        # each sampled step's logits: the dense model's at the position they predict
-        full = torch.tensor([prompt + generated], device=device)
-        with torch.no_grad():
-            dense = model(full).logits[0].float().cpu()
-        for pos in range(len(prompt), len(prompt) + len(generated)):
-            torch.testing.assert_close(logits[(req, pos)], dense[pos - 1], rtol=1e-4, atol=1e-4)
-            checked += 1
-    assert checked == sum(len(g) for _, g in done.values())
+    assert_equals_generate(_model(device), done, logits, device)

@@ -23,7 +23,7 @@ import os
 
 import pytest
 import torch
-from decode_runner.oracle import Logits, run_workload
+from decode_runner.oracle import Logits, assert_equals_generate, run_workload
 from decode_runner.runner import DecodeRunner, RunnerConfig
 from decode_runner.scheduler import SamplingMix, Scheduler, SchedulerConfig
 from kernel_mode import needs_kernels
@@ -85,23 +85,7 @@ def test_llama_greedy_tokens_equal_generate(device: str, backend: str) -> None:
     assert len(done) >= 12, stats  # the workload ran to its end
     assert stats["preemptions"] >= 1 and stats["migrations"] >= 1, stats
     assert stats["reused_pages"] >= 1, stats  # freed pages were handed out again
-    model = _model(device)
-    checked = 0
-    for req, (prompt, generated) in sorted(done.items()):
-        ids = torch.tensor([prompt], device=device)
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=len(generated), min_new_tokens=len(generated),
-                              pad_token_id=0)[0, len(prompt):].tolist()
-        assert generated == want, (req, len(prompt))
-        # each sampled step's logits: the dense model's at the position they predict
-        full = torch.tensor([prompt + generated], device=device)
-        with torch.no_grad():
-            dense = model(full).logits[0].float().cpu()
-        for pos in range(len(prompt), len(prompt) + len(generated)):
-            got = logits[(req, pos)]
-            torch.testing.assert_close(got, dense[pos - 1], rtol=1e-4, atol=1e-4)
-            checked += 1
-    assert checked == sum(len(g) for _, g in done.values())
+    assert_equals_generate(_model(device), done, logits, device)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -30,11 +30,11 @@ slot, the next step reading the last accepted one).
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
 import torch
+from decode_runner.oracle import assert_equals_generate
 from decode_runner.runner import RunnerConfig
 from decode_runner.scheduler import SamplingMix, Scheduler, SchedulerConfig
 from kernel_mode import needs_kernels
@@ -129,7 +129,6 @@ def _run_once(device: str, backend: str) -> tuple:
 @pytest.mark.parametrize("backend", ["packed", "direct"])
 def test_qwen3next_greedy_tokens_equal_generate(device: str, backend: str) -> None:
     needs_kernels(device)
-    t0 = time.perf_counter()
     done, stats, logits = _run(device, backend)
     assert len(done) >= 6, stats
     lengths = {(len(p), len(g)) for p, g in done.values()}
@@ -137,23 +136,7 @@ def test_qwen3next_greedy_tokens_equal_generate(device: str, backend: str) -> No
     assert stats["continued_chunks"] >= 1, stats  # a state carried across prefill chunks
     assert stats["reused_groups"] >= 1, stats  # a freed state slot was handed out again
     assert stats["padded_steps"] >= 1, stats  # padded rows (state index -1) ran
-    model = _model(device)
-    checked = 0
-    for req, (prompt, generated) in sorted(done.items()):
-        ids = torch.tensor([prompt], device=device)
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=len(generated), min_new_tokens=len(generated),
-                              pad_token_id=0)[0, len(prompt):].tolist()
-        assert generated == want, (req, len(prompt))
-        full = torch.tensor([prompt + generated], device=device)
-        with torch.no_grad():
-            dense = model(full).logits[0].float().cpu()
-        for pos in range(len(prompt), len(prompt) + len(generated)):
-            torch.testing.assert_close(logits[(req, pos)], dense[pos - 1], rtol=1e-4,
-                                       atol=1e-4)
-            checked += 1
-    assert checked == sum(len(g) for _, g in done.values())
-    print(f"qwen3next {backend}: {stats}, {time.perf_counter() - t0:.1f}s")
+    assert_equals_generate(_model(device), done, logits, device)
 
 
 def _greedy_request(req_id: int, tokens: list[int], context: int, pages: list[int]

@@ -48,3 +48,24 @@ def run_workload(runner: Any, decoder: Any, sched: Scheduler, num_pages: int, st
             if samples:
                 logits[(req.req_id, req.context_len)] = rows[r]
     return sched.finished_sequences(), {**vars(sched.stats), "reused_pages": reused}, logits
+
+
+def assert_equals_generate(model: Any, done: dict[int, tuple[list[int], list[int]]],
+                           logits: Logits, device: str, tol: float = 1e-4) -> None:
+    """Every finished request's generated tokens equal the model's own greedy
+    ``generate()`` from its prompt (its dense cache), and every sampled step's logits the
+    dense forward's at the position they predict (float32, ``tol``)."""
+    checked = 0
+    for req, (prompt, generated) in sorted(done.items()):
+        ids = torch.tensor([prompt], device=device)
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=len(generated), min_new_tokens=len(generated),
+                              pad_token_id=0)[0, len(prompt):].tolist()
+        assert generated == want, (req, len(prompt))
+        full = torch.tensor([prompt + generated], device=device)
+        with torch.no_grad():
+            dense = model(full).logits[0].float().cpu()
+        for pos in range(len(prompt), len(prompt) + len(generated)):
+            torch.testing.assert_close(logits[(req, pos)], dense[pos - 1], rtol=tol, atol=tol)
+            checked += 1
+    assert checked == sum(len(g) for _, g in done.values())
