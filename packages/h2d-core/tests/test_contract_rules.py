@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 
+import h2d_core._epoch_native as epoch_module  # the compiled begin/finish read these getters
 import h2d_core.publish as publish_module
-import h2d_core.slot as slot_module
 from h2d_core import H2DRunnerState, StageResult, block_table_state, h2d_producer
 
 #: GPU cycles of torch.cuda._sleep queued ahead of a publication (tens of ms on an H200):
@@ -141,7 +141,7 @@ class SimulatedGpu:
         mp.setattr(torch.cuda, "Event", Event)
         mp.setattr(torch.cuda, "current_stream", lambda *a, **k: self.stream)
         mp.setattr(torch.cuda, "synchronize", self._device_synchronize)
-        for module in (slot_module, publish_module):
+        for module in (epoch_module, publish_module):
             mp.setattr(module, "get_device", lambda: state._device_index)
             mp.setattr(module, "current_raw_stream", lambda index: self.stream.cuda_stream)
         mp.setattr(torch._C, "_cuda_getDevice", lambda: state.device.index, raising=False)

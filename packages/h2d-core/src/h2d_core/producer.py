@@ -1,4 +1,8 @@
-"""``@h2d_producer``: the shared slot/epoch check in front of every metadata producer."""
+"""``@h2d_producer``: the shared slot/epoch check in front of every metadata producer.
+
+Compiled by Cython as ``h2d_core._producer_native`` when the package is built (required):
+the wrapper runs in front of every producer call, and compiled it adds no interpreter frame.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,11 @@ from typing import Any, ParamSpec, TypeVar
 
 from .errors import DeclarationError, ProducerOwnerError
 from .state import H2DRunnerState
+
+try:
+    import cython
+except ImportError:  # interpreted where Cython is not installed: no-op decorators
+    from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -80,3 +89,12 @@ def h2d_producer(
         return producer
 
     return decorate
+
+
+# This source is compiled by Cython, as ``h2d_core._producer_native``, when the package is
+# built; run interpreted, it only hands over to that build (required).
+if not cython.compiled:
+    from block_tables.native import require_extension
+
+    _compiled = require_extension("h2d_core._producer_native")
+    h2d_producer = _compiled.h2d_producer

@@ -1,0 +1,290 @@
+"""The runner state's per-step core, compiled: the epoch's fields, begin, finish, the
+producer entry and the checks every entry point runs.
+
+Every step calls :meth:`EpochCore.begin`, one producer entry per producer and
+:meth:`EpochCore.finish`. Their state (slot, epoch, the open flag, the owner thread, the
+slots' recorded events, the epoch's produced and published groups) lives in C fields of
+this base of :class:`~h2d_core.state.H2DRunnerState`, so a step reads no instance
+dictionary and runs no interpreter frame for them. The declaration, binding, publication
+and recovery halves stay Python (:mod:`~h2d_core.state`, :mod:`~h2d_core.publish`,
+:mod:`~h2d_core.slot`) and read the same fields through their descriptors.
+
+Compiled by Cython as ``h2d_core._epoch_native`` when the package is built (required).
+"""
+
+from __future__ import annotations
+
+import time
+from threading import get_ident
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import (
+    DeviceMismatchError,
+    EpochError,
+    NotBoundError,
+    OwnerInvalidatedError,
+    OwnerThreadError,
+    ReentryError,
+    StreamMismatchError,
+    UnknownGroupError,
+)
+
+try:
+    import cython
+except ImportError:  # interpreted where Cython is not installed: no-op decorators
+    from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
+
+# the raw C getters: torch.cuda.current_device() / current_stream() cost several times more
+get_device: Any = getattr(torch._C, "_cuda_getDevice", None)
+current_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+@cython.cclass
+class EpochCore:
+    """The fields a step touches and the calls that open, enter and close its epoch.
+
+    Subclassed by :class:`~h2d_core.owner.StateOwner`; see
+    :class:`~h2d_core.state.H2DRunnerState` for the life of a state."""
+
+    device = cython.declare(object, visibility="public")
+    num_slots = cython.declare(cython.Py_ssize_t, visibility="public")
+    current_slot = cython.declare(cython.Py_ssize_t, visibility="public")
+    epoch = cython.declare(cython.longlong, visibility="public")
+    #: host ns the last begin() blocked on its slot's previous DMA (source reuse); 0 when
+    #: that DMA had completed (checking it is then ordinary host work)
+    last_source_wait_ns = cython.declare(cython.longlong, visibility="public")
+    _owner = cython.declare(object, visibility="public")
+    _bound = cython.declare(cython.bint, visibility="public")
+    _invalid = cython.declare(object, visibility="public")
+    _epoch_open = cython.declare(cython.bint, visibility="public")
+    _resumable = cython.declare(cython.bint, visibility="public")
+    _cuda = cython.declare(cython.bint, visibility="public")
+    _device_index = cython.declare(cython.int, visibility="public")
+    _stream = cython.declare(object, visibility="public")
+    _stream_id = cython.declare(object, visibility="public")
+    _events = cython.declare(list, visibility="public")
+    _slot_events = cython.declare(object, visibility="public")
+    _event_recorded = cython.declare(list, visibility="public")
+    _slot_groups = cython.declare(list, visibility="public")
+    _producer_groups = cython.declare(dict, visibility="public")
+    _counters = cython.declare(dict, visibility="public")
+    _published = cython.declare(set, visibility="public")
+    _produced = cython.declare(set, visibility="public")
+    # producer group lists already checked by enter_producer (the multi-group fast path)
+    _known_group_lists = cython.declare(set, visibility="public")
+    _on_publish = cython.declare(dict, visibility="public")
+    # the groups tuple enter_producer checked last (see there)
+    _last_groups = cython.declare(object)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def bound(self) -> bool:
+        return self._bound
+
+    @property
+    def invalidated(self) -> str | None:
+        """Why the owner refuses work (None while valid)."""
+        return self._invalid
+
+    @property
+    def epoch_open(self) -> bool:
+        return self._epoch_open
+
+    # ------------------------------------------------------------------ epochs
+    def begin(self, slot: Any = None, *, stream: Any = None) -> int:
+        """Start one forward epoch on ``slot`` (default: the next slot, rotating).
+
+        Waits until this slot's previous completion event (its DMAs read the sources),
+        then producers may write. The current stream (or ``stream``) becomes the epoch's
+        consumer stream: every publication of the epoch must be enqueued on it.
+        """
+        if get_ident() != self._owner or not self._bound or self._invalid is not None:
+            self._check_thread()
+            self._check_bound()
+            self._check_valid()
+        if self._epoch_open:
+            raise EpochError(f"epoch {self.epoch} on slot {self.current_slot} is still open; "
+                             "call finish() first")
+        s: cython.Py_ssize_t
+        if slot is None:
+            s = (self.current_slot + 1) % self.num_slots if self.epoch else 0
+        else:
+            if isinstance(slot, bool) or not isinstance(slot, (int, np.integer)):
+                raise EpochError(f"slot must be an int in [0, {self.num_slots}) or None, got "
+                                 f"{type(slot).__name__} {slot!r}")
+            if not 0 <= int(slot) < self.num_slots:  # numpy integers are fine
+                raise EpochError(f"slot {int(slot)} is not in [0, {self.num_slots})")
+            s = int(slot)
+        consumer: Any = None
+        if self._cuda:
+            if get_device() != self._device_index:
+                self._check_device()
+            if stream is not None:
+                if stream.device != self.device:
+                    raise DeviceMismatchError(
+                        f"stream is on {stream.device}, the state on {self.device}; begin() "
+                        "on a stream of the state's device"
+                    )
+                consumer = stream
+            elif (self._stream is not None
+                    and current_raw_stream(self._device_index) == self._stream_id):
+                consumer = self._stream  # the same consumer stream as last epoch
+            else:
+                consumer = torch.cuda.current_stream(self.device)
+        if self._event_recorded[s]:
+            # last_source_wait_ns counts only the blocking wait for a pending event: the
+            # query of a completed one is host work like any other
+            if self._slot_events is not None:
+                self.last_source_wait_ns = self._slot_events.wait(s)
+            # torch events: the driver library did not load (h2d_core.launch says when)
+            elif self._events[s].query():
+                self.last_source_wait_ns = 0
+            else:
+                t0 = time.perf_counter_ns()
+                self._events[s].synchronize()
+                self.last_source_wait_ns = time.perf_counter_ns() - t0 or 1
+        else:
+            self.last_source_wait_ns = 0
+        self.current_slot = s
+        self.epoch += 1
+        if self._cuda:
+            self._stream = consumer
+            self._stream_id = consumer.cuda_stream
+        for rec in self._slot_groups[s]:
+            rec.clear_counts()
+        self._published.clear()
+        self._produced.clear()
+        self._on_publish.clear()
+        self._epoch_open = True
+        self._resumable = False
+        return s
+
+    def finish(self) -> None:
+        """Record this slot's completion after the epoch's uploads; never waits for the GPU."""
+        if get_ident() != self._owner or self._invalid is not None:
+            self._check_thread()
+            self._check_valid()
+        if not self._epoch_open:
+            raise EpochError("finish() without an open epoch: call begin() first")
+        if self._cuda:
+            if self._slot_events is not None:
+                self._slot_events.record(self.current_slot, self._stream_id)
+            else:  # torch events: the driver library did not load
+                self._events[self.current_slot].record(self._stream)
+            self._event_recorded[self.current_slot] = True
+        self._epoch_open = False
+        self._resumable = True
+
+    # ------------------------------------------------------------------ producers
+    def enter_producer(self, groups: tuple, reason: Any) -> None:
+        """The check ``@h2d_producer`` runs before entering a producer of ``groups``."""
+        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+            self._check_ready(f"producer of {list(groups)}")
+        produced: set = self._produced
+        published: set = self._published
+        if reason is None:
+            if groups is self._last_groups and not produced and not published:
+                # the epoch's first producer, again the one checked last: a decorator passes
+                # the same tuple every call, so no name is hashed twice
+                produced.update(groups)
+                return
+            if len(groups) == 1:
+                g = groups[0]
+                if g in self._producer_groups and g not in produced and g not in published:
+                    produced.add(g)
+                    return
+            elif (groups in self._known_group_lists and produced.isdisjoint(groups)
+                    and published.isdisjoint(groups)):
+                produced.update(groups)
+                return
+        for g in groups:
+            if g not in self._producer_groups:
+                raise UnknownGroupError(
+                    f"producer declares {g!r}, which is not a producer group with buffers; "
+                    + self._unknown_group(g)
+                )
+        self._known_group_lists.add(tuple(groups))  # every name checked: a fast path next time
+        if type(groups) is tuple:  # immutable: the identity check above stays sound
+            self._last_groups = groups
+        repeated = [g for g in groups if g in produced or g in published]
+        if repeated and reason is None:
+            raise ReentryError(
+                f"producer of {list(groups)} entered again in epoch {self.epoch} on slot "
+                f"{self.current_slot} ({repeated} already produced/published); pass "
+                "h2d_reason='...' for a deliberate second publication"
+            )
+        for g in repeated:
+            if g in published:
+                self.reopen(g, reason or "")  # type: ignore[attr-defined]
+            else:
+                self._counters[g].second_publications += 1
+        produced.update(groups)
+
+    def leave_producer_after_error(self, groups: tuple) -> None:
+        """A producer of ``groups`` raised: it may run again (nothing was published)."""
+        if not any(g in self._published for g in groups):
+            self._produced.difference_update(groups)
+
+    # ------------------------------------------------------------------ checks
+    def _unknown_group(self, group: str) -> str:
+        known = sorted(set(self._producer_groups) | set(self._combined))  # type: ignore[attr-defined]
+        return f"unknown group {group!r}; declared groups are {known}"
+
+    def _check_thread(self) -> None:
+        if get_ident() != self._owner:
+            raise OwnerThreadError(
+                "this H2DRunnerState belongs to another thread; call it from the thread that "
+                "created it"
+            )
+
+    def _check_bound(self) -> None:
+        if not self._bound:
+            raise NotBoundError("call bind() after declaring buffers and before using the state")
+
+    def _check_valid(self) -> None:
+        if self._invalid is not None:
+            raise OwnerInvalidatedError(
+                f"the H2D owner was invalidated by an earlier enqueue failure ({self._invalid}); "
+                "call reset() before further work"
+            )
+
+    def _check_ready(self, what: str) -> None:
+        """Owner thread, bound, valid, inside an epoch."""
+        self._check_thread()
+        self._check_bound()
+        self._check_valid()
+        if not self._epoch_open:
+            raise EpochError(f"{what} outside an epoch: call begin() (or resume()) first")
+
+    def _check_device(self) -> None:
+        if self._cuda and get_device() != self._device_index:
+            raise DeviceMismatchError(
+                f"current device is cuda:{torch.cuda.current_device()} but this state owns "
+                f"{self.device}; switch with torch.cuda.device({self.device.index})"
+            )
+
+    def _check_stream(self, stream: Any) -> Any:
+        """Check the publication stream is the epoch's; return what to enqueue on (None:
+        the current stream, which is then the epoch's)."""
+        if not self._cuda:
+            return None
+        raw = (current_raw_stream(self._device_index) if stream is None
+               else stream.cuda_stream)
+        if raw != self._stream_id:
+            raise StreamMismatchError(
+                f"publication on stream {raw:#x} but the epoch's consumer stream is "
+                f"{self._stream_id:#x}; publish on the stream current at begin()"
+            )
+        return stream
+
+
+# This source is compiled by Cython, as ``h2d_core._epoch_native``, when the package is
+# built; run interpreted, it only hands over to that build (required).
+if not cython.compiled:
+    from block_tables.native import require_extension
+
+    _compiled = require_extension("h2d_core._epoch_native")
+    EpochCore = _compiled.EpochCore  # type: ignore[misc]
