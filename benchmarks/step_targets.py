@@ -17,6 +17,9 @@ steps, for these ways of doing the same step:
   the engine's full-width per-row block-table rebuild from Python lists;
 * ``mrv2``: ``run`` of the anchors: vLLM Model Runner V2's mechanism re-created (2 H2D,
   staged block-table diffs, Triton kernels reading UVA);
+* ``packed``, by part (after the interleaved rounds): ``begin``, ``prepare``, ``publish``
+  (with the fused consumer) and ``finish`` timed apart; begin + publish + finish is the
+  launch floor (event query, packing, graph launch, event record);
 * ``packed+ctx``: ``packed`` run under ``torch.set_default_device("cpu")`` (a
   ``DeviceContext`` on the mode stack, as an engine that restores ``"cpu"`` instead of
   ``None`` after GPU initialization): what that default costs per step.
@@ -95,6 +98,34 @@ class LibraryStep:
             times.append(pc() - t0 - st.last_source_wait_ns)
         return float(np.median(times)) / 1e3
 
+    def parts(self, steps: int) -> dict[str, float]:
+        """The same step timed part by part (median host µs of each): ``begin`` (the slot
+        event's query), ``prepare`` (the producer: checks, writes, counts, table stage),
+        ``publish`` (header, packing and the graph launch of DMA + scatter + the fused
+        consumer) and ``finish`` (the event record). begin + publish + finish is the launch
+        floor: the driver calls every way of publishing pays."""
+        batches = [next(self.batches) for _ in range(steps)]
+        for b in batches:
+            b.columns, b.block_tables  # noqa: B018
+        st, prepare, pc = self.state, self.step.prepare, time.perf_counter_ns
+        consume = self.step.decode.generate_kv_indices
+        times = np.zeros((steps, 4), dtype=np.int64)
+        for i, b in enumerate(batches):
+            t0 = pc()
+            st.begin()
+            t1 = pc()
+            plan = prepare(b)
+            t2 = pc()
+            st.publish("decode_step")
+            consume(plan.decode)
+            t3 = pc()
+            st.finish()
+            t4 = pc()
+            times[i] = (t1 - t0 - st.last_source_wait_ns, t2 - t1, t3 - t2, t4 - t3)
+        med = np.median(times, axis=0) / 1e3
+        return dict(zip(("begin", "prepare", "publish", "finish"), map(float, med),
+                        strict=True))
+
     def per_step(self) -> dict[str, float]:
         c = self.state.counters("decode_step")
         n = max(c.publications, 1)
@@ -164,6 +195,7 @@ def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> di
     for name, values in medians.items():
         out[f"{name}_us"] = float(np.median(values))
         out[f"{name}_us_chunks"] = values
+    out["packed_parts_us"] = ways["packed"].parts(args.rounds * args.chunk // 2)
     out["packed_per_step"] = ways["packed"].per_step()
     out["direct_per_step"] = ways["direct"].per_step()
     return out
@@ -208,6 +240,13 @@ def main() -> None:
               f"{cell('atom')} | {cell('mrv2')} | {cell('packed+ctx')} | "
               f"{per['dmas']:.0f} + {per['scatters']:.0f} "
               f"(direct copies {per['direct_copies']:.0f}) |")
+    print("\npacked by part, host µs (median per step): begin / prepare / publish+consumer / "
+          "finish; floor = begin + publish + finish")
+    for r in rows:
+        q = r["packed_parts_us"]
+        floor = q["begin"] + q["publish"] + q["finish"]
+        print(f"bs={r['bs']}: {q['begin']:.1f} / {q['prepare']:.1f} / {q['publish']:.1f} / "
+              f"{q['finish']:.1f}; floor {floor:.1f}")
 
 
 if __name__ == "__main__":

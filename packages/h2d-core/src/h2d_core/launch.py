@@ -55,7 +55,11 @@ class SlotEvents:
         driver = device_driver()
         if driver is None:
             return None
-        with torch.cuda.device(device):  # the device's context is current: bind allocated there
+        with torch.cuda.device(device):
+            # The runtime creates the device's primary context lazily; a synchronize makes it
+            # current even when nothing was allocated there yet (the driver's event calls
+            # need it: without one, cuEventCreate fails with CUDA_ERROR_INVALID_CONTEXT).
+            torch.cuda.synchronize(device)
             events: list[int] = []
             try:
                 for _ in range(num_slots):
