@@ -565,8 +565,12 @@ def test_slot_events_create_binds_or_cleans_up(monkeypatch: pytest.MonkeyPatch) 
     driver = FakeDeviceDriver(fake)
     monkeypatch.setattr(h2d_core.launch, "device_driver", lambda: driver)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    synced: list[torch.device] = []
+    # the primary context is made current before the first event (nothing allocated yet)
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
     events = SlotEvents.create(3, torch.device("cuda", 0))
     assert events is not None and driver.created == [0x100, 0x101, 0x102]
+    assert synced == [torch.device("cuda", 0)]
     events.record(2, 7)
     assert fake.recorded == [(0x102, 7)]
     failing = FakeDeviceDriver(fake, fail_after=2)

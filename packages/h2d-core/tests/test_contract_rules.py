@@ -27,7 +27,6 @@ import pytest
 import torch
 
 import h2d_core._epoch_native as epoch_module  # the compiled begin/finish read these getters
-import h2d_core.publish as publish_module
 from h2d_core import H2DRunnerState, StageResult, block_table_state, h2d_producer
 
 #: GPU cycles of torch.cuda._sleep queued ahead of a publication (tens of ms on an H200):
@@ -141,9 +140,8 @@ class SimulatedGpu:
         mp.setattr(torch.cuda, "Event", Event)
         mp.setattr(torch.cuda, "current_stream", lambda *a, **k: self.stream)
         mp.setattr(torch.cuda, "synchronize", self._device_synchronize)
-        for module in (epoch_module, publish_module):
-            mp.setattr(module, "get_device", lambda: state._device_index)
-            mp.setattr(module, "current_raw_stream", lambda index: self.stream.cuda_stream)
+        mp.setattr(epoch_module, "get_device", lambda: state._device_index)
+        mp.setattr(epoch_module, "current_raw_stream", lambda index: self.stream.cuda_stream)
         mp.setattr(torch._C, "_cuda_getDevice", lambda: state.device.index, raising=False)
         mp.setattr(torch._C, "_cuda_getCurrentRawStream",
                    lambda index: self.stream.cuda_stream, raising=False)

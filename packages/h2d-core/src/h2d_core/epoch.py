@@ -1,12 +1,13 @@
-"""The runner state's per-step core, compiled: the epoch's fields, begin, finish, the
-producer entry and the checks every entry point runs.
+"""The runner state's per-step core, compiled: the epoch's fields, begin, the producer
+entry, publish, finish and the checks every entry point runs.
 
-Every step calls :meth:`EpochCore.begin`, one producer entry per producer and
-:meth:`EpochCore.finish`. Their state (slot, epoch, the open flag, the owner thread, the
-slots' recorded events, the epoch's produced and published groups) lives in C fields of
-this base of :class:`~h2d_core.state.H2DRunnerState`, so a step reads no instance
-dictionary and runs no interpreter frame for them. The declaration, binding, publication
-and recovery halves stay Python (:mod:`~h2d_core.state`, :mod:`~h2d_core.publish`,
+Every step calls :meth:`EpochCore.begin`, one producer entry per producer,
+:meth:`EpochCore.publish` per group and :meth:`EpochCore.finish`. Their state (slot,
+epoch, the open flag, the owner thread, the slots' recorded events, the epoch's produced
+and published groups, the publication routes) lives in C fields of this base of
+:class:`~h2d_core.state.H2DRunnerState`, so a step reads no instance dictionary and runs
+no interpreter frame for them. The declaration, binding, counts and ranges, direct copies
+and recovery stay Python (:mod:`~h2d_core.state`, :mod:`~h2d_core.publish`,
 :mod:`~h2d_core.slot`) and read the same fields through their descriptors.
 
 Compiled by Cython as ``h2d_core._epoch_native`` when the package is built (required).
@@ -23,10 +24,14 @@ import torch
 
 from .errors import (
     DeviceMismatchError,
+    DuplicatePublicationError,
     EpochError,
+    H2DError,
+    MembershipError,
     NotBoundError,
     OwnerInvalidatedError,
     OwnerThreadError,
+    PublicationEnqueueError,
     ReentryError,
     StreamMismatchError,
     UnknownGroupError,
@@ -40,6 +45,7 @@ except ImportError:  # interpreted where Cython is not installed: no-op decorato
 # the raw C getters: torch.cuda.current_device() / current_stream() cost several times more
 get_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 current_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_profiler_enabled: Any = torch._C._autograd._profiler_enabled
 
 
 @cython.cclass
@@ -76,6 +82,9 @@ class EpochCore:
     # producer group lists already checked by enter_producer (the multi-group fast path)
     _known_group_lists = cython.declare(set, visibility="public")
     _on_publish = cython.declare(dict, visibility="public")
+    #: publish(name) -> (record index, names it publishes, members copied directly when it
+    #: is a producer group covered by a combined one, counters): one lookup per call
+    _routes = cython.declare(dict, visibility="public")
     # the groups tuple enter_producer checked last (see there)
     _last_groups = cython.declare(object)
 
@@ -227,6 +236,81 @@ class EpochCore:
         """A producer of ``groups`` raised: it may run again (nothing was published)."""
         if not any(g in self._published for g in groups):
             self._produced.difference_update(groups)
+
+    # ------------------------------------------------------------------ publication
+    def publish(self, group: str, *, stream: Any = None) -> None:
+        """Publish ``group`` on the epoch's consumer stream.
+
+        A packed group with two or more active members (or one member with several
+        ranges): one DMA of the arena's header and used payload, then one scatter. One
+        active member with a count or a single range, the direct backend, an ineligible
+        group, or a producer group covered by a combined group: one direct copy per active
+        member (per range). Validation happens first; a rejected publication enqueues
+        nothing.
+        """
+        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+            self._check_ready(f"publish({group!r})")
+        route = self._routes.get(group)
+        if route is None:
+            raise UnknownGroupError(self._unknown_group(group))
+        rec_index, names, covered_members, counters = route
+        if self._cuda:  # _check_device and _check_stream inline: they raise on a mismatch
+            if get_device() != self._device_index:
+                self._check_device()
+            if (current_raw_stream(self._device_index) if stream is None
+                    else stream.cuda_stream) != self._stream_id:
+                self._check_stream(stream)
+        if not names.isdisjoint(self._published):
+            raise DuplicatePublicationError(
+                f"group {group!r}: {sorted(names & self._published)} already published in "
+                f"epoch {self.epoch}; supply a reason (reopen(group, reason)) for a deliberate "
+                "second publication"
+            )
+        rec = self._slot_groups[self.current_slot][rec_index]
+        try:
+            if _profiler_enabled():
+                with torch.autograd.profiler.record_function(f"h2d.publish/{group}"):
+                    nbytes = self._enqueue(rec, covered_members, counters, stream)
+            else:
+                nbytes = self._enqueue(rec, covered_members, counters, stream)
+        except H2DError:
+            raise
+        except Exception as exc:
+            self._invalid = f"publish({group!r}) failed: {type(exc).__name__}: {exc}"
+            raise PublicationEnqueueError(
+                f"enqueueing publication of group {group!r} failed; the owner is invalidated "
+                "and its storage retained; call reset() to recover"
+            ) from exc
+        counters.publications += 1
+        counters.bytes += nbytes
+        self._published |= names
+        if self._on_publish:
+            for g in names.intersection(self._on_publish):
+                for buf, fn, only_if_sent in self._on_publish.pop(g):
+                    if not only_if_sent or self._sent(buf):  # type: ignore[attr-defined]
+                        fn()
+
+    def _enqueue(self, rec: Any, covered: tuple, counters: Any, stream: Any) -> int:
+        """Enqueue one publication (validated); return the payload bytes it moves."""
+        if covered:
+            if rec.fused:
+                raise MembershipError(
+                    f"group {covered[0].group!r} is published by {rec.plan.name!r}, whose "
+                    "publication runs fused first consumers: publish "
+                    f"{rec.plan.name!r} (a direct copy of part of it would skip them)")
+            return self._copy_direct(  # type: ignore[attr-defined]
+                rec, [b.member_index for b in covered], counters)
+        packed = rec.packed
+        if packed is not None and (rec.active > 1 or len(rec.ranges) > 1 or rec.fused):
+            packed.publish(rec.counts, rec.ranges, self._stream_id, stream)
+            counters.dmas += 1
+            counters.scatters += 1
+            return rec.count_bytes + rec.range_bytes
+        nbytes: int = self._copy_direct(  # type: ignore[attr-defined]
+            rec, range(len(rec.plan.members)), counters)
+        if rec.plan.packed:
+            counters.direct_fallbacks += 1
+        return nbytes
 
     # ------------------------------------------------------------------ checks
     def _unknown_group(self, group: str) -> str:

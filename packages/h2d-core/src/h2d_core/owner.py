@@ -25,11 +25,6 @@ from .records import GroupRecord
 if TYPE_CHECKING:
     from .launch import SlotEvents
 
-# the raw C getters: torch.cuda.current_device() / current_stream() cost several times more
-get_device: Callable[[], int] | None = getattr(torch._C, "_cuda_getDevice", None)
-current_raw_stream: Callable[[int], int] | None = getattr(
-    torch._C, "_cuda_getCurrentRawStream", None)
-
 
 class StateOwner(EpochCore):
     """Fields and checks shared by the parts of :class:`~h2d_core.state.H2DRunnerState`."""

@@ -1,18 +1,18 @@
 """Counts, ranges and publication: what a group sends, and the packed or direct enqueue.
 
 Producers set counts (``set_count``, a :class:`~h2d_core.count_batch.CountBatch`) or byte
-ranges (``set_ranges``) on the current slot's group records; ``publish(group)`` validates
-the epoch, device, stream and duplicates, then enqueues one DMA + one scatter (packed
-group, two or more active members or several ranges) or direct copies (direct backend,
-ineligible group, a lone active member, a producer group covered by a combined one). A
-rejected call changes nothing; an enqueue failure invalidates the owner.
+ranges (``set_ranges``) on the current slot's group records; ``publish(group)`` (compiled,
+in :class:`~h2d_core.epoch.EpochCore`) validates the epoch, device, stream and duplicates,
+then enqueues one DMA + one scatter (packed group, two or more active members or several
+ranges) or the direct copies here (direct backend, ineligible group, a lone active member,
+a producer group covered by a combined one). A rejected call changes nothing; an enqueue
+failure invalidates the owner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from threading import get_ident
-from typing import Any
 
 import numpy as np
 import torch
@@ -24,13 +24,11 @@ from .count_batch import CountBatch
 from .errors import (
     CountError,
     DuplicatePublicationError,
-    H2DError,
-    MembershipError,
     PublicationEnqueueError,
     UnknownGroupError,
 )
 from .group import GroupCounters
-from .owner import StateOwner, current_raw_stream, get_device
+from .owner import StateOwner
 from .records import GroupRecord
 
 _profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
@@ -212,80 +210,6 @@ class Publication(StateOwner):
             self.set_count(buf, c)
 
     # ------------------------------------------------------------------ publication
-    def publish(self, group: str, *, stream: Any = None) -> None:
-        """Publish ``group`` on the epoch's consumer stream.
-
-        A packed group with two or more active members (or one member with several
-        ranges): one DMA of the arena's header and used payload, then one scatter. One
-        active member with a count or a single range, the direct backend, an ineligible
-        group, or a producer group covered by a combined group: one direct copy per active
-        member (per range). Validation happens first; a rejected publication enqueues
-        nothing.
-        """
-        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
-            self._check_ready(f"publish({group!r})")
-        route = self._routes.get(group)
-        if route is None:
-            raise UnknownGroupError(self._unknown_group(group))
-        rec_index, names, covered_members, counters = route
-        if self._cuda:  # _check_device and _check_stream inline: they raise on a mismatch
-            device_index = self._device_index
-            if get_device() != device_index:  # type: ignore[misc]
-                self._check_device()
-            if (current_raw_stream(device_index) if stream is None  # type: ignore[misc]
-                    else stream.cuda_stream) != self._stream_id:
-                self._check_stream(stream)
-        if not names.isdisjoint(self._published):
-            raise DuplicatePublicationError(
-                f"group {group!r}: {sorted(names & self._published)} already published in "
-                f"epoch {self.epoch}; supply a reason (reopen(group, reason)) for a deliberate "
-                "second publication"
-            )
-        rec = self._slot_groups[self.current_slot][rec_index]
-        try:
-            if _profiler_enabled():
-                with torch.autograd.profiler.record_function(f"h2d.publish/{group}"):
-                    nbytes = self._enqueue(rec, covered_members, counters, stream)
-            else:
-                nbytes = self._enqueue(rec, covered_members, counters, stream)
-        except H2DError:
-            raise
-        except Exception as exc:
-            self._invalid = f"publish({group!r}) failed: {type(exc).__name__}: {exc}"
-            raise PublicationEnqueueError(
-                f"enqueueing publication of group {group!r} failed; the owner is invalidated "
-                "and its storage retained; call reset() to recover"
-            ) from exc
-        counters.publications += 1
-        counters.bytes += nbytes
-        self._published |= names
-        if self._on_publish:
-            for g in names.intersection(self._on_publish):
-                for buf, fn, only_if_sent in self._on_publish.pop(g):
-                    if not only_if_sent or self._sent(buf):
-                        fn()
-
-    def _enqueue(self, rec: GroupRecord, covered: Sequence[H2DBuffer],
-                 counters: GroupCounters, stream: Any) -> int:
-        """Enqueue one publication (validated); return the payload bytes it moves."""
-        if covered:
-            if rec.fused:
-                raise MembershipError(
-                    f"group {covered[0].group!r} is published by {rec.plan.name!r}, whose "
-                    "publication runs fused first consumers: publish "
-                    f"{rec.plan.name!r} (a direct copy of part of it would skip them)")
-            return self._copy_direct(rec, [b.member_index for b in covered], counters)
-        packed = rec.packed
-        if packed is not None and (rec.active > 1 or len(rec.ranges) > 1 or rec.fused):
-            packed.publish(rec.counts, rec.ranges, self._stream_id, stream)
-            counters.dmas += 1
-            counters.scatters += 1
-            return rec.count_bytes + rec.range_bytes
-        nbytes = self._copy_direct(rec, range(len(rec.plan.members)), counters)
-        if rec.plan.packed:
-            counters.direct_fallbacks += 1
-        return nbytes
-
     def on_publish(
         self, buffer: H2DBuffer, callback: Callable[[], None], *, only_if_sent: bool = True
     ) -> None:
