@@ -555,6 +555,17 @@ def test_failed_producer_can_run_again(device: str, h: Any) -> None:
     assert len(attempts) == 2
     with pytest.raises(ReentryError):
         produce(st, False)
+    st.publish("token_inputs")
+    st.finish()
+    # the same producer next epoch, after its group went out without a producer entry
+    # (counts set and published by hand): refused although the producer list is known
+    st.begin()
+    st.set_count(setup.buffers["input_ids"], 1)
+    st.publish("token_inputs")
+    with pytest.raises(ReentryError, match=r"already produced/published"):
+        produce(st, False)
+    assert len(attempts) == 2
+    st.finish()
 
 
 @pytest.mark.gpu
