@@ -260,7 +260,8 @@ def test_qwen3next_speculative_state_rows(device: str, k: int, backend: str) -> 
         plan = publish(num_accepted=accepted)
         initial = gdn.gather_states(plan, view, buf)
         ids = torch.tensor([[pending[i], *drafts[i]] for i in range(rows)], device=device)
-        logits, after = decoder.run_tokens(ids, initial, torch.ones(rows, dtype=torch.bool, device=device))
+        has_initial = torch.ones(rows, dtype=torch.bool, device=device)
+        logits, after = decoder.run_tokens(ids, initial, has_initial)
         assert gdn.spec is not None
         dst = gdn.spec.gpu[:rows].reshape(-1).long()
         pool.index_copy_(0, dst, after.reshape(-1, decoder.state_width))
