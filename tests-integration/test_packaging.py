@@ -20,6 +20,9 @@ NATIVE = (
     "h2d_core._h2d_core_native",
     "h2d_core._records_native",  # records.py, compiled by Cython
     "h2d_core._step_native",  # step.py, compiled by Cython
+    "h2d_core._epoch_native",  # epoch.py
+    "h2d_core._producer_native",  # producer.py
+    "h2d_core._table_stage_native",  # table_stage.py
     "block_tables._request_layout",  # request_layout.py, compiled by Cython
 )
 KERNELS_NATIVE = "h2d_kernels._h2d_kernels_native"  # loaded by h2d_kernels.native
@@ -80,9 +83,12 @@ def test_helpers_load_with_no_compiler_and_write_nothing(tmp_path: Path) -> None
 NEEDED_BY = {
     "block_tables._block_tables_native": "block_tables",
     "block_tables._request_layout": "block_tables",
+    "h2d_core._epoch_native": "h2d_core",
     "h2d_core._h2d_core_native": "h2d_core",
+    "h2d_core._producer_native": "h2d_core",
     "h2d_core._records_native": "h2d_core",
     "h2d_core._step_native": "h2d_core",
+    "h2d_core._table_stage_native": "h2d_core",
     KERNELS_NATIVE: "h2d_kernels",
 }
 
