@@ -10,6 +10,7 @@ import torch
 from h2d_core import (
     BindingError,
     CountError,
+    DeviceUnavailableError,
     EpochError,
     H2DRunnerState,
     ProducerOwnerError,
@@ -108,3 +109,46 @@ def test_disjoint_interleaved_views_bind_and_publish_with_direct_copies() -> Non
     bad.buffer("z", (4,), torch.int32, group="h", gpu=other.view(-1)[4:8])
     with pytest.raises(BindingError, match=r"buffers 'x' and 'z' share GPU bytes"):
         bad.bind()
+
+
+def test_a_cuda_state_without_cuda_names_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU build of torch (or a machine with no visible GPU), a CUDA state is refused
+    with the library's error, not torch's bare AssertionError; a CPU state still works."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:1", torch.device("cuda", 0)):
+        with pytest.raises(DeviceUnavailableError, match=r"pass device='cpu'"):
+            H2DRunnerState(device)
+    assert H2DRunnerState("cpu").device == torch.device("cpu")
+
+
+def test_counters_are_live_and_a_snapshot_gives_a_steps_difference() -> None:
+    st, bt = _state()
+    live = st.counters("g")
+    before = live.snapshot()
+    st.begin()
+    st.set_count(bt, 1)
+    st.publish("g")
+    st.finish()
+    assert live.publications == 1 and before.publications == 0  # live moved, the copy not
+    step = st.counters("g") - before
+    assert (step.publications, step.bytes) == (1, 32)
+
+
+def test_counts_set_and_never_published_send_nothing() -> None:
+    """The documented case: counts set, then finish() with no publish. Nothing travels, the
+    destination keeps the last publication's bytes, and the next begin() drops the counts."""
+    st, bt = _state()
+    st.begin()
+    bt.np[0] = 7
+    st.set_count(bt, 1)
+    st.publish("g")
+    st.finish()
+    st.begin()
+    bt.np[0] = 9
+    st.set_count(bt, 1)
+    st.finish()  # no publish: not an error
+    assert bt.gpu[0].tolist() == [7] * 8
+    assert st.counters("g").publications == 1
+    st.begin()
+    assert st.count(bt) is None  # the unpublished count did not carry over
+    st.finish()

@@ -34,6 +34,10 @@ class MembershipError(H2DError):
     """A buffer was used with a group it does not belong to."""
 
 
+class DeviceUnavailableError(DeclarationError):
+    """A CUDA state asked of a torch build (or machine) without CUDA."""
+
+
 class EpochError(H2DError):
     """begin/finish/resume out of order, or work outside an open epoch."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import cached_property
 
 import numpy as np
@@ -27,6 +27,15 @@ class GroupCounters:
     direct_fallbacks: int = 0
     #: deliberate second publications (a reason was given)
     second_publications: int = 0
+
+    def snapshot(self) -> GroupCounters:
+        """A copy of the counts now (this object keeps counting as the state publishes)."""
+        return replace(self)
+
+    def __sub__(self, earlier: GroupCounters) -> GroupCounters:
+        """What was counted since ``earlier`` (a :meth:`snapshot`)."""
+        return GroupCounters(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                                for f in fields(self)})
 
 
 @dataclass(frozen=True)

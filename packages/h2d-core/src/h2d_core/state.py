@@ -28,7 +28,7 @@ from h2d_kernels import GroupMember, PackedGroup, arena_order
 
 from .buffer import BufferSpec, CountUnit, H2DBuffer, make_spec
 from .config import Backend, resolve_backend
-from .errors import BindingError, DeclarationError, UnknownGroupError
+from .errors import BindingError, DeclarationError, DeviceUnavailableError, UnknownGroupError
 from .fused import ConsumerFn, FusedConsumer
 from .fused import declare as declare_consumer
 from .fused import place as place_consumers
@@ -62,6 +62,13 @@ class H2DRunnerState(SlotLifecycle, Publication):
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu"
         )
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            why = ("this torch build has no CUDA" if torch.version.cuda is None
+                   and torch.version.hip is None else "no CUDA device is visible")
+            raise DeviceUnavailableError(
+                f"H2DRunnerState({str(device)!r}): {why} (torch {torch.__version__}); "
+                "install a CUDA build of torch on a machine with a GPU, or pass "
+                "device='cpu' (the whole contract with plain tensors)")
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev.type not in ("cuda", "cpu"):
@@ -351,7 +358,8 @@ class H2DRunnerState(SlotLifecycle, Publication):
         return self._plans[group]
 
     def counters(self, group: str) -> GroupCounters:
-        """Counters of a publication or producer group."""
+        """Counters of a publication or producer group: the live object, which keeps
+        counting (``counters(g).snapshot()`` copies it, for a before/after difference)."""
         self._check_bound()
         if group not in self._counters:
             raise UnknownGroupError(self._unknown_group(group))
