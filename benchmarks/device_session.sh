@@ -3,15 +3,14 @@
 # PYTHONPATH, the compiled hot paths required. Writes logs and JSON under $OUT (default
 # results/) and prints short tables last.
 #
-#   bash benchmarks/device_session.sh [tests|bench|main|targets|segments|sanitizer|all]
+#   bash benchmarks/device_session.sh [tests|bench|main|targets|sanitizer|all]
 #
 # main: the main job alone (benchmarks/decode_bench.py); sanitizer: the GPU suites of the
 # publication path under compute-sanitizer's memcheck, racecheck and synccheck (not part of
 # "all"; H2D_SANITIZER_TOOLS and H2D_SANITIZER_TIMEOUT narrow them).
 #
 # targets: benchmarks/step_targets.py, v41_step.py and mtp_step.py (the anchors must be in .anchors/: copy
-# ../shared/context/anchors there and carry it); segments: the investigation tools of
-# tools/perf (not part of "all").
+# ../shared/context/anchors there and carry it).
 #
 # H2D_BENCH_CPU=N runs the benchmarks pinned to CPU core N (taskset), as an engine pins its
 # scheduler thread; unset, they run wherever the OS puts them.
@@ -42,13 +41,6 @@ if [[ $what == targets || $what == all ]]; then
     "${pin[@]}" python3 benchmarks/mtp_step.py $mtp --out "$out" >"$log" 2>&1
     echo "mtp_step $mtp: exit $?"; tail -n 7 "$log"
   done
-fi
-if [[ $what == segments ]]; then
-  "${pin[@]}" python3 tools/perf/cuda_call_costs.py >"$out/cuda_call_costs$tag.log" 2>&1
-  echo "cuda_call_costs: exit $?"; cat "$out/cuda_call_costs$tag.log"
-  "${pin[@]}" python3 tools/perf/step_segments.py --launcher both --out "$out" \
-    >"$out/step_segments$tag.log" 2>&1
-  echo "step_segments: exit $?"; tail -n 6 "$out/step_segments$tag.log"
 fi
 if [[ $what == sanitizer ]]; then
   # The publication path's GPU cases: arena, scatter, packed groups, the core's publication
