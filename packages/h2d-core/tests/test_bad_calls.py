@@ -10,6 +10,7 @@ import torch
 from h2d_core import (
     BindingError,
     CountError,
+    DeclarationError,
     DeviceUnavailableError,
     EpochError,
     H2DRunnerState,
@@ -152,3 +153,47 @@ def test_counts_set_and_never_published_send_nothing() -> None:
     st.begin()
     assert st.count(bt) is None  # the unpublished count did not carry over
     st.finish()
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_guard_sources_refuses_writes_outside_the_epoch(
+        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The debug mode: ``.np``/``.cpu`` before ``begin()`` raise naming the buffer, a view
+    kept across steps is read-only once its epoch finished (numpy refuses the write), and
+    the slot's views are writable again in its next epoch; the publication is unchanged."""
+    if how == "env":
+        monkeypatch.setenv("H2D_GUARD_SOURCES", "1")
+    st = H2DRunnerState("cpu", num_slots=2, scatter="reference",
+                        guard_sources=True if how == "flag" else None)
+    bt = st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows")
+    st.bind()
+    for what in ("np", "cpu"):
+        with pytest.raises(EpochError, match=rf"'bt': \.{what} outside an epoch"):
+            getattr(bt, what)
+    assert st.begin() == 0
+    kept = bt.np
+    kept[0] = 5
+    st.set_count(bt, 1)
+    st.publish("g")
+    st.finish()
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 6  # slot 0's source: its DMA may still be reading it
+    assert st.begin() == 1
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 6  # slot 1's epoch is open, slot 0's view stays read-only
+    bt.np[0] = 7
+    st.set_count(bt, 1)
+    st.publish("g")
+    st.finish()
+    assert st.begin() == 0
+    kept[0] = 8  # writable again in its own slot's epoch
+    st.finish()
+    assert bt.gpu[0].tolist() == [7] * 8
+
+
+def test_guard_sources_is_off_by_default() -> None:
+    _, bt = _state()
+    assert type(bt).__name__ == "H2DBuffer"
+    bt.np[0] = 1  # outside an epoch: allowed (and documented as unsafe) without the guard
+    with pytest.raises(DeclarationError, match="guard_sources must be a bool"):
+        H2DRunnerState("cpu", guard_sources="yes")  # type: ignore[arg-type]

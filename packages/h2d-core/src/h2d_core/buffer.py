@@ -10,7 +10,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .errors import CountError, DeclarationError, NotBoundError
+from .errors import CountError, DeclarationError, EpochError, NotBoundError
 
 
 class SlotOwner(Protocol):
@@ -201,3 +201,40 @@ class H2DBuffer:
             f"H2DBuffer({s.name!r}, shape={s.shape}, dtype={s.dtype}, group={s.group!r}, "
             f"unit={s.unit.value!r})"
         )
+
+
+class GuardedH2DBuffer(H2DBuffer):
+    """An :class:`H2DBuffer` of a state with ``guard_sources=True`` (a debug mode): ``.cpu``
+    and ``.np`` refuse outside an epoch, and the state keeps every slot's numpy view
+    read-only except the open epoch's, so a write before ``begin()`` or through a reference
+    kept across steps raises instead of landing in a source a DMA may still be reading.
+    A normal state's buffers are plain :class:`H2DBuffer` objects: the mode costs nothing
+    when off."""
+
+    def _check_epoch(self, what: str) -> None:
+        if not self._state._epoch_open:  # type: ignore[attr-defined]
+            raise EpochError(
+                f"buffer {self.name!r}: .{what} outside an epoch (guard_sources): the slot's "
+                "source may still be read by its last DMA; write it between begin() and "
+                "publish()")
+
+    @property
+    def cpu(self) -> torch.Tensor:
+        self._check_epoch("cpu")
+        return super().cpu
+
+    @property
+    def np(self) -> np.ndarray:
+        self._check_epoch("np")
+        return super().np
+
+    def _attach_sources(self, sources: list[torch.Tensor]) -> None:
+        super()._attach_sources(sources)
+        # a view of torch's array: numpy lets its flag go back to writable (the array
+        # torch hands out cannot be made writable again once read-only)
+        self._numpy = [None if v is None else v.view() for v in self._numpy]
+
+    def _set_writeable(self, slot: int, writeable: bool) -> None:
+        view = self._numpy[slot] if self._numpy else None
+        if view is not None:
+            view.flags.writeable = writeable

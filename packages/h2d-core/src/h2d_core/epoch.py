@@ -85,6 +85,8 @@ class EpochCore:
     #: publish(name) -> (record index, names it publishes, members copied directly when it
     #: is a producer group covered by a combined one, counters): one lookup per call
     _routes = cython.declare(dict, visibility="public")
+    #: guard_sources (a debug mode): only the open epoch's slot has writable numpy views
+    _guard = cython.declare(cython.bint, visibility="public")
     # the groups tuple enter_producer checked last (see there)
     _last_groups = cython.declare(object)
 
@@ -159,6 +161,8 @@ class EpochCore:
             self.last_source_wait_ns = 0
         self.current_slot = s
         self.epoch += 1
+        if self._guard:
+            self._guard_slot(s, True)  # type: ignore[attr-defined]
         if self._cuda:
             self._stream = consumer
             self._stream_id = consumer.cuda_stream
@@ -184,6 +188,8 @@ class EpochCore:
             else:  # torch events: the driver library did not load
                 self._events[self.current_slot].record(self._stream)
             self._event_recorded[self.current_slot] = True
+        if self._guard:
+            self._guard_slot(self.current_slot, False)  # type: ignore[attr-defined]
         self._epoch_open = False
         self._resumable = True
 

@@ -32,9 +32,17 @@ class SlotLifecycle(StateOwner):
         if not self._resumable:
             raise EpochError("nothing to resume: resume() must follow finish() of this epoch")
         self._check_device()
+        if self._guard:
+            self._guard_slot(self.current_slot, True)
         self._epoch_open = True
         self._resumable = False
         return self.current_slot
+
+    def _guard_slot(self, slot: int, writeable: bool) -> None:
+        """guard_sources: make ``slot``'s numpy views writable (its epoch opened) or
+        read-only (closed)."""
+        for buf in self._buffers.values():
+            buf._set_writeable(slot, writeable)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ recovery
     def reset(self) -> None:
@@ -52,6 +60,9 @@ class SlotLifecycle(StateOwner):
         self._produced.clear()
         self._on_publish.clear()
         self._event_recorded = [False] * self.num_slots
+        if self._guard:
+            for slot in range(self.num_slots):
+                self._guard_slot(slot, False)
         # A failed enqueue may have left destinations half written: whatever tracked their
         # contents must forget it, so the next publication sends them whole.
         for hook in self._reset_hooks:

@@ -18,6 +18,7 @@ Every rejected call raises before anything is enqueued or changed.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -26,7 +27,7 @@ import torch
 
 from h2d_kernels import GroupMember, PackedGroup, arena_order
 
-from .buffer import BufferSpec, CountUnit, H2DBuffer, make_spec
+from .buffer import BufferSpec, CountUnit, GuardedH2DBuffer, H2DBuffer, make_spec
 from .config import Backend, resolve_backend
 from .errors import BindingError, DeclarationError, DeviceUnavailableError, UnknownGroupError
 from .fused import ConsumerFn, FusedConsumer
@@ -49,6 +50,10 @@ class H2DRunnerState(SlotLifecycle, Publication):
             completion event. Pipeline parallelism rotates them.
         backend: ``"packed"`` or ``"direct"``; None reads ``ATOM_H2D_BACKEND`` now, once.
         scatter: how packed arenas scatter (passed to ``h2d_kernels.PackedArena``).
+        guard_sources: a debug mode (None reads ``H2D_GUARD_SOURCES=1``): ``.cpu`` / ``.np``
+            refuse outside an epoch and every slot's numpy views are read-only except the
+            open epoch's, so a write before ``begin()`` or through a reference kept across
+            steps raises (:class:`~h2d_core.buffer.GuardedH2DBuffer`). Off, it costs nothing.
     """
 
     def __init__(
@@ -58,6 +63,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         num_slots: int = 1,
         backend: Backend | str | None = None,
         scatter: str = "auto",
+        guard_sources: bool | None = None,
     ) -> None:
         dev = torch.device(device) if device is not None else torch.device(
             "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +87,11 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self._cuda = dev.type == "cuda"
         self._device_index = dev.index if dev.index is not None else -1
         self._scatter = scatter
+        if guard_sources is None:
+            guard_sources = os.environ.get("H2D_GUARD_SOURCES", "") == "1"
+        if not isinstance(guard_sources, bool):
+            raise DeclarationError(f"guard_sources must be a bool or None, got {guard_sources!r}")
+        self._guard = guard_sources
         self._owner = threading.get_ident()
 
         self._buffers: dict[str, H2DBuffer] = {}
@@ -162,7 +173,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
                     f"buffer {name!r}: ranged publication (max_ranges={max_ranges}) needs a "
                     "contiguous destination"
                 )
-        buf = H2DBuffer(spec, gpu, self, max_ranges)
+        buf = (GuardedH2DBuffer if self._guard else H2DBuffer)(spec, gpu, self, max_ranges)
         self._buffers[name] = buf
         self._producer_groups.setdefault(group, []).append(buf)
         return buf
@@ -315,6 +326,9 @@ class H2DRunnerState(SlotLifecycle, Publication):
         for recs in slot_groups:
             for rec in recs:
                 rec.clear_counts()
+        if self._guard:  # no epoch open yet: every slot read-only
+            for slot in range(self.num_slots):
+                self._guard_slot(slot, False)
         if self._cuda:
             self._slot_events = SlotEvents.create(self.num_slots, self.device)
             if self._slot_events is None:
