@@ -10,6 +10,12 @@ runner has them):
 * ``mtp``: MHA + MTP (``MtpRunner``, k=1): a verify step (one group: sampling, tokens,
   speculative indices, MHA metadata), acceptance, and the draft loop (no upload);
 * ``gdn``: GDN + MTP: as ``mtp`` with GDN state indices riding in the verify group;
+* ``deepseek_v4`` (not in the default set): transformers' ``DeepseekV4ForCausalLM`` (8
+  layers on CUDA: sliding-window, compressed-sparse rate 4 and heavily-compressed rate
+  128; fp32, eager) decoded by ``DeepseekV4Runner`` through ``token_inputs`` +
+  ``v41_metadata`` and their first consumers, 256-token blocks; its rows add tokens per
+  second and the metadata's share of the step's host work, as the Llama rows do. See
+  ``deepseek_v4_family.py``;
 * ``llama`` / ``llama_sync`` (not in the default set): a transformers ``LlamaForCausalLM``,
   Llama-3.2-1B-shaped random weights on CUDA, decoded by ``DecodeRunner`` over a paged KV
   cache through the published metadata, one graph per padded bucket, 128K-capable block
@@ -25,7 +31,8 @@ Ways, interleaved by chunks (the lent host's speed drifts between and within pro
 * ``direct``: the same code with ``backend="direct"`` (one copy per member);
 * ``atom``: the ATOM-style step (the host builds every array, one copy each). For ``mha``
   it publishes into the runner's destinations and its steps' logits equal packed's (the
-  tests check it); for ``v41``/``mtp``/``gdn`` it is the ATOM-style host step of
+  tests check it); for ``v41``/``deepseek_v4``/``mtp``/``gdn`` it is the ATOM-style host
+  step of
   ``v41_step.py``/``mtp_step.py`` into its own destinations and the model runs over the
   destinations as last published: its host time, copies and GPU span are ATOM's, its
   values are not consumed.
@@ -54,7 +61,7 @@ interpreter): it checks that every loop and way runs, but its figures predict no
 ``decode_bench.json`` and ``decode_bench.png`` into ``--out`` (default ``results/``) and
 prints the tables last.
 
-    python benchmarks/decode_bench.py [--families mha,v41,mtp,gdn,llama,llama_sync]
+    python benchmarks/decode_bench.py [--families mha,v41,mtp,gdn,deepseek_v4,llama,...]
         [--batch-sizes 1,8,64,256] [--rounds 4] [--chunk 50] [--ttft] [--out DIR]
 """
 
@@ -108,7 +115,7 @@ from h2d_runner_adapters import (  # noqa: E402
     SpanColumns,
 )
 
-FAMILIES = ("mha", "v41", "mtp", "gdn", "llama", "llama_sync")
+FAMILIES = ("mha", "v41", "mtp", "gdn", "deepseek_v4", "llama", "llama_sync")
 DEFAULT_FAMILIES = FAMILIES[:4]
 WAYS = ("packed", "direct", "atom")
 PAGE = 16
@@ -311,14 +318,29 @@ def mtp_loop(way: str, bs: int, args: argparse.Namespace, gdn: bool) -> Loop:
                 lambda: _library_counters(runner.state, (DECODE_STEP,)))
 
 
-# -- Llama (llama_family.py; imported on use: it needs transformers) -----------------------
+# -- transformers models (their modules are imported on use: they need transformers) -----
+def _model_loop(d: Any, groups: tuple[str, ...]) -> Loop:
+    """The ``Loop`` of a model family's decode (``llama_family.LlamaDecode`` or its
+    subclass), the library's counters over ``groups``."""
+    return Loop(d.runner, d.step, d.wait_ns,
+                lambda: _library_counters(d.runner.state, groups), d.prefetch,
+                d.host_step_ns, d.extra)
+
+
 def llama_loop(way: str, bs: int, args: argparse.Namespace, sync: bool) -> Loop:
     """The Llama-3.2-1B-shaped decode loop on ``way`` (``llama_family.LlamaDecode``)."""
     import llama_family
 
-    d = llama_family.LlamaDecode(way, bs, args, sync=sync)
-    return Loop(d.runner, d.step, d.wait_ns, lambda: _library_counters(d.runner.state,
-                (DECODE_STEP,)), d.prefetch, d.host_step_ns, d.extra)
+    return _model_loop(llama_family.LlamaDecode(way, bs, args, sync=sync), (DECODE_STEP,))
+
+
+def deepseek_v4_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
+    """The DeepSeek-V4 decode loop on ``way`` (``deepseek_v4_family.DeepseekV4Decode``;
+    the ATOM-style way: ``v41_step.AtomStyle`` as the runner's ``metadata_hook``)."""
+    import deepseek_v4_family
+
+    return _model_loop(deepseek_v4_family.DeepseekV4Decode(way, bs, args),
+                       (TOKEN_INPUTS, V41_METADATA))
 
 
 BUILDERS: dict[str, Callable[[str, int, argparse.Namespace], Loop]] = {
@@ -326,6 +348,7 @@ BUILDERS: dict[str, Callable[[str, int, argparse.Namespace], Loop]] = {
     "v41": v41_loop,
     "mtp": lambda w, b, a: mtp_loop(w, b, a, gdn=False),
     "gdn": lambda w, b, a: mtp_loop(w, b, a, gdn=True),
+    "deepseek_v4": deepseek_v4_loop,
     "llama": lambda w, b, a: llama_loop(w, b, a, sync=False),
     "llama_sync": lambda w, b, a: llama_loop(w, b, a, sync=True),
 }
@@ -557,6 +580,10 @@ def main() -> None:
         import llama_family
 
         meta["llama"] = llama_family.describe(args, sizes)
+    if "deepseek_v4" in families:
+        import deepseek_v4_family
+
+        meta["deepseek_v4"] = deepseek_v4_family.describe(args, sizes)
     results: list[dict[str, Any]] = []
     output["results"] = results
     for fam in families:
@@ -587,6 +614,8 @@ def main() -> None:
     print(f"device: {device}; torch {torch.__version__}; {args.rounds} rounds x {args.chunk} "
           "steps per way, interleaved")
     print(_table(results))
+    if "deepseek_v4" in families:
+        print(deepseek_v4_family.table(results, cuda))
     if llama:
         print(llama_family.table(results, cuda))
         if args.ttft:

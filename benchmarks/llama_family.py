@@ -202,21 +202,29 @@ def table(results: list[dict[str, Any]], cuda: bool) -> str:
             "(x = way / packed) and the whole step's host work p50, metadata's share of it; "
             "GPU busy µs per step (events, step queued behind a sleep) and GPU idle µs per "
             "step (wall - busy); H2D + kernels per step (profiler)")
-        lines.append("| bs | way | tok/s | ms/step | metadata µs | step host µs | share | "
-                     "GPU busy µs | GPU idle µs | H2D + kernels |")
-        lines.append("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|")
-        for r in rows:
-            busy = f"{r['gpu_busy_us_p50']:.0f}" if "gpu_busy_us_p50" in r else "-"
-            idle = (f"{r['gpu_idle_us_per_step']:.0f} ({100 * r['gpu_idle_share']:.0f}%)"
-                    if "gpu_idle_us_per_step" in r else "-")
-            counts = (f"{r['h2d_per_step']:.0f} + {r['kernels_per_step']:.0f}"
-                      if "h2d_per_step" in r else "-")
-            lines.append(
-                f"| {r['bs']} | {r['way']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.3f} | "
-                f"{r['host_us_p50']:.1f} ({r['host_vs_packed']:.1f}x) | "
-                f"{r['host_step_us_p50']:.1f} | {100 * r['metadata_share_p50']:.1f}% | "
-                f"{busy} | {idle} | {counts} |")
+        lines += step_rows(rows)
     return "\n".join(lines)
+
+
+def step_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """A model family's rows as a table (tok/s, ms per step, metadata and whole-step host
+    µs, the metadata's share, GPU busy and idle µs, H2D + kernels): the Llama and
+    DeepSeek-V4 families print the same columns."""
+    lines = ["| bs | way | tok/s | ms/step | metadata µs | step host µs | share | "
+             "GPU busy µs | GPU idle µs | H2D + kernels |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        busy = f"{r['gpu_busy_us_p50']:.0f}" if "gpu_busy_us_p50" in r else "-"
+        idle = (f"{r['gpu_idle_us_per_step']:.0f} ({100 * r['gpu_idle_share']:.0f}%)"
+                if "gpu_idle_us_per_step" in r else "-")
+        counts = (f"{r['h2d_per_step']:.0f} + {r['kernels_per_step']:.0f}"
+                  if "h2d_per_step" in r else "-")
+        lines.append(
+            f"| {r['bs']} | {r['way']} | {r['tokens_per_s']:.0f} | {r['step_ms']:.3f} | "
+            f"{r['host_us_p50']:.1f} ({r['host_vs_packed']:.1f}x) | "
+            f"{r['host_step_us_p50']:.1f} | {100 * r['metadata_share_p50']:.1f}% | "
+            f"{busy} | {idle} | {counts} |")
+    return lines
 
 
 # -- TTFT --------------------------------------------------------------------------------

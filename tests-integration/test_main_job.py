@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,14 +37,20 @@ def test_copies_are_classified_by_memory_kind(name: str, kind: str | None) -> No
     assert copy_kind(name) == kind
 
 
-def test_main_job_runs_every_family_and_way(tmp_path: Path) -> None:
+def _main_job(out: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
+    """The main job on CPU (batch size 2, one round of two steps per way): its result
+    rows and its stdout."""
     env = {**os.environ, "H2D_BENCH_FORCE_CPU": "1", "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "decode_bench.py"), "--out",
-           str(tmp_path), "--batch-sizes", "2", "--rounds", "1", "--chunk", "2",
-           "--warmup", "1"]
+           str(out), "--batch-sizes", "2", "--rounds", "1", "--chunk", "2",
+           "--warmup", "1", *extra]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "decode_bench.json").read_text())["results"]
+    return json.loads((out / "decode_bench.json").read_text())["results"], done.stdout
+
+
+def test_main_job_runs_every_family_and_way(tmp_path: Path) -> None:
+    results, stdout = _main_job(tmp_path)
     got = {(r["family"], r["way"]) for r in results}
     assert got == {(f, w) for f in ("mha", "v41", "mtp", "gdn")
                    for w in ("packed", "direct", "atom")}
@@ -56,4 +63,23 @@ def test_main_job_runs_every_family_and_way(tmp_path: Path) -> None:
             assert per["dmas"] == groups and per["scatters"] == groups
         if r["way"] == "direct":
             assert r["library_per_step"]["dmas"] == 0
-    assert "| bs | way |" in done.stdout
+    assert "| bs | way |" in stdout
+
+
+def test_main_job_runs_deepseek_v4(tmp_path: Path) -> None:
+    """The real DeepSeek-V4 family (transformers' model, the tiny CPU config) on every way:
+    packed sends each of its two groups as one DMA + one scatter, direct none; every row
+    has the metadata's share of the step's host work."""
+    if os.environ.get("H2D_REQUIRE_TRANSFORMERS") != "1":
+        pytest.importorskip("transformers")
+    results, stdout = _main_job(tmp_path, "--families", "deepseek_v4")
+    assert {r["way"] for r in results} == {"packed", "direct", "atom"}
+    for r in results:
+        assert r["family"] == "deepseek_v4" and r["steps"] == 2
+        assert r["tokens_per_s"] > 0 and 0 < r["metadata_share_p50"] < 1
+        per = r["library_per_step"]
+        if r["way"] == "packed":
+            assert per["dmas"] == 2 and per["scatters"] == 2 and per["direct_copies"] == 0
+        if r["way"] == "direct":
+            assert per["dmas"] == 0 and per["direct_copies"] > 0
+    assert "deepseek_v4: transformers DeepseekV4ForCausalLM" in stdout

@@ -117,7 +117,12 @@ class DeepseekV4PagedDecoder:
         self.max_blocks = max_blocks
         self.num_blocks = num_blocks
         dev = next(model.parameters()).device
-        self._gen = torch.Generator().manual_seed(4242)
+        # the garbage is drawn where the storage lives (a GPU's planes, no host detour);
+        # on CPU the same draws as ever
+        self._gen = torch.Generator(device=dev).manual_seed(4242)
+        #: the embedding table: the model's first kernel gathers the step's ids from it
+        #: (what the main job's span runs eagerly, as for the other decoders)
+        self.embed: torch.Tensor = net.model.embed_tokens.weight
         # the envelope: HCA layers first, then CSA (the row-space order of the context doc)
         self.bases: dict[int, int] = {}
         rows = 0
@@ -140,8 +145,8 @@ class DeepseekV4PagedDecoder:
             slot_rows=3 * r, ring_positions=r,
             classes=((win_base, r, r), (win_base + r, 64, 64), (win_base + 2 * r, 2, 2)))
         self.trash_row = win_base + self.slots * 3 * r
-        self.kv = self._garbage((self.trash_row + 1, cfg.head_dim)).to(dev)
-        self.index_kv = self._garbage((self.trash_row + 1, cfg.index_head_dim)).to(dev)
+        self.kv = self._garbage((self.trash_row + 1, cfg.head_dim))
+        self.index_kv = self._garbage((self.trash_row + 1, cfg.index_head_dim))
         self.rings: dict[tuple[int, str], Ring] = {}
         for i, t in enumerate(self.types):
             if t == SLIDING:
@@ -149,16 +154,17 @@ class DeepseekV4PagedDecoder:
             comp = net.model.layers[i].self_attn.compressor
             k = (2 * self.rates[t] if t == CSA else self.rates[t]) + spec_tokens
             width = 2 * cfg.head_dim if t == CSA else cfg.head_dim
-            self.rings[(i, "main")] = self._ring(k, width, dev)
+            self.rings[(i, "main")] = self._ring(k, width)
             if t == CSA:
-                self.rings[(i, "index")] = self._ring(k, 2 * comp.indexer.head_dim, dev)
+                self.rings[(i, "index")] = self._ring(k, 2 * comp.indexer.head_dim)
 
     def _garbage(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return (torch.rand(shape, generator=self._gen) * 2 - 1) * GARBAGE
+        rand = torch.rand(shape, generator=self._gen, device=self._gen.device)
+        return (rand * 2 - 1) * GARBAGE
 
-    def _ring(self, k: int, width: int, dev: torch.device) -> Ring:
-        return Ring(self._garbage((self.slots + 1, k, width)).to(dev),
-                    self._garbage((self.slots + 1, k, width)).to(dev))
+    def _ring(self, k: int, width: int) -> Ring:
+        return Ring(self._garbage((self.slots + 1, k, width)),
+                    self._garbage((self.slots + 1, k, width)))
 
     # -- the step ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -278,11 +284,15 @@ class DeepseekV4PagedDecoder:
         k = min(self.topk, width)
         best = scores.topk(k, dim=-1).indices  # [T, k]
         count = committed.clamp(max=self.topk)
-        col = torch.arange(k, device=x.device)
-        head = indptr[:t].long()[:, None] + col[None, :]
-        keep = col[None, :] < count[:, None]
         value = rows.gather(1, best).to(cells.dtype)
-        cells[head[keep]] = value[keep]
+        # every cell finds its token (the slice it lies in) and column: the first
+        # ``count`` columns of a slice take the best rows, the others keep what they hold.
+        # No mask indexing (its nonzero would make the host wait on the GPU every layer)
+        cell = torch.arange(cells.shape[0], device=x.device, dtype=indptr.dtype)
+        owner = (torch.searchsorted(indptr[: t + 1], cell, right=True) - 1).clamp(0, t - 1)
+        col = cell.long() - indptr[owner].long()
+        keep = (col >= 0) & (col < count[owner]) & (col < k)
+        cells.copy_(torch.where(keep, value[owner, col.clamp(0, k - 1)], cells))
 
     def _write_window(self, cls: int, kv: torch.Tensor, inputs: V4StepInputs) -> None:
         """Prefill's window ring writes: the chunk's tokens among each request's last

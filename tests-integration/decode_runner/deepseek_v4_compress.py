@@ -21,9 +21,10 @@ request's 256-token blocks. Which rows do what comes only from the ``v41_metadat
   after every compress row read the ring (the order ``update_compressor_states`` keeps).
 
 Negative rows (padding) do nothing: their reads are masked, their writes go to a trash
-slot. The math is the module's (its ``kv_proj``, ``gate_proj``, ``position_bias``,
-``kv_norm``, ``rotary_emb`` and transformers' ``apply_rotary_pos_emb``); the softmax pools
-the same ``2r`` (CSA) or ``r`` (HCA) slots in the same order.
+slot (rings) or the pool's last row (compressed rows). No step reads anything back to the
+host (no mask indexing). The math is the module's (its ``kv_proj``, ``gate_proj``,
+``position_bias``, ``kv_norm``, ``rotary_emb`` and transformers' ``apply_rotary_pos_emb``);
+the softmax pools the same ``2r`` (CSA) or ``r`` (HCA) slots in the same order.
 """
 
 from __future__ import annotations
@@ -83,34 +84,36 @@ def run_compressor(module: Any, x: torch.Tensor, ring: Ring, plan: PlanView,
     d = module.head_dim
     k = 2 * ratio if overlap else ratio
     c = plan.compress.long()
+    # every row, the dead ones (padding, position -1) computed over clamped indices and
+    # written to the pool's last row, its trash row: no mask indexing or ``any()``, so
+    # the step never makes the host wait on the GPU
     live = c[:, 2] >= 0
-    if bool(live.any()):
-        rid, b, pos, wlen = (c[live, i] for i in range(4))
-        kk = torch.arange(k, device=x.device)
-        src = pos[:, None] - k + 1 + kk  # [R, K] source positions
-        from_ring = kk[None, :] < wlen[:, None]
-        slot = plan.slot_in.long()[b][:, None].expand(-1, k)
-        ring_kv = ring.kv[slot, src.remainder(ring.kv.shape[1])]
-        ring_score = ring.score[slot, src.remainder(ring.kv.shape[1])]
-        tok = (rid[:, None] - (k - 1 - kk)).clamp(0, x.shape[0] - 1)
-        in_kv = kv[tok]
-        in_score = score[tok] + ape[kk % ratio]
-        kv_k = torch.where(from_ring[..., None], ring_kv, in_kv)  # [R, K, width]
-        score_k = torch.where(from_ring[..., None], ring_score, in_score)
-        if overlap:  # Ca (first half) of the previous window, Cb (second) of this one
-            first = (kk < ratio)[None, :, None]
-            kv_k = torch.where(first, kv_k[..., :d], kv_k[..., d:])
-            score_k = torch.where(first, score_k[..., :d], score_k[..., d:])
-        score_k = score_k.masked_fill((src < 0)[..., None], float("-inf"))
-        pooled = (kv_k * score_k.softmax(dim=1)).sum(dim=1)
-        pooled = module.kv_norm(pooled)
-        start = (pos // ratio) * ratio
-        cos, sin = module.rotary_emb(pooled, position_ids=start[None],
-                                     layer_type=module.rope_layer_type)
-        pooled = apply_rotary_pos_emb(pooled[None, None], cos, sin)[0, 0]
-        rows = compressed_rows(plan.block_tables, b, pos // ratio, ratio,
-                               plan.envelope_rows, plan.base)
-        pool.index_copy_(0, rows, pooled.to(pool.dtype))
+    rid, b, pos, wlen = c[:, 0], c[:, 1].clamp(min=0), c[:, 2].clamp(min=0), c[:, 3]
+    kk = torch.arange(k, device=x.device)
+    src = pos[:, None] - k + 1 + kk  # [R, K] source positions
+    from_ring = kk[None, :] < wlen[:, None]
+    slot = plan.slot_in.long()[b][:, None].expand(-1, k)
+    ring_kv = ring.kv[slot, src.remainder(ring.kv.shape[1])]
+    ring_score = ring.score[slot, src.remainder(ring.kv.shape[1])]
+    tok = (rid[:, None] - (k - 1 - kk)).clamp(0, x.shape[0] - 1)
+    in_kv = kv[tok]
+    in_score = score[tok] + ape[kk % ratio]
+    kv_k = torch.where(from_ring[..., None], ring_kv, in_kv)  # [R, K, width]
+    score_k = torch.where(from_ring[..., None], ring_score, in_score)
+    if overlap:  # Ca (first half) of the previous window, Cb (second) of this one
+        first = (kk < ratio)[None, :, None]
+        kv_k = torch.where(first, kv_k[..., :d], kv_k[..., d:])
+        score_k = torch.where(first, score_k[..., :d], score_k[..., d:])
+    score_k = score_k.masked_fill((src < 0)[..., None], float("-inf"))
+    pooled = (kv_k * score_k.softmax(dim=1)).sum(dim=1)
+    pooled = module.kv_norm(pooled)
+    start = (pos // ratio) * ratio
+    cos, sin = module.rotary_emb(pooled, position_ids=start[None],
+                                 layer_type=module.rope_layer_type)
+    pooled = apply_rotary_pos_emb(pooled[None, None], cos, sin)[0, 0]
+    rows = compressed_rows(plan.block_tables, b, pos // ratio, ratio,
+                           plan.envelope_rows, plan.base)
+    pool.index_copy_(0, torch.where(live, rows, pool.shape[0] - 1), pooled.to(pool.dtype))
     w = plan.write.long()
     wlive = w[:, 2] >= 0
     tok = w[:, 0].clamp(0, x.shape[0] - 1)

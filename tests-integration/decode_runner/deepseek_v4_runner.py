@@ -12,7 +12,9 @@ scatters" of an ordinary V4.1 decode). Per decode step::
     model (:class:`~decode_runner.deepseek_v4.DeepseekV4PagedDecoder`) -> sampler
 
 and per prefill chunk the parent's sampling, ids and query prefix with
-``V41MetadataInputs.begin_prefill`` in one combined ``prefill_step`` group, then the
+``V41MetadataInputs.begin_prefill`` in one combined ``prefill_step`` group (a second
+``V41MetadataInputs``, prefix ``prefill_``: a producer group covered by a combined one is
+published by direct copies, so decode's own ``v41_metadata`` stays out of it), then the
 prefill indptrs and the sparse prefill indices. Spans carry each request's state slot:
 this runner is the engine's slot allocator (a request gets a free slot when first
 scheduled and keeps it through recompute preemptions; a finished request's slot is
@@ -21,12 +23,21 @@ size; the adapter's private dummy block and dummy slot lie past the scheduler's 
 ``pad_eager`` pads eager decode steps to the scheduler's graph size, so padded rows (batch
 id -1, the dummy slot and block) are published and read on CPU too. :meth:`~DeepseekV4Runner.
 verify` runs a DSpark-style verify step (ragged query widths) through the same groups and
-consumers. No graphs, TBO or ATOM-style mode.
+consumers. No graphs or TBO.
+
+For the main job's ATOM-style baseline, :attr:`~DeepseekV4Runner.metadata_hook` (as on
+:class:`~decode_runner.v41.V41Runner`): when set, a decode step calls it with the step's
+spans and page lists in place of the publication and the first consumers, and the model
+runs over the destinations as last published (its values are not consumed). A batch may
+carry the scheduler side's ``extras["spans"]`` (this runner's :meth:`~DeepseekV4Runner.
+slot_spans`) and ``extras["page_lists"]``, built before the step, outside its timing.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -54,17 +65,16 @@ class V4Metadata:
     (``generate_kv_indices`` after a decode publication, ``prepare_attention`` after a
     prefill one)."""
 
-    group = V41_METADATA
-
-    def __init__(self, st: H2DRunnerState, cfg: RunnerConfig, model: DeepseekV4PagedDecoder
-                 ) -> None:
+    def __init__(self, st: H2DRunnerState, cfg: RunnerConfig, model: DeepseekV4PagedDecoder,
+                 prefix: str = "") -> None:
         w, k, b = model.window, model.topk, cfg.max_pages_per_req
         self.geometry = model.geometry
         self.v4 = V41MetadataInputs(
             st, max_reqs=cfg.max_reqs, max_tokens=cfg.max_tokens, max_blocks_per_req=b,
             dummy_state_slot=model.slots - 1, dummy_block=cfg.num_pages,
             num_blocks=cfg.num_pages + 1, window=w, index_topk=k,
-            envelope_rows=model.envelope_rows)
+            envelope_rows=model.envelope_rows, prefix=prefix)
+        self.group = self.v4.group
         assert self.v4.hca_indices is not None
         dev, t = st.device, cfg.max_tokens
 
@@ -142,6 +152,10 @@ class DeepseekV4Runner(DecodeRunner):
         self.reused_slots = 0
         self.padded_steps = 0
         self.decode_compress_rows: dict[int, int] = {}
+        #: the main job's ATOM-style baseline (see the module docstring): called with
+        #: (spans, page lists) instead of the decode publication and first consumers
+        self.metadata_hook: Callable[[SpanColumns, list[list[int]]], None] | None = None
+        self._last_decode: V4StepInputs | None = None
         super().__init__(cfg, device, backend, model=model)
 
     def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
@@ -150,8 +164,12 @@ class DeepseekV4Runner(DecodeRunner):
         self.publish_groups = (TOKEN_INPUTS, V41_METADATA)
         self.token_step = TokenStepInputs(st, **caps)
         self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
-        self.decode = self.prefill = V4Metadata(st, self.cfg, self._decoder)
-        st.combine(PREFILL_STEP, ["sampling", *self.tokens.producer_groups, V41_METADATA])
+        # decode's v41_metadata is its own packed group (one DMA + one scatter); prefill's
+        # members ride in prefill_step, so they are a second adapter's
+        self.decode = V4Metadata(st, self.cfg, self._decoder)
+        self.prefill = V4Metadata(st, self.cfg, self._decoder, prefix="prefill_")
+        st.combine(PREFILL_STEP,
+                   ["sampling", *self.tokens.producer_groups, self.prefill.group])
         self.ubatches = []
 
     # -- the engine's state slots ------------------------------------------------------------
@@ -168,6 +186,15 @@ class DeepseekV4Runner(DecodeRunner):
         out = np.array(slots, np.int32)
         return SpanColumns(np.ascontiguousarray(cols.query_lens, np.int32),
                            np.ascontiguousarray(cols.context_lens, np.int32), out, out)
+
+    def slot_spans(self, batch: ScheduledBatch) -> SpanColumns:
+        """The batch's spans, its requests' state slots allocated (the scheduler side: a
+        caller may build them ahead into ``batch.extras["spans"]``)."""
+        return self._spans(batch)
+
+    def _step_spans(self, batch: ScheduledBatch) -> SpanColumns:
+        given = batch.extras.get("spans")
+        return given if isinstance(given, SpanColumns) else self._spans(batch)
 
     def release(self, req_ids: Any) -> None:
         """Finished requests give their slots back (their rings become garbage)."""
@@ -186,9 +213,32 @@ class DeepseekV4Runner(DecodeRunner):
                         ) -> tuple[TokenPlan, V41Plan]:
         tok = self.token_step.prepare(batch, padded)
         self._sampling_plan = tok.sampling
-        self._plan = self.decode.v4.begin_step(self._spans(batch),
+        self._plan = self.decode.v4.begin_step(self._step_spans(batch),
                                                block_tables=batch.block_tables, padded=padded)
         return tok.tokens, self._plan
+
+    def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, Any, bool]:
+        hook = self.metadata_hook
+        if hook is None or self._last_decode is None:
+            logits, published, sampled = super()._decode(batch)
+            self._last_decode = cast(V4StepInputs, published)  # _decode_inputs' value
+            return logits, published, sampled
+        spans = self._step_spans(batch)
+        given = batch.extras.get("page_lists")
+        lists = (cast(list[list[int]], given) if given is not None
+                 else [list(row) for row in batch.block_tables])
+        events = self.span_events
+        if events is not None:
+            events[0].record()
+        t0 = time.perf_counter_ns()
+        hook(spans, lists)
+        self.host_metadata_ns = time.perf_counter_ns() - t0
+        inputs = self._last_decode
+        if events is not None:
+            if self.span_through_model:  # the model's first kernel, eagerly
+                self._decoder.embed.index_select(0, inputs.input_ids.long())
+            events[1].record()
+        return self._decoder(inputs), inputs, False
 
     def _decoded(self, batch: ScheduledBatch, dplan: Any) -> None:
         self.padded_steps += dplan.padded_reqs > dplan.num_reqs

@@ -1,5 +1,13 @@
 """A DeepSeek-V4.1-shaped decode runner: two groups, first consumers, a compressed stand-in.
 
+What it is for now that the real model has an oracle (``deepseek_v4.py``, checked against
+transformers' ``generate()`` in ``test_deepseek_v4_oracle.py``): the fast CPU fuzzing of
+V4.1 metadata. Its stand-in costs next to nothing per step, so randomized populations
+(ragged and rectangular query widths, forks, arrivals, finishes) run many steps in the
+Triton interpreter, and its logits depend on every published byte, so backends and runs
+are compared step by step; the real model's oracle is slower and checks correctness
+against the model itself.
+
 Per step::
 
     state.begin()
