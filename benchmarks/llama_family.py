@@ -269,7 +269,7 @@ def _prefill_plan(work: dict[str, Any], vocab: int, rep: int
             rows.append(ScheduledRequest(
                 req_id=rep * 1000 + r, num_tokens=n, context_len=start + n,
                 block_table=tables[r].lineage_copy(), sampling=GREEDY,
-                token_ids=tuple(prompts[r][start:start + n]), num_cached_tokens=start))
+                token_ids=tuple(prompts[r][start:start + n])))
             done[r] = start + n
             budget -= n
             if done[r] == lens[r]:

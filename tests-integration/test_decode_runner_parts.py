@@ -103,7 +103,7 @@ def _shape(batch: ScheduledBatch, versions: dict[int, int]) -> tuple[object, ...
     rows = tuple(
         (r.req_id, r.num_tokens, r.context_len, tuple(r.block_table),
          versions.setdefault(_version(r), len(versions)), r.sampling,
-         tuple(r.token_ids), r.prev_sample_row, r.num_cached_tokens)
+         tuple(r.token_ids), r.prev_sample_row)
         for r in batch.requests
     )
     extras = tuple(sorted((k, v) for k, v in batch.extras.items()))
@@ -287,7 +287,7 @@ def test_scheduler_prefill_chunks_cover_prompts_and_inputs_follow_samples() -> N
                 if r.req_id not in known:
                     known[r.req_id] = []
                     progress[r.req_id] = 0
-                assert r.num_cached_tokens == progress[r.req_id] == r.first_position
+                assert progress[r.req_id] == r.first_position
                 seen = known[r.req_id][r.first_position:r.context_len]
                 assert list(r.token_ids[: len(seen)]) == seen
                 if r.req_id in prompts_done:

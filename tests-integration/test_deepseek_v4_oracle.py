@@ -142,7 +142,7 @@ PROMPTS, NEW = (9, 61, 131), 14
 def _verify_request(req_id: int, tokens: list[int], context_len: int, table: list[int]
                     ) -> ScheduledRequest:
     return ScheduledRequest(req_id, len(tokens), context_len, table, SamplingParams(0.0),
-                            token_ids=tuple(tokens), num_cached_tokens=context_len - len(tokens))
+                            token_ids=tuple(tokens))
 
 
 @pytest.mark.parametrize("backend", ["packed", "direct"])

@@ -508,7 +508,6 @@ class Scheduler:
                 block_table=req.table.lineage_copy(),
                 sampling=req.sampling,
                 token_ids=tuple(req.tokens[start:start + n]),
-                num_cached_tokens=start,
             ), completes))
         return rows
 
@@ -540,7 +539,6 @@ class Scheduler:
                 sampling=req.sampling,
                 token_ids=token_ids,
                 prev_sample_row=prev_row,
-                num_cached_tokens=context_len - 1,
             ), True))
         return rows
 
@@ -657,7 +655,6 @@ def steady_decode_batches(
                 sampling=sampling,
                 token_ids=(DEFERRED_PLACEHOLDER,) if deferred else (first_ids[r],),
                 prev_sample_row=r if deferred else -1,
-                num_cached_tokens=ctx - 1,
             ))
         yield ScheduledBatch(requests=tuple(requests), is_prefill=False,
                              page_size=append_every, padded_size=pad, step=step)

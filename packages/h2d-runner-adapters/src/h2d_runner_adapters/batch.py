@@ -43,12 +43,13 @@ class ScheduledRequest:
     """One request's share of a step.
 
     ``num_tokens`` query tokens run this step, at positions
-    ``[context_len - num_tokens, context_len)``. ``token_ids`` are the ids staged from the
-    host for those positions (a prefill chunk, or a decode token the host already knows);
-    for a deferred decode (``prev_sample_row >= 0``) the ids come from row
-    ``prev_sample_row`` of the previous step's sampled ids on the GPU, and ``token_ids``
-    holds placeholders (or is empty). ``draft_token_ids`` are speculative tokens to verify
-    (they follow the first token of the span).
+    ``[context_len - num_tokens, context_len)``; the ``first_position`` tokens before them
+    are already in the KV cache (earlier steps or a prefix-cache hit). ``token_ids`` are
+    the ids staged from the host for those positions (a prefill chunk, or a decode token
+    the host already knows); for a deferred decode (``prev_sample_row >= 0``) the ids come
+    from row ``prev_sample_row`` of the previous step's sampled ids on the GPU, and
+    ``token_ids`` holds placeholders (or is empty). ``draft_token_ids`` are speculative
+    tokens to verify (they follow the first token of the span).
 
     :meth:`BatchColumns.from_requests` checks every field it reads (ints, not floats or
     bools, within int32; ``num_tokens >= 0``; ``context_len >= num_tokens``;
@@ -63,8 +64,6 @@ class ScheduledRequest:
     token_ids: Sequence[int] = ()
     prev_sample_row: int = -1
     draft_token_ids: Sequence[int] = ()
-    #: tokens already in the KV cache from an earlier step or a prefix-cache hit
-    num_cached_tokens: int = 0
 
     @property
     def first_position(self) -> int:
