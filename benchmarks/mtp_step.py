@@ -8,14 +8,17 @@ pages, 1/16 of the requests cross a page each step, three ways interleaved in on
   group for GDN+MTP): the fused producer, the speculative indices, the GDN state indices,
   one publication: one DMA and one scatter;
 * ``direct``: the same code with ``backend="direct"`` (one copy per member);
-* ``atom``: the ATOM-style verify step from the context document (§7, §9, §11): the host
-  builds every array (full-width block-table rows from Python lists) and copies each member:
-  13 copies for MHA+MTP (the plain-MHA 10 and the verify trio); for GDN+MTP 15 (plus the
-  second query prefix and the spec state indices), one scalar store per request for
-  ``num_accepted_tokens`` and the ``.item()`` readback of the spec token count.
+* ``atom``: the shared ATOM-style verify step (``peers/atom_families.py``,
+  ``MtpVerifyStep``): the host builds every array (full-width block-table rows from the
+  scheduler's Python lists, the KV slots by a Python comprehension over them) and copies
+  each member: 13 copies for MHA+MTP (the plain-MHA 10 and the verify trio); for GDN+MTP
+  15 (plus the second query prefix and the spec state indices), the block table rebuilt
+  a second time, one scalar store per request for ``num_accepted_tokens`` and the
+  ``.item()`` readback of the spec token count.
 
 Host µs per step (median of chunk medians) from ``begin()`` to ``finish()`` for the
-library (less any blocking wait for source reuse), the host work and copies for ``atom``.
+library, the host work and copies for ``atom``, each less its blocking wait for source
+reuse (the library's slot, the ATOM-style step's pinned source set; two each).
 Ratio = way / packed. CUDA only, from a ``torch.profiler`` trace: host-to-device copies and
 kernels of one packed verify step, and of the ``k`` draft steps after it
 (``MhaDraftLoop.advance``: metadata and KV indices on the GPU).
@@ -37,6 +40,9 @@ import torch
 from repo_paths import ROOT, use_sources
 
 use_sources()
+
+from peers.atom_families import MtpVerifyStep  # noqa: E402
+from peers.atom_style import PageLists  # noqa: E402
 
 from block_tables import BlockTable  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
@@ -62,7 +68,7 @@ class Batches:
         self.ctx = np.array([context + (i * 3) % PAGE for i in range(bs)], np.int32)
         self.tables = [BlockTable(range(i * 5000, i * 5000 + -(-int(c + 2 * k + 2) // PAGE)))
                        for i, c in enumerate(self.ctx)]
-        self.lists = [list(t) for t in self.tables]
+        self.lists = PageLists()  # the scheduler's Python page lists (ATOM's block tables)
         self.next_page = 10**7
         self.window = 0
 
@@ -79,7 +85,6 @@ class Batches:
                 t = self.tables[i].lineage_copy()
                 t.append_one(self.next_page)
                 self.tables[i] = t
-                self.lists[i] = [*self.lists[i], self.next_page]
                 self.next_page += 1
         cols = BatchColumns(
             query_lens=np.full(n, q, np.int32), context_lens=self.ctx.copy(),
@@ -87,7 +92,8 @@ class Batches:
             top_p=np.ones(n, np.float32), prev_sample_rows=np.arange(n, dtype=np.int32),
             token_ids=np.zeros(n * q, np.int32), num_drafts=np.full(n, self.k, np.int32))
         return (ScheduledBatch((), False, PAGE, given_columns=cols,
-                               given_block_tables=list(self.tables)), self.lists)
+                               given_block_tables=list(self.tables)),
+                list(self.lists.sync(self.tables)))
 
 
 class Library:
@@ -129,84 +135,29 @@ class Library:
         return float(np.median(times)) / 1e3
 
 
-class AtomStyle:
-    """The host side of an ATOM-style verify step: MHA+MTP 13 copies; GDN+MTP 15 copies,
-    per-request scalar stores of the accepted counts and one ``.item()``."""
+class AtomStyle(MtpVerifyStep):
+    """The shared ATOM-style verify step (``peers/atom_families.py``: MHA+MTP 13 copies;
+    GDN+MTP 15 copies, the block table rebuilt twice, per-request scalar stores of the
+    accepted counts and one ``.item()``) over this benchmark's batches."""
 
     def __init__(self, bs: int, args: argparse.Namespace) -> None:
-        k, dev = args.k, args.device
-        self.bs, self.k, self.gdn = bs, k, args.gdn
-        self.batches = Batches(bs, args.context, k)
+        k = args.k
         per_row = -(-(args.context + 200 * (k + 1) + 4 * k + 64) // PAGE)
-        t = bs * (k + 1)
-        pin = dev == "cuda"
-
-        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
-            return (torch.zeros(shape, dtype=dtype, pin_memory=pin),
-                    torch.zeros(shape, dtype=dtype, device=dev))
-
-        i32, i64 = torch.int32, torch.int64
-        self.m = {
-            "temperatures": pair((bs,), torch.float32), "input_ids": pair((t,), i32),
-            "decode_cu": pair((bs + 1,), i32), "decode_src": pair((bs,), i32),
-            "slot_mapping": pair((t,), i64), "context_lens": pair((bs,), i32),
-            "cu_seqlens_q": pair((bs + 1,), i32), "block_tables": pair((bs, per_row), i32),
-            "kv_indptr": pair((bs + 1,), i32), "positions": pair((t,), i64),
-            "gdn_cu_seqlens_q": pair((bs + 1,), i32),
-            "spec_state_indices": pair((bs, k + 1), i32),
-            "target_logits_indices": pair((bs * k,), i64),
-            "cu_num_draft_tokens": pair((bs,), i32), "bonus_logits_indices": pair((bs,), i64),
-        }
-        if not args.gdn:
-            del self.m["gdn_cu_seqlens_q"], self.m["spec_state_indices"]
-        self.np = {name: c.numpy() for name, (c, _) in self.m.items()}
-        self.num_accepted = torch.ones(bs, dtype=i32, device=dev)
+        super().__init__(bs, k, per_row, PAGE, args.device, gdn=args.gdn)
+        self.bs = bs
+        self.batches = Batches(bs, args.context, k)
         self.run(20)
 
-    def step(self, batch: ScheduledBatch, lists: list[list[int]]) -> None:
-        a, n, k = self.np, self.bs, self.k
-        q = k + 1
-        cols = batch.columns
-        ctx = cols.context_lens.astype(np.int64)
-        a["temperatures"][:] = cols.temperatures
-        a["input_ids"][:] = cols.token_ids
-        a["decode_cu"][:] = np.arange(n + 1) * q
-        a["decode_src"][:] = cols.prev_sample_rows
-        pos = (ctx[:, None] - q + np.arange(q)[None, :]).reshape(-1)
-        bt = a["block_tables"]
-        for i, row in enumerate(lists):  # the per-row full-width rebuild
-            bt[i, :] = 0
-            bt[i, : len(row)] = row
-        req = np.repeat(np.arange(n), q)
-        a["slot_mapping"][:] = bt[req, pos // PAGE].astype(np.int64) * PAGE + pos % PAGE
-        a["context_lens"][:] = ctx
-        a["cu_seqlens_q"][:] = np.arange(n + 1) * q
-        a["kv_indptr"][0] = 0
-        np.cumsum(-(-ctx // PAGE), out=a["kv_indptr"][1:])
-        a["positions"][:] = pos
-        if self.gdn:
-            a["gdn_cu_seqlens_q"][:] = a["cu_seqlens_q"]
-            a["spec_state_indices"][:] = np.arange(n)[:, None] * q + np.arange(q)[None, :]
-        starts = np.arange(n) * q
-        a["target_logits_indices"][:] = (starts[:, None] + np.arange(k)[None, :]).reshape(-1)
-        a["cu_num_draft_tokens"][:] = np.arange(1, n + 1) * k
-        a["bonus_logits_indices"][:] = starts + k
-        for cpu, gpu in self.m.values():
-            gpu.copy_(cpu, non_blocking=True)
-        if self.gdn:
-            self.num_accepted.fill_(1)
-            for i in range(n):  # one scalar store per request
-                self.num_accepted[i] = 1 + (i % q)
-            self.m["gdn_cu_seqlens_q"][1][-1].item()  # the spec token count read back
-
     def run(self, steps: int) -> float:
+        """Median host µs of ``steps`` steps (their batches and page lists built before),
+        less each step's wait for a free source set."""
         work = [self.batches.step() for _ in range(steps)]
         pc = time.perf_counter_ns
         times = []
         for batch, lists in work:
             t0 = pc()
             self.step(batch, lists)
-            times.append(pc() - t0)
+            times.append(pc() - t0 - self.last_wait_ns)
         return float(np.median(times)) / 1e3
 
 

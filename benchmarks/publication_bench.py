@@ -13,9 +13,12 @@ publication work to the end of the first consumer (KV-index generation; measured
 GPU kept busy while the host enqueues, so it is device time, not host launch gaps), and
 copies and kernels per step from a profiler trace. Variants (``VARIANTS``): the fused
 producer (``DecodeStepInputs``) packed and direct, the adapters' separate numpy producers
-packed and direct, and "atom", what the ATOM catalog describes: per-row full-width
-block-table rebuild plus one copy per field. Host µs exclude ``begin()``'s wait for source
-reuse (GPU-bound steps), which is reported apart.
+packed and direct, and "atom", the shared ATOM-style step (``peers/atom_style.py`` through
+``decode_runner/atom_style.py``, into the same destinations): per-row full-width
+block-table rebuild from the scheduler's Python page lists (kept outside the timed step,
+as an engine keeps them) plus one copy per field. Host µs exclude the wait for source reuse
+(``begin()``'s, or the ATOM-style step's wait for a free pinned set: GPU-bound steps),
+which is reported apart.
 
     python benchmarks/publication_bench.py [core|decode|all] [--out DIR] [--steps N]
 """
@@ -40,12 +43,12 @@ use_sources()
 from trace_counts import count_per_step  # noqa: E402
 
 from h2d_core import H2DRunnerState  # noqa: E402
-from h2d_runner_adapters import DecodeStepInputs, MhaDecodeInputs  # noqa: E402
+from h2d_runner_adapters import DecodeStepInputs, ScheduledBatch  # noqa: E402
 
 #: decode-step variants, all in the same run: "packed" / "direct" = the fused producer
 #: (DecodeStepInputs, compiled when available) with packed publication / one copy per
 #: field; "separate" / "separate-direct" = the three adapters' own producers (numpy);
-#: "atom" = separate producers + per-row full-width block-table rebuild + one copy per field
+#: "atom" = the shared ATOM-style step: per-row full-width rebuild + one copy per field
 VARIANTS = ("packed", "direct", "separate", "separate-direct", "atom")
 #: ~0.4 ms of GPU sleep before a measured span (longer than the host's enqueue of a step)
 SPAN_DELAY_CYCLES = 800_000
@@ -112,36 +115,8 @@ def bench_core(steps: int) -> list[dict]:
     return out
 
 
-class NaiveTables:
-    """The per-step rebuild engines use today (catalog section 4): zero every row at full
-    width, copy its page list in, upload rows [0, n) whole. Same interface as the
-    block-table state, for the "atom" baseline."""
-
-    def __init__(self, decode: MhaDecodeInputs) -> None:
-        self.decode = decode
-
-    @property
-    def snapshot(self) -> NaiveTables:
-        return self
-
-    @property
-    def storage(self) -> np.ndarray:
-        return self.decode.block_tables.np
-
-    def prepare(self, rows: list, required_pages: object = None) -> int:
-        table = self.decode.block_tables.np
-        for i, row in enumerate(rows):
-            table[i, :] = 0
-            ids = row.tolist() if hasattr(row, "tolist") else list(row)
-            table[i, : len(ids)] = ids
-        return 0
-
-    def stage(self, n: int) -> str:
-        self.decode.h2d_state.set_count(self.decode.block_tables, n)
-        return "whole"
-
-
 def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict]:
+    from decode_runner.atom_style import AtomStyleDecode
     from decode_runner.scheduler import steady_decode_batches
 
     page, window = 16, 256
@@ -165,8 +140,8 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                 sampling, tokens, decode = (step_inputs.sampling, step_inputs.tokens,
                                             step_inputs.decode)
                 st.bind()
-                if backend == "atom":
-                    decode._tables = NaiveTables(decode)  # type: ignore[assignment]
+                # the ATOM-style way writes the same destinations; the library only owns them
+                atom = AtomStyleDecode(step_inputs, page_size=page) if backend == "atom" else None
                 prev = torch.zeros(bs, 1, dtype=torch.int32, device="cuda")
                 it = iter(batches)
                 events: list = []
@@ -174,6 +149,8 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
 
                 def step(record: bool = False) -> float:
                     b = next(it)
+                    if atom is not None:
+                        return atom_step(b, record)
                     t = time.perf_counter_ns()
                     st.begin()
                     if fused:
@@ -204,6 +181,26 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                         events.append(ev)
                     return host
 
+                def atom_step(b: ScheduledBatch, record: bool) -> float:
+                    assert atom is not None
+                    atom.sync_lists(b)  # the scheduler's list upkeep: outside the timed step
+                    t = time.perf_counter_ns()
+                    _, tp, dp = atom.stage(b, None)
+                    if record:
+                        ev = (torch.cuda.Event(enable_timing=True),
+                              torch.cuda.Event(enable_timing=True))
+                        torch.cuda._sleep(SPAN_DELAY_CYCLES)
+                        ev[0].record()
+                    atom.copy()
+                    waits.append(atom.last_wait_ns / 1e3)
+                    host = (time.perf_counter_ns() - t - atom.last_wait_ns) / 1e3
+                    tokens.assemble(tp, prev)
+                    decode.generate_kv_indices(dp)
+                    if record:
+                        ev[1].record()
+                        events.append(ev)
+                    return host
+
                 for _ in range(40):
                     step()
                 torch.cuda.synchronize()
@@ -218,7 +215,8 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                      "host_us_p90": float(np.percentile(host, 90)),
                      "gpu_span_us_median": float(np.median(span)),
                      "source_wait_us_median": float(np.median(waits)),
-                     "bytes_per_step": c.bytes / max(c.publications, 1),
+                     "bytes_per_step": (atom.step.last_bytes if atom is not None
+                                        else c.bytes / max(c.publications, 1)),
                      **count_per_step(step, 8)}
                 out.append(r)
                 print(json.dumps(r), flush=True)

@@ -13,8 +13,12 @@ steps, for these ways of doing the same step:
   kernel after ``publish`` (Triton's launcher, every step);
 * ``direct``: this library with ``backend="direct"`` (one copy per member, the consumer
   launched after them);
-* ``atom``: ``run_atom_direct`` of the anchors (``mrv2_style.py``): one copy per field and
-  the engine's full-width per-row block-table rebuild from Python lists;
+* ``atom``: the shared ATOM-style step (``peers/atom_style.py`` through
+  ``decode_runner/atom_style.py``) over the same batches, into the same destinations (a
+  ``DecodeStepInputs`` it only borrows them from): the engine's full-width per-row
+  block-table rebuild from the scheduler's Python page lists (their upkeep outside the
+  timed step), one copy per field, then the same consumer launched; less its wait for a
+  free pinned source set;
 * ``mrv2``: ``run`` of the anchors: vLLM Model Runner V2's mechanism re-created (2 H2D,
   staged block-table diffs, Triton kernels reading UVA);
 * ``packed``, by part (after the interleaved rounds): ``begin``, ``prepare``, ``publish``
@@ -24,11 +28,11 @@ steps, for these ways of doing the same step:
   ``DeviceContext`` on the mode stack, as an engine that restores ``"cpu"`` instead of
   ``None`` after GPU initialization): what that default costs per step.
 
-The GPU host's speed drifts between processes (up to 2x), so the four run in one process,
+The GPU host's speed drifts between processes (up to 2x), so the ways run in one process,
 interleaved in chunks (``--rounds`` rounds of ``--chunk`` steps each), and the table reports
-the median of the chunk medians and each peer's ratio to ``packed``. The anchors need CUDA
+the median of the chunk medians and each peer's ratio to ``packed``. ``mrv2`` needs CUDA
 and the anchors folder (``--anchors``; default ``../shared/context/anchors`` beside the
-checkout, or ``.anchors/`` inside it); without them only ``packed`` and ``direct`` run.
+checkout, or ``.anchors/`` inside it); without them it does not run.
 
     python benchmarks/step_targets.py [--batch-sizes 1,8,64,256] [--rounds 8] [--chunk 200]
         [--context 131072] [--out DIR]
@@ -52,6 +56,7 @@ from repo_paths import ROOT, use_sources
 
 use_sources()
 
+from decode_runner.atom_style import AtomStyleDecode  # noqa: E402
 from decode_runner.scheduler import steady_decode_batches  # noqa: E402
 
 from h2d_core import H2DRunnerState  # noqa: E402
@@ -133,6 +138,37 @@ class LibraryStep:
                 "direct_copies": c.direct_copies / n}
 
 
+class AtomStep:
+    """The shared ATOM-style decode step over the library ways' batches and destinations."""
+
+    def __init__(self, bs: int, context: int, device: str, warmup: int) -> None:
+        per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
+        self.state = H2DRunnerState(device, backend="direct", num_slots=2)
+        self.step = DecodeStepInputs(self.state, max_reqs=bs, max_tokens=bs,
+                                     max_pages_per_req=per_row, page_size=PAGE)
+        self.state.bind()
+        self.atom = AtomStyleDecode(self.step, page_size=PAGE)
+        self.batches = steady_decode_batches(bs, context, PAGE, window=WINDOW)
+        self.run(warmup)
+
+    def run(self, steps: int) -> float:
+        """Step ``steps`` batches (built before the timed region); the median host µs from
+        the host build until the consumer is enqueued, less the wait for a source set."""
+        batches = [next(self.batches) for _ in range(steps)]
+        for b in batches:
+            b.columns, b.block_tables  # noqa: B018
+        atom, pc = self.atom, time.perf_counter_ns
+        consume = self.step.decode.generate_kv_indices
+        times = []
+        for b in batches:
+            atom.sync_lists(b)  # the scheduler's list upkeep: outside the timed step
+            t0 = pc()
+            _, _, plan = atom.publish(b, None)
+            consume(plan)
+            times.append(pc() - t0 - atom.last_wait_ns)
+        return float(np.median(times)) / 1e3
+
+
 class UnderDeviceContext:
     """A way run with ``set_default_device("cpu")`` active (a DeviceContext)."""
 
@@ -173,18 +209,16 @@ def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> di
         "direct": LibraryStep("direct", bs, args.context, device, args.warmup),
         "packed+ctx": UnderDeviceContext(LibraryStep("packed", bs, args.context, device,
                                                      args.warmup, fuse)),
+        "atom": AtomStep(bs, args.context, device, args.warmup),
     }
     medians: dict[str, list[float]] = {k: [] for k in ways}
     if anchors is not None:
-        medians["atom"], medians["mrv2"] = [], []
+        medians["mrv2"] = []
     for r in range(args.rounds):
         order = list(medians) if r % 2 == 0 else list(medians)[::-1]
         for name in order:
             if name in ways:
                 medians[name].append(ways[name].run(args.chunk))
-            elif name == "atom":
-                medians[name].append(anchors.run_atom_direct(  # type: ignore[union-attr]
-                    bs, max_blocks, steps=args.anchor_chunk)["host_us_median"])
             else:
                 medians[name].append(anchors.run(  # type: ignore[union-attr]
                     bs, max_blocks, steps=args.anchor_chunk)["host_us_median"])
@@ -216,7 +250,7 @@ def main() -> None:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     anchors = _anchors(args.anchors) if args.device == "cuda" else None
     if anchors is None:
-        print("anchors not run (they need CUDA and the anchors folder)", file=sys.stderr)
+        print("mrv2 not run (it needs CUDA and the anchors folder)", file=sys.stderr)
     rows = [measure(int(bs), args, anchors) for bs in args.batch_sizes.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_targets.json").write_text(json.dumps(rows, indent=1))

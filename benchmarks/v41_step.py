@@ -1,7 +1,7 @@
 """The DeepSeek-V4.1 decode step's host time: this library against an ATOM-style step.
 
 One ordinary decode step (one query token per request, 128K-token contexts, 256-token
-blocks, 1/16 of the requests cross a block each step), three ways, interleaved in one
+blocks, 1/16 of the requests cross a block each step), four ways, interleaved in one
 process (the GPU host's speed drifts between processes):
 
 * ``packed``: ``token_inputs`` (``TokenStepInputs.prepare``: sampling, ids, deferred
@@ -12,25 +12,30 @@ process (the GPU host's speed drifts between processes):
   (two Triton launches: what the fusion saves);
 * ``direct``: the same code with ``backend="direct"`` (one copy per member, the first
   consumer launched);
-* ``atom``: an ATOM-style step re-created from the context document (§1.2-1.6): the host
-  builds every array (positions, query prefix, full-width block-table rows from Python
-  lists, state slots, four plans, batch ids, committed counts, three host cumsums, the
-  per-token committed counts and block-table gather, the HCA index head, ``qo_indptr``)
-  and copies each member on its own: 20 V4 fp8 copies plus the 4 token-core ones.
+* ``atom``: the shared ATOM-style step (``peers/atom_families.py``, ``V4DecodeStep``,
+  from the ATOM catalog §2.4 / §3c): the host builds every array (positions, query prefix,
+  full-width block-table rows from the scheduler's Python lists, state slots, four plans,
+  batch ids, committed counts, three host cumsums, the per-token committed counts and
+  block-table gather, the HCA index head, ``qo_indptr``) and copies each member on its
+  own, its leading rows only (plans: one row per request and ratio; the HCA indices up to
+  their last pointer): 19 V4 fp8 copies plus the 4 token-core ones.
 
 Host µs per step (median of chunk medians), every way up to the same point, the first
 consumer's outputs enqueued: for the library from ``begin()`` to ``finish()`` with
-``generate_step_indptrs`` inside (it launches nothing when fused), less any blocking wait
-for source reuse; for ``atom`` the host work that builds those arrays and its copies. On
+``generate_step_indptrs`` inside (it launches nothing when fused); for ``atom`` the host
+work that builds those arrays (what the library's first consumer builds on the GPU) and
+its copies; each less its blocking wait for source reuse (the library's slot, the
+ATOM-style step's pinned source set; two each). On
 CPU (``--device cpu``) the consumers, Triton kernels, would run interpreted: they are left
 out of every way there, and the header says so. Ratio = way / packed.
 
 GPU span per step (CUDA only, a separate pass): CUDA events from the first publication
 work to where the first attention kernel could start: for the library the DMAs, scatters
 and the first consumer (step indptrs and the per-token expansion: per-token tables, HCA
-index head), for ``atom`` its 24 copies (its host already built those arrays). Each step
-is queued behind a ~1 ms ``torch.cuda._sleep`` so the host has enqueued all of it: the
-span is GPU work, not host gaps.
+index head), for ``atom`` its 23 copies (its host already built those arrays). Each step
+is queued behind a ``torch.cuda._sleep`` three times the way's own host p90 (measured in
+the timed rounds first; at least ~1 ms), so the host has enqueued all of it: the span is
+GPU work, not host gaps.
 
     python benchmarks/v41_step.py [--batch-sizes 1,8,64,256] [--rounds 6] [--chunk 100]
         [--context 131072] [--device cuda|cpu] [--out DIR]
@@ -50,6 +55,9 @@ from repo_paths import ROOT, use_sources
 
 use_sources()
 
+from peers.atom_families import V4DecodeStep  # noqa: E402
+from peers.atom_style import PageLists  # noqa: E402
+
 from block_tables import BlockTable  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import (  # noqa: E402
@@ -65,7 +73,12 @@ from h2d_runner_adapters import (  # noqa: E402
 
 WINDOW, TOPK, ENVELOPE = 128, 1024, 66  # SWA window, index top-k, compressed rows per block
 TARGET_US = {64: 20.0}
-SLEEP_CYCLES = 2_000_000  # ~1 ms on the H200: longer than any way's host enqueue
+
+
+def sleep_cycles(host_p90_us: float) -> int:
+    """``torch.cuda._sleep`` cycles that outlast a way's host enqueue three times over (~2
+    GHz: 2000 cycles per µs; as ``decode_bench._span``), so a span is GPU work."""
+    return int(max(1000.0, 3 * host_p90_us + 300) * 2000)
 
 
 class Batches:
@@ -78,7 +91,7 @@ class Batches:
                             np.int64)
         self.tables = [BlockTable(range(1 + i * 1000, 1 + i * 1000 + -(-int(c) // V4_BLOCK)))
                        for i, c in enumerate(self.ctx)]
-        self.lists = [list(t) for t in self.tables]
+        self.lists = PageLists()  # the scheduler's Python page lists (ATOM's block tables)
         self.next_block = 10**6
 
     def step(self) -> tuple[SpanColumns, list[BlockTable], list[list[int]]]:
@@ -88,12 +101,11 @@ class Batches:
                 t = self.tables[i].lineage_copy()
                 t.append_one(self.next_block)
                 self.tables[i] = t
-                self.lists[i] = [*self.lists[i], self.next_block]
                 self.next_block += 1
         n = self.bs
         slots = np.arange(n, dtype=np.int32)
         cols = SpanColumns(np.ones(n, np.int32), self.ctx.astype(np.int32), slots, slots)
-        return cols, list(self.tables), self.lists
+        return cols, list(self.tables), list(self.lists.sync(self.tables))
 
 
 class Library:
@@ -117,7 +129,9 @@ class Library:
             temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
             top_p=np.ones(n, np.float32), prev_sample_rows=np.arange(n, dtype=np.int32),
             token_ids=np.zeros(n, np.int32), num_drafts=np.zeros(n, np.int32))
+        self.host_us: list[float] = []
         self.run(20)
+        self.host_us.clear()
 
     def run(self, steps: int) -> float:
         work = [self.batches.step()[:2] for _ in range(steps)]
@@ -137,16 +151,19 @@ class Library:
                 v4.generate_step_indptrs(plan)
             st.finish()
             times.append(pc() - t0 - st.last_source_wait_ns)
+        self.host_us += [t / 1e3 for t in times]
         return float(np.median(times)) / 1e3
 
-    def gpu_span(self, steps: int) -> float:
-        """Median GPU µs from the first publication work through the first consumer."""
+    def gpu_span(self, steps: int, host_p90_us: float) -> float:
+        """Median GPU µs from the first publication work through the first consumer, each
+        step queued behind a sleep longer than its host enqueue."""
         work = [self.batches.step()[:2] for _ in range(steps)]
         batch = ScheduledBatch((), False, V4_BLOCK, given_columns=self.columns)
         st, v4, tokens = self.state, self.v4, self.tokens
+        cycles = sleep_cycles(host_p90_us)
         events = []
         for spans, rows in work:
-            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(cycles)
             e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             e0.record()
             st.begin()
@@ -171,95 +188,29 @@ class Library:
         return out
 
 
-class AtomStyle:
-    """The host side of an ATOM-style V4 fp8 decode step: every array built on the host,
-    one copy per member (20 V4 + 4 token core)."""
+class AtomStyle(V4DecodeStep):
+    """The shared ATOM-style V4 fp8 decode step (``peers/atom_families.py``: every array
+    built on the host, one copy per member, 19 V4 + 4 token core) over this benchmark's
+    batches."""
 
     def __init__(self, bs: int, context: int, device: str) -> None:
+        blocks = -(-(context + 8192) // V4_BLOCK)  # room for the steps run
+        super().__init__(bs, blocks, device, window=WINDOW, index_topk=TOPK,
+                         envelope_rows=ENVELOPE)
         self.bs = bs
         self.batches = Batches(bs, context)
-        blocks = -(-(context + 8192) // V4_BLOCK)  # room for the steps run
-        self.blocks = blocks
-        pin = device == "cuda"
-        hca_cap = bs * (WINDOW + -(-(context + 1024) // 128))
-
-        def pair(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[Any, torch.Tensor]:
-            cpu = torch.zeros(shape, dtype=dtype, pin_memory=pin)
-            return cpu, torch.zeros(shape, dtype=dtype, device=device)
-
-        i32, i64 = torch.int32, torch.int64
-        self.m = {
-            "positions": pair((bs,), i64), "cu_seqlens_q": pair((bs + 1,), i32),
-            "context_lens": pair((bs,), i32), "block_tables": pair((bs, blocks), i32),
-            "slot_out": pair((bs,), i32), "slot_in": pair((bs,), i32),
-            "compress_4": pair((bs + bs, 4), i32), "write_4": pair((bs * 8, 4), i32),
-            "compress_128": pair((bs + bs, 4), i32), "write_128": pair((bs * 128, 4), i32),
-            "batch_id": pair((bs,), i32), "ncsa": pair((bs,), i32),
-            "ind_swa": pair((bs + 1,), i32), "ind_csa": pair((bs + 1,), i32),
-            "ind_hca": pair((bs + 1,), i32), "n_committed": pair((bs,), i32),
-            "bt_per_token": pair((bs, blocks), i32), "hca_idx": pair((hca_cap,), i32),
-            "qo_indptr": pair((bs + 1,), i32), "ragged_extend": pair((bs,), i32),
-            "temperatures": pair((bs,), torch.float32), "input_ids": pair((bs,), i32),
-            "decode_cu": pair((bs + 1,), i32), "decode_src": pair((bs,), i32),
-        }
-        self.np = {k: c.numpy() for k, (c, _) in self.m.items()}
+        self.host_us: list[float] = []
         self.run(20)
+        self.host_us.clear()
 
-    def step(self, spans: SpanColumns, lists: list[list[int]]) -> None:
-        a, n = self.np, self.bs
-        ctx = spans.context_lens.astype(np.int64)
-        pos = ctx - 1
-        a["positions"][:n] = pos
-        a["cu_seqlens_q"][: n + 1] = np.arange(n + 1)
-        a["context_lens"][:n] = ctx
-        bt = a["block_tables"]
-        for i, row in enumerate(lists):  # the per-row full-width rebuild
-            bt[i, :] = 0
-            bt[i, : len(row)] = row
-        a["slot_out"][:n] = spans.state_slots_out
-        a["slot_in"][:n] = spans.state_slots_in
-        t = np.arange(n)
-        for r, k, c_name, w_name in ((4, 8, "compress_4", "write_4"),
-                                     (128, 128, "compress_128", "write_128")):
-            rows = np.stack([t, t, pos, np.full(n, k - 1)], axis=1)
-            sel = np.flatnonzero((pos + 1) % r == 0)
-            a[c_name][: sel.size] = rows[sel]
-            a[c_name][sel.size : n] = -1
-            a[w_name][:n] = rows
-        a["batch_id"][:n] = t
-        ncsa = ctx // 4
-        a["ncsa"][:n] = ncsa
-        swa = np.minimum(pos + 1, WINDOW)
-        vis = np.minimum((pos + 1) // 4, ncsa)
-        hca = ctx // 128
-        for name, seg in (("ind_swa", swa), ("ind_csa", swa + np.minimum(vis, TOPK)),
-                          ("ind_hca", swa + hca)):
-            a[name][0] = 0
-            np.cumsum(seg, out=a[name][1 : n + 1])
-        a["n_committed"][:n] = vis
-        a["bt_per_token"][:n] = bt[:n]  # per-token gather (one token per request here)
-        head = a["hca_idx"]
-        ptr = a["ind_hca"]
-        for i in range(n):  # HCA index head: compressed rows, then -1 for the window tail
-            e = np.arange(int(hca[i]))
-            start = int(ptr[i])
-            head[start : start + e.size] = bt[i, e // 2] * ENVELOPE + e % 2
-            head[start + e.size : int(ptr[i + 1])] = -1
-        a["qo_indptr"][: n + 1] = np.arange(n + 1)
-        a["ragged_extend"][:n] = 1
-        a["temperatures"][:n] = 1.0
-        a["input_ids"][:n] = 0
-        a["decode_cu"][: n + 1] = np.arange(n + 1)
-        a["decode_src"][:n] = t
-        for cpu, gpu in self.m.values():
-            gpu.copy_(cpu, non_blocking=True)
-
-    def gpu_span(self, steps: int) -> float:
-        """Median GPU µs of the step's copies (queued behind a sleep)."""
+    def gpu_span(self, steps: int, host_p90_us: float) -> float:
+        """Median GPU µs of the step's copies (its host already built what the library's
+        first consumer builds), each step queued behind a sleep longer than its host."""
         work = [self.batches.step() for _ in range(steps)]
+        cycles = sleep_cycles(host_p90_us)
         events = []
         for spans, _, lists in work:
-            torch.cuda._sleep(SLEEP_CYCLES)
+            torch.cuda._sleep(cycles)
             e0, e1 = (torch.cuda.Event(enable_timing=True) for _ in range(2))
             e0.record()
             self.step(spans, lists)
@@ -275,7 +226,8 @@ class AtomStyle:
         for spans, _, lists in work:
             t0 = pc()
             self.step(spans, lists)
-            times.append(pc() - t0)
+            times.append(pc() - t0 - self.last_wait_ns)
+        self.host_us += [t / 1e3 for t in times]
         return float(np.median(times)) / 1e3
 
 
@@ -299,9 +251,11 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, Any]:
         out[f"{name}_us_chunks"] = values
     out["packed_per_step"] = ways["packed"].per_step()
     out["consumers_timed"] = ways["packed"].consumers
-    if args.device == "cuda":
+    for name, way in ways.items():
+        out[f"{name}_us_p90"] = float(np.percentile(way.host_us, 90))
+    if args.device == "cuda":  # each way's sleep scaled to its own host time, measured above
         for name, way in ways.items():
-            out[f"{name}_gpu_span_us"] = way.gpu_span(args.chunk)
+            out[f"{name}_gpu_span_us"] = way.gpu_span(args.chunk, out[f"{name}_us_p90"])
     return out
 
 

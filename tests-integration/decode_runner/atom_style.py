@@ -1,152 +1,108 @@
 """The ATOM-style way to publish a decode step, for the main job's same-process baseline.
 
-What an engine that uploads its metadata one array at a time does each decode step (the
-catalogue's plain-MHA path): the host builds every array (block-table rows rebuilt at full
-width from the requests' Python page lists, positions, KV slots, lengths, the KV prefix,
-the query prefix, sampling temperatures, the token ids and their deferred sources) in
-pinned tensors, then issues one ``copy_`` per array: ten host-to-device copies. They land in
-the same destinations the library's publication fills, so the same first consumers (token
-assembly, KV-index generation) and the same model graphs run after them, and a step's
-logits must equal the packed step's bit for bit (the tests check it).
+A thin binding of the one ATOM-style re-creation (``benchmarks/peers/atom_style.py``:
+:class:`~peers.atom_style.MhaDecodeStep`, the catalogue's plain-MHA path, ten copies) to
+the library's destinations: a :class:`DecodeRunner`'s, or any owner of ``sampling`` /
+``tokens`` / ``decode`` adapters (``DecodeStepInputs``). The same first consumers (token
+assembly, KV-index generation) and the same model graphs run after it, and a step's logits
+must equal the packed step's bit for bit (the tests check it).
 
-Source reuse is made safe the way the library's slots make it safe: two sets of pinned
-sources, each rewritten only after the GPU finished the copies that read it (an event per
-set); the wait is reported apart, as for the library.
+The scheduler's side, each request's pages as a Python list, is :meth:`sync_lists`: it
+runs outside the timed step. The wait for a free source set is reported apart
+(``last_wait_ns``), as for the library.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
+import sys
+from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
 from h2d_runner_adapters import DecodePlan, SamplingPlan, ScheduledBatch, TokenPlan
 from h2d_runner_adapters.sampling import GREEDY_TEMPERATURE
 
-if TYPE_CHECKING:
-    from .runner import DecodeRunner
+# the re-creation lives with the benchmarks (every benchmark shares it); appended, so no
+# benchmark module shadows anything already importable
+_BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
+if _BENCHMARKS not in sys.path:
+    sys.path.append(_BENCHMARKS)
 
-__all__ = ["AtomStyleDecode", "AtomStyleError"]
+from peers.atom_style import (  # noqa: E402
+    AtomStyleError,
+    MhaDecodeStep,
+    MhaStaged,
+    PageLists,
+)
+
+__all__ = ["AtomStyleDecode", "AtomStyleError", "destinations"]
 
 
-class AtomStyleError(ValueError):
-    """A batch the ATOM-style decode way does not handle (it models plain decode)."""
+def destinations(owner: Any) -> dict[str, torch.Tensor]:
+    """The device tensors the library publishes a plain decode step into, keyed as
+    :data:`~peers.atom_style.MHA_FIELDS` (``owner``: a runner or ``DecodeStepInputs``)."""
+    tok, dec = owner.tokens, owner.decode
+    return {
+        "temperatures": owner.sampling.temperatures.gpu, "input_ids": tok.input_ids.gpu,
+        "decode_cu": tok.decode_cu.gpu, "decode_src": tok.decode_src.gpu,
+        "slot_mapping": dec.slot_mapping.gpu, "context_lens": dec.context_lens.gpu,
+        "cu_seqlens_q": tok.cu_seqlens_q.gpu, "block_tables": dec.block_tables.gpu,
+        "kv_indptr": dec.kv_indptr.gpu, "positions": dec.positions.gpu,
+    }
 
 
 class AtomStyleDecode:
-    """Per-array host build and copies into a :class:`DecodeRunner`'s destinations."""
+    """The ATOM-style decode step into ``owner``'s destinations (a :class:`DecodeRunner`,
+    whose ``cfg.page_size`` is used, or ``DecodeStepInputs`` with ``page_size`` given)."""
 
-    def __init__(self, runner: DecodeRunner, num_sets: int = 2) -> None:
-        cfg = runner.cfg
-        self.page_size = cfg.page_size
-        self.max_reqs = cfg.max_reqs
-        r, pages = cfg.max_reqs, cfg.max_pages_per_req
-        pin = runner.device.type == "cuda"
-        dec, tok = runner.decode, runner.tokens
-        # (destination, dtype, shape) of the ten members, in ATOM's upload order
-        self.members = {
-            "input_ids": (tok.input_ids.gpu, torch.int32, (r,)),
-            "decode_cu": (tok.decode_cu.gpu, torch.int32, (r + 1,)),
-            "decode_src": (tok.decode_src.gpu, torch.int32, (r,)),
-            "temperatures": (runner.sampling.temperatures.gpu, torch.float32, (r,)),
-            "slot_mapping": (dec.slot_mapping.gpu, torch.int64, (r,)),
-            "context_lens": (dec.context_lens.gpu, torch.int32, (r,)),
-            "cu_seqlens_q": (tok.cu_seqlens_q.gpu, torch.int32, (r + 1,)),
-            "kv_indptr": (dec.kv_indptr.gpu, torch.int32, (r + 1,)),
-            "positions": (dec.positions.gpu, torch.int64, (r,)),
-            "block_tables": (dec.block_tables.gpu, torch.int32, (r, pages)),
-        }
-        self.sets = []
-        for _ in range(num_sets):
-            host = {k: torch.zeros(shape, dtype=dt, device="cpu", pin_memory=pin)
-                    for k, (_, dt, shape) in self.members.items()}
-            self.sets.append((host, {k: t.numpy() for k, t in host.items()}))
-        self.done: list[torch.cuda.Event | None] = [None] * num_sets
-        self.cuda = pin
-        self.turn = 0
-        #: each request's pages as a Python list (the engine's per-sequence block table),
-        #: kept by the scheduler side: :meth:`sync_lists` runs outside the timed step
-        self.lists: list[list[int]] = []
-        self.versions: list[tuple[int, int] | None] = []
-        self.last_wait_ns = 0
+    def __init__(self, owner: Any, num_sets: int = 2, *, page_size: int | None = None) -> None:
+        ps = page_size if page_size is not None else owner.cfg.page_size
+        self.step = MhaDecodeStep(destinations(owner), ps, num_sets,
+                                  greedy_temperature=GREEDY_TEMPERATURE)
+        self.page_lists = PageLists()
+        self._staged: MhaStaged | None = None
+
+    @property
+    def lists(self) -> list[list[int]]:
+        """Each request's pages as a Python list (the engine's per-sequence block table)."""
+        return self.page_lists.lists
+
+    @property
+    def last_wait_ns(self) -> int:
+        return self.step.last_wait_ns
 
     def sync_lists(self, batch: ScheduledBatch) -> None:
-        """The scheduler's bookkeeping: each row's page list follows its block table (a
-        row is re-listed when its append-lineage version or length changed, or always when
-        it has no version)."""
-        rows = batch.block_tables
-        if len(self.versions) != len(rows):
-            self.lists = [[] for _ in rows]
-            self.versions = [None] * len(rows)
-        for i, row in enumerate(rows):
-            version = getattr(row, "version", None)
-            key = None if version is None else (version, len(row))
-            if key is None or key != self.versions[i]:
-                self.lists[i] = list(row)
-                self.versions[i] = key
+        """The scheduler's bookkeeping, outside the timed step: each row's page list follows
+        its block table (:class:`~peers.atom_style.PageLists`)."""
+        self.page_lists.sync(batch.block_tables)
 
-    def publish(self, batch: ScheduledBatch,
-                padded: int | None) -> tuple[SamplingPlan, TokenPlan, DecodePlan]:
-        """Build the ten arrays on the host and copy each; returns the plans the first
-        consumers and the sampler take."""
+    def stage(self, batch: ScheduledBatch,
+              padded: int | None) -> tuple[SamplingPlan, TokenPlan, DecodePlan]:
+        """Build the ten arrays on the host (:meth:`copy` uploads them); returns the plans
+        the first consumers and the sampler take."""
         cols = batch.columns
         n = cols.query_lens.size
-        if n and int(cols.query_lens.max()) != 1:
-            raise AtomStyleError("the ATOM-style decode way models one token per request")
         top_k, top_p = cols.top_k, cols.top_p
         if n and ((top_k != top_k[0]).any() or (top_p != top_p[0]).any()):
             raise AtomStyleError("the ATOM-style decode way models batch-uniform top-k/top-p")
-        if len(self.lists) != n:
-            raise AtomStyleError(f"{len(self.lists)} page lists for {n} requests: call "
-                                 "sync_lists(batch) first")
+        self._staged = staged = self.step.stage(cols, self.lists, padded)
+        p = staged.padded_reqs
         sampling = SamplingPlan(n, int(top_k[0]) if n and top_k[0] > 0 else None,
                                 float(top_p[0]) if n and top_p[0] < 1.0 else None, False, False)
-        p = n if padded is None else padded
-        k = self.turn
-        self.turn = (k + 1) % len(self.sets)
-        event = self.done[k]
-        t0 = time.perf_counter_ns()
-        if event is not None:
-            event.synchronize()  # the copies that read this set have run
-        self.last_wait_ns = time.perf_counter_ns() - t0
-        host, a = self.sets[k]
-        ps = self.page_size
-        ctx = cols.context_lens
-        pos = a["positions"]
-        pos[:n] = ctx
-        pos[:n] -= 1
-        pos[n:p] = 0
-        bt = a["block_tables"]
-        for i, row in enumerate(self.lists):  # the per-row full-width rebuild
-            bt[i, :] = 0
-            bt[i, : len(row)] = row
-        bt[n:p] = 0
-        slots = a["slot_mapping"]
-        slots[:n] = bt[np.arange(n), pos[:n] // ps]
-        slots[:n] *= ps
-        slots[:n] += pos[:n] % ps
-        slots[n:p] = -1
-        a["context_lens"][:n] = ctx
-        a["context_lens"][n:p] = 0
-        indptr = a["kv_indptr"]
-        indptr[0] = 0
-        np.cumsum((ctx + ps - 1) // ps, out=indptr[1 : n + 1])
-        indptr[n + 1 : p + 1] = indptr[n]
-        a["cu_seqlens_q"][: p + 1] = np.minimum(np.arange(p + 1), n)
-        a["decode_cu"][: p + 1] = a["cu_seqlens_q"][: p + 1]
-        a["input_ids"][:n] = cols.token_ids
-        a["input_ids"][n:p] = 0
-        a["decode_src"][:n] = cols.prev_sample_rows
-        a["decode_src"][n:p] = -1
-        np.maximum(cols.temperatures, GREEDY_TEMPERATURE, out=a["temperatures"][:n])
-        for name, (dst, _, _) in self.members.items():
-            rows = p + 1 if name in ("decode_cu", "cu_seqlens_q", "kv_indptr") else p
-            dst[:rows].copy_(host[name][:rows], non_blocking=True)
-        if self.cuda:
-            done = torch.cuda.Event()
-            done.record()
-            self.done[k] = done
         return (sampling, TokenPlan(n, p, n, p, 0),
-                DecodePlan(n, p, 1, n, p, int(indptr[n]), "atom"))
+                DecodePlan(n, p, 1, n, p, staged.num_pages, "atom"))
+
+    def copy(self) -> None:
+        """One copy per array of what :meth:`stage` built."""
+        if self._staged is None:
+            raise AtomStyleError("nothing staged: call stage(batch, padded) before copy()")
+        self.step.copy(self._staged)
+        self._staged = None
+
+    def publish(self, batch: ScheduledBatch,
+                padded: int | None) -> tuple[SamplingPlan, TokenPlan, DecodePlan]:
+        """:meth:`stage` then :meth:`copy`."""
+        plans = self.stage(batch, padded)
+        self.copy()
+        return plans
