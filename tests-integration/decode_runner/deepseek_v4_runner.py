@@ -11,11 +11,12 @@ scatters" of an ordinary V4.1 decode). Per decode step::
     decode window indices                                     (first consumers)
     model (:class:`~decode_runner.deepseek_v4.DeepseekV4PagedDecoder`) -> sampler
 
-and per prefill chunk the parent's sampling, ids and query prefix with
-``V41MetadataInputs.begin_prefill`` in one combined ``prefill_step`` group (a second
-``V41MetadataInputs``, prefix ``prefill_``: a producer group covered by a combined one is
-published by direct copies, so decode's own ``v41_metadata`` stays out of it), then the
-prefill indptrs and the sparse prefill indices. Spans carry each request's state slot:
+and per prefill chunk sampling, ids and the query prefix (one producer call each: V4's
+prefill metadata is its own adapter, not the ``PrefillInputs`` the fused prefill step
+composes) with ``V41MetadataInputs.begin_prefill`` in one combined ``prefill_step`` group
+(a second ``V41MetadataInputs``, prefix ``prefill_``: a producer group covered by a
+combined one is published by direct copies, so decode's own ``v41_metadata`` stays out of
+it), then the prefill indptrs and the sparse prefill indices. Spans carry each request's state slot:
 this runner is the engine's slot allocator (a request gets a free slot when first
 scheduled and keeps it through recompute preemptions; a finished request's slot is
 poisoned and handed out again). Block tables are the scheduler's, at V4's 256-token block
@@ -248,10 +249,16 @@ class DeepseekV4Runner(DecodeRunner):
     def _decode_inputs(self, d: Any, rows: int, first_token: int) -> Any:
         return self.decode.step_inputs(self._plan, self.tokens.input_ids.gpu, prefill=False)
 
-    def _prepare_prefill(self, batch: ScheduledBatch) -> Any:
+    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, V41Plan]:
+        self._sampling_plan = self.sampling.prepare(batch)
+        tplan = self.tokens.prepare_ids(batch)
+        self.tokens.prepare_query_prefix(batch)
         self._plan = self.prefill.v4.begin_prefill(self._spans(batch),
                                                    block_tables=batch.block_tables)
-        return self._plan
+        return tplan, self._plan
+
+    def _prepare_attention(self, pplan: Any) -> None:
+        self.prefill.prepare_attention(pplan, self.tokens.cu_seqlens_q.gpu)
 
     def verify(self, batch: ScheduledBatch, padded: int | None = None) -> torch.Tensor:
         """A DSpark-style verify step: ragged query widths (each request's tokens staged from

@@ -18,8 +18,9 @@ decode step::
 :class:`~h2d_runner_adapters.MlaDecodeStepInputs`: one producer call and one group,
 ``mla_decode_step`` (one DMA and one scatter a step, the analogue of the MHA runner's fused
 ``decode_step``). Prefill is the parent's: ``PrefillInputs`` at the same page size,
-chunked, published with the token groups as one ``prefill_step`` (the query prefix joins
-the model's inputs: the MLA decoder bounds keys by lengths and that prefix).
+chunked, published with the token groups as one fused ``prefill_step``
+(:class:`~h2d_runner_adapters.PrefillStepInputs`; the query prefix joins the model's
+inputs: the MLA decoder bounds keys by lengths and that prefix).
 ``pad_eager`` pads eager decode steps to the scheduler's graph size too, so a CPU run (no
 graphs) still reads the padded rows the library publishes for a graph (no pages, no KV
 write, last-page length 0).
@@ -41,6 +42,7 @@ from h2d_runner_adapters import (
     MlaDecodeStepInputs,
     PrefillInputs,
     PrefillPlan,
+    PrefillStepInputs,
     ScheduledBatch,
     TokenPlan,
     TokenStepInputs,
@@ -79,9 +81,10 @@ class MlaDecodeRunner(DecodeRunner):
             self.token_step = TokenStepInputs(st, **caps)
             self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
             self.decode = MlaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables, last_page_lens=True)
-        token_groups = ["sampling", *self.tokens.producer_groups]
-        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
+        self.prefill = PrefillInputs(st, **caps, **tables, last_page_lens=True,
+                                     publish_attention_inputs=True)
+        self.prefill_step = PrefillStepInputs.from_adapters(
+            self.sampling, self.tokens, self.prefill, group=PREFILL_STEP)
         self.ubatches = []
 
     def _decode_inputs(self, d: Any, rows: int, first_token: int) -> DecoderInputs:

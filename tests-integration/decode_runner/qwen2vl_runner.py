@@ -5,10 +5,11 @@ which publishes 1-D positions and refuses an MRoPE decode adapter. So this runne
 the adapters the way that refusal says (as :class:`~decode_runner.mla_runner.MlaDecodeRunner`
 does for MLA): the token half :class:`TokenStepInputs` (group ``token_inputs``) and
 ``MhaDecodeInputs(mrope=True)`` (group ``mha_decode``, its ``mrope_positions`` planes in
-place of ``positions``), and ``PrefillInputs(mrope=True)`` for prefill. Per step::
+place of ``positions``), and ``PrefillInputs(mrope=True)`` in the fused
+:class:`~h2d_runner_adapters.PrefillStepInputs` for prefill. Per step::
 
-    prefill: state.begin(); sampling, ids, query prefix;
-             prefill.prepare(batch, mrope_positions=<each request's [3, L] planes>)
+    prefill: state.begin();
+             prefill_step.prepare(batch, mrope_positions=<each request's [3, L] planes>)
              publish "prefill_step"; finish; assembly; attention preparation
     decode:  state.begin(); token_step.prepare(batch, padded);
              decode.prepare(batch, padded, mrope_deltas=<each request's delta>)
@@ -41,6 +42,7 @@ from h2d_runner_adapters import (
     MhaDecodeInputs,
     PrefillInputs,
     PrefillPlan,
+    PrefillStepInputs,
     ScheduledBatch,
     TokenPlan,
     TokenStepInputs,
@@ -84,11 +86,13 @@ class Qwen2VLRunner(DecodeRunner):
         self.token_step = TokenStepInputs(st, **caps)
         self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
         self.decode = MhaDecodeInputs(st, **caps, **tables, mrope=True)
-        self.prefill = PrefillInputs(st, **caps, **tables, mrope=True)
+        self.prefill = PrefillInputs(st, **caps, **tables, mrope=True,
+                                     publish_attention_inputs=True)
         token_groups = ["sampling", *self.tokens.producer_groups]
         if self.combine:
             st.combine(MROPE_STEP, [*token_groups, self.decode.group])
-        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group])
+        self.prefill_step = PrefillStepInputs.from_adapters(
+            self.sampling, self.tokens, self.prefill, group=PREFILL_STEP)
         self.ubatches = []
 
     def _decode_inputs(self, d: Any, rows: int, first_token: int) -> MropeDecoderInputs:
@@ -153,9 +157,11 @@ class Qwen2VLRunner(DecodeRunner):
                 t += 1
 
     # -- steps -------------------------------------------------------------------------------
-    def _prepare_prefill(self, batch: ScheduledBatch) -> PrefillPlan:
-        return self.prefill.prepare(batch, mrope_positions=self._prompt_planes(batch),
-                                    mrope_deltas=self._deltas(batch))
+    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, PrefillPlan]:
+        plan = self.prefill_step.prepare(batch, mrope_positions=self._prompt_planes(batch),
+                                         mrope_deltas=self._deltas(batch))
+        self._sampling_plan = plan.sampling
+        return plan.tokens, plan.prefill
 
     def _prefill_inputs(self, batch: ScheduledBatch, pplan: PrefillPlan) -> DecoderInputs:
         planes = self.prefill.mrope_planes(pplan)  # (3, t): the chunk's width

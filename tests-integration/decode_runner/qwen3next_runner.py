@@ -5,7 +5,7 @@ docstring's ``DecodeStepInputs(..., extra_groups=[GDN_STATE])``, and the prefill
 combined group): one DMA and one scatter a step. Per step::
 
     state.begin()
-    prefill: sampling, ids, query prefix, PrefillInputs     | decode: the fused DecodeStepInputs
+    prefill: the fused PrefillStepInputs                    | decode: the fused DecodeStepInputs
     gdn.prepare(state groups of the batch's requests, padded)
     state.publish(<step group>); state.finish()
     token assembly -> attention preparation / KV-index generation
@@ -112,11 +112,11 @@ class Qwen3NextRunner(DecodeRunner):
                                 state_write=self.gdn.non_spec.gpu[:rows])
 
     # -- steps -------------------------------------------------------------------------------
-    def _prepare_prefill(self, batch: ScheduledBatch) -> PrefillPlan:
-        pplan = self.prefill.prepare(batch)
+    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, PrefillPlan]:
+        tplan, pplan = super()._prepare_prefill(batch)
         self._prefill_gdn = self.gdn.prepare(self._state_groups(batch),
                                              fork_sources=self._fork_sources(batch))
-        return pplan
+        return tplan, pplan
 
     def _prefill_inputs(self, batch: ScheduledBatch, pplan: PrefillPlan) -> DecoderInputs:
         return self._with_states(DecoderInputs(**self._prefill_fields(pplan)),

@@ -3,8 +3,8 @@
 Per step::
 
     state.begin()                                 # slot rotation (PP) waits for source reuse
-    producers (decode: one fused DecodeStepInputs call; prefill: sampling, token ids,
-               query prefix, prefill mirrors)
+    producers (decode: one fused DecodeStepInputs call; prefill: one PrefillStepInputs
+               call)
     state.publish(<step group>)                   # one DMA + one scatter (packed backend)
     state.finish()                                # records completion, never waits
     token assembly -> KV-index generation / attention preparation   (first consumers;
@@ -35,6 +35,7 @@ from h2d_runner_adapters import (
     MhaDecodeInputs,
     PrefillInputs,
     PrefillPlan,
+    PrefillStepInputs,
     SamplingInputs,
     SamplingPlan,
     ScheduledBatch,
@@ -150,22 +151,23 @@ class DecodeRunner:
     def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
         """Declare the adapters and groups a step publishes (before ``bind()``): here the
         plain MHA step (sampling, token inputs, MHA decode as the fused ``decode_step``,
-        plus ``step_extra_groups``), prefill with the token groups as ``prefill_step``,
-        TBO's ubatches. A runner for another model family overrides this, and nothing else
-        of the setup."""
+        plus ``step_extra_groups``), prefill as the fused ``prefill_step`` (the same token
+        adapters, the same extra groups), TBO's ubatches. A runner for another model
+        family overrides this, and nothing else of the setup."""
         cfg = self.cfg
         caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
         self.sampling = SamplingInputs(st, cfg.max_reqs)
         self.tokens = TokenInputs(st, **caps)
         tables = self.table_caps
         self.decode = MhaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables)
+        self.prefill = PrefillInputs(st, **caps, **tables, publish_attention_inputs=True)
         token_groups = ["sampling", *self.tokens.producer_groups]
         # plain decode steps: one fused producer call (compiled when available), one group
         extra = self.step_extra_groups
         self.decode_step = DecodeStepInputs.from_adapters(
             self.sampling, self.tokens, self.decode, group=DECODE_STEP, extra_groups=extra)
-        st.combine(PREFILL_STEP, [*token_groups, self.prefill.group, *extra])
+        self.prefill_step = PrefillStepInputs.from_adapters(
+            self.sampling, self.tokens, self.prefill, group=PREFILL_STEP, extra_groups=extra)
         self.ubatches: list[MhaDecodeInputs] = []
         if tbo:
             self.ubatches = [MhaDecodeInputs(st, **caps, **tables, prefix=f"ub{i}_")
@@ -342,29 +344,34 @@ class DecodeRunner:
         records what it checks there)."""
 
     def _prefill(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs]:
-        """One prefill chunk: sampling, token ids, the query prefix and the prefill
-        members (:meth:`_prepare_prefill`) published as ``prefill_step``, token assembly
-        and attention preparation, then the model over :meth:`_prefill_inputs`."""
+        """One prefill chunk: its producers (:meth:`_prepare_prefill`) published as
+        ``prefill_step``, token assembly and attention preparation, then the model over
+        :meth:`_prefill_inputs`."""
         st = self.state
         t0 = time.perf_counter_ns()
         st.begin()
-        self._sampling_plan = self.sampling.prepare(batch)
-        tplan = self.tokens.prepare_ids(batch)
-        self.tokens.prepare_query_prefix(batch)
-        pplan = self._prepare_prefill(batch)
+        tplan, pplan = self._prepare_prefill(batch)
         st.publish(PREFILL_STEP)
         st.finish()
         self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
         self.tokens.assemble(tplan, self.sampled)
-        cu_q = self.tokens.cu_seqlens_q.gpu
-        self.prefill.prepare_attention(pplan, cu_q)
+        self._prepare_attention(pplan)
         inputs = self._prefill_inputs(batch, pplan)
+        cu_q = self.tokens.cu_seqlens_q.gpu
         last = (cu_q[1 : pplan.num_reqs + 1] - 1).long()
         return self.model(inputs, logits_indices=last), inputs
 
-    def _prepare_prefill(self, batch: ScheduledBatch) -> PrefillPlan:
-        """The prefill producers of the step (a family's runner adds its own)."""
-        return self.prefill.prepare(batch)
+    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, Any]:
+        """The prefill producers of the step (one fused call here; a family's runner adds
+        its own) and the sampling plan; returns the token and prefill plans."""
+        plan = self.prefill_step.prepare(batch)
+        self._sampling_plan = plan.sampling
+        return plan.tokens, plan.prefill
+
+    def _prepare_attention(self, pplan: Any) -> None:
+        """The prefill chunk's attention preparation (after its publication): KV-index
+        generation from the step's published page prefix."""
+        self.prefill.prepare_attention(pplan)
 
     def _prefill_inputs(self, batch: ScheduledBatch, pplan: PrefillPlan) -> DecoderInputs:
         """The model's inputs of a prefill chunk (a family's runner adds its members)."""
@@ -373,11 +380,12 @@ class DecodeRunner:
     def _prefill_fields(self, pplan: PrefillPlan) -> dict[str, torch.Tensor]:
         """:class:`DecoderInputs`' fields over the published prefill destinations and the
         attention preparation's outputs."""
-        pf = self.prefill
+        pf, step = self.prefill, self.prefill_step
         t, n = pplan.num_tokens, pplan.num_reqs
         return {"input_ids": self.tokens.input_ids.gpu[:t], "positions": pf.positions.gpu[:t],
-                "slot_mapping": pf.slot_mapping.gpu[:t], "token_request": pf.token_request[:t],
-                "kv_indptr": pf.kv_indptr[: n + 1], "kv_indices": pf.kv_indices,
+                "slot_mapping": pf.slot_mapping.gpu[:t],
+                "token_request": step.token_request.gpu[:t],
+                "kv_indptr": step.kv_indptr.gpu[: n + 1], "kv_indices": pf.kv_indices,
                 "context_lens": pf.context_lens.gpu[:n],
                 "query_start": self.tokens.cu_seqlens_q.gpu[: n + 1]}
 

@@ -23,6 +23,14 @@ one producer call (compiled when a C compiler is present) and one group::
     state.bind(); state.begin(); plan = step.prepare(batch, padded)
     state.publish(DECODE_STEP); state.finish()
     step.tokens.assemble(plan.tokens, prev); step.decode.generate_kv_indices(plan.decode)
+
+A prefill chunk has the same shape, :class:`PrefillStepInputs` (group ``prefill_step``)::
+
+    step = PrefillStepInputs(state, max_reqs=..., max_tokens=..., max_pages_per_req=...,
+                             page_size=16)
+    state.bind(); state.begin(); plan = step.prepare(batch)
+    state.publish(PREFILL_STEP); state.finish()
+    step.tokens.assemble(plan.tokens, prev); step.prepare_attention(plan)
 """
 
 from h2d_runner_adapters.batch import (
@@ -64,6 +72,7 @@ from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInpu
 from h2d_runner_adapters.mla_decode import MLA_DECODE, MlaDecodeInputs
 from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
+from h2d_runner_adapters.prefill_step import PREFILL_STEP, PrefillStepInputs, PrefillStepPlan
 from h2d_runner_adapters.sampling import SAMPLING, SamplingInputs, SamplingPlan
 from h2d_runner_adapters.token_inputs import (
     QUERY_PREFIX,
@@ -92,6 +101,7 @@ __all__ = [
     "MLA_DECODE",
     "MLA_DECODE_STEP",
     "PREFILL_INPUTS",
+    "PREFILL_STEP",
     "QUERY_PREFIX",
     "SAMPLING",
     "SPEC_INDICES",
@@ -119,6 +129,8 @@ __all__ = [
     "PagedInputs",
     "PrefillInputs",
     "PrefillPlan",
+    "PrefillStepInputs",
+    "PrefillStepPlan",
     "RequestSpan",
     "SamplingInputs",
     "SamplingParams",

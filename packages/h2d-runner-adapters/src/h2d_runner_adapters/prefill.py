@@ -12,12 +12,19 @@ layout's ``context_prefix``), counts every member and stages the table; the adap
 checks that need the planned chunk (token ids, ``owns_slot``'s mask, MRoPE prompt
 positions) run inside it, before anything is written.
 
-First consumer: attention preparation (:func:`prepare_prefill_attention`), which derives
-each token's request, the KV page prefix and ``kv_indices``. Prefill runs eagerly: no graph
-padding. The block tables are needed by this runner's paged attention whether or not a
-prefix hit exists; an engine whose prefill attention reads the current chunk directly can
-omit them when no request has cached tokens (``publish_tables=False``) while still
-preparing the CPU rows.
+First consumer: attention preparation (:meth:`PrefillInputs.prepare_attention`). By
+default it derives each token's request, the KV page prefix and ``kv_indices`` on the
+device (:func:`prepare_prefill_attention`, from the token inputs' ``cu_seqlens_q``). With
+``publish_attention_inputs=True`` the same layout pass computes the page prefix
+``prefill_kv_indptr`` (``kv_indptr[r+1] - kv_indptr[r] = ceil(context_len / page)``, as
+decode's ``kv_indptr``) and each token's request ``prefill_token_request`` on the host, the
+group carries them, and attention preparation is KV-index generation alone, the consumer
+decode runs (:class:`~h2d_runner_adapters.prefill_step.PrefillStepInputs` says why).
+
+Prefill runs eagerly: no graph padding. The block tables are needed by this runner's paged
+attention whether or not a prefix hit exists; an engine whose prefill attention reads the
+current chunk directly can omit them when no request has cached tokens
+(``publish_tables=False``) while still preparing the CPU rows.
 
 With ``mrope=True`` the group carries ``prefill_mrope_positions`` (three planes at the
 chunk's token width, see :mod:`h2d_runner_adapters.mrope`) in place of the positions.
@@ -36,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from block_tables import PageTableSnapshot, RequestLayout
+from block_tables import LayoutColumn, PageTableSnapshot, RequestLayout
 from block_tables.native import refuse_interpreted
 from h2d_core import (
     OMITTED,
@@ -52,7 +59,7 @@ from h2d_core import (
 
 from .batch import BatchColumns, PageRow, ScheduledBatch
 from .checks import AdapterInputError, bool_mask, describe
-from .consumers import prepare_prefill_attention
+from .consumers import generate_kv_indices, prepare_prefill_attention
 from .mrope import (
     check_deltas,
     check_prompt_positions,
@@ -67,13 +74,22 @@ PREFILL_INPUTS = "prefill_inputs"
 
 @dataclass(frozen=True)
 class PrefillPlan:
+    """What a prefill chunk published: requests, tokens, the block table's stage and the
+    chunk's KV pages (the page prefix's total, from the CPU lengths)."""
+
     num_reqs: int
     num_tokens: int
     table_stage: str
+    num_pages: int = 0
 
 
 class PrefillInputs(PagedInputs):
-    """Declares the prefill buffers, produces them, and runs attention preparation."""
+    """Declares the prefill buffers, produces them, and runs attention preparation.
+
+    ``kv_indptr`` and ``token_request`` are device tensors attention preparation writes,
+    or, with ``publish_attention_inputs=True``, published members (:class:`H2DBuffer`,
+    read through ``.gpu`` as decode's ``kv_indptr``) the producer writes.
+    """
 
     def __init__(
         self,
@@ -87,6 +103,7 @@ class PrefillInputs(PagedInputs):
         max_ranges: int = 64,
         mrope: bool = False,
         last_page_lens: bool = False,
+        publish_attention_inputs: bool = False,
     ) -> None:
         g = PREFILL_INPUTS
         super().__init__(state, g, "prefill_block_tables", max_reqs=max_reqs,
@@ -103,8 +120,15 @@ class PrefillInputs(PagedInputs):
             buf("prefill_kv_last_page_lens", (max_reqs,), torch.int32, group=g)
             if last_page_lens else None)
         dev = state.device
-        self.token_request = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
-        self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
+        self.kv_indptr: H2DBuffer | torch.Tensor
+        self.token_request: H2DBuffer | torch.Tensor
+        if publish_attention_inputs:  # computed by the layout pass, carried by the group
+            self.kv_indptr = buf("prefill_kv_indptr", (max_reqs + 1,), torch.int32, group=g)
+            self.token_request = buf("prefill_token_request", (max_tokens,), torch.int32,
+                                     group=g)
+        else:  # written on the device by attention preparation, never uploaded
+            self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
+            self.token_request = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=dev)
         self._step: LayoutStep | None = None  # the compiled step, bound on first use
@@ -115,30 +139,61 @@ class PrefillInputs(PagedInputs):
         # prepared into, and a layout writing only KV slots from it (made on first use)
         self._scratch: tuple[PageTableSnapshot, RequestLayout, np.ndarray] | None = None
 
-    def _bind(self) -> LayoutStep:
-        refuse_interpreted(self.native, self.group)
+    @property
+    def publishes_attention_inputs(self) -> bool:
+        """True when ``kv_indptr`` and ``token_request`` are published members."""
+        return isinstance(self.kv_indptr, H2DBuffer)
+
+    def request_layouts(
+        self,
+        name: str,
+        *,
+        cu_query: tuple[H2DBuffer, ...] = (),
+        columns: Callable[[int], Sequence[LayoutColumn]] | None = None,
+    ) -> list[RequestLayout]:
+        """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
+        (positions, KV slots, context lengths, the key prefix, last-page lengths and the
+        published attention inputs when declared), reading the slot's prepared table; plus
+        the query prefix into each ``cu_query`` buffer and the columns ``columns(slot)``
+        gives over that slot's sources (a fused step's sampling and token columns). After
+        ``bind()``."""
+        refuse_interpreted(self.native, name)
+        last, indptr, owners = self.kv_last_page_lens, self.kv_indptr, self.token_request
         layouts = []
-        last = self.kv_last_page_lens
         for slot, snap in enumerate(self.tables.snapshots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
                 return b.source(slot).numpy()
-            extra = {} if last is None else {"last_page_lens": src(last)}
+            extra: dict[str, Any] = {} if last is None else {"last_page_lens": src(last)}
+            if isinstance(indptr, H2DBuffer) and isinstance(owners, H2DBuffer):
+                extra |= {"kv_page_indptr": src(indptr), "token_requests": src(owners)}
             layouts.append(RequestLayout(
-                self.group, self.page_size, snap.storage,
+                name, self.page_size, snap.storage,
                 np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
                 positions=src(self.positions), slot_mapping=src(self.slot_mapping),
                 context_lens=src(self.context_lens), context_prefix=src(self.cu_seqlens_k),
-                **extra))
-        # eager: the padded counts are the real ones; MRoPE planes replace the positions
+                cu_query=tuple(src(b) for b in cu_query),
+                columns=() if columns is None else columns(slot), **extra))
+        return layouts
+
+    def _count_rules(self) -> list[CountRule]:
+        """What a chunk publishes of each member (eager: the padded counts are the real
+        ones); MRoPE planes replace the positions (their count is set after the pass)."""
         positions = OMITTED if self.mrope_positions is not None else PADDED_TOKENS
         rules = [CountRule(self.positions, positions),
                  CountRule(self.slot_mapping, PADDED_TOKENS),
                  CountRule(self.context_lens, PADDED_REQS),
                  CountRule(self.cu_seqlens_k, PADDED_REQS, 1)]
-        if last is not None:
-            rules.append(CountRule(last, PADDED_REQS))
-        self._step = LayoutStep(self.group, self.h2d_state, layouts, self.tables, (), rules,
-                                error=AdapterInputError, check=self._check_planned)
+        if self.kv_last_page_lens is not None:
+            rules.append(CountRule(self.kv_last_page_lens, PADDED_REQS))
+        if isinstance(self.kv_indptr, H2DBuffer):
+            rules += [CountRule(self.kv_indptr, PADDED_REQS, 1),
+                      CountRule(self.token_request, PADDED_TOKENS)]
+        return rules
+
+    def _bind(self) -> LayoutStep:
+        self._step = LayoutStep(self.group, self.h2d_state, self.request_layouts(self.group),
+                                self.tables, (), self._count_rules(), error=AdapterInputError,
+                                check=self._check_planned)
         return self._step
 
     @h2d_producer(PREFILL_INPUTS)
@@ -164,7 +219,28 @@ class PrefillInputs(PagedInputs):
         refusal raises :class:`AdapterInputError` (or the block table's own error) and
         changes nothing.
         """
-        g = self.group
+        step = self._step
+        if step is None:
+            step = self._bind()
+        return self._produce(step, batch, (), publish_tables, owns_slot, mrope_positions,
+                             mrope_deltas, self.group)[1]
+
+    def _produce(
+        self,
+        step: LayoutStep,
+        batch: ScheduledBatch,
+        values: tuple[Any, ...],
+        publish_tables: bool,
+        owns_slot: Callable[[np.ndarray], np.ndarray] | None,
+        mrope_positions: Sequence[np.ndarray | None] | None,
+        mrope_deltas: np.ndarray | None,
+        g: str,
+    ) -> tuple[tuple[Any, ...], PrefillPlan]:
+        """Check the arguments, run ``step`` (this adapter's layout pass, or a fused
+        step's over the same sources with its ``values`` columns), then write what the
+        pass does not (MRoPE planes, ``owns_slot``'s -1 slots, an omitted table). Returns
+        the pass's tuple and the plan; a refusal raises naming group ``g`` (the step's
+        publication group) and changes nothing."""
         if not isinstance(batch, ScheduledBatch):
             raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
         if not isinstance(publish_tables, bool | np.bool_):
@@ -190,17 +266,15 @@ class PrefillInputs(PagedInputs):
                 f"{g}: {given} given but the adapter has no MRoPE planes; construct it with "
                 "mrope=True")
         deltas = None if mrope_deltas is None else check_deltas(g, mrope_deltas, n)
-        step = self._step
-        if step is None:
-            step = self._bind()
-        self._call = (cols.token_ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas)
+        self._call = (g, cols.token_ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas)
         try:
-            # plan (every length checked; eager: exactly the real tokens), the checks of
-            # the planned chunk (_check_planned), prepare the rows, write, count, stage
-            _, _, _, t, _, _, stage, _, _ = step.run(qlens, ctx, rows, -1, -1, (),
-                                                     publish_tables)
+            # plan (every length and column checked; eager: exactly the real tokens), the
+            # checks of the planned chunk (_check_planned), prepare the rows, write, count,
+            # stage
+            out = step.run(qlens, ctx, rows, -1, -1, values, bool(publish_tables))
         finally:
             self._call = ()
+        t, total, stage = out[3], out[5], out[6]
         mask, sources = self._checked
         self._checked = (None, [])
         st = self.h2d_state
@@ -212,14 +286,13 @@ class PrefillInputs(PagedInputs):
             self.slot_mapping.np[:t][~mask] = -1
         if not publish_tables:
             st.set_count(self.block_tables, None)
-        return PrefillPlan(n, t, stage)
+        return out, PrefillPlan(n, t, stage, total)
 
     def _check_planned(self, layout: RequestLayout) -> None:
         """The checks that need the planned chunk (its token count), before any write:
         one token id per token (the layout refused a key prefix past int32), MRoPE prompt
         positions, ``owns_slot``'s mask (kept in ``_checked`` for after the write)."""
-        g = self.group
-        ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas = self._call
+        g, ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas = self._call
         n, t = layout.num_reqs, layout.num_tokens
         if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
             raise AdapterInputError(
@@ -230,11 +303,12 @@ class PrefillInputs(PagedInputs):
             sources = check_prompt_positions(
                 g, [None] * n if mrope_positions is None else mrope_positions, ctx, qlens,
                 deltas)
-        mask = None if owns_slot is None else self._owned(owns_slot, rows, qlens, ctx, t)
+        mask = None if owns_slot is None else self._owned(g, owns_slot, rows, qlens, ctx, t)
         self._checked = (mask, sources)
 
-    def _owned(self, owns_slot: Callable[[np.ndarray], np.ndarray], rows: Sequence[PageRow],
-               qlens: np.ndarray, ctx: np.ndarray, t: int) -> np.ndarray:
+    def _owned(self, g: str, owns_slot: Callable[[np.ndarray], np.ndarray],
+               rows: Sequence[PageRow], qlens: np.ndarray, ctx: np.ndarray, t: int
+               ) -> np.ndarray:
         """``owns_slot``'s mask over this chunk's KV slots, checked (1-D bool, one per
         token) before any source is written: the slots come from the rows prepared into a
         private table, by the same layout rule as the published ones. Refused rows raise
@@ -253,7 +327,7 @@ class PrefillInputs(PagedInputs):
         layout.write()
         view = slots[:t]
         view.flags.writeable = False  # the function reads the slots; it owns nothing here
-        return bool_mask(self.group, "owns_slot(slots)", owns_slot(view), size=t)
+        return bool_mask(g, "owns_slot(slots)", owns_slot(view), size=t)
 
     def mrope_planes(self, plan: PrefillPlan) -> torch.Tensor:
         """The chunk's MRoPE planes as a ``(3, num_tokens)`` view."""
@@ -261,13 +335,28 @@ class PrefillInputs(PagedInputs):
             raise CountError(f"{self.group}: no MRoPE planes; construct with mrope=True")
         return mrope_planes(self.mrope_positions, plan.num_tokens)
 
-    def prepare_attention(self, plan: PrefillPlan, cu_seqlens_q: torch.Tensor) -> None:
-        """First consumer: token owners, KV page prefix and ``kv_indices``."""
+    def prepare_attention(self, plan: PrefillPlan, cu_seqlens_q: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+        """First consumer: ``kv_indices`` (returned), after ``kv_indptr`` and
+        ``token_request``. Published (``publish_attention_inputs=True``), those two are
+        already on the device: this is KV-index generation alone and ``cu_seqlens_q`` is
+        not read. Otherwise one kernel derives them from ``cu_seqlens_q`` (the token
+        inputs' published query prefix, ``tokens.cu_seqlens_q.gpu``) first."""
+        indptr, owners = self.kv_indptr, self.token_request
+        if isinstance(indptr, H2DBuffer):
+            generate_kv_indices(self.block_tables.gpu, indptr.gpu, self.kv_indices,
+                                plan.num_reqs)
+            return self.kv_indices
+        if cu_seqlens_q is None or isinstance(owners, H2DBuffer):
+            raise AdapterInputError(
+                f"{self.group}: prepare_attention derives the token owners from the query "
+                "prefix: pass the token inputs' cu_seqlens_q.gpu (or construct with "
+                "publish_attention_inputs=True, or use PrefillStepInputs)")
         prepare_prefill_attention(
             cu_seqlens_q, self.cu_seqlens_k.gpu, self.block_tables.gpu, self.page_size,
-            plan.num_reqs, self.token_request[: plan.num_tokens], self.kv_indptr,
-            self.kv_indices,
+            plan.num_reqs, owners[: plan.num_tokens], indptr, self.kv_indices,
         )
+        return self.kv_indices
 
 
 def _lengths(group: str, cols: BatchColumns) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,193 @@
+"""A prefill chunk in one producer call and one publication.
+
+:class:`PrefillStepInputs` is prefill's :class:`~h2d_runner_adapters.DecodeStepInputs`:
+it composes :class:`SamplingInputs`, :class:`TokenInputs` and :class:`PrefillInputs`
+(temperatures, top-k, top-p, input IDs, token prefix, deferred sources, the query prefix,
+positions or MRoPE planes, KV slots, context lengths, the key prefix, the KV page prefix,
+each token's request, last-page lengths when declared, block tables), combines their
+groups into one publication group ``prefill_step`` (one DMA, one scatter) and produces
+all of them with one ``@h2d_producer`` call.
+
+The per-token work (positions, KV slots, token owners, context lengths, the query, key
+and KV page prefixes) and the sampling and token columns are one compiled
+:class:`block_tables.RequestLayout` pass over the prepared table, which checks every
+column first (see :func:`~h2d_runner_adapters.token_step.step_columns`); the prefill
+adapter's own checks (token ids per token, ``owns_slot``'s mask, MRoPE prompt positions)
+run on the planned chunk inside the same call, before any write. A rejected chunk (a
+specific :class:`h2d_core.CountError`, e.g.
+:class:`~h2d_runner_adapters.checks.AdapterInputError` naming the group, the request and
+the column, or :class:`block_tables.BlockTableError`) changes nothing, and a corrected
+retry in the same epoch publishes.
+
+Prefill runs eagerly: no graph padding. First consumers: ``tokens.assemble(plan.tokens,
+prev)``, :meth:`PrefillStepInputs.prepare_attention` (KV-index generation) and
+``sampling.sample(logits, plan.sampling, noise)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from h2d_core import DeclarationError, H2DBuffer, H2DRunnerState, LayoutStep, h2d_producer
+
+from .batch import ScheduledBatch
+from .checks import AdapterInputError
+from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
+from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
+from .token_step import sampling_plan, step_columns, step_counts
+
+PREFILL_STEP = "prefill_step"
+_new = tuple.__new__
+
+
+class PrefillStepPlan(NamedTuple):
+    """The three adapters' plans for one prefill chunk."""
+
+    sampling: SamplingPlan
+    tokens: TokenPlan
+    prefill: PrefillPlan
+
+
+class PrefillStepInputs:
+    """Sampling, token inputs and prefill metadata as one producer and one group.
+
+    Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
+    ``.prefill``) and combines their producer groups, plus ``extra_groups`` (e.g. GDN
+    state indices, produced by their own adapter), into ``group``; construct before
+    ``state.bind()``. :meth:`from_adapters` composes adapters the caller declared (e.g.
+    sampling and token inputs shared with the decode step). ``mrope`` and
+    ``last_page_lens`` are :class:`PrefillInputs`' options, taken by :meth:`prepare` as
+    it takes them.
+
+    The KV page prefix ``kv_indptr`` and each token's request ``token_request`` are
+    published members of the group (``.kv_indptr`` and ``.token_request``, H2D buffers
+    read through ``.gpu``), computed on the host by the same layout pass as the positions,
+    as decode's ``kv_indptr`` is, rather than derived on the device from the query and
+    key prefixes. Why: the host has the lengths in hand, so they cost one store per token
+    and per request in the pass and 4 bytes each in the DMA that already carries 20 bytes
+    per token (ids, positions, KV slots); in return attention preparation is KV-index
+    generation alone, one launch where the device derivation takes two (an eager Triton
+    launch costs tens of microseconds of host time), the consumer and the
+    ``kv_indptr`` member are decode's, the chunk's KV page count is known on the host
+    (``plan.prefill.num_pages``, for kernels planned on the host) without a readback,
+    and no scan bounds the requests of one chunk. The KV indices stay a device output
+    (``prefill.kv_indices``), as in decode: they are the block tables' rows, which
+    already travel (only their changed bytes).
+    """
+
+    def __init__(
+        self,
+        state: H2DRunnerState,
+        *,
+        max_reqs: int,
+        max_tokens: int,
+        max_pages_per_req: int,
+        page_size: int,
+        num_pages: int | None = None,
+        max_ranges: int = 64,
+        mrope: bool = False,
+        last_page_lens: bool = False,
+        group: str = PREFILL_STEP,
+        extra_groups: Sequence[str] = (),
+    ) -> None:
+        self._compose(
+            SamplingInputs(state, max_reqs),
+            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens),
+            PrefillInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+                          max_pages_per_req=max_pages_per_req, page_size=page_size,
+                          num_pages=num_pages, max_ranges=max_ranges, mrope=mrope,
+                          last_page_lens=last_page_lens, publish_attention_inputs=True),
+            group, tuple(extra_groups))
+
+    @classmethod
+    def from_adapters(
+        cls,
+        sampling: SamplingInputs,
+        tokens: TokenInputs,
+        prefill: PrefillInputs,
+        *,
+        group: str = PREFILL_STEP,
+        extra_groups: Sequence[str] = (),
+    ) -> PrefillStepInputs:
+        """Compose adapters declared on one state and combine their groups into ``group``
+        (before ``bind()``). The prefill adapter must publish its attention inputs
+        (``PrefillInputs(..., publish_attention_inputs=True)``, see the class
+        docstring)."""
+        self = cls.__new__(cls)
+        self._compose(sampling, tokens, prefill, group, tuple(extra_groups))
+        return self
+
+    def _compose(self, sampling: SamplingInputs, tokens: TokenInputs, prefill: PrefillInputs,
+                 group: str, extra_groups: tuple[str, ...]) -> None:
+        state = prefill.h2d_state
+        if sampling.h2d_state is not state or tokens.h2d_state is not state:
+            raise DeclarationError(
+                "PrefillStepInputs: the sampling, token and prefill adapters must be "
+                "declared on the same H2DRunnerState")
+        indptr, owners = prefill.kv_indptr, prefill.token_request
+        if not (isinstance(indptr, H2DBuffer) and isinstance(owners, H2DBuffer)):
+            raise DeclarationError(
+                "PrefillStepInputs: the prefill adapter derives kv_indptr and token_request "
+                "on the device; the step publishes them: declare it with "
+                "PrefillInputs(..., publish_attention_inputs=True)")
+        self.h2d_state = state
+        self.group = group
+        self.sampling = sampling
+        self.tokens = tokens
+        self.prefill = prefill
+        #: the published KV page prefix and token owners (the prefill adapter's members)
+        self.kv_indptr: H2DBuffer = indptr
+        self.token_request: H2DBuffer = owners
+        # speculative indices never ride with a prefill chunk (nothing verifies in it)
+        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS,
+                              *extra_groups])
+        self._step: LayoutStep | None = None  # bound on first use (after bind)
+
+    @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS)
+    def prepare(
+        self,
+        batch: ScheduledBatch,
+        *,
+        publish_tables: bool = True,
+        owns_slot: Callable[[np.ndarray], np.ndarray] | None = None,
+        mrope_positions: Sequence[np.ndarray | None] | None = None,
+        mrope_deltas: np.ndarray | None = None,
+    ) -> PrefillStepPlan:
+        """Write and count every member of the chunk and stage the block table; publish
+        with ``state.publish(self.group)``. The keyword arguments are
+        :meth:`PrefillInputs.prepare`'s. The whole chunk (sampling and token columns,
+        lengths, table rows, the prefill adapter's own inputs) is checked before any
+        source is written: a rejected chunk raises a specific error and changes
+        nothing."""
+        step = self._step
+        if step is None:
+            step = self._step = self._bind()
+        cols = batch.columns if isinstance(batch, ScheduledBatch) else None
+        values = () if cols is None else (  # not a batch: the prefill adapter refuses it
+            cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+            cols.token_ids, cols.num_drafts)
+        out, pplan = self.prefill._produce(step, batch, values, publish_tables, owns_slot,
+                                           mrope_positions, mrope_deltas, self.group)
+        assert cols is not None  # _produce refused anything but a batch
+        n, p, _, t, pt, _, _, uniform, drafts = out
+        return _new(PrefillStepPlan, (sampling_plan(cols, n, uniform),
+                                      _new(TokenPlan, (n, p, t, pt, drafts)), pplan))
+
+    def _bind(self) -> LayoutStep:
+        s, t, pf = self.sampling, self.tokens, self.prefill
+        layouts = pf.request_layouts(self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),
+                                     columns=lambda slot: step_columns(s, t, slot))
+        return LayoutStep(self.group, self.h2d_state, layouts, pf.tables, (),
+                          [*step_counts(s, t), *pf._count_rules()], sum_column=5,
+                          error=AdapterInputError, check=pf._check_planned)
+
+    def prepare_attention(self, plan: PrefillStepPlan) -> torch.Tensor:
+        """First consumer after publication: ``kv_indices`` (returned) from the published
+        block tables and ``kv_indptr``; its first ``plan.prefill.num_pages`` entries are
+        the chunk's pages, request after request. Reads only the step's own members."""
+        return self.prefill.prepare_attention(plan.prefill)
