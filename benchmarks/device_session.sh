@@ -9,8 +9,8 @@
 # publication path under compute-sanitizer's memcheck, racecheck and synccheck (not part of
 # "all"; H2D_SANITIZER_TOOLS and H2D_SANITIZER_TIMEOUT narrow them).
 #
-# targets: benchmarks/step_targets.py, v41_step.py and mtp_step.py (the anchors must be in .anchors/: copy
-# ../shared/context/anchors there and carry it).
+# targets: benchmarks/step_targets.py, v41_step.py and mtp_step.py (the peers they compare
+# against are re-created in benchmarks/peers: nothing outside the checkout is needed).
 #
 # H2D_BENCH_CPU=N runs the benchmarks pinned to CPU core N (taskset), as an engine pins its
 # scheduler thread; unset, they run wherever the OS puts them.
@@ -31,7 +31,7 @@ if [[ $what == tests || $what == all ]]; then
   echo "gpu suites: exit $?"; tail -n 15 "$out/gpu_tests.log"
 fi
 if [[ $what == targets || $what == all ]]; then
-  "${pin[@]}" python3 benchmarks/step_targets.py --anchors .anchors --out "$out" \
+  "${pin[@]}" python3 benchmarks/step_targets.py --out "$out" \
     >"$out/step_targets$tag.log" 2>&1
   echo "step_targets: exit $?"; tail -n 8 "$out/step_targets$tag.log"
   "${pin[@]}" python3 benchmarks/v41_step.py --out "$out" >"$out/v41_step$tag.log" 2>&1

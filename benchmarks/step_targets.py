@@ -19,8 +19,10 @@ steps, for these ways of doing the same step:
   block-table rebuild from the scheduler's Python page lists (their upkeep outside the
   timed step), one copy per field, then the same consumer launched; less its wait for a
   free pinned source set;
-* ``mrv2``: ``run`` of the anchors: vLLM Model Runner V2's mechanism re-created (2 H2D,
-  staged block-table diffs, Triton kernels reading UVA);
+* ``mrv2``: ``peers/mrv2_style.py``, our re-creation of vLLM Model Runner V2's mechanism
+  (GPU-resident request state, 2 H2D, staged block-table diffs and sampling snapshots read
+  by Triton kernels through UVA) over rows of the same width, one page appended per row
+  every 16 steps; its host timing leaves out its ring-slot wait, as the others' do;
 * ``packed``, by part (after the interleaved rounds): ``begin``, ``prepare``, ``publish``
   (with the fused consumer) and ``finish`` timed apart; begin + publish + finish is the
   launch floor (event query, packing, graph launch, event record);
@@ -30,9 +32,9 @@ steps, for these ways of doing the same step:
 
 The GPU host's speed drifts between processes (up to 2x), so the ways run in one process,
 interleaved in chunks (``--rounds`` rounds of ``--chunk`` steps each), and the table reports
-the median of the chunk medians and each peer's ratio to ``packed``. ``mrv2`` needs CUDA
-and the anchors folder (``--anchors``; default ``../shared/context/anchors`` beside the
-checkout, or ``.anchors/`` inside it); without them it does not run.
+the median of the chunk medians, their extremes (the spread) and each peer's ratio to
+``packed``. Every way runs on CPU too (Triton's interpreter): that checks the benchmark
+runs; its figures predict no GPU host.
 
     python benchmarks/step_targets.py [--batch-sizes 1,8,64,256] [--rounds 8] [--chunk 200]
         [--context 131072] [--out DIR]
@@ -41,13 +43,10 @@ checkout, or ``.anchors/`` inside it); without them it does not run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -58,6 +57,7 @@ use_sources()
 
 from decode_runner.atom_style import AtomStyleDecode  # noqa: E402
 from decode_runner.scheduler import steady_decode_batches  # noqa: E402
+from peers.mrv2_style import Mrv2StyleStep  # noqa: E402
 
 from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
@@ -183,23 +183,27 @@ class UnderDeviceContext:
             torch.set_default_device(None)
 
 
-def _anchors(path: Path | None) -> ModuleType | None:
-    candidates = [path] if path else [ROOT.parent / "shared" / "context" / "anchors",
-                                      ROOT / ".anchors"]
-    for folder in candidates:
-        file = folder / "mrv2_style.py" if folder else None
-        if file is not None and file.is_file():
-            spec = importlib.util.spec_from_file_location("anchors_mrv2_style", file)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-    return None
+class Mrv2Step:
+    """The MRV2-style step (``peers.mrv2_style``) at the library ways' row width; rows start
+    short enough for every timed step to fit them."""
+
+    def __init__(self, bs: int, context: int, device: str, warmup: int, steps: int) -> None:
+        max_blocks = -(-context // PAGE)
+        start = max_blocks * PAGE - PAGE - (warmup + steps)
+        self.step = Mrv2StyleStep(bs, max_blocks, device, context_len=start, page_size=PAGE)
+        self.run(warmup)
+
+    def run(self, steps: int) -> float:
+        """The median host µs of ``steps`` steps' metadata work (its ring wait left out)."""
+        times = []
+        for _ in range(steps):
+            self.step.step()
+            times.append(self.step.last_host_ns)
+        return float(np.median(times)) / 1e3
 
 
-def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> dict[str, Any]:
+def measure(bs: int, args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
-    max_blocks = -(-args.context // PAGE)
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("on CPU the consumer kernel needs TRITON_INTERPRET=1")
     fuse = True  # packed: KV-index generation inside the publication's graph
@@ -210,18 +214,12 @@ def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> di
         "packed+ctx": UnderDeviceContext(LibraryStep("packed", bs, args.context, device,
                                                      args.warmup, fuse)),
         "atom": AtomStep(bs, args.context, device, args.warmup),
+        "mrv2": Mrv2Step(bs, args.context, device, args.warmup, args.rounds * args.chunk),
     }
     medians: dict[str, list[float]] = {k: [] for k in ways}
-    if anchors is not None:
-        medians["mrv2"] = []
     for r in range(args.rounds):
-        order = list(medians) if r % 2 == 0 else list(medians)[::-1]
-        for name in order:
-            if name in ways:
-                medians[name].append(ways[name].run(args.chunk))
-            else:
-                medians[name].append(anchors.run(  # type: ignore[union-attr]
-                    bs, max_blocks, steps=args.anchor_chunk)["host_us_median"])
+        for name in (list(ways) if r % 2 == 0 else list(ways)[::-1]):
+            medians[name].append(ways[name].run(args.chunk))
     if device == "cuda":
         torch.cuda.synchronize()
     out: dict[str, Any] = {"bs": bs, "context": args.context, "device": device,
@@ -229,6 +227,7 @@ def measure(bs: int, args: argparse.Namespace, anchors: ModuleType | None) -> di
     for name, values in medians.items():
         out[f"{name}_us"] = float(np.median(values))
         out[f"{name}_us_chunks"] = values
+        out[f"{name}_us_spread"] = [min(values), max(values)]
     out["packed_parts_us"] = ways["packed"].parts(args.rounds * args.chunk // 2)
     out["packed_per_step"] = ways["packed"].per_step()
     out["direct_per_step"] = ways["direct"].per_step()
@@ -241,22 +240,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=200)
-    ap.add_argument("--anchor-chunk", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=50)
-    ap.add_argument("--anchors", type=Path, default=None)
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--out", type=Path, default=ROOT / "results")
     args = ap.parse_args()
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    anchors = _anchors(args.anchors) if args.device == "cuda" else None
-    if anchors is None:
-        print("mrv2 not run (it needs CUDA and the anchors folder)", file=sys.stderr)
-    rows = [measure(int(bs), args, anchors) for bs in args.batch_sizes.split(",")]
+    rows = [measure(int(bs), args) for bs in args.batch_sizes.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_targets.json").write_text(json.dumps(rows, indent=1))
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{gpu}, torch {torch.__version__}; host µs per decode step, median of "
-          f"{args.rounds} interleaved chunks; ratio = way / packed")
+          f"{args.rounds} interleaved chunks [packed's lowest-highest chunk]; ratio = way / "
+          "packed (lower is better)")
     print("| bs | target | packed | packed-eager | direct | atom | mrv2 | packed+ctx | "
           "DMAs+scatters/step (packed) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -269,7 +264,9 @@ def main() -> None:
 
         per = r["packed_per_step"]
         target = "-" if r["target_us"] is None else f"≤ {r['target_us']:.0f}"
-        print(f"| {r['bs']} | {target} | **{p:.1f}** | {cell('packed-eager')} | "
+        lo, hi = r["packed_us_spread"]
+        print(f"| {r['bs']} | {target} | **{p:.1f}** [{lo:.1f}-{hi:.1f}] | "
+              f"{cell('packed-eager')} | "
               f"{cell('direct')} | "
               f"{cell('atom')} | {cell('mrv2')} | {cell('packed+ctx')} | "
               f"{per['dmas']:.0f} + {per['scatters']:.0f} "
