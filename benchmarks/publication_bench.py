@@ -12,7 +12,7 @@ copy per field in the same run: host µs for preparation + publication, GPU µs 
 publication work to the end of the first consumer (KV-index generation; measured with the
 GPU kept busy while the host enqueues, so it is device time, not host launch gaps), and
 copies and kernels per step from a profiler trace. Variants (``VARIANTS``): the fused
-producer (``DecodeStepInputs``) packed and direct, the adapters' separate numpy producers
+producer (``DecodeStepInputs``) packed and direct, the adapters' separate producers
 packed and direct, and "atom", the shared ATOM-style step (``peers/atom_style.py`` through
 ``decode_runner/atom_style.py``, into the same destinations): per-row full-width
 block-table rebuild from the scheduler's Python page lists (kept outside the timed step,
@@ -46,8 +46,8 @@ from h2d_core import H2DRunnerState  # noqa: E402
 from h2d_runner_adapters import DecodeStepInputs, ScheduledBatch  # noqa: E402
 
 #: decode-step variants, all in the same run: "packed" / "direct" = the fused producer
-#: (DecodeStepInputs, compiled when available) with packed publication / one copy per
-#: field; "separate" / "separate-direct" = the three adapters' own producers (numpy);
+#: (DecodeStepInputs) with packed publication / one copy per field; "separate" /
+#: "separate-direct" = the three adapters' own producers, called one by one;
 #: "atom" = the shared ATOM-style step: per-row full-width rebuild + one copy per field
 VARIANTS = ("packed", "direct", "separate", "separate-direct", "atom")
 #: ~0.4 ms of GPU sleep before a measured span (longer than the host's enqueue of a step)
@@ -134,9 +134,9 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                 st = H2DRunnerState("cuda", backend="direct" if backend in (
                     "direct", "atom", "separate-direct") else "packed")
                 fused = backend in ("packed", "direct")
+                # (the interpreted producers are gone: native=False is refused)
                 step_inputs = DecodeStepInputs(
-                    st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=page,
-                    native=None if fused else False)
+                    st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=page)
                 sampling, tokens, decode = (step_inputs.sampling, step_inputs.tokens,
                                             step_inputs.decode)
                 st.bind()
