@@ -82,9 +82,10 @@ class MtpVerifyStep(_OwnDestinations):
         self.max_reqs, self.k, self.gdn, self.page_size = r, k, gdn, page_size
         self.num_accepted = torch.ones(r, dtype=I32, device=device)
 
-    def step(self, batch: Any, lists: Sequence[Sequence[int]]) -> None:
+    def step(self, batch: Any, lists: Sequence[Sequence[int]]) -> int:
         """One verify step of ``batch`` (a ``ScheduledBatch`` of ``k + 1`` tokens per
-        request; its ``context_lens`` include them), ``lists`` each request's pages."""
+        request; its ``context_lens`` include them), ``lists`` each request's pages.
+        Returns the ns it waited for a free source set (a runner's hook leaves it out)."""
         cols = batch.columns
         n, k, ps = cols.context_lens.size, self.k, self.page_size
         q = k + 1
@@ -129,6 +130,7 @@ class MtpVerifyStep(_OwnDestinations):
                 self.num_accepted[i] = 1 + (i % q)
             self.dests["gdn_cu_seqlens_q"][n].item()  # the spec token count read back
         self.sources.release()
+        return self.last_wait_ns
 
 
 class V4DecodeStep(_OwnDestinations):
@@ -166,9 +168,9 @@ class V4DecodeStep(_OwnDestinations):
         self.max_reqs, self.window = r, window
         self.index_topk, self.envelope_rows = index_topk, envelope_rows
 
-    def step(self, spans: Any, lists: Sequence[Sequence[int]]) -> None:
+    def step(self, spans: Any, lists: Sequence[Sequence[int]]) -> int:
         """One decode step of ``spans`` (``SpanColumns``: one token per request),
-        ``lists`` each request's blocks."""
+        ``lists`` each request's blocks. Returns the ns it waited for a free source set."""
         n = spans.context_lens.size
         if n > self.max_reqs or len(lists) != n:
             raise AtomStyleError(f"{n} requests, {len(lists)} page lists: the step holds "
@@ -223,3 +225,4 @@ class V4DecodeStep(_OwnDestinations):
                   for name in self.dests}
         self._copy(counts)
         self.sources.release()
+        return self.last_wait_ns

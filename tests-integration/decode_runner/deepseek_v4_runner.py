@@ -155,7 +155,7 @@ class DeepseekV4Runner(DecodeRunner):
         self.decode_compress_rows: dict[int, int] = {}
         #: the main job's ATOM-style baseline (see the module docstring): called with
         #: (spans, page lists) instead of the decode publication and first consumers
-        self.metadata_hook: Callable[[SpanColumns, list[list[int]]], None] | None = None
+        self.metadata_hook: Callable[[SpanColumns, list[list[int]]], int | None] | None = None
         self._last_decode: V4StepInputs | None = None
         super().__init__(cfg, device, backend, model=model)
 
@@ -232,8 +232,8 @@ class DeepseekV4Runner(DecodeRunner):
         if events is not None:
             events[0].record()
         t0 = time.perf_counter_ns()
-        hook(spans, lists)
-        self.host_metadata_ns = time.perf_counter_ns() - t0
+        waited = hook(spans, lists)  # ns it waited for a free source set: left out
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - (waited or 0)
         inputs = self._last_decode
         if events is not None:
             if self.span_through_model:  # the model's first kernel, eagerly

@@ -157,7 +157,7 @@ class V41Runner:
         #: the main job's ATOM-style baseline: when set, a step calls it (spans, page lists)
         #: instead of the library's publication and first consumers, and the stand-in runs
         #: over the destinations as last published (its values are not consumed)
-        self.metadata_hook: Callable[[SpanColumns, list[list[int]]], None] | None = None
+        self.metadata_hook: Callable[[SpanColumns, list[list[int]]], int | None] | None = None
         self._last_plan: V41Plan | None = None
 
     # -- one step ------------------------------------------------------------------------
@@ -181,8 +181,8 @@ class V41Runner:
             if events is not None:
                 events[0].record()
             t0 = time.perf_counter_ns()
-            hook(sc, page_lists)
-            self.host_metadata_ns = time.perf_counter_ns() - t0
+            waited = hook(sc, page_lists)  # ns it waited for a free source set: left out
+            self.host_metadata_ns = time.perf_counter_ns() - t0 - (waited or 0)
             vp = self._last_plan
         else:
             t0 = time.perf_counter_ns()
