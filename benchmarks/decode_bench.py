@@ -42,9 +42,11 @@ Per family, batch size and way:
 * H2D copies and kernels per step from a ``torch.profiler`` trace, **by copy kind**: the
   source and destination memory kinds the runtime reports for each memcpy (an H2D copy is
   one from pinned or pageable host memory to the device, whatever its label says);
-* host µs of the step's metadata work (p50 over every timed step, and the spread: the
-  lowest and highest chunk median; for the library
-  ``begin()``..``finish()`` less the wait for source reuse, reported apart);
+* host µs of the step's metadata work, every way to the same point: its first consumers'
+  work enqueued (the library: ``begin()`` through ``finish()`` and the first consumers'
+  launches, less the wait for source reuse, reported apart; the ATOM-style ways build
+  those arrays on the host). p50 over every timed step, and the spread: the lowest and
+  highest chunk median;
 * GPU span µs: CUDA events from the first publication work through the first consumers and
   the model's first kernel (the embedding gather of the step's ids, run eagerly in this
   pass), each step queued behind a sleep longer than the way's host time, so the span is

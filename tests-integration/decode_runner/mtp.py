@@ -168,7 +168,8 @@ class MtpRunner:
                                given_block_tables=list(self.tables), step=self.iterations)
         events = self.span_events
         gplan = None
-        if self.metadata_hook is not None and self._last_plan is not None:
+        hooked = self.metadata_hook is not None and self._last_plan is not None
+        if hooked:
             if events is not None:
                 events[0].record()
             t0 = time.perf_counter_ns()
@@ -187,12 +188,15 @@ class MtpRunner:
                 events[0].record()
             st.publish(DECODE_STEP)
             st.finish()
-            self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
             self._last_plan, self._last_gplan = plan, gplan
         # -- verify: first consumers, the target model, sampling and acceptance
         tok, dec = step.tokens, step.decode
         ids = tok.assemble(plan.tokens, self.pending)
         dec.generate_kv_indices(plan.decode)
+        if not hooked:
+            # timed to the first consumers enqueued: the ATOM-style hook builds those arrays
+            # on its host inside its timed region
+            self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
         t = n * q
         inputs = DecoderInputs(
             input_ids=ids, positions=dec.positions.gpu[:t], slot_mapping=dec.slot_mapping.gpu[:t],

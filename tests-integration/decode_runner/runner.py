@@ -296,7 +296,7 @@ class DecodeRunner:
                 events[0].record()
             t0 = time.perf_counter_ns()
             self._sampling_plan, tplan, dplan = self.atom.publish(batch, padded)
-            self.host_metadata_ns = time.perf_counter_ns() - t0 - self.atom.last_wait_ns
+            waited = self.atom.last_wait_ns
         else:
             t0 = time.perf_counter_ns()
             st.begin()
@@ -306,9 +306,7 @@ class DecodeRunner:
             for group in self.publish_groups:
                 st.publish(group)
             st.finish()
-            # host work only: the wait for source reuse (a GPU still busy with earlier
-            # steps) is reported apart, as ``state.last_source_wait_ns``
-            self.host_metadata_ns = time.perf_counter_ns() - t0 - st.last_source_wait_ns
+            waited = st.last_source_wait_ns
         rows = dplan.padded_reqs
         consumers = self.consumer_graphs.get(rows)
         if consumers is not None and tplan.padded_tokens == rows:
@@ -316,6 +314,9 @@ class DecodeRunner:
         else:
             self.tokens.assemble(tplan, self.sampled)
             self.decode.generate_kv_indices(dplan)
+        # every way is timed to the same point, its first consumers enqueued; host work only:
+        # the wait for source reuse (a GPU still busy with earlier steps) is reported apart
+        self.host_metadata_ns = time.perf_counter_ns() - t0 - waited
         self._decoded(batch, dplan)
         if events is not None:
             if self.span_through_model:  # the model's first kernel, eagerly
