@@ -276,8 +276,8 @@ def main() -> None:
     timed = ("through the first consumer enqueued" if args.device == "cuda"
              else "first consumers left out (CPU: they would run interpreted)")
     print(f"{gpu}, torch {torch.__version__}; V4.1 decode step (q=1, {args.context}-token "
-          f"contexts): host µs {timed}, median of {args.rounds} interleaved chunks; ratio = "
-          "way / packed; lower is better")
+          f"contexts): host µs {timed}, median of {args.rounds} interleaved chunks "
+          "[packed's lowest-highest chunk]; ratio = way / packed; lower is better")
     print("| bs | target | packed (fused) | launched | direct | atom | DMAs+scatters/step "
           "(packed) | GPU span µs packed / launched / direct / atom |")
     print("|---:|---:|---:|---:|---:|---:|---|---|")
@@ -290,7 +290,8 @@ def main() -> None:
         target = "-" if r["target_us"] is None else f"≤ {r['target_us']:.0f}"
         span = " / ".join(f"{r[k + '_gpu_span_us']:.1f}" if k + "_gpu_span_us" in r else "-"
                           for k in ("packed", "launched", "direct", "atom"))
-        print(f"| {r['bs']} | {target} | **{p:.1f}** | {r['launched_us']:.1f} "
+        lo, hi = min(r["packed_us_chunks"]), max(r["packed_us_chunks"])
+        print(f"| {r['bs']} | {target} | **{p:.1f}** [{lo:.1f}-{hi:.1f}] | {r['launched_us']:.1f} "
               f"({r['launched_us'] / p:.1f}x) | {r['direct_us']:.1f} "
               f"({r['direct_us'] / p:.1f}x) | {r['atom_us']:.1f} ({r['atom_us'] / p:.1f}x) | "
               f"{dmas:.0f} + {scatters:.0f} (direct copies {copies:.0f}) | {span} |")
