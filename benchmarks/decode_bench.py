@@ -106,6 +106,8 @@ from decode_runner.mtp import MtpConfig, MtpRunner  # noqa: E402
 from decode_runner.runner import DecodeRunner, RunnerConfig  # noqa: E402
 from decode_runner.scheduler import steady_decode_batches, steady_decode_num_pages  # noqa: E402
 from decode_runner.v41 import V41Config, V41Runner  # noqa: E402
+from peers.atom_style import PageLists  # noqa: E402
+from span_sleep import sleep_cycles  # noqa: E402
 from trace_counts import count_per_step  # noqa: E402
 
 from block_tables import BlockTable  # noqa: E402
@@ -223,7 +225,7 @@ class V41Steady:
         self.ctx = self.start.copy()
         self.steps = 0
         self.tables = [self._table(i, int(c)) for i, c in enumerate(self.ctx)]
-        self.lists = [list(t) for t in self.tables]
+        self.lists = PageLists()  # the scheduler's Python page lists, for the ATOM-style way
         self.slots = np.arange(bs, dtype=np.int32)
         self.ids = np.zeros(bs, np.int32)
 
@@ -237,17 +239,15 @@ class V41Steady:
         if self.steps % self.window == 0:
             self.ctx[:] = self.start
             self.tables = [self._table(i, int(c)) for i, c in enumerate(self.ctx)]
-            self.lists = [list(t) for t in self.tables]
         self.ctx += 1
         for i in range(self.bs):
             if -(-int(self.ctx[i]) // V4_BLOCK) > len(self.tables[i]):
                 t = self.tables[i].lineage_copy()
                 t.append_one(1 + i * self.per_row + len(t))
                 self.tables[i] = t
-                self.lists[i] = [*self.lists[i], t[len(t) - 1]]
         q = np.ones(self.bs, np.int32)
         return (SpanColumns(q, self.ctx.copy(), self.slots, self.slots), list(self.tables),
-                list(self.lists))
+                list(self.lists.sync(self.tables)))
 
 
 def v41_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
@@ -279,8 +279,8 @@ def v41_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
         runner.step(spans, rows, steady.ids, padded, lists=lists)
         return 1.0
 
-    def wait() -> int:
-        return 0 if way == "atom" else runner.state.last_source_wait_ns
+    def wait() -> int:  # the ATOM-style step waits for a free pinned source set
+        return atom.last_wait_ns if way == "atom" else runner.state.last_source_wait_ns
 
     return Loop(runner, step, wait,
                 lambda: _library_counters(runner.state, (TOKEN_INPUTS, V41_METADATA)),
@@ -317,8 +317,10 @@ def mtp_loop(way: str, bs: int, args: argparse.Namespace, gdn: bool) -> Loop:
         runner.iterate()
         return 1.0 + float(runner.last_accepted.mean())
 
-    return Loop(runner, step, lambda: 0 if way == "atom" else runner.state.last_source_wait_ns,
-                lambda: _library_counters(runner.state, (DECODE_STEP,)))
+    def wait() -> int:  # the ATOM-style step waits for a free pinned source set
+        return atom.last_wait_ns if way == "atom" else runner.state.last_source_wait_ns
+
+    return Loop(runner, step, wait, lambda: _library_counters(runner.state, (DECODE_STEP,)))
 
 
 # -- transformers models (their modules are imported on use: they need transformers) -----
@@ -380,9 +382,7 @@ def _chunk(loop: Loop, steps: int, cuda: bool) -> tuple[list[float], list[float]
 
 def _span(loop: Loop, steps: int, host_us: float) -> list[float]:
     """GPU µs from the first publication work through the model's first kernel."""
-    # ~2 GHz: cycles per µs; the sleep outlasts the way's host enqueue (``host_us``, a high
-    # percentile of it) three times over, so the span is GPU work and not host gaps
-    cycles = int(max(1000.0, 3 * host_us + 300) * 2000)
+    cycles = sleep_cycles(host_us)  # the span is GPU work, not host gaps
     runner = loop.runner
     runner.span_through_model = True
     loop.prefetch(steps)
@@ -503,7 +503,8 @@ def _plot(results: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> No
                 by = {r["bs"]: r for r in rows if r["way"] == w}
                 ratio = [by[s][key] / packed[s][key] for s in sizes]
                 bars = ax.bar(x + (k - 0.5) * 0.38, ratio, 0.38, color=colors[w], label=w)
-                ax.bar_label(bars, [f"{v:.2g}x" for v in ratio], fontsize=6)
+                ax.bar_label(bars, [f"{v:.2f}x" if v < 10 else f"{v:.0f}x" for v in ratio],
+                             fontsize=6)
             ax.axhline(1.0, color="tab:blue", lw=1.2, label="packed = 1")
             ax.set_xticks(x, [f"{s}\n{packed[s][key]:.3g} {unit}" for s in sizes], fontsize=7)
             ax.set_xlabel("batch size (requests); packed's own value below it", fontsize=7)

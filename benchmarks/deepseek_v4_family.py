@@ -146,9 +146,9 @@ class DeepseekV4Decode(LlamaDecode):
         if self.hooked:
             import v41_step
 
-            atom = v41_step.AtomStyle(bs, ctx + RESTART + V4_BLOCK, args.device)
+            self.atom = v41_step.AtomStyle(bs, ctx + RESTART + V4_BLOCK, args.device)
             self.runner.step(self._next())  # the destinations, once
-            self.runner.metadata_hook = atom.step
+            self.runner.metadata_hook = self.atom.step
 
     def _next(self) -> ScheduledBatch:
         b = super()._next()
@@ -159,8 +159,9 @@ class DeepseekV4Decode(LlamaDecode):
         return b
 
     def wait_ns(self) -> int:
-        """The library's wait for source reuse (the ATOM-style host step has none)."""
-        return 0 if self.hooked else self.runner.state.last_source_wait_ns
+        """The last step's wait for source reuse: the library's, or the ATOM-style step's
+        for a free pinned source set."""
+        return self.atom.last_wait_ns if self.hooked else self.runner.state.last_source_wait_ns
 
 
 def table(results: list[dict[str, Any]], cuda: bool) -> str:

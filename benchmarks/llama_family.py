@@ -38,6 +38,7 @@ import torch
 from decode_runner.llama_graph import LlamaGraphDecoder
 from decode_runner.runner import DecodeRunner, RunnerConfig
 from decode_runner.scheduler import steady_decode_batches, steady_decode_num_pages
+from span_sleep import sleep_cycles
 
 from block_tables import BlockTable
 from h2d_runner_adapters import SamplingParams, ScheduledBatch, ScheduledRequest
@@ -161,7 +162,7 @@ class LlamaDecode:
         """GPU µs of one step's work alone: after a synchronize, the step is enqueued behind
         a sleep that outlasts the host's step three times, between two events (the second
         recorded before any readback), so no host gap lies inside the span."""
-        cycles = int(max(1000.0, 3 * host_us + 300) * 2000)  # ~2 GHz: cycles per µs
+        cycles = sleep_cycles(host_us)
         self.prefetch(steps)
         out = []
         for _ in range(steps):

@@ -57,6 +57,7 @@ use_sources()
 
 from peers.atom_families import V4DecodeStep  # noqa: E402
 from peers.atom_style import PageLists  # noqa: E402
+from span_sleep import sleep_cycles  # noqa: E402
 
 from block_tables import BlockTable  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
@@ -73,12 +74,6 @@ from h2d_runner_adapters import (  # noqa: E402
 
 WINDOW, TOPK, ENVELOPE = 128, 1024, 66  # SWA window, index top-k, compressed rows per block
 TARGET_US = {64: 20.0}
-
-
-def sleep_cycles(host_p90_us: float) -> int:
-    """``torch.cuda._sleep`` cycles that outlast a way's host enqueue three times over (~2
-    GHz: 2000 cycles per µs; as ``decode_bench._span``), so a span is GPU work."""
-    return int(max(1000.0, 3 * host_p90_us + 300) * 2000)
 
 
 class Batches:

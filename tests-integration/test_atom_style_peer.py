@@ -121,11 +121,24 @@ def test_mha_decode_copies_the_catalog_arrays(copies: list[int]) -> None:
 def test_mha_decode_refuses_before_writing() -> None:
     dests = _mha_dests(2, 3)
     step = MhaDecodeStep(dests, PS)
+    sets = step.sources.sets
+    for s in sets:
+        for t in s.values():
+            t.fill_(7)
+    before = ([{k: t.clone() for k, t in s.items()} for s in sets],
+              {k: t.clone() for k, t in dests.items()}, step.sources.turn)
     with pytest.raises(AtomStyleError, match="one token per request"):
         step.publish(_cols([5, 6], q=2), [[1, 2], [3, 4]])
+    assert step.sources.turn == before[2]  # checked after each: two turns would cancel
     with pytest.raises(AtomStyleError, match="page lists"):
         step.publish(_cols([5, 6]), [[1, 2]])
-    assert (dests["positions"] == SENTINEL).all()
+    # no destination, no source set and not the set rotation changed
+    for s, was in zip(sets, before[0], strict=True):
+        assert all(torch.equal(t, was[k]) for k, t in s.items())
+    assert all(torch.equal(t, before[1][k]) for k, t in dests.items())
+    assert step.sources.turn == before[2]
+    step.publish(_cols([5, 6]), [[1, 2], [3, 4]])  # a retry works
+    assert dests["positions"][:2].tolist() == [4, 5]
     with pytest.raises(AtomStyleError, match="destination block_tables"):
         MhaDecodeStep({**dests, "block_tables": dests["block_tables"].long()}, PS)
 

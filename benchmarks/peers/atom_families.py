@@ -27,7 +27,7 @@ import torch
 
 from .atom_style import AtomStyleError, Field, SourceSets, copy_fields, rebuild_block_tables
 
-__all__ = ["MTP_COPIES", "V4_COPIES", "MtpVerifyStep", "V4DecodeStep"]
+__all__ = ["MtpVerifyStep", "V4DecodeStep"]
 
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 
@@ -52,11 +52,6 @@ class _OwnDestinations:
     def _copy(self, counts: dict[str, int]) -> None:
         self.last_bytes = copy_fields(self.sources.host, self.dests, counts)
 
-
-#: copies per step (catalog §3): MHA+MTP, GDN+MTP (plus the per-request scalar stores)
-MTP_COPIES = {False: 13, True: 15}
-#: V4 fp8 decode, one token per request (catalog §3c)
-V4_COPIES = 23
 
 
 class MtpVerifyStep(_OwnDestinations):
@@ -92,6 +87,10 @@ class MtpVerifyStep(_OwnDestinations):
         if n > self.max_reqs or len(lists) != n:
             raise AtomStyleError(f"{n} requests, {len(lists)} page lists: the step holds "
                                  f"{self.max_reqs} requests, one list each")
+        if (cols.query_lens != q).any() or cols.token_ids.size != n * q:
+            raise AtomStyleError(f"the ATOM-style verify step models {q} tokens per request "
+                                 f"(k = {k}); got query lengths {cols.query_lens.tolist()} and "
+                                 f"{cols.token_ids.size} token ids")
         a = self.sources.acquire()
         t = n * q
         ctx = cols.context_lens.astype(np.int64)
@@ -162,8 +161,8 @@ class V4DecodeStep(_OwnDestinations):
             "ind_hca": (I32, (r + 1,)), "hca_idx": (I32, (hca_cap,)),
             "qo_indptr": (I32, (r + 1,)),
         }
-        plans = {f"{kind}_{ratio}": -1 for ratio, _ in self.RATIOS
-                 for kind in ("compress", "write")}
+        plans: dict[str, float] = {f"{kind}_{ratio}": -1 for ratio, _ in self.RATIOS
+                                   for kind in ("compress", "write")}
         super().__init__(fields, device, num_sets, fills=plans)
         self.max_reqs, self.window = r, window
         self.index_topk, self.envelope_rows = index_topk, envelope_rows
