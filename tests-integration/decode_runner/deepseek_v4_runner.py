@@ -250,9 +250,8 @@ class DeepseekV4Runner(DecodeRunner):
         return self.decode.step_inputs(self._plan, self.tokens.input_ids.gpu, prefill=False)
 
     def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, V41Plan]:
-        self._sampling_plan = self.sampling.prepare(batch)
-        tplan = self.tokens.prepare_ids(batch)
-        self.tokens.prepare_query_prefix(batch)
+        tok = self.token_step.prepare(batch)  # sampling, ids and query prefix: one call
+        self._sampling_plan, tplan = tok.sampling, tok.tokens
         self._plan = self.prefill.v4.begin_prefill(self._spans(batch),
                                                    block_tables=batch.block_tables)
         return tplan, self._plan
