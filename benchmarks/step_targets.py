@@ -2,13 +2,15 @@
 
 The step: sampling + token inputs + MHA decode metadata as one combined group
 (``DecodeStepInputs``), 128K-token context rows, 1/16 of the rows append a page each step,
-two slots. Host µs from ``begin()`` until the first consumer (KV-index generation) is
-enqueued, then ``finish()`` (less any blocking wait for source reuse), median per chunk of
-steps, for these ways of doing the same step:
+two slots. Host µs from ``begin()`` until the first consumers (token assembly, KV-index
+generation) are enqueued, then ``finish()`` (less any blocking wait for source reuse),
+median per chunk of steps, for these ways of doing the same step (each through its first
+consumers: MRV2's timed step builds its ids too):
 
 * ``packed``: this library, one DMA + one scatter per step (checked from its counters), with
-  KV-index generation fused into the publication (``fuse_kv_indices=True``: inside its CUDA
-  graph, the row count read from the arena header), so the consumer call launches nothing;
+  token assembly and KV-index generation fused into the publication (``fuse_token_assembly``,
+  ``fuse_kv_indices``: inside its CUDA graph, the counts read from the arena header), so the
+  consumer calls launch nothing;
 * ``packed-eager``: the same without the fusion: ``generate_kv_indices`` launches the Triton
   kernel after ``publish`` (Triton's launcher, every step);
 * ``direct``: this library with ``backend="direct"`` (one copy per member, the consumer
@@ -75,13 +77,17 @@ class LibraryStep:
                  fuse: bool = False) -> None:
         per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
         self.state = H2DRunnerState(device, backend=backend, num_slots=2)
+        #: the engine's persistent buffer of the previous step's sampled tokens, which token
+        #: assembly reads for the deferred ids
+        self.prev = torch.zeros(bs, 1, dtype=torch.int32, device=device)
         self.step = DecodeStepInputs(self.state, max_reqs=bs, max_tokens=bs,
                                      max_pages_per_req=per_row, page_size=PAGE,
-                                     fuse_kv_indices=fuse)
+                                     fuse_kv_indices=fuse,
+                                     fuse_token_assembly=self.prev if fuse else None)
         self.state.bind()
-        consumer = self.step.decode.kv_indices_consumer
-        if fuse and not (consumer is not None and consumer.fused):
-            raise RuntimeError(f"{backend}: KV-index generation was not fused")
+        fused = (self.step.decode.kv_indices_consumer, self.step.tokens.assembly_consumer)
+        if fuse and not all(c is not None and c.fused for c in fused):
+            raise RuntimeError(f"{backend}: KV-index generation or token assembly was not fused")
         self.batches = steady_decode_batches(bs, context, PAGE, window=WINDOW)
         self.run(warmup)
 
@@ -91,14 +97,16 @@ class LibraryStep:
         for b in batches:
             b.columns, b.block_tables  # noqa: B018
         st, prepare, pc = self.state, self.step.prepare, time.perf_counter_ns
-        consume = self.step.decode.generate_kv_indices
+        consume, assemble, prev = (self.step.decode.generate_kv_indices,
+                                   self.step.tokens.assemble, self.prev)
         times = []
         for b in batches:
             t0 = pc()
             st.begin()
             plan = prepare(b)
             st.publish("decode_step")
-            consume(plan.decode)  # fused: already enqueued by the publication
+            assemble(plan.tokens, prev)  # the first consumers (fused: already enqueued)
+            consume(plan.decode)
             st.finish()
             times.append(pc() - t0 - st.last_source_wait_ns)
         return float(np.median(times)) / 1e3
@@ -113,7 +121,8 @@ class LibraryStep:
         for b in batches:
             b.columns, b.block_tables  # noqa: B018
         st, prepare, pc = self.state, self.step.prepare, time.perf_counter_ns
-        consume = self.step.decode.generate_kv_indices
+        consume, assemble, prev = (self.step.decode.generate_kv_indices,
+                                   self.step.tokens.assemble, self.prev)
         times = np.zeros((steps, 4), dtype=np.int64)
         for i, b in enumerate(batches):
             t0 = pc()
@@ -122,6 +131,7 @@ class LibraryStep:
             plan = prepare(b)
             t2 = pc()
             st.publish("decode_step")
+            assemble(plan.tokens, prev)
             consume(plan.decode)
             t3 = pc()
             st.finish()
@@ -148,22 +158,26 @@ class AtomStep:
                                      max_pages_per_req=per_row, page_size=PAGE)
         self.state.bind()
         self.atom = AtomStyleDecode(self.step, page_size=PAGE)
+        self.prev = torch.zeros(bs, 1, dtype=torch.int32, device=device)
         self.batches = steady_decode_batches(bs, context, PAGE, window=WINDOW)
         self.run(warmup)
 
     def run(self, steps: int) -> float:
         """Step ``steps`` batches (built before the timed region); the median host µs from
-        the host build until the consumer is enqueued, less the wait for a source set."""
+        the host build until the first consumers are enqueued, less the wait for a source
+        set."""
         batches = [next(self.batches) for _ in range(steps)]
         for b in batches:
             b.columns, b.block_tables  # noqa: B018
         atom, pc = self.atom, time.perf_counter_ns
-        consume = self.step.decode.generate_kv_indices
+        consume, assemble, prev = (self.step.decode.generate_kv_indices,
+                                   self.step.tokens.assemble, self.prev)
         times = []
         for b in batches:
             atom.sync_lists(b)  # the scheduler's list upkeep: outside the timed step
             t0 = pc()
-            _, _, plan = atom.publish(b, None)
+            _, tplan, plan = atom.publish(b, None)
+            assemble(tplan, prev)  # the deferred ids, as the library's ways
             consume(plan)
             times.append(pc() - t0 - atom.last_wait_ns)
         return float(np.median(times)) / 1e3

@@ -83,3 +83,27 @@ def test_main_job_runs_deepseek_v4(tmp_path: Path) -> None:
         if r["way"] == "direct":
             assert per["dmas"] == 0 and per["direct_copies"] > 0
     assert "deepseek_v4: transformers DeepseekV4ForCausalLM" in stdout
+
+
+@pytest.mark.parametrize("script", ["step_targets.py", "v41_step.py", "mtp_step.py"])
+def test_step_benchmarks_run_every_way_on_cpu(tmp_path: Path, script: str) -> None:
+    """The step benchmarks the docs cite run from a checkout, with every way, on CPU (the
+    Triton interpreter): packed sends one DMA + one scatter per group."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--out",
+           str(tmp_path), "--batch-sizes", "2", "--rounds", "2", "--chunk", "2",
+           "--context", "2048"]
+    if script == "step_targets.py":
+        cmd += ["--warmup", "1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(next(tmp_path.glob("*.json")).read_text())
+    ways = {"step_targets.py": ("packed", "packed-eager", "direct", "atom", "mrv2"),
+            "v41_step.py": ("packed", "launched", "direct", "atom"),
+            "mtp_step.py": ("packed", "direct", "atom")}[script]
+    for r in rows:
+        assert all(len(r[f"{w}_us_chunks"]) == 2 for w in ways), r.keys()
+    if script == "step_targets.py":
+        assert rows[0]["packed_per_step"] == {"dmas": 1.0, "scatters": 1.0,
+                                              "direct_copies": 0.0}
+    assert "| bs |" in done.stdout and "[" in done.stdout  # the table with packed's spread
