@@ -81,8 +81,7 @@ class MlaDecodeRunner(DecodeRunner):
             self.token_step = TokenStepInputs(st, **caps)
             self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
             self.decode = MlaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables, last_page_lens=True,
-                                     publish_attention_inputs=True)
+        self.prefill = PrefillInputs(st, **caps, **tables, last_page_lens=True)
         self.prefill_step = PrefillStepInputs.from_adapters(
             self.sampling, self.tokens, self.prefill, group=PREFILL_STEP)
         self.ubatches = []

@@ -86,8 +86,7 @@ class Qwen2VLRunner(DecodeRunner):
         self.token_step = TokenStepInputs(st, **caps)
         self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
         self.decode = MhaDecodeInputs(st, **caps, **tables, mrope=True)
-        self.prefill = PrefillInputs(st, **caps, **tables, mrope=True,
-                                     publish_attention_inputs=True)
+        self.prefill = PrefillInputs(st, **caps, **tables, mrope=True)
         token_groups = ["sampling", *self.tokens.producer_groups]
         if self.combine:
             st.combine(MROPE_STEP, [*token_groups, self.decode.group])

@@ -160,7 +160,7 @@ class DecodeRunner:
         self.tokens = TokenInputs(st, **caps)
         tables = self.table_caps
         self.decode = MhaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables, publish_attention_inputs=True)
+        self.prefill = PrefillInputs(st, **caps, **tables)
         token_groups = ["sampling", *self.tokens.producer_groups]
         # plain decode steps: one fused producer call (compiled when available), one group
         extra = self.step_extra_groups
@@ -362,14 +362,14 @@ class DecodeRunner:
         last = (cu_q[1 : pplan.num_reqs + 1] - 1).long()
         return self.model(inputs, logits_indices=last), inputs
 
-    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, Any]:
+    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, PrefillPlan]:
         """The prefill producers of the step (one fused call here; a family's runner adds
         its own) and the sampling plan; returns the token and prefill plans."""
         plan = self.prefill_step.prepare(batch)
         self._sampling_plan = plan.sampling
         return plan.tokens, plan.prefill
 
-    def _prepare_attention(self, pplan: Any) -> None:
+    def _prepare_attention(self, pplan: PrefillPlan) -> None:
         """The prefill chunk's attention preparation (after its publication): KV-index
         generation from the step's published page prefix."""
         self.prefill.prepare_attention(pplan)

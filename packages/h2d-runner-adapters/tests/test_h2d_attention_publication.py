@@ -152,7 +152,7 @@ def test_prefill_attention_preparation(device: str, layout: str) -> None:
     r.tokens.prepare_query_prefix(batch)
     plan = r.prefill.prepare(batch)
     ah.publish_step(r, "prefill")
-    r.prefill.prepare_attention(plan, r.tokens.cu_seqlens_q.gpu)
+    r.prefill.prepare_attention(plan)
     st.finish()
     ah.sync(device)
     pf = r.prefill
@@ -164,13 +164,13 @@ def test_prefill_attention_preparation(device: str, layout: str) -> None:
     assert pf.slot_mapping.gpu[:15].tolist() == slots
     assert pf.cu_seqlens_k.gpu[:4].tolist() == [0, 7, 19, 22]
     tr = torch.full((15,), -9, dtype=torch.int32, device=device)
-    indptr = torch.full_like(pf.kv_indptr, -9)
+    indptr = torch.full_like(pf.kv_indptr.gpu, -9)
     kv = torch.full_like(pf.kv_indices, -9)
     tr, indptr, kv = prepare_prefill_attention_reference(
         r.tokens.cu_seqlens_q.gpu, pf.cu_seqlens_k.gpu, pf.block_tables.gpu, ah.PAGE, 3, tr,
         indptr, kv)
-    assert pf.token_request[:15].tolist() == tr.tolist() == [0] * 7 + [1] * 5 + [2] * 3
-    assert pf.kv_indptr[:4].tolist() == indptr[:4].tolist() == [0, 2, 5, 6]
+    assert pf.token_request.gpu[:15].tolist() == tr.tolist() == [0] * 7 + [1] * 5 + [2] * 3
+    assert pf.kv_indptr.gpu[:4].tolist() == indptr[:4].tolist() == [0, 2, 5, 6]
     assert pf.kv_indices[:6].tolist() == [x for t in reqs.tables for x in t.tolist()]
 
 
@@ -542,6 +542,7 @@ def test_delayed_source_reuse_and_untouched_tails(device: str, layout: str) -> N
             expected: dict[str, int | None] = {
                 "prefill_positions": pt, "prefill_slot_mapping": pt,
                 "prefill_cu_seqlens_k": n + 1, "prefill_context_lens": n,
+                "prefill_kv_indptr": n + 1, "prefill_token_request": pt,
                 "positions": None, "slot_mapping": None, "context_lens": None,
                 "kv_indptr": None}
             table = r.prefill.block_tables.name
@@ -552,7 +553,8 @@ def test_delayed_source_reuse_and_untouched_tails(device: str, layout: str) -> N
             want = _want_decode(reqs, n, p, q)
             expected = {"positions": pt, "slot_mapping": pt, "context_lens": p,
                         "kv_indptr": p + 1, "prefill_positions": None,
-                        "prefill_slot_mapping": None}
+                        "prefill_slot_mapping": None, "prefill_kv_indptr": None,
+                        "prefill_token_request": None}
             table = r.decode.block_tables.name
         expected |= {"input_ids": pt, "decode_cu": p + 1, "decode_src": p,
                      "cu_seqlens_q": p + 1}
@@ -564,8 +566,8 @@ def test_delayed_source_reuse_and_untouched_tails(device: str, layout: str) -> N
         ah.publish_step(r, "prefill" if prefill else "decode")
         after = dest_copies(st)
         if prefill:
-            r.prefill.prepare_attention(plan, r.tokens.cu_seqlens_q.gpu)
-            out = [r.prefill.token_request[:pt].clone(), r.prefill.kv_indices.clone()]
+            r.prefill.prepare_attention(plan)
+            out = [r.prefill.token_request.gpu[:pt].clone(), r.prefill.kv_indices.clone()]
         else:
             out = [r.decode.generate_kv_indices(dplan).clone()]
         st.finish()

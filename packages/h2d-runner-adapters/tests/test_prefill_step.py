@@ -3,17 +3,18 @@
 * Over a sequence of chunks (a cached prefix, appended pages, per-request and uniform
   filters): the step publishes, member for member, the bytes the hand-combined way
   publishes (SamplingInputs, TokenInputs and PrefillInputs produced one call each into one
-  combined group, attention preparation fed the token inputs' query prefix), its published
-  KV page prefix and token owners equal what that way's attention preparation derives on
-  the device, everything matches a numpy oracle of the definitions (query prefix,
-  positions, KV slots, token owners, key prefix, KV page prefix, KV indices), each chunk is
-  one publication (one DMA and one scatter on packed), and the direct backend leaves the
-  same destinations.
+  combined group), its published KV page prefix and token owners equal, over the chunk's
+  entries, what the device derivation (``prepare_prefill_attention`` on the published
+  query and key prefixes) gives, everything matches a numpy oracle of the definitions
+  (query prefix, positions, KV slots, token owners, key prefix, KV page prefix, KV
+  indices), each chunk is one publication (one DMA and one scatter on packed), and the
+  direct backend leaves the same destinations.
 * The prefill adapter's options through the step (MRoPE planes, last-page lengths,
   ``owns_slot``, an omitted table) against the same adapter produced by hand.
 * Rejected chunks: the library's specific error naming the group, the request or column
   and the rule; sources, destinations, counts and counters unchanged; a retry in the same
-  epoch publishes.
+  epoch publishes. KV-index generation after a chunk that left its table out is refused
+  (the GPU table is an earlier chunk's), through the step and the adapter alike.
 * Composition: sampling and token inputs shared with the decode step, extra groups, and
   the refusals of adapters the step cannot publish.
 """
@@ -31,7 +32,7 @@ import pytest
 import torch
 
 from block_tables import BlockTable, MissingPagesError, PageIdRangeError
-from h2d_core import CountError, DeclarationError, H2DBuffer, H2DRunnerState
+from h2d_core import CountError, DeclarationError, H2DRunnerState
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adapter_helpers as ah
@@ -52,11 +53,13 @@ from h2d_runner_adapters import (
     GdnStateInputs,
     MhaDecodeInputs,
     PrefillInputs,
+    PrefillPlan,
     PrefillStepInputs,
     PrefillStepPlan,
     SamplingInputs,
     ScheduledBatch,
     TokenInputs,
+    prepare_prefill_attention,
 )
 
 MAX_REQS = 4
@@ -71,7 +74,9 @@ PREV = 3  # rows of the previous step's sampled ids (one id each)
 @dataclass
 class Side:
     """One way of producing a prefill chunk: ``step`` (PrefillStepInputs) or ``hand`` (the
-    three adapters, one producer call each, published through one combined group)."""
+    three adapters, one producer call each, published through one combined group; its
+    attention preparation also derives the page prefix and token owners on the device,
+    into ``derived``, from the published query and key prefixes)."""
 
     kind: str
     state: H2DRunnerState
@@ -79,6 +84,8 @@ class Side:
     tokens: TokenInputs
     prefill: PrefillInputs
     step: PrefillStepInputs | None
+    #: the device derivation's token owners, page prefix and KV indices (hand sides)
+    derived: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def prepare(self, batch: ScheduledBatch, **kw: Any) -> PrefillStepPlan:
         if self.step is not None:
@@ -91,15 +98,22 @@ class Side:
     def attention(self, plan: PrefillStepPlan) -> torch.Tensor:
         if self.step is not None:
             return self.step.prepare_attention(plan)
-        return self.prefill.prepare_attention(plan.prefill, self.tokens.cu_seqlens_q.gpu)
+        pf = self.prefill
+        kv = pf.prepare_attention(plan.prefill)
+        if self.derived is None:  # whole tensors, poisoned: the derivation writes every
+            self.derived = (torch.full_like(pf.token_request.gpu, -7),  # token entry
+                            torch.full_like(pf.kv_indptr.gpu, -7), torch.full_like(kv, -7))
+        owners, indptr, indices = self.derived
+        prepare_prefill_attention(self.tokens.cu_seqlens_q.gpu, pf.cu_seqlens_k.gpu,
+                                  pf.block_tables.gpu, PAGE, plan.prefill.num_reqs, owners,
+                                  indptr, indices)
+        return kv
 
     def owners(self) -> torch.Tensor:
-        t = self.prefill.token_request
-        return t.gpu if isinstance(t, H2DBuffer) else t
+        return self.prefill.token_request.gpu
 
     def indptr(self) -> torch.Tensor:
-        t = self.prefill.kv_indptr
-        return t.gpu if isinstance(t, H2DBuffer) else t
+        return self.prefill.kv_indptr.gpu
 
 
 def _scatter(device: str) -> str:
@@ -109,9 +123,8 @@ def _scatter(device: str) -> str:
 
 
 def build(kind: str, device: str, *, backend: str = "packed", scatter: str | None = None,
-          published: bool = False, **options: Any) -> Side:
-    """``kind`` "step" or "hand"; a hand side's prefill adapter derives its attention
-    inputs on the device unless ``published``. ``options``: PrefillInputs' ``mrope`` and
+          **options: Any) -> Side:
+    """``kind`` "step" or "hand". ``options``: PrefillInputs' ``mrope`` and
     ``last_page_lens``."""
     st = H2DRunnerState(device, backend=backend, scatter=scatter or _scatter(device))
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
@@ -124,8 +137,7 @@ def build(kind: str, device: str, *, backend: str = "packed", scatter: str | Non
     else:
         sampling = SamplingInputs(st, MAX_REQS)
         tokens = TokenInputs(st, **caps)
-        prefill = PrefillInputs(st, **caps, **tables, **options,
-                                publish_attention_inputs=published)
+        prefill = PrefillInputs(st, **caps, **tables, **options)
         st.combine(PREFILL_STEP, [SAMPLING, *tokens.producer_groups, PREFILL_INPUTS])
     st.bind()
     for b in st.buffers().values():
@@ -217,6 +229,9 @@ def check_oracle(side: Side, batch: ScheduledBatch, row_ids: list[list[int]],
            "context_lens": pf.context_lens.gpu[:n], "kv_indptr": side.indptr()[: n + 1],
            "kv_indices": kv[: plan.prefill.num_pages], "positions": pf.positions.gpu[:t],
            "slot_mapping": pf.slot_mapping.gpu[:t], "token_request": side.owners()[:t]}
+    if pf.mrope_positions is not None:  # a text-only chunk: its positions on every plane
+        got["positions"] = pf.mrope_planes(plan.prefill)
+        want["positions"] = [want["positions"]] * 3
     for name, values in want.items():
         assert got[name].tolist() == values, (side.kind, name)
     assert plan.prefill.num_pages == want["kv_indptr"][-1]
@@ -238,7 +253,6 @@ def test_step_publishes_the_hand_combined_bytes_in_one_publication(device: str) 
     ah.need_kernels(device)
     sides = {
         "hand": build("hand", device),                        # today's way: the reference
-        "hand_published": build("hand", device, published=True),
         # packed with the Triton scatter itself (interpreted on CPU), and direct
         "step": build("step", device, scatter=ah.scatter_for(device)),
         "direct": build("step", device, backend="direct"),
@@ -260,7 +274,7 @@ def test_step_publishes_the_hand_combined_bytes_in_one_publication(device: str) 
             ah.sync(device)
             check_oracle(side, batch, row_ids, kv, plans[name], prev)
         hand, step = sides["hand"], sides["step"]
-        assert plans["hand"] == plans["hand_published"] == plans["step"], index
+        assert plans["hand"] == plans["step"], index
         # member for member, today's counts and destination bytes (tails included)
         bufs = {k: b.gpu.cpu().view(-1).view(torch.uint8) for k, b in
                 step.state.buffers().items()}
@@ -268,26 +282,30 @@ def test_step_publishes_the_hand_combined_bytes_in_one_publication(device: str) 
             assert counts["step"][name] == counts["hand"][name], (index, name)
             assert torch.equal(b.gpu.cpu().view(-1).view(torch.uint8), bufs[name]), (index,
                                                                                     name)
-        # what the step adds: the KV page prefix and token owners today's way derives on
-        # the device, published; the same KV indices from them
+        # the KV page prefix and token owners, published (the chunk's entries: counted
+        # exactly), equal what the device derivation gives from the published query and
+        # key prefixes, and give the same KV indices; past the chunk's tokens the
+        # derivation writes -1 where the members are undefined (not published)
         n, t = plans["step"].prefill.num_reqs, plans["step"].prefill.num_tokens
         assert (counts["step"]["prefill_kv_indptr"], counts["step"]["prefill_token_request"]
                 ) == (n + 1, t)
-        assert set(bufs) - set(hand.state.buffers()) == {"prefill_kv_indptr",
-                                                         "prefill_token_request"}
-        assert torch.equal(step.indptr()[: n + 1].cpu(), hand.indptr()[: n + 1].cpu())
-        assert torch.equal(step.owners()[:t].cpu(), hand.owners()[:t].cpu())
+        assert set(bufs) == set(hand.state.buffers()) >= {"prefill_kv_indptr",
+                                                          "prefill_token_request"}
+        assert hand.derived is not None
+        owners, indptr, indices = (x.cpu() for x in hand.derived)
+        assert torch.equal(step.indptr()[: n + 1].cpu(), indptr[: n + 1])
+        assert torch.equal(step.owners()[:t].cpu(), owners[:t])
+        assert set(owners[t:].tolist()) <= {-1}
+        pages = plans["step"].prefill.num_pages
+        assert torch.equal(step.prefill.kv_indices[:pages].cpu(), indices[:pages])
         assert torch.equal(step.prefill.kv_indices.cpu(), hand.prefill.kv_indices.cpu())
-        # the adapters produced by hand over the published members, and the direct
-        # backend: every buffer holds the step's bytes (changed table spans travel only
-        # inside a packed DMA: direct copies the staged rows whole)
+        # the direct backend: every buffer holds the step's bytes (changed table spans
+        # travel only inside a packed DMA: direct copies the staged rows whole)
         table = step.prefill.block_tables.name
-        for other in ("hand_published", "direct"):
-            mine = counts[other] | ({table: counts["step"][table]} if other == "direct" else {})
-            assert mine == counts["step"], (index, other)
-            for name, b in sides[other].state.buffers().items():
-                assert torch.equal(b.gpu.cpu().view(-1).view(torch.uint8), bufs[name]), (
-                    index, other, name)
+        assert counts["direct"] | {table: counts["step"][table]} == counts["step"], index
+        for name, b in sides["direct"].state.buffers().items():
+            assert torch.equal(b.gpu.cpu().view(-1).view(torch.uint8), bufs[name]), (index,
+                                                                                    name)
         # one publication a chunk: one DMA and one scatter packed, copies direct
         c = step.state.counters(PREFILL_STEP)
         assert (c.publications, c.dmas, c.scatters, c.direct_copies) == (
@@ -325,30 +343,31 @@ def test_step_takes_the_prefill_adapters_options(device: str, option: str) -> No
     """MRoPE planes, last-page lengths, ``owns_slot`` and an omitted table through the step:
     the bytes and counts of the same adapter produced by hand, in one publication."""
     declared, given = OPTIONS[option]
-    sides = [build("step", device, **declared),
-             build("hand", device, published=True, **declared)]
+    sides = [build("step", device, **declared), build("hand", device, **declared)]
     batch, row_ids = chunks()[0]
-    plans = []
+    plans, counts = [], []
     for side in sides:
         st = side.state
         st.begin()
         plans.append(side.prepare(batch, **given()))
-        counted = {k: st.count(b) for k, b in st.buffers().items()}
+        counts.append({k: st.count(b) for k, b in st.buffers().items()})
         st.publish(PREFILL_STEP)
         st.finish()
         ah.sync(device)
         c = st.counters(PREFILL_STEP)
         assert (c.publications, c.dmas, c.scatters) == (1, 1, 1)
+    counted_step, counted_hand = counts
     assert plans[0] == plans[1]
+    assert counted_step == counted_hand
     a, b = (s.state for s in sides)
-    assert {k: a.count(x) for k, x in a.buffers().items()} == counted
+    assert {k: a.count(x) for k, x in a.buffers().items()} == counted_step
     for name, x in a.buffers().items():
         assert torch.equal(x.gpu.cpu(), b.buffers()[name].gpu.cpu()), name
     pf = sides[0].prefill
     want = oracle(batch, row_ids)
     t = len(want["positions"])
     if option == "mrope":
-        assert pf.mrope_positions is not None and counted["prefill_positions"] is None
+        assert pf.mrope_positions is not None and counted_step["prefill_positions"] is None
         planes = pf.mrope_planes(plans[0].prefill).tolist()
         pos = want["positions"]  # request 1's chunk: prompt columns 7..11
         assert planes == [pos[:7] + list(range(7, 12)) + pos[12:],
@@ -361,7 +380,7 @@ def test_step_takes_the_prefill_adapters_options(device: str, option: str) -> No
     else:  # odd slots belong to another rank; the table stays off this publication
         assert pf.slot_mapping.gpu[:t].tolist() == [x if x % 2 == 0 else -1
                                                     for x in want["slot_mapping"]]
-        assert counted["prefill_block_tables"] is None
+        assert counted_step["prefill_block_tables"] is None
         assert set(pf.block_tables.gpu.view(-1).view(torch.uint8).tolist()) == {ah.POISON}
         assert sides[0].indptr()[:4].tolist() == want["kv_indptr"]
 
@@ -440,13 +459,25 @@ BAD: dict[str, Case] = {
         lambda: {"batch": _bad(), "mrope_positions": [None] * 3},
         CountError, r"prefill_step: mrope_positions given but the adapter has no MRoPE "
                     r"planes"),
+    # a prefill chunk verifies nothing: drafts would count draft tokens no step verifies
+    "num_drafts_nonzero": (
+        lambda: {"batch": _bad(num_drafts=np.array([0, 3, 0], np.int32))},
+        AdapterInputError, r"prefill_step: request 1 has num_drafts=3; num_drafts must be "
+                           r"in \[0, 0\]"),
+    # the planned-chunk check's MRoPE branch (a step declared with mrope=True: DECLARED)
+    "mrope_positions_wrong_shape": (
+        lambda: {"batch": _bad(), "mrope_positions": [None, _planes(12)[:2], None]},
+        AdapterInputError, r"prefill_step: mrope_positions of request 1 must be an integer "
+                           r"array of shape \(3, L\) with L >= its context length 12"),
 }
+#: the cases whose step is declared with PrefillInputs' options (the rest: none)
+DECLARED: dict[str, dict[str, Any]] = {"mrope_positions_wrong_shape": {"mrope": True}}
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_rejected_chunk_changes_nothing_then_a_retry_publishes(device: str, case: str) -> None:
     ah.need_kernels(device)
-    side = build("step", device)
+    side = build("step", device, **DECLARED.get(case, {}))
     step = side.step
     assert step is not None
     st = side.state
@@ -479,6 +510,55 @@ def test_rejected_chunk_changes_nothing_then_a_retry_publishes(device: str, case
     assert (c.publications, c.dmas, c.scatters) == (2, 2, 2)
 
 
+@pytest.mark.parametrize("via", ["step", "adapter"])
+def test_kv_indices_after_an_omitted_table_are_refused(device: str, via: str) -> None:
+    """A chunk prepared with ``publish_tables=False`` leaves the GPU table an earlier
+    chunk's: KV-index generation (the step's, or the prefill adapter's used alone) refuses
+    it naming the group and the rule, and changes nothing; the next chunk, with its table,
+    prepares."""
+    ah.need_kernels(device)
+    side = build("step" if via == "step" else "hand", device)
+    st, pf = side.state, side.prefill
+    group = PREFILL_STEP if via == "step" else PREFILL_INPUTS
+
+    def attention(plan: PrefillStepPlan) -> torch.Tensor:
+        if side.step is not None:
+            return side.step.prepare_attention(plan)
+        return pf.prepare_attention(plan.prefill)
+
+    def run(row: int, **kw: Any) -> PrefillStepPlan:
+        st.begin()
+        plan = side.prepare(chunk([2], [2], [BlockTable([row])]), **kw)
+        st.publish(PREFILL_STEP)
+        return plan
+
+    first = run(1)  # the GPU table's row 0 now holds page 1
+    assert attention(first)[:1].tolist() == [1]
+    st.finish()
+    omitted = run(9, publish_tables=False)  # page 9 stays on the host
+    assert omitted.prefill.table_stage == ""
+    pf.kv_indices.fill_(-5)  # any write of the refused call shows (even a stale [1])
+    seen = Observed(st, extra=lambda: pf.kv_indices.cpu().numpy().tobytes(),
+                    groups=(PREFILL_STEP,))
+    refuse(seen, lambda: attention(omitted), AdapterInputError,
+           rf"{group}: prepare_attention reads the published block tables, but this chunk "
+           r"was prepared with publish_tables=False.*prepare the chunk with "
+           r"publish_tables=True")
+    st.finish()
+    again = run(9)  # the same rows with their table: page 9
+    assert again.prefill.table_stage != ""
+    assert attention(again)[:1].tolist() == [9]
+    st.finish()
+    ah.sync(device)
+
+
+def test_prefill_plan_needs_its_page_count() -> None:
+    """``num_pages`` has no default: a plan without it would claim an empty chunk."""
+    with pytest.raises(TypeError, match="num_pages"):
+        PrefillPlan(1, 2, "whole")  # type: ignore[call-arg]
+    assert PrefillPlan(1, 2, "whole", 1).num_pages == 1
+
+
 # -------------------------------------------------------------------------- 4. composition
 def test_shared_adapters_serve_a_decode_and_a_prefill_step(device: str) -> None:
     """Sampling and token inputs shared by the decode step and the prefill step (GDN state
@@ -493,7 +573,7 @@ def test_shared_adapters_serve_a_decode_and_a_prefill_step(device: str) -> None:
     decode = DecodeStepInputs.from_adapters(
         sampling, tokens, MhaDecodeInputs(st, **caps, **tables), extra_groups=[GDN_STATE])
     prefill = PrefillStepInputs.from_adapters(
-        sampling, tokens, PrefillInputs(st, **caps, **tables, publish_attention_inputs=True),
+        sampling, tokens, PrefillInputs(st, **caps, **tables),
         group="chunk", extra_groups=[GDN_STATE])
     st.bind()
     assert st.plan("chunk").producer_groups == (SAMPLING, TOKEN_IDS, QUERY_PREFIX,
@@ -525,38 +605,20 @@ def test_shared_adapters_serve_a_decode_and_a_prefill_step(device: str) -> None:
         assert (c.publications, c.dmas, c.scatters) == (1, 1, 1), group
 
 
-def test_from_adapters_refuses_what_the_step_cannot_publish() -> None:
+def test_from_adapters_refuses_adapters_of_another_state() -> None:
     one, other = H2DRunnerState("cpu"), H2DRunnerState("cpu")
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
     tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE}
     sampling, tokens = SamplingInputs(one, MAX_REQS), TokenInputs(one, **caps)
-    legacy = PrefillInputs(one, **caps, **tables)
-    with pytest.raises(DeclarationError, match=r"derives kv_indptr and token_request on the "
-                                               r"device.*publish_attention_inputs=True"):
-        PrefillStepInputs.from_adapters(sampling, tokens, legacy)
+    prefill = PrefillInputs(one, **caps, **tables)
+    with pytest.raises(DeclarationError, match=r"PrefillStepInputs: the sampling, token and "
+                                               r"prefill adapters must be declared on the "
+                                               r"same H2DRunnerState"):
+        PrefillStepInputs.from_adapters(SamplingInputs(other, MAX_REQS), tokens, prefill)
     with pytest.raises(DeclarationError, match=r"must be declared on the same H2DRunnerState"):
-        PrefillStepInputs.from_adapters(SamplingInputs(other, MAX_REQS), tokens, legacy)
+        PrefillStepInputs.from_adapters(sampling, TokenInputs(other, **caps), prefill)
     # neither refusal combined anything: the hand-combined group is still free
     one.combine(PREFILL_STEP, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS])
     one.bind()
     assert one.plan(PREFILL_STEP).producer_groups == (SAMPLING, TOKEN_IDS, QUERY_PREFIX,
                                                       PREFILL_INPUTS)
-
-
-def test_device_derived_attention_needs_the_query_prefix(device: str) -> None:
-    """Without published attention inputs the adapter derives them from the token inputs'
-    query prefix, which it must be given (the step's adapters never need it)."""
-    ah.need_kernels(device)
-    side = build("hand", device)
-    side.state.begin()
-    plan = side.prepare(chunks()[0][0])
-    side.state.publish(PREFILL_STEP)
-    with pytest.raises(AdapterInputError, match=r"prefill_inputs: prepare_attention derives "
-                                                r"the token owners from the query prefix"):
-        side.prefill.prepare_attention(plan.prefill)
-    kv = side.attention(plan)  # given it, the same chunk prepares
-    side.state.finish()
-    ah.sync(device)
-    assert not side.prefill.publishes_attention_inputs
-    assert plan.prefill.num_pages == 6  # the host's count either way
-    assert kv[:6].tolist() == oracle(*chunks()[0])["kv_indices"]

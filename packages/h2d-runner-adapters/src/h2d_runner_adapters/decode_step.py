@@ -52,7 +52,7 @@ from .token_inputs import (
     TokenInputs,
     TokenPlan,
 )
-from .token_step import sampling_plan, step_columns, step_counts
+from .token_step import FusedStep, sampling_plan, step_columns, step_counts, step_values
 
 DECODE_STEP = "decode_step"
 MLA_DECODE_STEP = "mla_decode_step"
@@ -67,7 +67,7 @@ class DecodeStepPlan(NamedTuple):
     decode: DecodePlan
 
 
-class DecodeStepInputs:
+class DecodeStepInputs(FusedStep):
     """Sampling, token inputs and MHA decode metadata as one producer and one group.
 
     Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
@@ -135,12 +135,6 @@ class DecodeStepInputs:
 
     def _compose(self, sampling: SamplingInputs, tokens: TokenInputs, decode: MhaDecodeInputs,
                  group: str, native: bool | None, extra_groups: tuple[str, ...]) -> None:
-        state = decode.h2d_state
-        if sampling.h2d_state is not state or tokens.h2d_state is not state:
-            raise DeclarationError(
-                "DecodeStepInputs: the sampling, token and decode adapters must be declared on "
-                "the same H2DRunnerState"
-            )
         if decode.mrope_positions is not None:
             raise DeclarationError(
                 "DecodeStepInputs: the decode adapter carries MRoPE planes; the fused step "
@@ -154,19 +148,15 @@ class DecodeStepInputs:
                 f"{self._DECODE_ADAPTER.__name__}; use the adapters separately for prefixed "
                 "two-batch-overlap ubatches)"
             )
-        self.h2d_state = state
-        self.group = group
-        self.sampling = sampling
-        self.tokens = tokens
-        self.decode = decode
         # speculative verification indices belong to the token inputs (the spec's group
         # table): with drafts they ride in the same DMA, produced by
         # tokens.prepare_spec_indices; extra groups (e.g. GDN state indices) likewise
         spec = (SPEC_INDICES,) if tokens.max_drafts else ()
-        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, want, *extra_groups])
+        self._combine(sampling, tokens, decode, "decode", group,
+                      [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, want, *extra_groups])
+        self.decode = decode
         refuse_interpreted(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice
-        self._step: LayoutStep | None = None  # bound on first use (after bind)
         self._verify: LayoutStep | None = None  # prepare_verify's, bound on first use
 
     @property
@@ -217,9 +207,7 @@ class DecodeStepInputs:
         p = -1 if padded is None else padded_count(self.group, n, padded)
         # plan (every column checked), prepare the rows, write, count and stage: one call
         n, p, q, t, pt, total, stage, uniform, drafts = step.run(
-            cols.query_lens, cols.context_lens, batch.block_tables, p, -1,
-            (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
-             cols.token_ids, cols.num_drafts))
+            cols.query_lens, cols.context_lens, batch.block_tables, p, -1, step_values(cols))
         # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
         return _new(DecodeStepPlan, (
             sampling_plan(cols, n, uniform),

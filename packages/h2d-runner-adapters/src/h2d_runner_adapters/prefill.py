@@ -1,30 +1,38 @@
-"""Prefill attention mirrors and ordinary positions: the ``prefill_inputs`` producer group.
+"""Prefill attention inputs and ordinary positions: the ``prefill_inputs`` producer group.
 
 Members: ``cu_seqlens_k`` (exclusive prefix of key lengths = cached + new tokens),
 ``context_lens`` (keys per request), ``slot_mapping`` (KV slot of every query token; -1 for
-a position this rank does not write), ``positions`` and the block tables (through
+a position this rank does not write), ``positions``, the KV page prefix ``kv_indptr``
+(``kv_indptr[r+1] - kv_indptr[r] = ceil(context_len / page)``, as decode's ``kv_indptr``),
+each token's request ``token_request`` and the block tables (through
 :func:`h2d_core.block_table_state`, its own state: prefill and decode tables are separate
 buffers). The query prefix ``cu_seqlens_q`` comes from the token inputs.
 
 One compiled :class:`h2d_core.LayoutStep` call plans the chunk (every length checked),
-prepares the rows, writes positions, KV slots, context lengths and ``cu_seqlens_k`` (the
-layout's ``context_prefix``), counts every member and stages the table; the adapter's own
-checks that need the planned chunk (token ids, ``owns_slot``'s mask, MRoPE prompt
-positions) run inside it, before anything is written.
+prepares the rows, writes positions, KV slots, context lengths, ``cu_seqlens_k`` (the
+layout's ``context_prefix``), the page prefix and the token owners, counts every member and
+stages the table; the adapter's own checks that need the planned chunk (token ids,
+``owns_slot``'s mask, MRoPE prompt positions) run inside it, before anything is written.
 
-First consumer: attention preparation (:meth:`PrefillInputs.prepare_attention`). By
-default it derives each token's request, the KV page prefix and ``kv_indices`` on the
-device (:func:`prepare_prefill_attention`, from the token inputs' ``cu_seqlens_q``). With
-``publish_attention_inputs=True`` the same layout pass computes the page prefix
-``prefill_kv_indptr`` (``kv_indptr[r+1] - kv_indptr[r] = ceil(context_len / page)``, as
-decode's ``kv_indptr``) and each token's request ``prefill_token_request`` on the host, the
-group carries them, and attention preparation is KV-index generation alone, the consumer
-decode runs (:class:`~h2d_runner_adapters.prefill_step.PrefillStepInputs` says why).
+Each member publishes the chunk's entries only: ``num_tokens`` per-token entries,
+``num_reqs`` (+1 for a prefix) per-request ones. Past them a destination is undefined (it
+keeps whatever an earlier chunk published): read ``token_request[:num_tokens]`` and
+``kv_indptr[:num_reqs + 1]``. (The device derivation :func:`prepare_prefill_attention`,
+given a whole ``token_request`` tensor, writes -1 past the last token; nothing here relies
+on that.)
+
+First consumer: KV-index generation (:meth:`PrefillInputs.prepare_attention`, decode's
+kernel over the published page prefix and block tables). An engine that derives the page
+prefix and the token owners on the device instead can call
+:func:`prepare_prefill_attention` on the published ``cu_seqlens_q``, ``cu_seqlens_k`` and
+block tables with tensors of its own.
 
 Prefill runs eagerly: no graph padding. The block tables are needed by this runner's paged
 attention whether or not a prefix hit exists; an engine whose prefill attention reads the
 current chunk directly can omit them when no request has cached tokens
-(``publish_tables=False``) while still preparing the CPU rows.
+(``publish_tables=False``) while still preparing the CPU rows; such a chunk has no KV
+indices (:meth:`PrefillInputs.prepare_attention` refuses it: the GPU table is an earlier
+chunk's).
 
 With ``mrope=True`` the group carries ``prefill_mrope_positions`` (three planes at the
 chunk's token width, see :mod:`h2d_runner_adapters.mrope`) in place of the positions.
@@ -59,7 +67,7 @@ from h2d_core import (
 
 from .batch import BatchColumns, PageRow, ScheduledBatch
 from .checks import AdapterInputError, bool_mask, describe
-from .consumers import generate_kv_indices, prepare_prefill_attention
+from .consumers import generate_kv_indices
 from .mrope import (
     check_deltas,
     check_prompt_positions,
@@ -74,21 +82,36 @@ PREFILL_INPUTS = "prefill_inputs"
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """What a prefill chunk published: requests, tokens, the block table's stage and the
-    chunk's KV pages (the page prefix's total, from the CPU lengths)."""
+    """What a prefill chunk published: requests, tokens, the block table's stage ("" when
+    the chunk left the table out: ``publish_tables=False``) and the chunk's KV pages (the
+    page prefix's total, from the CPU lengths)."""
 
     num_reqs: int
     num_tokens: int
     table_stage: str
-    num_pages: int = 0
+    num_pages: int
 
 
 class PrefillInputs(PagedInputs):
     """Declares the prefill buffers, produces them, and runs attention preparation.
 
-    ``kv_indptr`` and ``token_request`` are device tensors attention preparation writes,
-    or, with ``publish_attention_inputs=True``, published members (:class:`H2DBuffer`,
-    read through ``.gpu`` as decode's ``kv_indptr``) the producer writes.
+    Every member is an :class:`H2DBuffer` read through ``.gpu``, the KV page prefix
+    ``kv_indptr`` and the token owners ``token_request`` included, as decode's
+    ``kv_indptr`` is: the producer computes them on the host in the same layout pass as
+    the positions. Entries past the chunk's ``num_tokens`` (``num_reqs + 1`` for the
+    prefixes) are undefined: an earlier chunk's.
+
+    Why one mode, published, rather than deriving those two on the device: the host has
+    the lengths in hand, so they cost one store per token and per request in the compiled
+    pass and 4 bytes each in the DMA that already carries 20 bytes per token (ids,
+    positions, KV slots); in return attention preparation is KV-index generation alone,
+    one launch where the device derivation takes two (an eager Triton launch costs tens of
+    microseconds of host time), the consumer and the member are decode's, the chunk's KV
+    page count is a host value (``PrefillPlan.num_pages``) and no device scan bounds the
+    requests of a chunk. An engine author then reads one type per member, whatever the
+    engine. An engine that derives them on the device anyway (e.g. from a kernel's own
+    query prefix) calls :func:`~h2d_runner_adapters.prepare_prefill_attention` with
+    tensors of its own; the published members are then unused bytes of the DMA.
     """
 
     def __init__(
@@ -103,7 +126,6 @@ class PrefillInputs(PagedInputs):
         max_ranges: int = 64,
         mrope: bool = False,
         last_page_lens: bool = False,
-        publish_attention_inputs: bool = False,
     ) -> None:
         g = PREFILL_INPUTS
         super().__init__(state, g, "prefill_block_tables", max_reqs=max_reqs,
@@ -119,18 +141,12 @@ class PrefillInputs(PagedInputs):
         self.kv_last_page_lens: H2DBuffer | None = (
             buf("prefill_kv_last_page_lens", (max_reqs,), torch.int32, group=g)
             if last_page_lens else None)
-        dev = state.device
-        self.kv_indptr: H2DBuffer | torch.Tensor
-        self.token_request: H2DBuffer | torch.Tensor
-        if publish_attention_inputs:  # computed by the layout pass, carried by the group
-            self.kv_indptr = buf("prefill_kv_indptr", (max_reqs + 1,), torch.int32, group=g)
-            self.token_request = buf("prefill_token_request", (max_tokens,), torch.int32,
-                                     group=g)
-        else:  # written on the device by attention preparation, never uploaded
-            self.kv_indptr = torch.zeros(max_reqs + 1, dtype=torch.int32, device=dev)
-            self.token_request = torch.zeros(max_tokens, dtype=torch.int32, device=dev)
+        # computed by the layout pass, carried by the group (see the class docstring)
+        self.kv_indptr = buf("prefill_kv_indptr", (max_reqs + 1,), torch.int32, group=g)
+        self.token_request = buf("prefill_token_request", (max_tokens,), torch.int32, group=g)
+        #: KV-index generation's output (a device tensor, never uploaded)
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
-                                      device=dev)
+                                      device=state.device)
         self._step: LayoutStep | None = None  # the compiled step, bound on first use
         # the call's inputs the planned-chunk checks read (set by prepare, per call)
         self._call: tuple[Any, ...] = ()
@@ -138,11 +154,6 @@ class PrefillInputs(PagedInputs):
         # owns_slot's input, computed before any write: a private table the rows are
         # prepared into, and a layout writing only KV slots from it (made on first use)
         self._scratch: tuple[PageTableSnapshot, RequestLayout, np.ndarray] | None = None
-
-    @property
-    def publishes_attention_inputs(self) -> bool:
-        """True when ``kv_indptr`` and ``token_request`` are published members."""
-        return isinstance(self.kv_indptr, H2DBuffer)
 
     def request_layouts(
         self,
@@ -152,25 +163,24 @@ class PrefillInputs(PagedInputs):
         columns: Callable[[int], Sequence[LayoutColumn]] | None = None,
     ) -> list[RequestLayout]:
         """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
-        (positions, KV slots, context lengths, the key prefix, last-page lengths and the
-        published attention inputs when declared), reading the slot's prepared table; plus
+        (positions, KV slots, context lengths, the key and KV page prefixes, the token
+        owners and last-page lengths when declared), reading the slot's prepared table; plus
         the query prefix into each ``cu_query`` buffer and the columns ``columns(slot)``
         gives over that slot's sources (a fused step's sampling and token columns). After
         ``bind()``."""
         refuse_interpreted(self.native, name)
-        last, indptr, owners = self.kv_last_page_lens, self.kv_indptr, self.token_request
+        last = self.kv_last_page_lens
         layouts = []
         for slot, snap in enumerate(self.tables.snapshots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
                 return b.source(slot).numpy()
             extra: dict[str, Any] = {} if last is None else {"last_page_lens": src(last)}
-            if isinstance(indptr, H2DBuffer) and isinstance(owners, H2DBuffer):
-                extra |= {"kv_page_indptr": src(indptr), "token_requests": src(owners)}
             layouts.append(RequestLayout(
                 name, self.page_size, snap.storage,
                 np.zeros(self.context_lens.spec.capacity, dtype=np.int32),
                 positions=src(self.positions), slot_mapping=src(self.slot_mapping),
                 context_lens=src(self.context_lens), context_prefix=src(self.cu_seqlens_k),
+                kv_page_indptr=src(self.kv_indptr), token_requests=src(self.token_request),
                 cu_query=tuple(src(b) for b in cu_query),
                 columns=() if columns is None else columns(slot), **extra))
         return layouts
@@ -182,12 +192,11 @@ class PrefillInputs(PagedInputs):
         rules = [CountRule(self.positions, positions),
                  CountRule(self.slot_mapping, PADDED_TOKENS),
                  CountRule(self.context_lens, PADDED_REQS),
-                 CountRule(self.cu_seqlens_k, PADDED_REQS, 1)]
+                 CountRule(self.cu_seqlens_k, PADDED_REQS, 1),
+                 CountRule(self.kv_indptr, PADDED_REQS, 1),
+                 CountRule(self.token_request, PADDED_TOKENS)]
         if self.kv_last_page_lens is not None:
             rules.append(CountRule(self.kv_last_page_lens, PADDED_REQS))
-        if isinstance(self.kv_indptr, H2DBuffer):
-            rules += [CountRule(self.kv_indptr, PADDED_REQS, 1),
-                      CountRule(self.token_request, PADDED_TOKENS)]
         return rules
 
     def _bind(self) -> LayoutStep:
@@ -335,27 +344,28 @@ class PrefillInputs(PagedInputs):
             raise CountError(f"{self.group}: no MRoPE planes; construct with mrope=True")
         return mrope_planes(self.mrope_positions, plan.num_tokens)
 
-    def prepare_attention(self, plan: PrefillPlan, cu_seqlens_q: torch.Tensor | None = None
-                          ) -> torch.Tensor:
-        """First consumer: ``kv_indices`` (returned), after ``kv_indptr`` and
-        ``token_request``. Published (``publish_attention_inputs=True``), those two are
-        already on the device: this is KV-index generation alone and ``cu_seqlens_q`` is
-        not read. Otherwise one kernel derives them from ``cu_seqlens_q`` (the token
-        inputs' published query prefix, ``tokens.cu_seqlens_q.gpu``) first."""
-        indptr, owners = self.kv_indptr, self.token_request
-        if isinstance(indptr, H2DBuffer):
-            generate_kv_indices(self.block_tables.gpu, indptr.gpu, self.kv_indices,
-                                plan.num_reqs)
-            return self.kv_indices
-        if cu_seqlens_q is None or isinstance(owners, H2DBuffer):
+    def prepare_attention(self, plan: PrefillPlan) -> torch.Tensor:
+        """First consumer: ``kv_indices`` (returned) from the published block tables and
+        ``kv_indptr``, decode's KV-index generation; its first ``plan.num_pages`` entries
+        are the chunk's pages, request after request.
+
+        A chunk prepared with ``publish_tables=False`` (``plan.table_stage == ""``) left
+        the table out of its publication: the GPU table holds an earlier chunk's rows, so
+        its indices would be that chunk's pages. It is refused with
+        :class:`AdapterInputError` before any launch (``kv_indices`` unchanged)."""
+        return self._kv_indices(plan, self.group)
+
+    def _kv_indices(self, plan: PrefillPlan, g: str) -> torch.Tensor:
+        """:meth:`prepare_attention`, a refusal naming group ``g`` (the publication's)."""
+        if plan.table_stage == "":
             raise AdapterInputError(
-                f"{self.group}: prepare_attention derives the token owners from the query "
-                "prefix: pass the token inputs' cu_seqlens_q.gpu (or construct with "
-                "publish_attention_inputs=True, or use PrefillStepInputs)")
-        prepare_prefill_attention(
-            cu_seqlens_q, self.cu_seqlens_k.gpu, self.block_tables.gpu, self.page_size,
-            plan.num_reqs, owners[: plan.num_tokens], indptr, self.kv_indices,
-        )
+                f"{g}: prepare_attention reads the published block tables, but this chunk "
+                "was prepared with publish_tables=False, so the GPU table still holds an "
+                "earlier chunk's rows and its KV indices would be that chunk's pages; "
+                "prepare the chunk with publish_tables=True to generate its KV indices (or "
+                "read its keys through slot_mapping without them)")
+        generate_kv_indices(self.block_tables.gpu, self.kv_indptr.gpu, self.kv_indices,
+                            plan.num_reqs)
         return self.kv_indices
 
 

@@ -11,13 +11,17 @@ all of them with one ``@h2d_producer`` call.
 The per-token work (positions, KV slots, token owners, context lengths, the query, key
 and KV page prefixes) and the sampling and token columns are one compiled
 :class:`block_tables.RequestLayout` pass over the prepared table, which checks every
-column first (see :func:`~h2d_runner_adapters.token_step.step_columns`); the prefill
-adapter's own checks (token ids per token, ``owns_slot``'s mask, MRoPE prompt positions)
-run on the planned chunk inside the same call, before any write. A rejected chunk (a
-specific :class:`h2d_core.CountError`, e.g.
-:class:`~h2d_runner_adapters.checks.AdapterInputError` naming the group, the request and
-the column, or :class:`block_tables.BlockTableError`) changes nothing, and a corrected
-retry in the same epoch publishes.
+column first (see :func:`~h2d_runner_adapters.token_step.step_columns`; a prefill chunk
+verifies no drafts, so ``num_drafts`` must be 0); the prefill adapter's own checks (token
+ids per token, ``owns_slot``'s mask, MRoPE prompt positions) run on the planned chunk
+inside the same call, before any write. A rejected chunk (a specific
+:class:`h2d_core.CountError`, e.g. :class:`~h2d_runner_adapters.checks.AdapterInputError`
+naming the group, the request and the column, or :class:`block_tables.BlockTableError`)
+changes nothing, and a corrected retry in the same epoch publishes.
+
+As every member, the published ``token_request`` and ``kv_indptr`` hold the chunk's
+``num_tokens`` and ``num_reqs + 1`` entries; past them they are undefined (an earlier
+chunk's values).
 
 Prefill runs eagerly: no graph padding. First consumers: ``tokens.assemble(plan.tokens,
 prev)``, :meth:`PrefillStepInputs.prepare_attention` (KV-index generation) and
@@ -32,14 +36,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from h2d_core import DeclarationError, H2DBuffer, H2DRunnerState, LayoutStep, h2d_producer
+from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep, h2d_producer
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
-from .token_step import sampling_plan, step_columns, step_counts
+from .token_step import FusedStep, sampling_plan, step_columns, step_counts, step_values
 
 PREFILL_STEP = "prefill_step"
 _new = tuple.__new__
@@ -53,7 +57,7 @@ class PrefillStepPlan(NamedTuple):
     prefill: PrefillPlan
 
 
-class PrefillStepInputs:
+class PrefillStepInputs(FusedStep):
     """Sampling, token inputs and prefill metadata as one producer and one group.
 
     Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
@@ -65,19 +69,15 @@ class PrefillStepInputs:
     it takes them.
 
     The KV page prefix ``kv_indptr`` and each token's request ``token_request`` are
-    published members of the group (``.kv_indptr`` and ``.token_request``, H2D buffers
-    read through ``.gpu``), computed on the host by the same layout pass as the positions,
-    as decode's ``kv_indptr`` is, rather than derived on the device from the query and
-    key prefixes. Why: the host has the lengths in hand, so they cost one store per token
-    and per request in the pass and 4 bytes each in the DMA that already carries 20 bytes
-    per token (ids, positions, KV slots); in return attention preparation is KV-index
-    generation alone, one launch where the device derivation takes two (an eager Triton
-    launch costs tens of microseconds of host time), the consumer and the
-    ``kv_indptr`` member are decode's, the chunk's KV page count is known on the host
-    (``plan.prefill.num_pages``, for kernels planned on the host) without a readback,
-    and no scan bounds the requests of one chunk. The KV indices stay a device output
-    (``prefill.kv_indices``), as in decode: they are the block tables' rows, which
-    already travel (only their changed bytes).
+    the prefill adapter's published members (``.kv_indptr`` and ``.token_request``, H2D
+    buffers read through ``.gpu``), computed on the host by the same layout pass as the
+    positions, as decode's ``kv_indptr`` is (:class:`PrefillInputs` says why). For the
+    chunk's entries (``token_request[:num_tokens]``, ``kv_indptr[:num_reqs + 1]``) they
+    equal what the device derivation :func:`~h2d_runner_adapters.prepare_prefill_attention`
+    gives from the published query and key prefixes; past them they are undefined (an
+    earlier chunk's), where that derivation, given the whole tensor, writes -1. The KV
+    indices stay a device output (``prefill.kv_indices``), as in decode: they are the
+    block tables' rows, which already travel (only their changed bytes).
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class PrefillStepInputs:
             PrefillInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                           max_pages_per_req=max_pages_per_req, page_size=page_size,
                           num_pages=num_pages, max_ranges=max_ranges, mrope=mrope,
-                          last_page_lens=last_page_lens, publish_attention_inputs=True),
+                          last_page_lens=last_page_lens),
             group, tuple(extra_groups))
 
     @classmethod
@@ -115,38 +115,20 @@ class PrefillStepInputs:
         extra_groups: Sequence[str] = (),
     ) -> PrefillStepInputs:
         """Compose adapters declared on one state and combine their groups into ``group``
-        (before ``bind()``). The prefill adapter must publish its attention inputs
-        (``PrefillInputs(..., publish_attention_inputs=True)``, see the class
-        docstring)."""
+        (before ``bind()``)."""
         self = cls.__new__(cls)
         self._compose(sampling, tokens, prefill, group, tuple(extra_groups))
         return self
 
     def _compose(self, sampling: SamplingInputs, tokens: TokenInputs, prefill: PrefillInputs,
                  group: str, extra_groups: tuple[str, ...]) -> None:
-        state = prefill.h2d_state
-        if sampling.h2d_state is not state or tokens.h2d_state is not state:
-            raise DeclarationError(
-                "PrefillStepInputs: the sampling, token and prefill adapters must be "
-                "declared on the same H2DRunnerState")
-        indptr, owners = prefill.kv_indptr, prefill.token_request
-        if not (isinstance(indptr, H2DBuffer) and isinstance(owners, H2DBuffer)):
-            raise DeclarationError(
-                "PrefillStepInputs: the prefill adapter derives kv_indptr and token_request "
-                "on the device; the step publishes them: declare it with "
-                "PrefillInputs(..., publish_attention_inputs=True)")
-        self.h2d_state = state
-        self.group = group
-        self.sampling = sampling
-        self.tokens = tokens
+        # speculative indices never ride with a prefill chunk (nothing verifies in it)
+        self._combine(sampling, tokens, prefill, "prefill", group,
+                      [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS, *extra_groups])
         self.prefill = prefill
         #: the published KV page prefix and token owners (the prefill adapter's members)
-        self.kv_indptr: H2DBuffer = indptr
-        self.token_request: H2DBuffer = owners
-        # speculative indices never ride with a prefill chunk (nothing verifies in it)
-        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS,
-                              *extra_groups])
-        self._step: LayoutStep | None = None  # bound on first use (after bind)
+        self.kv_indptr: H2DBuffer = prefill.kv_indptr
+        self.token_request: H2DBuffer = prefill.token_request
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS)
     def prepare(
@@ -168,9 +150,8 @@ class PrefillStepInputs:
         if step is None:
             step = self._step = self._bind()
         cols = batch.columns if isinstance(batch, ScheduledBatch) else None
-        values = () if cols is None else (  # not a batch: the prefill adapter refuses it
-            cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
-            cols.token_ids, cols.num_drafts)
+        # not a batch: the prefill adapter refuses it
+        values = () if cols is None else step_values(cols)
         out, pplan = self.prefill._produce(step, batch, values, publish_tables, owns_slot,
                                            mrope_positions, mrope_deltas, self.group)
         assert cols is not None  # _produce refused anything but a batch
@@ -181,7 +162,9 @@ class PrefillStepInputs:
     def _bind(self) -> LayoutStep:
         s, t, pf = self.sampling, self.tokens, self.prefill
         layouts = pf.request_layouts(self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),
-                                     columns=lambda slot: step_columns(s, t, slot))
+                                     # a prefill chunk verifies no drafts: num_drafts 0
+                                     columns=lambda slot: step_columns(s, t, slot,
+                                                                       drafts=False))
         return LayoutStep(self.group, self.h2d_state, layouts, pf.tables, (),
                           [*step_counts(s, t), *pf._count_rules()], sum_column=5,
                           error=AdapterInputError, check=pf._check_planned)
@@ -189,5 +172,7 @@ class PrefillStepInputs:
     def prepare_attention(self, plan: PrefillStepPlan) -> torch.Tensor:
         """First consumer after publication: ``kv_indices`` (returned) from the published
         block tables and ``kv_indptr``; its first ``plan.prefill.num_pages`` entries are
-        the chunk's pages, request after request. Reads only the step's own members."""
-        return self.prefill.prepare_attention(plan.prefill)
+        the chunk's pages, request after request. Reads only the step's own members. A
+        chunk prepared with ``publish_tables=False`` is refused
+        (:meth:`PrefillInputs.prepare_attention`: its GPU table is an earlier chunk's)."""
+        return self.prefill._kv_indices(plan.prefill, self.group)

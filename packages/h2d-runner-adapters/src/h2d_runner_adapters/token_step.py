@@ -17,7 +17,8 @@ and changes nothing.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -28,6 +29,7 @@ from h2d_core import (
     PADDED_TOKENS,
     REQS,
     CountRule,
+    DeclarationError,
     H2DBuffer,
     H2DRunnerState,
     LayoutStep,
@@ -50,11 +52,13 @@ from .token_inputs import (
 _new = tuple.__new__
 
 
-def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int) -> list[LayoutColumn]:
+def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int, *,
+                 drafts: bool = True) -> list[LayoutColumn]:
     """The fused steps' request-layout columns over ``slot``'s sources, in the order of
-    the values :meth:`TokenStepInputs.prepare` passes, named after the
+    the values :func:`step_values` gives, named after the
     :class:`~h2d_runner_adapters.batch.BatchColumns` fields (what a refusal names), each
-    with the bounds the sampler and token assembly need."""
+    with the bounds the sampler and token assembly need. ``drafts=False`` (a step that
+    verifies nothing, e.g. a prefill chunk) refuses any ``num_drafts`` but 0."""
     def src(b: H2DBuffer) -> np.ndarray:
         return b.source(slot).numpy()
     return [
@@ -67,8 +71,15 @@ def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int) -> li
         # the +1 entry of input_ids is the draft gather's shift, never a step's token
         LayoutColumn("token_ids", src(tokens.input_ids)[: tokens.max_tokens], per_token=True,
                      pad=0),
-        LayoutColumn("num_drafts", low=0),  # checked and summed
+        LayoutColumn("num_drafts", low=0, high=None if drafts else 0),  # checked, summed
     ]
+
+
+def step_values(cols: BatchColumns) -> tuple[Any, ...]:
+    """The batch's values of :func:`step_columns`, in its order (what a fused step's
+    :meth:`h2d_core.LayoutStep.run` takes)."""
+    return (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows,
+            cols.token_ids, cols.num_drafts)
 
 
 def step_counts(sampling: SamplingInputs, tokens: TokenInputs) -> tuple[CountRule, ...]:
@@ -91,6 +102,34 @@ def sampling_plan(cols: BatchColumns, n: int, uniform: int) -> SamplingPlan:
     top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
     # tuple.__new__ skips the NamedTuple's Python-level __new__ (~0.15 µs)
     return _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows))
+
+
+class FusedStep:
+    """What the fused steps over a paged adapter share: the sampling and token adapters
+    beside it on one state, and their producer groups combined into the step's."""
+
+    h2d_state: H2DRunnerState
+    group: str
+    sampling: SamplingInputs
+    tokens: TokenInputs
+    _step: LayoutStep | None
+
+    def _combine(self, sampling: SamplingInputs, tokens: TokenInputs, adapter: Any,
+                 role: str, group: str, groups: Sequence[str]) -> None:
+        """Check that the three adapters share ``adapter``'s state (``role`` names it in
+        the refusal), keep them and combine ``groups`` into ``group`` (before
+        ``bind()``). Call after the step's own checks: a refusal combines nothing."""
+        state = adapter.h2d_state
+        if sampling.h2d_state is not state or tokens.h2d_state is not state:
+            raise DeclarationError(
+                f"{type(self).__name__}: the sampling, token and {role} adapters must be "
+                "declared on the same H2DRunnerState")
+        self.h2d_state = state
+        self.group = group
+        self.sampling = sampling
+        self.tokens = tokens
+        state.combine(group, list(groups))
+        self._step = None  # bound on first use (after bind)
 
 
 class TokenStepPlan(NamedTuple):
@@ -148,7 +187,6 @@ class TokenStepInputs:
         # plan (every column checked), write and count: one call
         n, p, _, t, pt, _, _, uniform, drafts = step.run(
             cols.query_lens, cols.context_lens, None, p, len(ids) if padded is None else -1,
-            (cols.temperatures, cols.top_k, cols.top_p, cols.prev_sample_rows, ids,
-             cols.num_drafts))
+            step_values(cols))
         return _new(TokenStepPlan, (sampling_plan(cols, n, uniform),
                                     _new(TokenPlan, (n, p, t, pt, drafts))))
