@@ -249,7 +249,8 @@ class DeepseekV4Runner(DecodeRunner):
     def _decode_inputs(self, d: Any, rows: int, first_token: int) -> Any:
         return self.decode.step_inputs(self._plan, self.tokens.input_ids.gpu, prefill=False)
 
-    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, V41Plan]:
+    # the V4 prefill's plan is its own adapter's (a V41Plan), not the base's PrefillPlan
+    def _prepare_prefill(self, batch: ScheduledBatch) -> tuple[TokenPlan, Any]:
         tok = self.token_step.prepare(batch)  # sampling, ids and query prefix: one call
         self._sampling_plan, tplan = tok.sampling, tok.tokens
         self._plan = self.prefill.v4.begin_prefill(self._spans(batch),
