@@ -8,6 +8,7 @@
     nox -s stress         the state machines at 10,000 random sequences each (CPU, ~1 h)
     nox -s sanitize       the compiled core's suites under ASan + UBSan (gcc, CPU)
     nox -s lint           ruff + mypy
+    nox -s editable       `pip install -e` of every package in a fresh venv, then the READMEs
     nox -s instructions   callgrind instructions per step of every family vs the budgets
 
 Packages are discovered from ``packages/*/pyproject.toml``; a new package needs no edit
@@ -171,6 +172,34 @@ def instructions(session: nox.Session) -> None:
     session.install(TORCH, TRITON, "numpy")
     _install_local(session, PACKAGES)
     session.run("python", "benchmarks/instructions.py", "--check", *session.posargs)
+
+
+@nox.session
+def editable(session: nox.Session) -> None:
+    """What a contributor does first: ``pip install -e`` of every package in a fresh venv,
+    then import each from its ``src/`` with its compiled core, and run the READMEs' code."""
+    session.install(TORCH, TRITON, *TEST_DEPS)
+    session.install("hatchling", "setuptools", "cython", "editables")
+    session.install("--no-deps", "--no-build-isolation",
+                    *[arg for p in PACKAGES for arg in ("-e", str(p))])
+    session.run("python", "-c", _EDITABLE_CHECK, *[str(p / "src") for p in PACKAGES])
+    session.run("python", "-m", "pytest", "-q", "tests-integration/test_readmes.py",
+                *session.posargs, env={"TRITON_INTERPRET": "1"})
+
+
+# every package imports from its src/ (an editable install), compiled core included
+_EDITABLE_CHECK = """
+import importlib, pathlib, sys
+srcs = [pathlib.Path(s).resolve() for s in sys.argv[1:]]
+for src in srcs:
+    for pkg in src.iterdir():
+        if (pkg / "__init__.py").is_file():
+            module = importlib.import_module(pkg.name)
+            where = pathlib.Path(module.__file__).resolve()
+            if src not in where.parents:
+                sys.exit(f"{pkg.name} imported from {where}, not from {src}")
+            print(pkg.name, "from", where.parent)
+"""
 
 
 @nox.session

@@ -11,8 +11,6 @@ the lent GPU machine and local work without installing. Needs setuptools and a C
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -45,10 +43,7 @@ def main(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as out:
             for name, built in hook.build_extensions(root, Path(out)).items():
                 target = root / "src" / built.relative_to(out)
-                # a new file swapped in: a running process keeps its mapping of the old one
-                partial = target.with_name(target.name + ".partial")
-                shutil.copyfile(built, partial)
-                os.replace(partial, target)
+                hook.install_in_place(built, target)
                 print(f"{name}: {target.relative_to(ROOT)}")
     return 0
 

@@ -16,13 +16,16 @@ flags; the wheel then gets a platform tag. The compiled core is required: a buil
 cannot compile an extension fails, naming it. Importing the installed package never
 compiles anything.
 
-``python3 tools/build_native.py`` uses :func:`build_extensions` to build them in place
-(``src/<package>/``) for a checkout used through ``PYTHONPATH``.
+An editable install (``pip install -e``) imports the package from ``src/``, so there the
+hook writes the compiled modules into ``src/<package>/`` (ignored by git) instead of the
+wheel. ``python3 tools/build_native.py`` does the same for a checkout used through
+``PYTHONPATH``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -87,6 +90,14 @@ def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
     return built
 
 
+def install_in_place(built: Path, target: Path) -> None:
+    """Move a freshly built module to ``target`` by a rename, so that a process that has
+    the old file mapped keeps its mapping instead of seeing it rewritten under it."""
+    partial = target.with_name(target.name + ".partial")
+    shutil.copyfile(built, partial)
+    os.replace(partial, target)
+
+
 def _cythonize(name: str, source: Path, temp: Path) -> Path:
     """C translation of a Cython module (``.pyx``, or ``.py`` in pure-Python mode), written
     under ``temp``."""
@@ -114,8 +125,14 @@ class NativeExtensionsHook(BuildHookInterface):  # type: ignore[misc,valid-type]
         self._temp = tempfile.TemporaryDirectory(prefix="h2d-native-")
         out = Path(self._temp.name)
         built = build_extensions(root, out)  # NativeBuildFailed: no wheel without its core
-        for path in built.values():
-            build_data["force_include"][str(path)] = str(path.relative_to(out))
+        if version == "editable":
+            # An editable install imports the package from src/, which shadows anything the
+            # wheel itself carries: the compiled modules must sit beside their sources.
+            for path in built.values():
+                install_in_place(path, root / "src" / path.relative_to(out))
+        else:
+            for path in built.values():
+                build_data["force_include"][str(path)] = str(path.relative_to(out))
         build_data["pure_python"] = False
         build_data["infer_tag"] = True
 

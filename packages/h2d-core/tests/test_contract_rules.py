@@ -19,7 +19,8 @@ hazard the GPU shows, but without depending on how long anything takes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -27,7 +28,13 @@ import pytest
 import torch
 
 import h2d_core._epoch_native as epoch_module  # the compiled begin/finish read these getters
-from h2d_core import H2DRunnerState, StageResult, block_table_state, h2d_producer
+from h2d_core import (
+    H2DRunnerState,
+    StageResult,
+    StreamMismatchError,
+    block_table_state,
+    h2d_producer,
+)
 
 #: GPU cycles of torch.cuda._sleep queued ahead of a publication (tens of ms on an H200):
 #: the host reaches its next step long before the DMA behind it runs.
@@ -57,9 +64,9 @@ class _SimStream:
     (or the final drain) reaches it."""
 
     device = torch.device("cpu")
-    cuda_stream = 0x5151
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_stream: int = 0x5151) -> None:
+        self.cuda_stream = cuda_stream
         self.ops: list[Callable[[], None]] = []
         self.done = 0
 
@@ -93,6 +100,9 @@ class SimulatedGpu:
                  events: str = "driver") -> None:
         self.state = state
         self.stream = _SimStream()
+        #: a second stream (never the consumer's), and whichever of the two is current
+        self.side = _SimStream(0x6262)
+        self.current = self.stream
         self.log: list[str] = []
         sim = self
 
@@ -138,13 +148,13 @@ class SimulatedGpu:
 
         mp = monkeypatch
         mp.setattr(torch.cuda, "Event", Event)
-        mp.setattr(torch.cuda, "current_stream", lambda *a, **k: self.stream)
+        mp.setattr(torch.cuda, "current_stream", lambda *a, **k: self.current)
         mp.setattr(torch.cuda, "synchronize", self._device_synchronize)
         mp.setattr(epoch_module, "get_device", lambda: state._device_index)
-        mp.setattr(epoch_module, "current_raw_stream", lambda index: self.stream.cuda_stream)
+        mp.setattr(epoch_module, "current_raw_stream", lambda index: self.current.cuda_stream)
         mp.setattr(torch._C, "_cuda_getDevice", lambda: state.device.index, raising=False)
         mp.setattr(torch._C, "_cuda_getCurrentRawStream",
-                   lambda index: self.stream.cuda_stream, raising=False)
+                   lambda index: self.current.cuda_stream, raising=False)
         mp.setattr(state, "_cuda", True)
         mp.setattr(state, "_acquire_event", Event(), raising=False)  # CUDA states bind one
         if events == "driver":
@@ -187,6 +197,15 @@ class SimulatedGpu:
 
     def sync(self) -> None:
         self.stream.drain()
+
+    @contextmanager
+    def side_stream(self) -> Iterator[_SimStream]:
+        """Make the second stream current (as ``torch.cuda.stream(side)`` would)."""
+        self.current = self.side
+        try:
+            yield self.side
+        finally:
+            self.current = self.stream
 
 
 class RealGpu:
@@ -233,6 +252,12 @@ class RealGpu:
 
     def sync(self) -> None:
         torch.cuda.synchronize()
+
+    @contextmanager
+    def side_stream(self) -> Iterator[torch.cuda.Stream]:
+        side = torch.cuda.Stream(self.state.device)
+        with torch.cuda.stream(side):
+            yield side
 
 
 Gpu = SimulatedGpu | RealGpu
@@ -292,6 +317,44 @@ def test_reasoned_second_publication_waits_for_the_first_dma(
     assert second[0].tolist() == _values(200, 65)
     assert second[1].tolist() == _values(2000, 64)
     assert st.counters("decode").dmas == 2
+
+
+def test_publication_off_the_epoch_stream_is_refused_and_a_retry_works(
+        device: str, h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The epoch's consumer stream is the one current at begin(): a packed publication or a
+    direct copy with another stream current, or given another stream, enqueues nothing
+    (no DMA, no copy, no count, destinations untouched) and a retry on the right stream
+    publishes the same sources."""
+    setup = h.build_state(device)
+    st = setup.state
+    gpu = gpu_for(device, st, monkeypatch)
+    ids, pos = setup.buffers["input_ids"], setup.buffers["positions"]
+    before = {name: h.dest_bytes(b) for name, b in setup.buffers.items()}
+    st.begin()
+    ids.np[:8] = _values(100, 8)
+    pos.np[:8] = _values(1000, 8)
+    st.set_count(ids, 8)
+    st.set_count(pos, 8)
+    with gpu.side_stream() as side:
+        with pytest.raises(StreamMismatchError, match="consumer stream"):
+            st.publish("decode")
+        with pytest.raises(StreamMismatchError, match="consumer stream"):
+            ids.copy_to_gpu(8)
+    with pytest.raises(StreamMismatchError, match="consumer stream"):
+        st.publish("decode", stream=side)
+    counters = st.counters("decode")
+    assert (counters.publications, counters.dmas, counters.direct_copies) == (0, 0, 0)
+    assert st.counters("token_inputs").direct_copies == 0
+    gpu.sync()
+    for name, b in setup.buffers.items():
+        assert torch.equal(h.dest_bytes(b), before[name]), f"{name} written off-stream"
+    assert ids.np[:8].tolist() == _values(100, 8), "a refused publication touched the source"
+    st.publish("decode")
+    st.finish()
+    gpu.sync()
+    assert ids.gpu[:8].tolist() == _values(100, 8)
+    assert pos.gpu[:8].tolist() == _values(1000, 8)
+    assert st.counters("decode").dmas == 1
 
 
 # ---------------------------------------------------------------------------- rule 2

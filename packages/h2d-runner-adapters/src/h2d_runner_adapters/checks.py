@@ -14,7 +14,6 @@ source (numpy's cast is exact once the range is known to fit).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -74,27 +73,6 @@ def int_array(group: str, name: str, values: object, *, lo: int = INT32_MIN,
             raise AdapterInputError(
                 f"{group}: {what} {i} has {name}={int(values[i])}; it must be in "
                 f"[{lo}, {hi}]{'; ' + rule if rule else ''}")
-    return values
-
-
-def float_array(group: str, name: str, values: object, *, lo: float = -math.inf,
-                hi: float = math.inf, lo_open: bool = False, size: int | None = None,
-                what: str = "request", rule: str = "") -> np.ndarray:
-    """``values`` as a 1-D float numpy array of finite entries in ``[lo, hi]`` (``(lo, hi]``
-    with ``lo_open``); NaN and infinities are refused."""
-    if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind != "f":
-        raise AdapterInputError(
-            f"{group}: {name} must be a 1-D float numpy array with one entry per {what}, "
-            f"got {describe(values)}")
-    check_size(group, name, values, size, what)
-    if values.size:
-        bad = ~np.isfinite(values) | (values > hi) | ((values <= lo) if lo_open else (values < lo))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            bounds = f"{'(' if lo_open else '['}{lo}, {hi}]"
-            raise AdapterInputError(
-                f"{group}: {what} {i} has {name}={float(values[i])}; it must be finite and in "
-                f"{bounds}{'; ' + rule if rule else ''}")
     return values
 
 
