@@ -99,7 +99,7 @@ from repo_paths import use_sources  # noqa: E402
 use_sources()
 
 from main_job_loops import BUILDERS, DEFAULT_FAMILIES, FAMILIES, PAGE, WAYS, WINDOW, Loop  # noqa: E402
-from main_job_output import plot, table  # noqa: E402
+from main_job_output import SUMMARY_METRIC, plot, table  # noqa: E402
 from span_sleep import sleep_cycles  # noqa: E402
 from trace_counts import count_per_step  # noqa: E402
 
@@ -272,9 +272,9 @@ def main() -> None:
             t = time.perf_counter()
             rows = measure(fam, bs, args)
             results += rows
-            print(f"{fam} bs={bs}: " + ", ".join(
-                f"{r['way']} {r['host_us_p50']:.1f} µs" for r in rows)
-                + f" ({time.perf_counter() - t:.1f} s)", flush=True)
+            print(f"{fam} bs={bs}: {SUMMARY_METRIC}: " + ", ".join(
+                f"{r['way']} {r['host_us_p50']:.1f}" for r in rows)
+                + f" ({time.perf_counter() - t:.1f} s to measure)", flush=True)
             # written after every size: an interrupted run keeps what it measured
             (out / "decode_bench.json").write_text(json.dumps(output, indent=1))
     if args.ttft:

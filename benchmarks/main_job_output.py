@@ -13,10 +13,22 @@ COMPARED = ("packed (this library: one DMA + one scatter per group) against dire
             "copy per member) and atom (an ATOM-style host step), interleaved in one "
             "process; every figure is a time (lower is better), shown as way / packed: "
             "above 1 the way is slower than packed")
+#: families whose ATOM-style way runs no consumer kernel (its host builds those arrays) while
+#: packed's kernels run interpreted on a CPU: their ratio there measures the interpreter
+ATOM_NOT_COMPARABLE_ON_CPU = ("v41", "mtp", "gdn", "deepseek_v4")
 CPU_CAVEAT = ("CPU run (Triton interpreter, host-side scatter): it checks that the job runs "
-              "and predicts no GPU host; the ATOM-style v41/mtp/gdn/deepseek_v4 ways run no "
-              "consumer kernels (their host builds those arrays) while packed's run "
-              "interpreted, so their ratios are not comparable")
+              "and predicts no GPU host; the ATOM-style "
+              f"{'/'.join(ATOM_NOT_COMPARABLE_ON_CPU)} ways run no consumer kernels (their "
+              "host builds those arrays) while packed's run interpreted: those ratios are "
+              "not comparable and are not drawn")
+#: what the per-size line printed while the job runs reports, per way
+SUMMARY_METRIC = "metadata host µs per step (p50)"
+
+
+def drawn_ways(family: str, cuda: bool) -> list[str]:
+    """The ways drawn as ratios to packed in ``family``'s panels (packed is the line at 1)."""
+    return [w for w in WAYS[1:]
+            if cuda or not (w == "atom" and family in ATOM_NOT_COMPARABLE_ON_CPU)]
 
 
 def plot(results: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> None:
@@ -41,25 +53,37 @@ def plot(results: list[dict[str, Any]], path: Path, meta: dict[str, Any]) -> Non
         sizes = sorted({r["bs"] for r in rows})
         x = np.arange(len(sizes))
         packed = {r["bs"]: r for r in rows if r["way"] == "packed"}
+        ways = drawn_ways(fam, meta["cuda"])
         for j, (key, title, unit) in enumerate(panels):
             ax = axes[i][j]
-            for k, w in enumerate(WAYS[1:]):
+            top = 1.0
+            for k, w in enumerate(ways):
                 by = {r["bs"]: r for r in rows if r["way"] == w}
                 ratio = [by[s][key] / packed[s][key] for s in sizes]
-                bars = ax.bar(x + (k - 0.5) * 0.38, ratio, 0.38, color=colors[w], label=w)
+                top = max(top, *ratio)
+                width = 0.76 / len(ways)
+                bars = ax.bar(x + (k - (len(ways) - 1) / 2) * width, ratio, width,
+                              color=colors[w], label=w)
                 ax.bar_label(bars, [f"{v:.2f}x" if v < 10 else f"{v:.0f}x" for v in ratio],
                              fontsize=6)
             ax.axhline(1.0, color="tab:blue", lw=1.2, label="packed = 1")
             ax.set_xticks(x, [f"{s}\n{packed[s][key]:.3g} {unit}" for s in sizes], fontsize=7)
             ax.set_xlabel("batch size (requests); packed's own value below it", fontsize=7)
             ax.set_ylabel("way / packed (> 1: slower than packed)", fontsize=7)
-            ax.set_ylim(bottom=0)
+            ax.set_ylim(0, top * 1.3)  # headroom: the bar labels stay inside the panel
             ax.set_title(f"{fam}: {title}", fontsize=9)
-            ax.legend(fontsize=7)
+            if len(ways) < len(WAYS) - 1:
+                ax.text(0.99, 0.97, "atom: not comparable on CPU", transform=ax.transAxes,
+                        ha="right", va="top", fontsize=6, color="tab:gray")
+    # one legend for the figure, outside every panel: it never covers a bar
+    handles = {label: h for ax in axes.flat
+               for h, label in zip(*ax.get_legend_handles_labels(), strict=True)}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=len(handles),
+               fontsize=7, frameon=False)
     caveat = "" if meta["cuda"] else "\n" + CPU_CAVEAT
     fig.suptitle(f"main job, {meta['device']}, {meta['date']}: {COMPARED}{caveat}",
                  fontsize=8, wrap=True)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(path, dpi=110)
 
 

@@ -14,6 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests-integration"))  # main_job_output imports the runners
 from trace_counts import copy_kind  # noqa: E402
 
 
@@ -64,6 +65,21 @@ def test_main_job_runs_every_family_and_way(tmp_path: Path) -> None:
         if r["way"] == "direct":
             assert r["library_per_step"]["dmas"] == 0
     assert "| bs | way |" in stdout
+    # each per-size line names its metric
+    sizes = [line for line in stdout.splitlines() if " bs=2: " in line]
+    assert len(sizes) == 4 and all("metadata host µs per step (p50): packed " in line
+                                   for line in sizes), sizes
+
+
+def test_the_plot_leaves_out_ratios_a_cpu_run_cannot_compare() -> None:
+    """On a CPU, the ATOM-style way of the families whose packed consumers run interpreted
+    is not drawn (its caption says not comparable); on CUDA every way is."""
+    from main_job_output import drawn_ways
+
+    for fam in ("v41", "mtp", "gdn", "deepseek_v4"):
+        assert drawn_ways(fam, cuda=False) == ["direct"]
+        assert drawn_ways(fam, cuda=True) == ["direct", "atom"]
+    assert drawn_ways("mha", cuda=False) == ["direct", "atom"]
 
 
 def test_main_job_runs_deepseek_v4(tmp_path: Path) -> None:
