@@ -64,7 +64,11 @@ def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
 
     sources, numpy_names = extensions_of(root)
     built: dict[str, Path] = {}
-    for name, source in sources.items():
+    for i, (name, source) in enumerate(sources.items(), 1):
+        # each module takes seconds to tens of seconds: say which one is compiling (pip
+        # shows it with -v; tools/build_native.py always)
+        print(f"compiling {name} from {source.name} ({i}/{len(sources)})", file=sys.stderr,
+              flush=True)
         include = []
         if name in numpy_names:
             import numpy
