@@ -77,6 +77,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -98,31 +99,71 @@ from repo_paths import use_sources  # noqa: E402
 
 use_sources()
 
+from decode_runner.runner import HOST_PARTS  # noqa: E402
+from host_parts import GcClock, summarise  # noqa: E402
 from main_job_loops import BUILDERS, DEFAULT_FAMILIES, FAMILIES, PAGE, WAYS, WINDOW, Loop  # noqa: E402
-from main_job_output import SUMMARY_METRIC, plot, table  # noqa: E402
+from main_job_output import SUMMARY_METRIC, parts_tables, plot, table  # noqa: E402
 from span_sleep import sleep_cycles  # noqa: E402
 from trace_counts import count_per_step  # noqa: E402
 
 
 # -- measuring ---------------------------------------------------------------------------
-def _chunk(loop: Loop, steps: int, cuda: bool) -> tuple[list[float], list[float], float,
-                                                         float, list[float]]:
-    """``steps`` steps: per-step host µs and wait µs, wall ms per step, tokens/request,
-    per-step whole host µs (where the loop reports it)."""
-    host, wait, whole, tokens = [], [], [], 0.0
+@dataclass
+class Chunk:
+    """One chunk of steps of one way: per step host µs, wait µs, whole host µs (where the
+    loop reports it), metadata parts (ns, where the runner reports them), the collector's
+    ns and runs; and wall ms per step, tokens per request per step."""
+
+    host: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
+    whole: list[float] = field(default_factory=list)
+    parts: list[list[int]] = field(default_factory=list)
+    gc_ns: list[int] = field(default_factory=list)
+    gc_runs: list[int] = field(default_factory=list)
+    ms: float = 0.0
+    tokens: float = 0.0
+
+
+def _chunk(loop: Loop, steps: int, cuda: bool, clock: GcClock) -> Chunk:
+    """``steps`` steps of ``loop`` (see :class:`Chunk`)."""
+    c = Chunk()
+    tokens = 0.0
     loop.prefetch(steps)  # the scheduler's side, outside the wall clock
+    parts = getattr(loop.runner, "host_parts_ns", None) if loop.isolated else None
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
+        gc_ns, gc_runs = clock.ns, clock.collections
         tokens += loop.step()
-        host.append(loop.runner.host_metadata_ns / 1e3)
-        wait.append(loop.wait_ns() / 1e3)
+        c.gc_ns.append(clock.ns - gc_ns)
+        c.gc_runs.append(clock.collections - gc_runs)
+        c.host.append(loop.runner.host_metadata_ns / 1e3)
+        c.wait.append(loop.wait_ns() / 1e3)
+        if parts is not None:
+            c.parts.append(list(parts))
         if loop.host_step_ns is not None:
-            whole.append(loop.host_step_ns() / 1e3)
+            c.whole.append(loop.host_step_ns() / 1e3)
     if cuda:
         torch.cuda.synchronize()
-    return host, wait, (time.perf_counter() - t0) * 1e3 / steps, tokens / steps, whole
+    c.ms, c.tokens = (time.perf_counter() - t0) * 1e3 / steps, tokens / steps
+    return c
+
+
+def _alone(loop: Loop, steps: int, cuda: bool) -> tuple[list[float], list[list[int]]]:
+    """``steps`` isolated steps (the metadata alone, no model): host µs and parts."""
+    assert loop.isolated is not None
+    host, parts = [], []
+    loop.prefetch(steps)
+    if cuda:
+        torch.cuda.synchronize()
+    for _ in range(steps):
+        loop.isolated()
+        host.append(loop.runner.host_metadata_ns / 1e3)
+        parts.append(list(loop.runner.host_parts_ns))
+    if cuda:
+        torch.cuda.synchronize()
+    return host, parts
 
 
 def _span(loop: Loop, steps: int, host_us: float) -> list[float]:
@@ -147,40 +188,49 @@ def _span(loop: Loop, steps: int, host_us: float) -> list[float]:
 def measure(family: str, bs: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     """One family at one batch size: the three ways interleaved; one row per way."""
     loops = {w: BUILDERS[family](w, bs, args) for w in WAYS}
+    clock = GcClock()
     for loop in loops.values():
-        _chunk(loop, args.warmup, args.cuda)
-    host: dict[str, list[float]] = {w: [] for w in WAYS}
-    wait: dict[str, list[float]] = {w: [] for w in WAYS}
-    chunk_p50: dict[str, list[float]] = {w: [] for w in WAYS}
-    wall: dict[str, list[float]] = {w: [] for w in WAYS}
-    per_req: dict[str, list[float]] = {w: [] for w in WAYS}
-    whole: dict[str, list[float]] = {w: [] for w in WAYS}
-    for r in range(args.rounds):
-        for w in (WAYS if r % 2 == 0 else WAYS[::-1]):
-            h, wt, ms, tok, wh = _chunk(loops[w], args.chunk, args.cuda)
-            host[w] += h
-            whole[w] += wh
-            wait[w] += wt
-            chunk_p50[w].append(float(np.median(h)))
-            wall[w].append(ms)
-            per_req[w].append(tok)
+        _chunk(loop, args.warmup, args.cuda, clock)
+        if loop.isolated is not None:
+            _alone(loop, args.warmup, args.cuda)
+    chunks: dict[str, list[Chunk]] = {w: [] for w in WAYS}
+    alone: dict[str, list[float]] = {w: [] for w in WAYS}
+    alone_parts: dict[str, list[list[int]]] = {w: [] for w in WAYS}
+    with clock:
+        for r in range(args.rounds):
+            for w in (WAYS if r % 2 == 0 else WAYS[::-1]):
+                loop = loops[w]
+                if loop.isolated is not None:
+                    # the same step alone, just before its loop's chunk: same process,
+                    # same runner, the next batches
+                    h, parts = _alone(loop, args.chunk, args.cuda)
+                    alone[w] += h
+                    alone_parts[w] += parts
+                chunks[w].append(_chunk(loop, args.chunk, args.cuda, clock))
     rows = []
     for w, loop in loops.items():
-        hs = np.asarray(host[w])
-        ms = float(np.median(wall[w]))
-        tok = float(np.mean(per_req[w]))
+        cs = chunks[w]
+        host = [x for c in cs for x in c.host]
+        whole = [x for c in cs for x in c.whole]
+        chunk_p50 = [float(np.median(c.host)) for c in cs]
+        hs = np.asarray(host)
+        ms = float(np.median([c.ms for c in cs]))
+        tok = float(np.mean([c.tokens for c in cs]))
         row: dict[str, Any] = {
             "family": family, "bs": bs, "way": w, "steps": len(hs),
             # the spread: the chunk medians' extremes (the host drifts within a process)
-            "host_us_p50": float(np.median(hs)), "host_us_chunk_min": min(chunk_p50[w]),
-            "host_us_chunk_max": max(chunk_p50[w]), "host_us_chunk_p50s": chunk_p50[w],
-            "source_wait_us_p50": float(np.median(wait[w])),
+            "host_us_p50": float(np.median(hs)), "host_us_chunk_min": min(chunk_p50),
+            "host_us_chunk_max": max(chunk_p50), "host_us_chunk_p50s": chunk_p50,
+            "source_wait_us_p50": float(np.median([x for c in cs for x in c.wait])),
             "step_ms": ms, "tokens_per_request_step": tok, "ms_per_output_token": ms / tok,
             "tokens_per_s": bs * tok / ms * 1e3,
             "library_per_step": loop.counters() if w != "atom" else None,
         }
-        if whole[w]:  # the whole step's host work, and the metadata's share of it
-            ws = np.asarray(whole[w])
+        row.update(summarise(
+            HOST_PARTS, [p for c in cs for p in c.parts], [x for c in cs for x in c.gc_ns],
+            [x for c in cs for x in c.gc_runs], alone[w], alone_parts[w]))
+        if whole:  # the whole step's host work, and the metadata's share of it
+            ws = np.asarray(whole)
             row["host_step_us_p50"] = float(np.median(ws))
             row["metadata_share_p50"] = float(np.median(hs / np.maximum(ws, 1e-3)))
         if args.cuda:
@@ -301,6 +351,7 @@ def main() -> None:
         print(llama_family.table(results, cuda))
         if args.ttft:
             print(llama_family.ttft_table(output["ttft"]))
+    print(parts_tables(results))
 
 
 if __name__ == "__main__":

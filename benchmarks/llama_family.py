@@ -138,6 +138,10 @@ class LlamaDecode:
         while len(self._queue) < n:
             self._queue.append(self._next())
 
+    def isolated(self) -> None:
+        """The next step's metadata alone (no model, no sampler): the isolated step."""
+        self.runner.decode_metadata(self._queue.popleft() if self._queue else self._next())
+
     def wait_ns(self) -> int:
         """The last step's wait for source reuse (a GPU still reading older sources)."""
         r = self.runner

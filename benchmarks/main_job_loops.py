@@ -45,7 +45,9 @@ class Loop:
     ``prefetch(n)`` builds the next ``n`` steps' scheduler inputs ahead (outside any
     timing). ``runner`` holds ``host_metadata_ns``, ``span_events`` and
     ``span_through_model``. Optional: ``host_step_ns()``, the last step's whole host
-    work (its waits left out); ``extra(row, args)``, family-specific CUDA figures."""
+    work (its waits left out); ``extra(row, args)``, family-specific CUDA figures;
+    ``isolated()``, the next step's metadata alone (publication and first consumers, no
+    model: the isolated step, measured in the same process as the loop)."""
 
     runner: Any
     step: Callable[[], float]
@@ -54,6 +56,7 @@ class Loop:
     prefetch: Callable[[int], None] = field(default=lambda n: None)
     host_step_ns: Callable[[], int] | None = None
     extra: Callable[[dict[str, Any], argparse.Namespace], dict[str, Any]] | None = None
+    isolated: Callable[[], None] | None = None
 
 
 def _queued(make: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[int], None]]:
@@ -119,7 +122,7 @@ def mha_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:
         return runner.atom.last_wait_ns if runner.atom else runner.state.last_source_wait_ns
 
     return Loop(runner, step, wait, lambda: _library_counters(runner.state, (DECODE_STEP,)),
-                prefetch)
+                prefetch, isolated=None if runner.atom else lambda: runner.decode_metadata(take()))
 
 
 # -- DeepSeek V4.1 -----------------------------------------------------------------------
@@ -233,19 +236,21 @@ def mtp_loop(way: str, bs: int, args: argparse.Namespace, gdn: bool) -> Loop:
 
 
 # -- transformers models (their modules are imported on use: they need transformers) -----
-def _model_loop(d: Any, groups: tuple[str, ...]) -> Loop:
+def _model_loop(d: Any, groups: tuple[str, ...],
+                isolated: Callable[[], None] | None = None) -> Loop:
     """The ``Loop`` of a model family's decode (``llama_family.LlamaDecode`` or its
     subclass), the library's counters over ``groups``."""
     return Loop(d.runner, d.step, d.wait_ns,
                 lambda: _library_counters(d.runner.state, groups), d.prefetch,
-                d.host_step_ns, d.extra)
+                d.host_step_ns, d.extra, isolated)
 
 
 def llama_loop(way: str, bs: int, args: argparse.Namespace, sync: bool) -> Loop:
     """The Llama-3.2-1B-shaped decode loop on ``way`` (``llama_family.LlamaDecode``)."""
     import llama_family
 
-    return _model_loop(llama_family.LlamaDecode(way, bs, args, sync=sync), (DECODE_STEP,))
+    d = llama_family.LlamaDecode(way, bs, args, sync=sync)
+    return _model_loop(d, (DECODE_STEP,), None if way == "atom" else d.isolated)
 
 
 def deepseek_v4_loop(way: str, bs: int, args: argparse.Namespace) -> Loop:

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from decode_runner.runner import HOST_PARTS
+from host_parts import parts_table
 from main_job_loops import DEFAULT_FAMILIES, FAMILIES, WAYS
 
 #: what the plot and the tables compare, and what "better" means
@@ -107,4 +109,18 @@ def table(results: list[dict[str, Any]], cuda: bool) -> str:
                 f"[{r['host_us_chunk_min']:.1f}-{r['host_us_chunk_max']:.1f}] "
                 f"({r['host_vs_packed']:.1f}x) | {span} | {counts} | "
                 f"{r['ms_per_output_token']:.3f} ({r['tpot_vs_packed']:.2f}x) |")
+    return "\n".join(lines)
+
+
+def parts_tables(results: list[dict[str, Any]]) -> str:
+    """Per family whose runner reports them: the metadata by part in the loop, against the
+    same step alone (no model) measured in the same process just before each chunk."""
+    lines = []
+    for fam in FAMILIES:
+        table_lines = parts_table([r for r in results if r["family"] == fam], HOST_PARTS)
+        if table_lines:
+            lines += [f"\n{fam}: metadata host µs p50 by part, in the loop [alone]; "
+                      "'alone': the same runner's next steps' metadata without the model, "
+                      "just before each chunk; gc: the collector's µs and runs per step in "
+                      "the loop", *table_lines]
     return "\n".join(lines)

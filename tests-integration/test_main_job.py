@@ -65,6 +65,16 @@ def test_main_job_runs_every_family_and_way(tmp_path: Path) -> None:
         if r["way"] == "direct":
             assert r["library_per_step"]["dmas"] == 0
     assert "| bs | way |" in stdout
+    # the library's MHA ways: the metadata by part, and the same step alone in this process
+    for r in results:
+        if r["family"] == "mha" and r["way"] != "atom":
+            assert list(r["parts_us_p50"]) == ["begin", "producers", "publish", "finish",
+                                               "consumers"]
+            assert all(v > 0 for v in r["parts_us_p50"].values()), r["parts_us_p50"]
+            assert r["isolated_us_p50"] > 0 and r["gc_us_per_step"] >= 0
+        else:
+            assert "parts_us_p50" not in r and "isolated_us_p50" not in r
+    assert "mha: metadata host µs p50 by part, in the loop [alone]" in stdout
     # each per-size line names its metric
     sizes = [line for line in stdout.splitlines() if " bs=2: " in line]
     assert len(sizes) == 4 and all("metadata host µs per step (p50): packed " in line

@@ -51,6 +51,8 @@ from .model import DecoderInputs, TinyDecoder, TinyDecoderConfig
 DECODE_STEP = "decode_step"
 PREFILL_STEP = "prefill_step"
 TBO_STEP = "tbo_step"
+#: the parts of a decode step's metadata, in order (:attr:`DecodeRunner.host_parts_ns`)
+HOST_PARTS = ("begin", "producers", "publish", "finish", "consumers")
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,9 @@ class DecodeRunner:
         #: host ns of the last step's metadata preparation + publication (begin..finish,
         #: decode and prefill steps; the wait for source reuse left out)
         self.host_metadata_ns = 0
+        #: the last decode step's metadata by part, host ns (the library's ways only):
+        #: begin, producers, publish, finish, first consumers; the source wait left out
+        self.host_parts_ns = [0] * len(HOST_PARTS)
         #: when set (CUDA), events around publication..first consumers of decode steps
         self.span_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
         #: when set (CUDA, with ``span_events``), the step runs the model's first kernel
@@ -285,38 +290,9 @@ class DecodeRunner:
     def _decode(self, batch: ScheduledBatch) -> tuple[torch.Tensor, DecoderInputs, bool]:
         """Publish, run the first consumers and the model; True when the captured graph
         also sampled (an unfiltered plan), False when the caller must sample."""
-        st = self.state
-        size = batch.padded_size
-        # a captured size, or (pad_eager) the scheduler's graph size on an eager run
-        padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
-        events = self.span_events
-        if self.atom is not None:
-            self.atom.sync_lists(batch)  # the scheduler's side: outside the timed region
-            if events is not None:
-                events[0].record()
-            t0 = time.perf_counter_ns()
-            self._sampling_plan, tplan, dplan = self.atom.publish(batch, padded)
-            waited = self.atom.last_wait_ns
-        else:
-            t0 = time.perf_counter_ns()
-            st.begin()
-            tplan, dplan = self._prepare_decode(batch, padded)
-            if events is not None:
-                events[0].record()
-            for group in self.publish_groups:
-                st.publish(group)
-            st.finish()
-            waited = st.last_source_wait_ns
+        dplan = self.decode_metadata(batch)
         rows = dplan.padded_reqs
-        consumers = self.consumer_graphs.get(rows)
-        if consumers is not None and tplan.padded_tokens == rows:
-            consumers.replay()
-        else:
-            self.tokens.assemble(tplan, self.sampled)
-            self.decode.generate_kv_indices(dplan)
-        # every way is timed to the same point, its first consumers enqueued; host work only:
-        # the wait for source reuse (a GPU still busy with earlier steps) is reported apart
-        self.host_metadata_ns = time.perf_counter_ns() - t0 - waited
+        events = self.span_events
         self._decoded(batch, dplan)
         if events is not None:
             if self.span_through_model:  # the model's first kernel, eagerly
@@ -331,6 +307,53 @@ class DecodeRunner:
             return out, self.graph_inputs[rows], unfiltered
         inputs = self.graph_inputs.get(rows) or self._decode_inputs(self.decode, rows, 0)
         return self.model(inputs), inputs, False
+
+    def decode_metadata(self, batch: ScheduledBatch) -> DecodePlan:
+        """A decode step's metadata alone: publication and first consumers, no model (the
+        step's first half; the main job also runs it by itself, as the isolated step).
+        Sets :attr:`host_metadata_ns` and, on the library's ways, :attr:`host_parts_ns`."""
+        st = self.state
+        size = batch.padded_size
+        # a captured size, or (pad_eager) the scheduler's graph size on an eager run
+        padded = size if size in self.graph_inputs or (self.pad_eager and size) else None
+        events = self.span_events
+        parts = self.host_parts_ns
+        if self.atom is not None:
+            self.atom.sync_lists(batch)  # the scheduler's side: outside the timed region
+            if events is not None:
+                events[0].record()
+            t0 = time.perf_counter_ns()
+            self._sampling_plan, tplan, dplan = self.atom.publish(batch, padded)
+            waited = self.atom.last_wait_ns
+        else:
+            t0 = time.perf_counter_ns()
+            st.begin()
+            waited = st.last_source_wait_ns
+            t1 = time.perf_counter_ns()
+            tplan, dplan = self._prepare_decode(batch, padded)
+            if events is not None:
+                events[0].record()
+            t2 = time.perf_counter_ns()
+            for group in self.publish_groups:
+                st.publish(group)
+            t3 = time.perf_counter_ns()
+            st.finish()
+            t4 = time.perf_counter_ns()
+            parts[0], parts[1], parts[2], parts[3] = t1 - t0 - waited, t2 - t1, t3 - t2, t4 - t3
+        t5 = time.perf_counter_ns()
+        rows = dplan.padded_reqs
+        consumers = self.consumer_graphs.get(rows)
+        if consumers is not None and tplan.padded_tokens == rows:
+            consumers.replay()
+        else:
+            self.tokens.assemble(tplan, self.sampled)
+            self.decode.generate_kv_indices(dplan)
+        # every way is timed to the same point, its first consumers enqueued; host work only:
+        # the wait for source reuse (a GPU still busy with earlier steps) is reported apart
+        t6 = time.perf_counter_ns()
+        self.host_metadata_ns = t6 - t0 - waited
+        parts[4] = t6 - t5
+        return dplan
 
     def _prepare_decode(self, batch: ScheduledBatch, padded: int | None
                         ) -> tuple[TokenPlan, DecodePlan]:
