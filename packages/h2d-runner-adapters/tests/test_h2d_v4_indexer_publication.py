@@ -322,7 +322,8 @@ def _check_consumers(ub: V41MetadataInputs, plan: V41Plan, spans: list[RequestSp
         got = getattr(ub.step_indptrs, name).cpu().tolist()[: len(expected)]
         assert got == expected, (where, name)
     per_token, cells = expand_v4_token_tables_reference(
-        want["v41_token_batch_ids"], ctx, rows, ref["hca_indptr"], MAX_BLOCKS, ENVELOPE)
+        want["v41_positions"], want["v41_token_batch_ids"], ctx, rows, ref["hca_indptr"],
+        MAX_BLOCKS, ENVELOPE)
     assert ub.block_tables_per_token is not None
     assert ub.block_tables_per_token[: len(per_token)].cpu().tolist() == per_token, where
     written = write_v4_decode_window_indices_reference(

@@ -683,8 +683,9 @@ class V41MetadataInputs(PagedInputs):
         if self.envelope_rows is not None:
             assert self.block_tables_per_token is not None and self.hca_indices is not None
             expand_v4_token_tables(
-                self.token_batch_ids.gpu, self.seq_lens.gpu, self.block_tables.gpu,
-                out.hca_indptr, self.block_tables_per_token, self.hca_indices,
+                self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
+                self.block_tables.gpu, out.hca_indptr, self.block_tables_per_token,
+                self.hca_indices,
                 num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs, window=self.window,
                 envelope_rows=self.envelope_rows)
         return out
