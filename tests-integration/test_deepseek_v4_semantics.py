@@ -33,15 +33,15 @@ from test_deepseek_v4_oracle import BLOCKS, SLOTS, VOCAB, _model, _verify_reques
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-def _runner(model: Any, device: str, backend: str, *, spec: int = 0, max_blocks: int = 1
-            ) -> DeepseekV4Runner:
+def _runner(model: Any, device: str, backend: str, *, spec: int = 0, max_blocks: int = 1,
+            pad: bool = False) -> DeepseekV4Runner:
     decoder = DeepseekV4PagedDecoder(model, num_blocks=BLOCKS + 1, max_blocks=max_blocks,
                                      num_state_slots=SLOTS, spec_tokens=spec)
     return DeepseekV4Runner(
         RunnerConfig(max_reqs=4, max_tokens=64, max_pages_per_req=max_blocks, page_size=256,
                      num_pages=BLOCKS, vocab=VOCAB,
                      scatter="auto" if device == "cuda" else "triton"),
-        device, backend, model=decoder, num_state_slots=SLOTS)
+        device, backend, model=decoder, num_state_slots=SLOTS, pad_eager=pad)
 
 
 def _prefill(runner: DeepseekV4Runner, req: int, tokens: list[int], table: list[int], *,
@@ -106,3 +106,37 @@ def test_verify_across_an_hca_boundary_hides_the_closing_entry(device: str, back
     for i, p in enumerate(prompts):
         assert seqs[i][len(p):] == truth[i][: len(seqs[i]) - len(p)], i
     assert runner.decode_compress_rows.get(128, 0) == 2  # each request closed HCA window 0
+
+
+# -- 4. HCA slices in view rows: several HCA layers ---------------------------------------
+TWO_HCA = ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention",
+           "heavily_compressed_attention"]
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_two_hca_layers_each_read_their_own_rows(device: str, backend: str) -> None:
+    """A model with two heavily-compressed layers: the HCA index head one step publishes
+    is in view rows (relative to the reading layer's view base, its offset in the block
+    envelope), so each HCA layer adds its own base and reads its own compressed rows and
+    window ring. Two requests prefill across an HCA boundary (chunked), then decode
+    together (padded) across a second one; every step's logits equal the dense forward's
+    and the tokens ``generate()``'s."""
+    needs_kernels(device)
+    model: Any = _model(device, TWO_HCA)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (140, 122)]
+    new = 9
+    runner = _runner(model, device, backend, pad=True)
+    assert runner._decoder.envelope_rows == 2 + 2 + 64
+    seqs = [[*p, _prefill(runner, i, p, [i])] for i, p in enumerate(prompts)]
+    for step in range(new - 1):
+        reqs = [_verify_request(i, [seqs[i][-1]], len(seqs[i]), [i]) for i in (1, 0)]
+        res = runner.step(ScheduledBatch(reqs, False, 256, padded_size=4, step=step + 1))
+        for row, i in enumerate((1, 0)):
+            dense = _dense(model, seqs[i], device)[-1]
+            torch.testing.assert_close(res.logits[row].float().cpu(), dense, **TOL)
+            seqs[i].append(int(res.sampled[row]))
+    for i, p in enumerate(prompts):
+        assert seqs[i][len(p):] == _greedy(model, p, new, device), i
+    assert runner.decode_compress_rows.get(128, 0) == 1  # request 1 closed HCA window 0
+    assert runner.padded_steps == new - 1

@@ -271,7 +271,11 @@ class V41MetadataInputs(PagedInputs):
     comes from the CPU lengths (``V41Plan.max_query_len``), never a device reduction.
     ``envelope_rows`` (compressed rows per block over all compressed layers) enables the
     per-token expansion of the first consumer (per-token block tables and the HCA index
-    head, device buffers of ``max_tokens`` rows). ``fuse_step_indptrs`` puts that first
+    head, device buffers of ``max_tokens`` rows). Every row in the consumers' slices and
+    ``dest`` outputs (HCA head, window tails, prefill indices) is a VIEW ROW: relative to
+    the reading layer's view base (a compressed layer's offset in the block envelope), so
+    one published HCA head serves every HCA layer, each adding its own base; see
+    :class:`~h2d_runner_adapters.consumers.WindowGeometry`. ``fuse_step_indptrs`` puts that first
     consumer inside the group's publication (a packed group: its CUDA graphs), with the
     step's counts published as ``v41_step_counts`` and read on the device;
     :meth:`generate_step_indptrs` then launches nothing.

@@ -264,6 +264,16 @@ class WindowGeometry:
     ``s * slot_rows + ring_start_c + (r // stride_c) * run_rows_c + r % stride_c`` with
     ``r = p % ring_positions``; ``classes`` holds ``(ring_start, stride, run_rows)`` for the
     dense (SWA), CSA and HCA classes, in that order.
+
+    Every row the V4 consumers write into a slice or a ``dest`` (these window rows, and
+    the compressed rows ``block * envelope_rows + e % (256 / ratio)`` of the HCA head) is a
+    VIEW ROW: relative to the reading layer's view base, the row that layer's view of the
+    KV pool starts at (a compressed layer's: its offset in the block envelope). A layer
+    reads and writes row ``view_base + cell``, so one published slice serves every layer
+    of its class: ``ring_start_c`` is relative to the view base of the class's first layer,
+    and ``run_rows_c = layers_in_class * stride_c`` interleaves the layers' rings (for a
+    compressed class ``stride_c`` is its rows per block, so the view bases interleave
+    both). With one layer per class at view base 0 view rows are absolute rows.
     """
 
     slot_rows: int
@@ -373,6 +383,8 @@ def write_v4_prefill_indices(
     * ``prefix_hca``: the window rows (HCA class) at the head, then the compressed rows
       ``block_tables[b, e // 2] * envelope_rows + e % 2`` for ``e < min((p+1)//128,
       ctx_b//128)`` (prefill: SWA head, compress tail).
+
+    Every window and compressed row is a view row (:class:`WindowGeometry`).
 
     One program per token; no host work, no sync.
     """
