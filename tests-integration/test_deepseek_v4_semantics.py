@@ -6,7 +6,12 @@ The tiny random model of :mod:`test_deepseek_v4_oracle`, decoded through
 
 * a verify step (``k = 3``: four query tokens per request) whose positions straddle a
   rate-128 boundary: each token sees only the HCA entries its own position may
-  (``min((p + 1) // 128, ctx // 128)``), not its request's.
+  (``min((p + 1) // 128, ctx // 128)``), not its request's;
+* state forks, in a prefill chunk and in a verify step: the fork's step reads its
+  source's window rows and compressor rings through ``state_slot_in`` and writes its own
+  slot;
+* a model with two HCA layers: every published slice cell is a view row, each HCA layer
+  adding its own view base.
 """
 
 from __future__ import annotations
@@ -140,3 +145,74 @@ def test_two_hca_layers_each_read_their_own_rows(device: str, backend: str) -> N
         assert seqs[i][len(p):] == _greedy(model, p, new, device), i
     assert runner.decode_compress_rows.get(128, 0) == 1  # request 1 closed HCA window 0
     assert runner.padded_steps == new - 1
+
+
+# -- 2. a state fork -------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_a_fork_reads_its_source_state_then_its_own(device: str, backend: str) -> None:
+    """Request 0 prefills ``P`` (100 tokens). Request 1 forks from it: its block is a copy
+    of request 0's (the engine's copy-on-write of the partial block: the CSA entries of
+    ``P``), its state slot is fresh (garbage) and its one prefill chunk of 60 more tokens
+    publishes request 0's slot as ``fork_source``. That chunk reads request 0's window
+    ring (its first tokens' window lies in ``P``) and compressor rings (the HCA window
+    closing at 127 pools 100 positions of ``P``) through ``state_slot_in`` and writes every
+    state a later step reads into its own slot. Both then decode together (request 1
+    across two CSA windows, request 0 on its own slot, undisturbed): every step's logits
+    equal the dense forward's and each request's tokens ``generate()``'s."""
+    needs_kernels(device)
+    model: Any = _model(device)
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(1, VOCAB, (100,), generator=gen).tolist()
+    suffix = torch.randint(1, VOCAB, (60,), generator=gen).tolist()
+    runner = _runner(model, device, backend, pad=True)
+    seqs = {0: [*prompt, _prefill(runner, 0, prompt, [0])]}
+    runner._decoder.move_pages([(0, 1)])  # copy-on-write of the shared partial block
+    runner.forks[1] = 0
+    seqs[1] = [*prompt, *suffix, _prefill(runner, 1, suffix, [1], start=100, chunk=64)]
+    assert not runner.forks and runner.slot_of[1] != runner.slot_of[0]
+    new = 8
+    for step in range(new - 1):
+        reqs = [_verify_request(i, [seqs[i][-1]], len(seqs[i]), [i]) for i in (1, 0)]
+        res = runner.step(ScheduledBatch(reqs, False, 256, padded_size=4, step=step + 1))
+        for row, i in enumerate((1, 0)):
+            dense = _dense(model, seqs[i], device)[-1]
+            torch.testing.assert_close(res.logits[row].float().cpu(), dense, **TOL)
+            seqs[i].append(int(res.sampled[row]))
+    assert seqs[0][100:] == _greedy(model, prompt, new, device)
+    assert seqs[1][160:] == _greedy(model, prompt + suffix, new, device)
+
+
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_a_decode_fork_step_reads_the_source_window(device: str, backend: str) -> None:
+    """A fork taken in a verify step (``k = 3``): request 0 has prefilled ``P`` (100
+    tokens); request 1, its block a copy of request 0's and its slot fresh, verifies the
+    same continuation's first four tokens (positions 100..103) with request 0's slot as
+    ``fork_source``, in one ragged step with request 0's own one-token step. Its tokens'
+    windows reach back into ``P``: those rows come from the source's ring
+    (``state_slot_in``), the step's own from its slot (``state_slot_out``). Every row's
+    logits equal the dense forward's; request 0 then decodes on, undisturbed."""
+    needs_kernels(device)
+    model: Any = _model(device)
+    gen = torch.Generator().manual_seed(13)
+    prompt = torch.randint(1, VOCAB, (100,), generator=gen).tolist()
+    truth = _greedy(model, prompt, 6, device)
+    runner = _runner(model, device, backend, spec=SPEC)
+    seq = [*prompt, _prefill(runner, 0, prompt, [0])]
+    assert seq[100:] == truth[:1]
+    runner._decoder.move_pages([(0, 1)])  # copy-on-write of the shared partial block
+    runner.forks[1] = 0
+    toks = [seq[-1], *truth[1:1 + SPEC]]
+    reqs = [_verify_request(0, [seq[-1]], 101, [0]), _verify_request(1, toks, 104, [1])]
+    logits = runner.verify(ScheduledBatch(reqs, False, 256, step=1), padded=4).float().cpu()
+    assert not runner.forks and runner.slot_of[1] != runner.slot_of[0]
+    dense = _dense(model, [*seq, *toks[1:]], device)
+    torch.testing.assert_close(logits[0], dense[100], **TOL)
+    torch.testing.assert_close(logits[1:], dense[100:104], **TOL)
+    runner.release([1])
+    seq.append(int(logits[0].argmax()))
+    for step in range(2, 5):
+        out = runner.verify(ScheduledBatch([_verify_request(0, [seq[-1]], len(seq), [0])],
+                                           False, 256, step=step), padded=4).float().cpu()
+        torch.testing.assert_close(out[0], _dense(model, seq, device)[-1], **TOL)
+        seq.append(int(out[0].argmax()))
+    assert seq[100:] == truth[: len(seq) - 100]

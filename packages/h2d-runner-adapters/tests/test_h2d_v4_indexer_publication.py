@@ -208,7 +208,8 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
             width = rng.randint(1, 10)
             ctx = start + width
             rows.append(BlockTable(range(10 * i, 10 * i + -(-ctx // V4_BLOCK))))
-            spans.append(RequestSpan(width, ctx, i, -1))
+            # some chunks fork: their window rows come from the source's slot
+            spans.append(RequestSpan(width, ctx, i, 20 + i if rng.random() < 0.5 else -1))
         st_.begin()
         if step % 2:  # a decode step in between: chunk starts are not published
             dec = [RequestSpan(1, s.context_len, s.state_slot) for s in spans]
@@ -264,7 +265,8 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
         want_idx = write_v4_prefill_indices_reference(
             want["v41_positions"], want["v41_token_batch_ids"],
             [sp.context_len for sp in spans], want["v41_chunk_starts"],
-            [sp.state_slot for sp in spans], cu_q, [list(r) for r in rows], geometry,
+            [sp.fork_source if sp.fork_source >= 0 else sp.state_slot for sp in spans], cu_q,
+            [list(r) for r in rows], geometry,
             window=WINDOW, index_topk=TOPK, envelope_rows=ENVELOPE)
         for name, expected in want_idx.items():
             got = getattr(outs, name).cpu().tolist()
@@ -327,8 +329,8 @@ def _check_consumers(ub: V41MetadataInputs, plan: V41Plan, spans: list[RequestSp
     assert ub.block_tables_per_token is not None
     assert ub.block_tables_per_token[: len(per_token)].cpu().tolist() == per_token, where
     written = write_v4_decode_window_indices_reference(
-        want["v41_positions"], want["v41_token_batch_ids"], want["v41_state_slot_out"], ref,
-        GEOMETRY, window=WINDOW)
+        want["v41_positions"], want["v41_token_batch_ids"], want["v41_state_slot_out"],
+        want["v41_state_slot_in"], ref, GEOMETRY, window=WINDOW)
     for i, v in written["hca_indices"].items():
         cells[i] = v  # the window kernel completes the HCA slices the expansion began
     assert win.hca_indices[: len(cells)].cpu().tolist() == cells, where

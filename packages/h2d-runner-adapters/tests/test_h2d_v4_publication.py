@@ -205,7 +205,7 @@ def test_v41_metadata_exact_values_over_steps(device: str, backend: str, fuse: b
         v4.write_decode_window_indices(plan, GEOMETRY, win)
         cells = write_v4_decode_window_indices_reference(
             want["v41_positions"], want["v41_token_batch_ids"], want["v41_state_slot_out"],
-            ref, GEOMETRY, window=WINDOW)
+            want["v41_state_slot_in"], ref, GEOMETRY, window=WINDOW)
         for name, written in cells.items():
             got = getattr(win, name).cpu().tolist()
             for index, value in written.items():

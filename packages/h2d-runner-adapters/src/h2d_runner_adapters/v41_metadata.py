@@ -10,7 +10,10 @@ and two scatters" of an ordinary V4.1 DSpark decode), graph padding included:
   0 for padded requests;
 * ``v41_state_slot_out`` / ``v41_state_slot_in`` (int32, per request): the physical state
   slot written, and the one read (a fork source, else the same); padded requests get the
-  adapter's private dummy slot;
+  adapter's private dummy slot. Everything a step reads of positions before its own
+  tokens (the compressor rings the plans read, the window rows of the decode tails and
+  the prefill prefix indices) is ``state_slot_in``'s; everything it writes, and its own
+  tokens' window rows, ``state_slot_out``'s;
 * ``v41_compress_plan_{r}`` / ``v41_write_plan_{r}`` for each ratio ``r`` (int32 rows of
   ``[ragged_id, batch_id, position, window_len]``, counted in rows with ``set_count``): the
   graph form, ``P * ceil(q/r)`` compress rows and ``P * min(q, K)`` write rows, real rows
@@ -109,9 +112,15 @@ class RequestSpan:
     (they arrive separately, as rows, in :meth:`V41MetadataInputs.begin_step`).
 
     ``num_tokens`` query tokens run this step, ending at ``context_len`` (the committed
-    length after the step). ``fork_source`` (a physical state slot, or -1) is the slot whose
-    compressor ring this step reads instead of ``state_slot``. Every field is an int in
-    int32 range (checked by the producers: a float or bool is refused, never truncated).
+    length after the step). ``fork_source`` (a physical state slot, or -1) is the slot
+    whose state this step reads instead of ``state_slot``'s: the compressor rings and the
+    window rows of every position before the step's first token; the step writes
+    ``state_slot``. A fork carries the source's state only as far as its step rewrites it
+    (each ring's last positions: ``window`` window rows, ``K`` per compression ratio): a
+    prefill chunk of at least ``max(window, 128)`` tokens carries all of it, while after a
+    shorter (decode) fork step the engine copies the source slot's older ring positions
+    into ``state_slot`` before the next step reads them. Every field is an int in int32
+    range (checked by the producers: a float or bool is refused, never truncated).
     """
 
     num_tokens: int
@@ -649,8 +658,9 @@ class V41MetadataInputs(PagedInputs):
         ``out.hca_indices`` to complete the HCA slices the expansion began."""
         return write_v4_decode_window_indices(
             self.positions.gpu, self.token_batch_ids.gpu, self.state_slot_out.gpu,
-            self.step_indptrs, out, geometry, num_tokens=plan.padded_tokens,
-            num_reqs=plan.num_reqs, window=self.window)
+            self.state_slot_in.gpu, self.step_indptrs, out, geometry,
+            num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs, window=self.window,
+            max_query_len=plan.max_query_len)
 
     def write_prefill_indices(self, plan: V41Plan, cu_seqlens_q: torch.Tensor,
                               geometry: WindowGeometry, out: PrefillIndices
@@ -664,7 +674,7 @@ class V41MetadataInputs(PagedInputs):
                 "rows per block); pass it to the constructor")
         return write_v4_prefill_indices(
             self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
-            self.chunk_starts.gpu, self.state_slot_out.gpu, cu_seqlens_q,
+            self.chunk_starts.gpu, self.state_slot_in.gpu, cu_seqlens_q,
             self.block_tables.gpu, self.prefill_indptrs, out, geometry,
             num_tokens=plan.num_tokens, num_reqs=plan.num_reqs, window=self.window,
             index_topk=self.index_topk, envelope_rows=self.envelope_rows)

@@ -305,8 +305,9 @@ def _window_row(slot, pos, slot_rows, ring, start, stride, run):  # type: ignore
                                "envelope", "d_start", "d_stride", "d_run", "c_start",
                                "c_stride", "c_run", "h_start", "h_stride", "h_run"])
 def _prefill_indices_kernel(  # type: ignore[no-untyped-def]
-    positions_ptr, batch_ids_ptr, seq_lens_ptr, chunk_starts_ptr, slots_ptr, cu_q_ptr,
-    tables_ptr, tables_stride,
+    positions_ptr, batch_ids_ptr, seq_lens_ptr, chunk_starts_ptr,
+    slots_ptr,  # state_slot_in: every window row here precedes the chunk
+    cu_q_ptr, tables_ptr, tables_stride,
     ext_ptr, swa_ptr, csa_ptr, hca_ptr,  # the indptrs of generate_v4_prefill_indptrs
     ext_out, swa_out, csa_out, hca_out,
     num_tokens, num_reqs, window, slot_rows, ring, envelope,
@@ -359,7 +360,7 @@ def write_v4_prefill_indices(
     batch_ids: torch.Tensor,
     seq_lens: torch.Tensor,
     chunk_starts: torch.Tensor,
-    state_slots: torch.Tensor,
+    state_slots_in: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     block_tables: torch.Tensor,
     indptrs: PrefillIndptrs,
@@ -384,7 +385,10 @@ def write_v4_prefill_indices(
       ``block_tables[b, e // 2] * envelope_rows + e % 2`` for ``e < min((p+1)//128,
       ctx_b//128)`` (prefill: SWA head, compress tail).
 
-    Every window and compressed row is a view row (:class:`WindowGeometry`).
+    Every window and compressed row is a view row (:class:`WindowGeometry`). The window
+    rows all precede the chunk: they are state the chunk reads, so they lie in each
+    request's ``state_slots_in`` (``v41_state_slot_in``: a fork source, else its own slot),
+    as the compressor rings the plans read do; the chunk's own keys are extend rows.
 
     One program per token; no host work, no sync.
     """
@@ -397,7 +401,7 @@ def write_v4_prefill_indices(
     for name, tensor, dtype, need in (
         ("positions", positions, torch.int64, t), ("batch_ids", batch_ids, torch.int32, t),
         ("seq_lens", seq_lens, torch.int32, n), ("chunk_starts", chunk_starts, torch.int32, n),
-        ("state_slots", state_slots, torch.int32, n),
+        ("state_slots_in", state_slots_in, torch.int32, n),
         ("cu_seqlens_q", cu_seqlens_q, torch.int32, n + 1),
     ):
         check_tensor(func, name, tensor, dtype=dtype, ndim=1, min_numel=need)
@@ -411,7 +415,7 @@ def write_v4_prefill_indices(
     widest = max(window, 2 * tables.shape[1], topk, 1)
     grid = (next_power_of_two(t), -(-widest // BLOCK_COLUMNS))
     _prefill_indices_kernel[grid](
-        positions, batch_ids, seq_lens, chunk_starts, state_slots, cu_seqlens_q,
+        positions, batch_ids, seq_lens, chunk_starts, state_slots_in, cu_seqlens_q,
         tables, tables.stride(0), indptrs.extend_indptr, indptrs.prefix_swa_indptr,
         indptrs.prefix_csa_indptr, indptrs.prefix_hca_indptr, out.extend, out.prefix_swa,
         out.prefix_csa, out.prefix_hca, t, n, window, geometry.slot_rows,
@@ -426,7 +430,7 @@ def write_v4_prefill_indices_reference(
     batch_ids: list[int],
     seq_lens: list[int],
     chunk_starts: list[int],
-    state_slots: list[int],
+    state_slots_in: list[int],
     cu_seqlens_q: list[int],
     block_tables: list[list[int]],
     geometry: WindowGeometry,
@@ -440,7 +444,7 @@ def write_v4_prefill_indices_reference(
     for p, b in zip(positions, batch_ids, strict=True):
         if b < 0:
             continue
-        ctx, s, slot = seq_lens[b], chunk_starts[b], state_slots[b]
+        ctx, s, slot = seq_lens[b], chunk_starts[b], state_slots_in[b]
         low = max(p - window + 1, 0)
         ext = min(p - s + 1, window)
         prefix = max(s - low, 0)
@@ -472,11 +476,12 @@ class DecodeWindowIndices(NamedTuple):
                                "d_start", "d_stride", "d_run", "c_start", "c_stride",
                                "c_run", "h_start", "h_stride", "h_run"])
 def _decode_window_kernel(  # type: ignore[no-untyped-def]
-    positions_ptr, batch_ids_ptr, slots_ptr, swa_ptr, csa_ptr, hca_ptr,
+    positions_ptr, batch_ids_ptr, slots_ptr, slots_in_ptr, swa_ptr, csa_ptr, hca_ptr,
     swa_out, csa_out, hca_out, dest_d, dest_c, dest_h,
     num_tokens, num_reqs, window, slot_rows, ring,
     d_start, d_stride, d_run, c_start, c_stride, c_run, h_start, h_stride, h_run,
     BLOCK: tl.constexpr,
+    QMAX: tl.constexpr,  # >= the widest query, a power of two
 ):
     t = tl.program_id(0)
     live = t < num_tokens
@@ -484,20 +489,31 @@ def _decode_window_kernel(  # type: ignore[no-untyped-def]
     real = live & (b >= 0) & (b < num_reqs)
     p = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int32)
     slot = tl.load(slots_ptr + b, mask=real, other=0)
+    slot_in = tl.load(slots_in_ptr + b, mask=real, other=0)
+    # j: the token's index in its request's query (its tokens are contiguous, at most
+    # QMAX), so the step's first position is p - j: positions before it are state
+    # earlier steps left in state_slot_in (a fork source), the others this step's rows
+    back = t - 1 - tl.arange(0, QMAX)
+    prev = tl.load(batch_ids_ptr + back, mask=real & (back >= 0), other=-1)
+    first_pos = p - tl.sum((prev == b).to(tl.int32), axis=0)
     n = tl.minimum(p + 1, window)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     w = real & (i < n)
     pos_i = p - n + 1 + i
+    slot_i = tl.where(pos_i < first_pos, slot_in, slot)
     # the window at each slice's tail: [ptr[t+1] - n, ptr[t+1])
     e = tl.load(swa_ptr + t + 1, mask=real, other=0) - n
     tl.store(swa_out + e + i,
-             _window_row(slot, pos_i, slot_rows, ring, d_start, d_stride, d_run), mask=w)
+             _window_row(slot_i, pos_i, slot_rows, ring, d_start, d_stride, d_run),
+             mask=w)
     e = tl.load(csa_ptr + t + 1, mask=real, other=0) - n
     tl.store(csa_out + e + i,
-             _window_row(slot, pos_i, slot_rows, ring, c_start, c_stride, c_run), mask=w)
+             _window_row(slot_i, pos_i, slot_rows, ring, c_start, c_stride, c_run),
+             mask=w)
     e = tl.load(hca_ptr + t + 1, mask=real, other=0) - n
     tl.store(hca_out + e + i,
-             _window_row(slot, pos_i, slot_rows, ring, h_start, h_stride, h_run), mask=w)
+             _window_row(slot_i, pos_i, slot_rows, ring, h_start, h_stride, h_run),
+             mask=w)
     first = real & (i < 1)  # one lane writes the token's own rows
     zero = i * 0
     tl.store(dest_d + t + zero,
@@ -514,7 +530,8 @@ def _decode_window_kernel(  # type: ignore[no-untyped-def]
 def write_v4_decode_window_indices(
     positions: torch.Tensor,
     batch_ids: torch.Tensor,
-    state_slots: torch.Tensor,
+    state_slots_out: torch.Tensor,
+    state_slots_in: torch.Tensor,
     indptrs: StepIndptrs,
     out: DecodeWindowIndices,
     geometry: WindowGeometry,
@@ -522,35 +539,44 @@ def write_v4_decode_window_indices(
     num_tokens: int,
     num_reqs: int,
     window: int,
+    max_query_len: int,
 ) -> DecodeWindowIndices:
     """The window part of each decode token's index slices, after
     :func:`generate_v4_step_indptrs`: for a real token at position ``p`` of request ``b``
-    (state slot ``s = state_slots[b]``, ``n = min(p + 1, W)``), the last ``n`` entries of
-    its SWA, CSA and HCA slices are the window rows of positions ``p - n + 1 .. p`` in the
-    dense, CSA and HCA classes, and ``dest_c[t]`` is the row of ``p`` itself. The slice
-    heads (HCA compressed rows, CSA top-k) are not touched. Padded tokens write nothing.
+    (``n = min(p + 1, W)``), the last ``n`` entries of its SWA, CSA and HCA slices are the
+    window rows of positions ``p - n + 1 .. p`` in the dense, CSA and HCA classes, and
+    ``dest_c[t]`` is the row of ``p`` itself. A position this step writes (``>= p - j``
+    for the ``j``-th token of the request's query) lies in ``state_slots_out[b]``, an
+    earlier one in ``state_slots_in[b]`` (a fork source, else the same slot): a fork's
+    step reads its source's window. Rows are view rows (:class:`WindowGeometry`). The
+    slice heads (HCA compressed rows, CSA top-k) are not touched. Padded tokens write
+    nothing. ``max_query_len`` bounds every request's tokens this step (a host int).
     """
     func = "write_v4_decode_window_indices"
     t = check_count(func, "num_tokens", num_tokens)
     n = check_count(func, "num_reqs", num_reqs)
     window = check_count(func, "window", window)
+    qmax = check_count(func, "max_query_len", max_query_len)
     check_tensor(func, "positions", positions, dtype=torch.int64, ndim=1, min_numel=t)
     check_tensor(func, "batch_ids", batch_ids, dtype=torch.int32, ndim=1, min_numel=t)
-    check_tensor(func, "state_slots", state_slots, dtype=torch.int32, ndim=1, min_numel=n)
+    check_tensor(func, "state_slots_out", state_slots_out, dtype=torch.int32, ndim=1,
+                 min_numel=n)
+    check_tensor(func, "state_slots_in", state_slots_in, dtype=torch.int32, ndim=1,
+                 min_numel=n)
     for name in DecodeWindowIndices._fields:
         check_tensor(func, name, getattr(out, name), dtype=torch.int32, ndim=1,
                      min_numel=t if name.startswith("dest") else 0)
     check_devices(func, _decode_window_kernel, positions=positions, batch_ids=batch_ids,
-                  state_slots=state_slots, swa_indices=out.swa_indices,
-                  dest_dense=out.dest_dense)
+                  state_slots_out=state_slots_out, state_slots_in=state_slots_in,
+                  swa_indices=out.swa_indices, dest_dense=out.dest_dense)
     (ds, dst, dr), (cs, cst, cr), (hs, hst, hr) = geometry.classes
     grid = (next_power_of_two(t), -(-max(window, 1) // BLOCK_COLUMNS))
     _decode_window_kernel[grid](
-        positions, batch_ids, state_slots, indptrs.swa_indptr, indptrs.csa_indptr,
-        indptrs.hca_indptr, out.swa_indices, out.csa_indices, out.hca_indices,
-        out.dest_dense, out.dest_csa, out.dest_hca, t, n, window, geometry.slot_rows,
-        geometry.ring_positions, ds, dst, dr, cs, cst, cr, hs, hst, hr,
-        BLOCK=BLOCK_COLUMNS,
+        positions, batch_ids, state_slots_out, state_slots_in, indptrs.swa_indptr,
+        indptrs.csa_indptr, indptrs.hca_indptr, out.swa_indices, out.csa_indices,
+        out.hca_indices, out.dest_dense, out.dest_csa, out.dest_hca, t, n, window,
+        geometry.slot_rows, geometry.ring_positions, ds, dst, dr, cs, cst, cr, hs, hst, hr,
+        BLOCK=BLOCK_COLUMNS, QMAX=max(next_power_of_two(qmax), 2),
     )
     return out
 
@@ -558,7 +584,8 @@ def write_v4_decode_window_indices(
 def write_v4_decode_window_indices_reference(
     positions: list[int],
     batch_ids: list[int],
-    state_slots: list[int],
+    state_slots_out: list[int],
+    state_slots_in: list[int],
     indptrs: dict[str, list[int]],
     geometry: WindowGeometry,
     *,
@@ -566,17 +593,21 @@ def write_v4_decode_window_indices_reference(
 ) -> dict[str, dict[int, int]]:
     """Plain-Python oracle: the cells written (index -> value) per output."""
     out: dict[str, dict[int, int]] = {name: {} for name in DecodeWindowIndices._fields}
+    j = 0  # the token's index in its request's query
     for t, (p, b) in enumerate(zip(positions, batch_ids, strict=True)):
+        j = j + 1 if t and batch_ids[t - 1] == b else 0
         if b < 0:
             continue
-        s = state_slots[b]
+        s = state_slots_out[b]
         n = min(p + 1, window)
         for cls, (idx, ptr, dest) in enumerate((("swa_indices", "swa_indptr", "dest_dense"),
                                                ("csa_indices", "csa_indptr", "dest_csa"),
                                                ("hca_indices", "hca_indptr", "dest_hca"))):
             end = indptrs[ptr][t + 1]
             for i in range(n):
-                out[idx][end - n + i] = geometry.row(cls, s, p - n + 1 + i)
+                x = p - n + 1 + i  # before the step's first position: the slot read
+                out[idx][end - n + i] = geometry.row(
+                    cls, state_slots_in[b] if x < p - j else s, x)
             out[dest][t] = geometry.row(cls, s, p)
     return out
 
