@@ -216,3 +216,56 @@ def test_a_decode_fork_step_reads_the_source_window(device: str, backend: str) -
         torch.testing.assert_close(out[0], _dense(model, seq, device)[-1], **TOL)
         seq.append(int(out[0].argmax()))
     assert seq[100:] == truth[: len(seq) - 100]
+
+
+# -- 3. prefill window writes, published -----------------------------------------------------
+@pytest.mark.parametrize("backend", ["packed", "direct"])
+def test_prefill_window_writes_are_published_and_read_back(device: str, backend: str
+                                                           ) -> None:
+    """Two requests prefill in two chunked steps of both (request 0: 40 + 30 tokens,
+    request 1: 20 + 25) and then decode together. Each prefill step publishes
+    ``v41_window_write_plan``: a row ``[token, request, position, _]`` for each token among
+    its request's last ``window`` positions, token order, ``-1`` rows after them up to the
+    whole array (eager form). The model writes the window rings only through those rows,
+    and the second chunk (its prefix window) and the decode steps read them back: every
+    step's logits equal the dense forward's, the tokens ``generate()``'s."""
+    needs_kernels(device)
+    model: Any = _model(device)
+    gen = torch.Generator().manual_seed(17)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (70, 45)]
+    runner = _runner(model, device, backend, pad=True)
+    v4 = runner.prefill.v4
+    w = model.config.sliding_window
+    cap = v4.window_write_plan.spec.capacity
+    seqs: dict[int, list[int]] = {}
+    for step, cuts in enumerate(((0, 40, 0, 20), (40, 70, 20, 45))):
+        reqs = [_verify_request(i, prompts[i][a:b], b, [i])
+                for i, (a, b) in enumerate((cuts[:2], cuts[2:]))]
+        res = runner.step(ScheduledBatch(reqs, True, 256, step=step))
+        plan = runner._plan
+        # the real rows: each request's tokens among its last `window` positions
+        want, t = [], 0
+        for i, r in enumerate(reqs):
+            start = r.context_len - r.num_tokens
+            for j in range(r.num_tokens):
+                if start + j >= r.context_len - w:
+                    want.append([t, i, start + j, w - min(j + 1, w)])
+                t += 1
+        assert plan.window_rows == (len(want), cap)  # eager: the whole array
+        rows = v4.window_write_plan.gpu[:cap].cpu().tolist()
+        assert rows == want + [[-1] * 4] * (cap - len(want)), step
+        for row, i in enumerate((0, 1)):
+            start = reqs[i].context_len - 1
+            dense = _dense(model, prompts[i][: start + 1], device)[start]
+            torch.testing.assert_close(res.logits[row].float().cpu(), dense, **TOL)
+    seqs = {i: [*p, int(res.sampled[i])] for i, p in enumerate(prompts)}
+    new = 6
+    for step in range(new - 1):
+        reqs = [_verify_request(i, [seqs[i][-1]], len(seqs[i]), [i]) for i in (0, 1)]
+        res = runner.step(ScheduledBatch(reqs, False, 256, padded_size=4, step=step + 2))
+        for i in (0, 1):
+            torch.testing.assert_close(res.logits[i].float().cpu(),
+                                       _dense(model, seqs[i], device)[-1], **TOL)
+            seqs[i].append(int(res.sampled[i]))
+    for i, p in enumerate(prompts):
+        assert seqs[i][len(p):] == _greedy(model, p, new, device), i

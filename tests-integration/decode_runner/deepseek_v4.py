@@ -26,8 +26,8 @@ decoder's to fill, as the engine's ``csa_translate_pack`` does: the indexer scor
 committed entries (``n_committed_per_token`` in decode, ``indexer_visible_end`` in
 prefill) through the block table and its ``min(count, index_topk)`` best become rows.
 Prefill's own window keys come from the step (the extend rows); its window ring writes
-use the published positions, batch ids and ``state_slot_out`` with the geometry's row (no
-consumer derives prefill's destination rows). Decode steps of several tokens per request
+go through the published ``v41_window_write_plan`` rows, at the geometry's row of
+``state_slot_out``. Decode steps of several tokens per request
 (verify widths) run the same path: every token writes its own window row before any reads,
 and the rings are ``k`` positions longer (``spec_tokens``).
 
@@ -82,6 +82,8 @@ class V4StepInputs:
     tables_per_token: torch.Tensor | None = None  # decode: int32 [T, B]
     dest: tuple[torch.Tensor, ...] | None = None  # decode: each token's own window rows
     extend: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill: (indptr, rows)
+    #: prefill: the published window-write rows ``[token, request, position, _]``
+    window_writes: torch.Tensor | None = None
 
 
 def _ranges(indptr: torch.Tensor, values: torch.Tensor, width: int
@@ -321,18 +323,19 @@ class DeepseekV4PagedDecoder:
 
     def _write_window(self, cls: int, view: int, kv: torch.Tensor,
                       inputs: V4StepInputs) -> None:
-        """Prefill's window ring writes: the chunk's tokens among each request's last
-        ``window`` positions, at the geometry's row of (``state_slot_out``, position)."""
-        b = inputs.batch_ids.long()
-        real = b >= 0
-        pos = inputs.positions
-        ctx = inputs.seq_lens.long()[b.clamp(min=0)]
-        keep = real & (pos >= ctx - self.geometry.ring_positions)
+        """Prefill's window ring writes, through the published window-write rows: each
+        live row's token at the geometry's row of (``state_slot_out``, position), plus the
+        layer's view base; ``-1`` rows write the trash row."""
+        assert inputs.window_writes is not None
+        w = inputs.window_writes.long()
+        live = w[:, 2] >= 0
+        pos = w[:, 2].clamp(min=0)
         start, stride, run = self.geometry.classes[cls]
         r = pos % self.geometry.ring_positions
-        slot = inputs.slot_out.long()[b.clamp(min=0)]
+        slot = inputs.slot_out.long()[w[:, 1].clamp(min=0)]
         row = view + slot * self.geometry.slot_rows + start + (r // stride) * run + r % stride
-        self.kv.index_copy_(0, torch.where(keep, row, self.trash_row), kv)
+        tok = w[:, 0].clamp(0, kv.shape[0] - 1)
+        self.kv.index_copy_(0, torch.where(live, row, self.trash_row), kv[tok])
 
     # -- storage events ---------------------------------------------------------------------
     def _block_rows(self, block: int) -> slice:

@@ -129,7 +129,8 @@ class V4Metadata:
             slices=((pre.prefix_swa_indptr[: t + 1], out_p.prefix_swa),
                     (pre.prefix_csa_indptr[: t + 1], out_p.prefix_csa),
                     (pre.prefix_hca_indptr[: t + 1], out_p.prefix_hca)),
-            extend=(pre.extend_indptr[: t + 1], out_p.extend))
+            extend=(pre.extend_indptr[: t + 1], out_p.extend),
+            window_writes=v4.window_write_plan.gpu[: plan.window_rows[1]])
 
 
 class DeepseekV4Runner(DecodeRunner):

@@ -241,6 +241,17 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
             real = [row for row in want[f"v41_write_plan_{r}"] if row[0] >= 0]
             cap = v4.write_plans[V4_RATIOS.index((r, k))].spec.capacity
             want[f"v41_write_plan_{r}"] = real + [[-1] * 4] * (cap - len(real))
+        # the window-write rows: each token among its request's last WINDOW positions
+        win, tok = [], 0
+        for i, sp in enumerate(spans):
+            for j in range(sp.num_tokens):
+                pos = sp.context_len - sp.num_tokens + j
+                if pos >= sp.context_len - WINDOW:
+                    win.append([tok, i, pos, WINDOW - min(j + 1, WINDOW)])
+                tok += 1
+        cap = v4.window_write_plan.spec.capacity
+        assert plan.window_rows == (len(win), cap)
+        want["v41_window_write_plan"] = win + [[-1] * 4] * (cap - len(win))
         check_published(st_, want, before)
         ref = generate_v4_prefill_indptrs_reference(
             want["v41_positions"], want["v41_token_batch_ids"],
@@ -489,6 +500,7 @@ def _expected_counts(plan: V41Plan, prefill: bool, v4: V41MetadataInputs
         "v41_positions": pt, "v41_token_batch_ids": pt, "v41_seq_lens": p,
         "v41_state_slot_out": p, "v41_state_slot_in": p,
         "v41_chunk_starts": n if prefill else None,
+        "v41_window_write_plan": v4.window_write_plan.spec.capacity if prefill else None,
         "v41_qo_indptr": None if prefill else pt + 1,
         "cu_seqlens_q": p + 1, "decode_cu": p + 1, "decode_src": p,
         "input_ids": pt,

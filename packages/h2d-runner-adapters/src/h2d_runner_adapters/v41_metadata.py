@@ -18,6 +18,11 @@ and two scatters" of an ordinary V4.1 DSpark decode), graph padding included:
   ``[ragged_id, batch_id, position, window_len]``, counted in rows with ``set_count``): the
   graph form, ``P * ceil(q/r)`` compress rows and ``P * min(q, K)`` write rows, real rows
   first and ``-1`` rows after them;
+* ``v41_window_write_plan`` (prefill only; int32 rows as the plans'): one row per token
+  among its request's last ``window`` positions, the window ring rows the chunk writes
+  (at the geometry's row of ``state_slot_out`` and the position, each layer's view base
+  added); eager form: the real rows, then ``-1`` rows up to the whole array, all
+  published. Decode's own window rows are the consumers' ``dest``;
 * ``v41_block_tables`` (int32 ``[S, B]``, 256-token blocks): through the shared
   ``block_table_state`` (changed rows travel as byte ranges inside the DMA); padded requests
   get a private row holding the dummy block;
@@ -268,7 +273,11 @@ class V41Plan(NamedTuple):
     #: real write rows, published write rows)
     plan_rows: tuple[tuple[int, int, int, int], ...]
     table_stage: str
+    #: prefill: (real, published) rows of ``v41_window_write_plan``; decode: (0, 0)
+    window_rows: tuple[int, int]
 
+
+_NO_WINDOW_ROWS = (0, 0)  # decode publishes no window-write plan
 
 class V41MetadataInputs(PagedInputs):
     """Declares the ``v41_metadata`` buffers, produces them, and runs the first consumer.
@@ -313,6 +322,10 @@ class V41MetadataInputs(PagedInputs):
         g = f"{prefix}{V41_METADATA}"
         refuse_interpreted(native, g)
         _check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise DeclarationError(
+                f"{g}: window must be an int >= 1 (the sliding window: positions each "
+                f"token sees, and each prefill's window-write rows), got {window!r}")
         self.prefix = prefix
         super().__init__(state, g, f"{prefix}v41_block_tables", max_reqs=max_reqs,
                          max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
@@ -342,9 +355,13 @@ class V41MetadataInputs(PagedInputs):
             self.write_plans.append(buf(
                 f"{prefix}v41_write_plan_{r}", (min(max_tokens, max_reqs * k), 4), torch.int32,
                 group=g, unit="rows"))
-        # prefill only (omitted from decode publications): each request's chunk start
+        # prefill only (omitted from decode publications): each request's chunk start, and
+        # the window-write rows (at most min(q, window) per request)
         self.chunk_starts = buf(f"{prefix}v41_chunk_starts", (max_reqs,), torch.int32,
                                 group=g)
+        self.window_write_plan = buf(
+            f"{prefix}v41_window_write_plan", (min(max_tokens, max_reqs * window), 4),
+            torch.int32, group=g, unit="rows")
         self.qo_indptr = (buf(f"{prefix}v41_qo_indptr", (max_tokens + 1,), torch.int32,
                               group=g) if fp8 else None)
         dev = state.device
@@ -406,6 +423,11 @@ class V41MetadataInputs(PagedInputs):
                 pad = self.dummy_state_slot if graph else None
                 extra = [] if graph else [LayoutColumn("chunk_starts", src(self.chunk_starts),
                                                        pad=None)]
+                # prefill: the tokens among each request's last `window` positions (a
+                # tail plan, eager: the whole array published), after the ratios' plans
+                window_plan = [] if graph else [LayoutPlan(
+                    self.window_write_plan.name, src(self.window_write_plan), 1,
+                    self.window, True, False)]
                 # decode writes the fp8 per-token query prefix too (prefill omits it)
                 qo = (src(self.qo_indptr) if graph and self.qo_indptr is not None
                       else None)
@@ -420,7 +442,7 @@ class V41MetadataInputs(PagedInputs):
                     plans=[LayoutPlan(b.name, src(b), r, k, tail, graph)
                            for (r, k), cb, wb in zip(self.ratios, self.compress_plans,
                                                      self.write_plans, strict=True)
-                           for b, tail in ((cb, False), (wb, True))])
+                           for b, tail in ((cb, False), (wb, True))] + window_plan)
             self._layouts.append(layout(True))
             self._prefill_layouts.append(layout(False))
         # decode: the graph grid; chunk starts are prefill's; plan k's published rows
@@ -429,7 +451,8 @@ class V41MetadataInputs(PagedInputs):
                  CountRule(self.seq_lens, PADDED_REQS),
                  CountRule(self.state_slot_out, PADDED_REQS),
                  CountRule(self.state_slot_in, PADDED_REQS),
-                 CountRule(self.chunk_starts, OMITTED)]
+                 CountRule(self.chunk_starts, OMITTED),
+                 CountRule(self.window_write_plan, OMITTED)]
         plans = [CountRule(b, PLAN_ROWS, plan=2 * k + j)
                  for k, pair in enumerate(zip(self.compress_plans, self.write_plans,
                                               strict=True))
@@ -448,11 +471,13 @@ class V41MetadataInputs(PagedInputs):
                    CountRule(self.seq_lens, REQS), CountRule(self.state_slot_out, REQS),
                    CountRule(self.state_slot_in, REQS), CountRule(self.chunk_starts, REQS)]
         prefill += plans  # the eager plans' published rows
+        prefill.append(CountRule(self.window_write_plan, PLAN_ROWS, plan=len(plans)))
         prefill += [CountRule(b, OMITTED) for b in (self.qo_indptr, self.step_counts)
                     if b is not None]
+        # one plan_rows entry per plan: begin_prefill regroups the ratios' pairs
         self._prefill_step = LayoutStep(self.group, self.h2d_state, self._prefill_layouts,
                                         self.tables, (), prefill, error=AdapterInputError,
-                                        plan_group=2)
+                                        plan_group=1)
         return self._step
 
     # -- the producer --------------------------------------------------------------------
@@ -485,7 +510,7 @@ class V41MetadataInputs(PagedInputs):
             (cols.state_slots_out, cols.state_slots_in))
         self._remember(slot, slots_proof, keys)
         # tuple.__new__ skips the NamedTuple's Python-level __new__
-        return _new(V41Plan, (n, p, t, pt, q, step.plan_rows, stage))
+        return _new(V41Plan, (n, p, t, pt, q, step.plan_rows, stage, _NO_WINDOW_ROWS))
 
     @h2d_producer(lambda self: self.group)
     def begin_prefill(
@@ -514,8 +539,10 @@ class V41MetadataInputs(PagedInputs):
             qlens, ctx, block_tables, -1, -1,
             (cols.state_slots_out, cols.state_slots_in, starts))
         self._remember(slot, slots_proof, keys)
-        return V41Plan(n, n, t, t, q if n else 0, self._prefill_step.plan_rows,  # type: ignore[union-attr]
-                       stage)
+        rows = self._prefill_step.plan_rows  # type: ignore[union-attr]
+        # (real, published) per plan: the ratios' (compress, write) pairs, then the window
+        ratios = tuple(rows[k] + rows[k + 1] for k in range(0, len(rows) - 1, 2))
+        return V41Plan(n, n, t, t, q if n else 0, ratios, stage, rows[-1])
 
     # -- input checks (before any write) -------------------------------------------------
     def _span_columns(self, spans: Sequence[RequestSpan] | SpanColumns
