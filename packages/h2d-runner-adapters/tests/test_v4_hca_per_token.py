@@ -2,13 +2,15 @@
 window do not see the entry it closes (``min((p + 1) // 128, ctx // 128)``, as in prefill).
 
 Step indptr generation and the per-token expansion against their plain-Python references
-and against lengths written out by hand.
+and against lengths written out by hand; and the refusal of a bad ``window`` (which
+selects the prefill window-write rows).
 """
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 from h2d_runner_adapters.consumers.v4_step_indptrs import (
@@ -61,3 +63,19 @@ def test_verify_tokens_see_only_the_hca_entries_of_their_position(device: str) -
     assert got[:WINDOW] == [-1] * WINDOW
     assert got[hca[4]:hca[5]] == [4 * ENVELOPE + 0] + [-1] * WINDOW
     assert got[hca[5]:hca[6]] == [4 * ENVELOPE + 0, 4 * ENVELOPE + 1] + [-1] * WINDOW
+
+
+def test_a_window_that_is_not_a_positive_int_is_refused_before_any_declaration() -> None:
+    """``window`` sizes the prefill window-write rows and selects them: a bool, a float or
+    a count below 1 is refused (naming the group and the rule) before any buffer of the
+    group is declared."""
+    from h2d_core import DeclarationError, H2DRunnerState
+
+    from h2d_runner_adapters import V41MetadataInputs
+
+    for bad in (0, -3, True, 8.0):
+        st = H2DRunnerState("cpu", backend="direct", num_slots=1)
+        with pytest.raises(DeclarationError, match=r"ub0_v41_metadata: window must be an int"):
+            V41MetadataInputs(st, max_reqs=2, max_tokens=8, max_blocks_per_req=2,
+                              dummy_state_slot=9, dummy_block=5, window=bad, prefix="ub0_")
+        assert not st.buffers(), bad
