@@ -70,7 +70,6 @@ def test_a_window_that_is_not_a_positive_int_is_refused_before_any_declaration()
     a count below 1 is refused (naming the group and the rule) before any buffer of the
     group is declared."""
     from h2d_core import DeclarationError, H2DRunnerState
-
     from h2d_runner_adapters import V41MetadataInputs
 
     for bad in (0, -3, True, 8.0):
