@@ -296,6 +296,7 @@ def v41_members(spans: list[RequestSpan], rows: list[list[int]], padded: int | N
         "v41_state_slot_out": [sp.state_slot for sp in spans] + [V41_DUMMY_SLOT] * (p - n),
         "v41_state_slot_in": slot_in + [V41_DUMMY_SLOT] * (p - n),
         "v41_chunk_starts": None,
+        "v41_window_write_plan": None,
         "v41_qo_indptr": list(range(t + 1)) + [t] * (pt - t),
         "v41_block_tables": _rows(rows, p, V41_BLOCKS_PER_REQ, [V41_DUMMY_BLOCK]),
     }

@@ -55,11 +55,13 @@ LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compresse
 STEPS = int(os.environ.get("H2D_DEEPSEEK_V4_STEPS", "400"))
 
 
-def _model(device: str) -> torch.nn.Module:
+def _model(device: str, layers: list[str] = LAYERS) -> torch.nn.Module:
+    """The tiny random model (``layers``: its attention kinds, the first MoE hash-routed)."""
     torch.manual_seed(0)
     cfg = transformers.DeepseekV4Config(
-        vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16, num_hidden_layers=3,
-        layer_types=LAYERS, mlp_layer_types=["hash_moe", "moe", "moe"],
+        vocab_size=VOCAB, hidden_size=32, moe_intermediate_size=16,
+        num_hidden_layers=len(layers), layer_types=layers,
+        mlp_layer_types=["hash_moe"] + ["moe"] * (len(layers) - 1),
         num_attention_heads=2, head_dim=16, partial_rotary_factor=0.5, q_lora_rank=16,
         num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, hc_mult=2,
         hc_sinkhorn_iters=3, sliding_window=8, o_groups=2, o_lora_rank=8, index_n_heads=8,
@@ -132,10 +134,8 @@ def test_deepseek_v4_greedy_tokens_equal_generate(device: str, backend: str, pad
 
 # -- DSpark verify widths ---------------------------------------------------------------------
 SPEC = 3  # drafts per verify step: full_q = 4
-#: prompts whose verify steps cross CSA windows (every 4 tokens) but no HCA boundary (the
-#: last stays past 128, one HCA entry visible): ``hca_indptr`` gives every token of a
-#: request ``seq_len // 128`` entries, so in a step that closes an HCA window its earlier
-#: tokens would see that entry, which the model (``(position + 1) // 128``) hides from them
+#: prompts whose verify steps cross CSA windows (every 4 tokens); a step across an HCA
+#: boundary is test_deepseek_v4_semantics.py's
 PROMPTS, NEW = (9, 61, 131), 14
 
 

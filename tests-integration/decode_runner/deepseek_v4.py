@@ -12,6 +12,10 @@ SPACE (float32 rows of ``head_dim``) plus per-slot compressor rings:
   each attention class (dense, CSA, HCA), where :class:`WindowGeometry` says;
 * compressor rings (:mod:`.deepseek_v4_compress`) per state slot and compressed layer.
 
+Each layer has a VIEW BASE (a compressed layer's offset in the envelope) and reads every
+published cell as a view row, ``view_base + cell``: one HCA head and one window geometry
+serve all layers of a class, any number of them (:meth:`DeepseekV4PagedDecoder._window_classes`).
+
 Every address comes from what ``v41_metadata`` publishes and its consumers derive
 (:class:`V4StepInputs`): decode reads the step indptrs, the per-token block tables and the
 HCA index head (step indptr generation), the window tails and each token's own row
@@ -22,8 +26,8 @@ decoder's to fill, as the engine's ``csa_translate_pack`` does: the indexer scor
 committed entries (``n_committed_per_token`` in decode, ``indexer_visible_end`` in
 prefill) through the block table and its ``min(count, index_topk)`` best become rows.
 Prefill's own window keys come from the step (the extend rows); its window ring writes
-use the published positions, batch ids and ``state_slot_out`` with the geometry's row (no
-consumer derives prefill's destination rows). Decode steps of several tokens per request
+go through the published ``v41_window_write_plan`` rows, at the geometry's row of
+``state_slot_out``. Decode steps of several tokens per request
 (verify widths) run the same path: every token writes its own window row before any reads,
 and the rings are ``k`` positions longer (``spec_tokens``).
 
@@ -78,6 +82,8 @@ class V4StepInputs:
     tables_per_token: torch.Tensor | None = None  # decode: int32 [T, B]
     dest: tuple[torch.Tensor, ...] | None = None  # decode: each token's own window rows
     extend: tuple[torch.Tensor, torch.Tensor] | None = None  # prefill: (indptr, rows)
+    #: prefill: the published window-write rows ``[token, request, position, _]``
+    window_writes: torch.Tensor | None = None
 
 
 def _ranges(indptr: torch.Tensor, values: torch.Tensor, width: int
@@ -131,20 +137,15 @@ class DeepseekV4PagedDecoder:
                 if t == kind:
                     self.bases[i] = rows
                     rows += 256 // self.rates[t]
-        if sum(t == HCA for t in self.types) > 1:
-            # the published HCA head is relative to the layer's view base; one HCA layer
-            # sits at base 0, so its cells are absolute rows here
-            raise ValueError("one heavily-compressed layer at most")
         self.envelope_rows = rows
         r = self.window + spec_tokens
         self.spec_tokens = spec_tokens
         self.slots = num_state_slots + 1  # + the adapter's dummy slot
-        win_base = num_blocks * rows
+        self.win_base = num_blocks * rows
+        self.view, classes, slot_rows = self._window_classes(r)
         #: window rings: one class after the other inside a slot, all above the blocks
-        self.geometry = WindowGeometry(
-            slot_rows=3 * r, ring_positions=r,
-            classes=((win_base, r, r), (win_base + r, 64, 64), (win_base + 2 * r, 2, 2)))
-        self.trash_row = win_base + self.slots * 3 * r
+        self.geometry = WindowGeometry(slot_rows=slot_rows, ring_positions=r, classes=classes)
+        self.trash_row = self.win_base + self.slots * slot_rows
         self.kv = self._garbage((self.trash_row + 1, cfg.head_dim))
         self.index_kv = self._garbage((self.trash_row + 1, cfg.index_head_dim))
         self.rings: dict[tuple[int, str], Ring] = {}
@@ -157,6 +158,31 @@ class DeepseekV4PagedDecoder:
             self.rings[(i, "main")] = self._ring(k, width)
             if t == CSA:
                 self.rings[(i, "index")] = self._ring(k, 2 * comp.indexer.head_dim)
+
+    def _window_classes(self, r: int) -> tuple[dict[int, int], Any, int]:
+        """Each layer's VIEW BASE and the window classes, in view rows.
+
+        Every cell the consumers publish for a layer (compressed rows of the HCA head,
+        window rows of the tails, ``dest``) is a view row: relative to the reading layer's
+        view base, so that one published slice serves every layer of its class. A
+        compressed layer's view base is its offset in the block envelope (the HCA head's
+        ``block * envelope_rows + e % 2`` then lands on that layer's rows); a sliding
+        layer's is ``j * r`` for the ``j``-th. Inside a slot each class interleaves its
+        layers, ``stride`` rows each (``run_rows = layers * stride``: the envelope's
+        rows per layer for compressed classes), so view base + window row is the layer's
+        own ring row, and each class's ring start is given relative to its first layer's
+        view base."""
+        view: dict[int, int] = {}
+        classes = []
+        at = self.win_base
+        for kind, stride in ((SLIDING, r), (CSA, 64), (HCA, 2)):
+            layers = [i for i, t in enumerate(self.types) if t == kind]
+            for j, i in enumerate(layers):
+                view[i] = j * stride if kind == SLIDING else self.bases[i]
+            run = max(len(layers), 1) * stride
+            classes.append((at - (view[layers[0]] if layers else 0), stride, run))
+            at += -(-r // stride) * run
+        return view, tuple(classes), at - self.win_base
 
     def _garbage(self, shape: tuple[int, ...]) -> torch.Tensor:
         rand = torch.rand(shape, generator=self._gen, device=self._gen.device)
@@ -207,24 +233,25 @@ class DeepseekV4PagedDecoder:
         if kind != SLIDING:  # close windows into the blocks, update the rings
             self._compress(i, attn.compressor, x, inputs)
         cls = CLASS[kind]
+        view = self.view[i]  # every published cell is a view row: this layer adds its base
         real = inputs.batch_ids >= 0
         if not inputs.prefill:  # the token's own window row first: it sees itself
             assert inputs.dest is not None
-            self.kv.index_copy_(0, torch.where(real, inputs.dest[cls].long(), self.trash_row),
-                                kv)
+            self.kv.index_copy_(
+                0, torch.where(real, inputs.dest[cls].long() + view, self.trash_row), kv)
         indptr, cells = inputs.slices[cls]
         if kind == CSA:
             self._fill_topk(i, attn.compressor.indexer, x, q_res, inputs, indptr, cells)
         width = self.window + max(self.topk, 2 * self.max_blocks)
         _, rows, inside = _ranges(indptr, cells, width)
         inside &= rows >= 0
-        keys = self.kv[rows.clamp(min=0)]  # [T, L, D]
+        keys = self.kv[torch.where(inside, rows.long() + view, self.trash_row)]  # [T, L, D]
         if inputs.prefill:  # the chunk's own keys: the extend rows of the step
             assert inputs.extend is not None
             _, ext, ext_in = _ranges(*inputs.extend, self.window)
             keys = torch.cat([kv[ext.clamp(0, t - 1).long()], keys], dim=1)
             inside = torch.cat([ext_in, inside], dim=1)
-            self._write_window(cls, kv, inputs)
+            self._write_window(cls, view, kv, inputs)
         out = self._softmax_with_sinks(attn, q, keys, inside)  # [T, H, D]
         out = apply_rotary_pos_emb(out.transpose(0, 1)[None], cos, -sin)[0].transpose(0, 1)
         grouped = out.reshape(1, t, self.model.config.o_groups, -1)
@@ -284,7 +311,7 @@ class DeepseekV4PagedDecoder:
         k = min(self.topk, width)
         best = scores.topk(k, dim=-1).indices  # [T, k]
         count = committed.clamp(max=self.topk)
-        value = rows.gather(1, best).to(cells.dtype)
+        value = (rows.gather(1, best) - self.view[i]).to(cells.dtype)  # view rows
         # every cell finds its token (the slice it lies in) and column: the first
         # ``count`` columns of a slice take the best rows, the others keep what they hold.
         # No mask indexing (its nonzero would make the host wait on the GPU every layer)
@@ -294,19 +321,21 @@ class DeepseekV4PagedDecoder:
         keep = (col >= 0) & (col < count[owner]) & (col < k)
         cells.copy_(torch.where(keep, value[owner, col.clamp(0, k - 1)], cells))
 
-    def _write_window(self, cls: int, kv: torch.Tensor, inputs: V4StepInputs) -> None:
-        """Prefill's window ring writes: the chunk's tokens among each request's last
-        ``window`` positions, at the geometry's row of (``state_slot_out``, position)."""
-        b = inputs.batch_ids.long()
-        real = b >= 0
-        pos = inputs.positions
-        ctx = inputs.seq_lens.long()[b.clamp(min=0)]
-        keep = real & (pos >= ctx - self.geometry.ring_positions)
+    def _write_window(self, cls: int, view: int, kv: torch.Tensor,
+                      inputs: V4StepInputs) -> None:
+        """Prefill's window ring writes, through the published window-write rows: each
+        live row's token at the geometry's row of (``state_slot_out``, position), plus the
+        layer's view base; ``-1`` rows write the trash row."""
+        assert inputs.window_writes is not None
+        w = inputs.window_writes.long()
+        live = w[:, 2] >= 0
+        pos = w[:, 2].clamp(min=0)
         start, stride, run = self.geometry.classes[cls]
         r = pos % self.geometry.ring_positions
-        slot = inputs.slot_out.long()[b.clamp(min=0)]
-        row = slot * self.geometry.slot_rows + start + (r // stride) * run + r % stride
-        self.kv.index_copy_(0, torch.where(keep, row, self.trash_row), kv)
+        slot = inputs.slot_out.long()[w[:, 1].clamp(min=0)]
+        row = view + slot * self.geometry.slot_rows + start + (r // stride) * run + r % stride
+        tok = w[:, 0].clamp(0, kv.shape[0] - 1)
+        self.kv.index_copy_(0, torch.where(live, row, self.trash_row), kv[tok])
 
     # -- storage events ---------------------------------------------------------------------
     def _block_rows(self, block: int) -> slice:
@@ -329,8 +358,8 @@ class DeepseekV4PagedDecoder:
         """Refill freed state slots (window rings and compressor rings) with garbage."""
         g = self.geometry
         for s in slots:
-            rows = slice(g.classes[0][0] + s * g.slot_rows,
-                         g.classes[0][0] + (s + 1) * g.slot_rows)
+            rows = slice(self.win_base + s * g.slot_rows,
+                         self.win_base + (s + 1) * g.slot_rows)
             self.kv[rows] = self._garbage(tuple(self.kv[rows].shape)).to(self.kv)
             for ring in self.rings.values():
                 for t in (ring.kv, ring.score):

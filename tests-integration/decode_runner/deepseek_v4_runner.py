@@ -19,7 +19,9 @@ combined one is published by direct copies, so decode's own ``v41_metadata`` sta
 it), then the prefill indptrs and the sparse prefill indices. Spans carry each request's state slot:
 this runner is the engine's slot allocator (a request gets a free slot when first
 scheduled and keeps it through recompute preemptions; a finished request's slot is
-poisoned and handed out again). Block tables are the scheduler's, at V4's 256-token block
+poisoned and handed out again). A state fork (:attr:`~DeepseekV4Runner.forks`, set before
+the forked request's step) publishes the source request's slot as the span's
+``state_slot_in`` for that one step. Block tables are the scheduler's, at V4's 256-token block
 size; the adapter's private dummy block and dummy slot lie past the scheduler's pool.
 ``pad_eager`` pads eager decode steps to the scheduler's graph size, so padded rows (batch
 id -1, the dummy slot and block) are published and read on CPU too. :meth:`~DeepseekV4Runner.
@@ -127,7 +129,8 @@ class V4Metadata:
             slices=((pre.prefix_swa_indptr[: t + 1], out_p.prefix_swa),
                     (pre.prefix_csa_indptr[: t + 1], out_p.prefix_csa),
                     (pre.prefix_hca_indptr[: t + 1], out_p.prefix_hca)),
-            extend=(pre.extend_indptr[: t + 1], out_p.extend))
+            extend=(pre.extend_indptr[: t + 1], out_p.extend),
+            window_writes=v4.window_write_plan.gpu[: plan.window_rows[1]])
 
 
 class DeepseekV4Runner(DecodeRunner):
@@ -156,6 +159,9 @@ class DeepseekV4Runner(DecodeRunner):
         #: the main job's ATOM-style baseline (see the module docstring): called with
         #: (spans, page lists) instead of the decode publication and first consumers
         self.metadata_hook: Callable[[SpanColumns, list[list[int]]], int | None] | None = None
+        #: state forks the engine asks for: request id -> the request whose state slot its
+        #: next step reads (``fork_source``); consumed by that step
+        self.forks: dict[int, int] = {}
         self._last_decode: V4StepInputs | None = None
         super().__init__(cfg, device, backend, model=model)
 
@@ -185,8 +191,13 @@ class DeepseekV4Runner(DecodeRunner):
             slots.append(s)
         cols = batch.columns
         out = np.array(slots, np.int32)
+        inp = out  # one array for both columns: no forks, one check
+        if any(r.req_id in self.forks for r in batch.requests):
+            inp = np.array([self.slot_of[self.forks.pop(r.req_id)] if r.req_id in self.forks
+                            else s for r, s in zip(batch.requests, slots, strict=True)],
+                           np.int32)
         return SpanColumns(np.ascontiguousarray(cols.query_lens, np.int32),
-                           np.ascontiguousarray(cols.context_lens, np.int32), out, out)
+                           np.ascontiguousarray(cols.context_lens, np.int32), out, inp)
 
     def slot_spans(self, batch: ScheduledBatch) -> SpanColumns:
         """The batch's spans, its requests' state slots allocated (the scheduler side: a

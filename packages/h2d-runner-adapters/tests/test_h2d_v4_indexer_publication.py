@@ -208,7 +208,8 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
             width = rng.randint(1, 10)
             ctx = start + width
             rows.append(BlockTable(range(10 * i, 10 * i + -(-ctx // V4_BLOCK))))
-            spans.append(RequestSpan(width, ctx, i, -1))
+            # some chunks fork: their window rows come from the source's slot
+            spans.append(RequestSpan(width, ctx, i, 20 + i if rng.random() < 0.5 else -1))
         st_.begin()
         if step % 2:  # a decode step in between: chunk starts are not published
             dec = [RequestSpan(1, s.context_len, s.state_slot) for s in spans]
@@ -240,6 +241,17 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
             real = [row for row in want[f"v41_write_plan_{r}"] if row[0] >= 0]
             cap = v4.write_plans[V4_RATIOS.index((r, k))].spec.capacity
             want[f"v41_write_plan_{r}"] = real + [[-1] * 4] * (cap - len(real))
+        # the window-write rows: each token among its request's last WINDOW positions
+        win, tok = [], 0
+        for i, sp in enumerate(spans):
+            for j in range(sp.num_tokens):
+                pos = sp.context_len - sp.num_tokens + j
+                if pos >= sp.context_len - WINDOW:
+                    win.append([tok, i, pos, WINDOW - min(j + 1, WINDOW)])
+                tok += 1
+        cap = v4.window_write_plan.spec.capacity
+        assert plan.window_rows == (len(win), cap)
+        want["v41_window_write_plan"] = win + [[-1] * 4] * (cap - len(win))
         check_published(st_, want, before)
         ref = generate_v4_prefill_indptrs_reference(
             want["v41_positions"], want["v41_token_batch_ids"],
@@ -264,7 +276,8 @@ def test_v4_prefill_through_the_bound_buffers(device: str) -> None:
         want_idx = write_v4_prefill_indices_reference(
             want["v41_positions"], want["v41_token_batch_ids"],
             [sp.context_len for sp in spans], want["v41_chunk_starts"],
-            [sp.state_slot for sp in spans], cu_q, [list(r) for r in rows], geometry,
+            [sp.fork_source if sp.fork_source >= 0 else sp.state_slot for sp in spans], cu_q,
+            [list(r) for r in rows], geometry,
             window=WINDOW, index_topk=TOPK, envelope_rows=ENVELOPE)
         for name, expected in want_idx.items():
             got = getattr(outs, name).cpu().tolist()
@@ -322,12 +335,13 @@ def _check_consumers(ub: V41MetadataInputs, plan: V41Plan, spans: list[RequestSp
         got = getattr(ub.step_indptrs, name).cpu().tolist()[: len(expected)]
         assert got == expected, (where, name)
     per_token, cells = expand_v4_token_tables_reference(
-        want["v41_token_batch_ids"], ctx, rows, ref["hca_indptr"], MAX_BLOCKS, ENVELOPE)
+        want["v41_positions"], want["v41_token_batch_ids"], ctx, rows, ref["hca_indptr"],
+        MAX_BLOCKS, ENVELOPE)
     assert ub.block_tables_per_token is not None
     assert ub.block_tables_per_token[: len(per_token)].cpu().tolist() == per_token, where
     written = write_v4_decode_window_indices_reference(
-        want["v41_positions"], want["v41_token_batch_ids"], want["v41_state_slot_out"], ref,
-        GEOMETRY, window=WINDOW)
+        want["v41_positions"], want["v41_token_batch_ids"], want["v41_state_slot_out"],
+        want["v41_state_slot_in"], ref, GEOMETRY, window=WINDOW)
     for i, v in written["hca_indices"].items():
         cells[i] = v  # the window kernel completes the HCA slices the expansion began
     assert win.hca_indices[: len(cells)].cpu().tolist() == cells, where
@@ -486,6 +500,7 @@ def _expected_counts(plan: V41Plan, prefill: bool, v4: V41MetadataInputs
         "v41_positions": pt, "v41_token_batch_ids": pt, "v41_seq_lens": p,
         "v41_state_slot_out": p, "v41_state_slot_in": p,
         "v41_chunk_starts": n if prefill else None,
+        "v41_window_write_plan": v4.window_write_plan.spec.capacity if prefill else None,
         "v41_qo_indptr": None if prefill else pt + 1,
         "cu_seqlens_q": p + 1, "decode_cu": p + 1, "decode_src": p,
         "input_ids": pt,

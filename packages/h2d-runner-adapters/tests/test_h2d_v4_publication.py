@@ -189,7 +189,7 @@ def test_v41_metadata_exact_values_over_steps(device: str, backend: str, fuse: b
             assert getattr(indptrs, name).cpu().tolist()[: len(expected)] == expected, name
         # ... and the per-token expansion: tables and the HCA index head
         rows_want, cells_want = expand_v4_token_tables_reference(
-            want["v41_token_batch_ids"], [s.context_len for s in spans],
+            want["v41_positions"], want["v41_token_batch_ids"], [s.context_len for s in spans],
             [list(r) for r in rows], ref["hca_indptr"], MAX_BLOCKS, ENVELOPE)
         assert v4.block_tables_per_token is not None and v4.hca_indices is not None
         assert v4.block_tables_per_token[: len(rows_want)].cpu().tolist() == rows_want
@@ -205,7 +205,7 @@ def test_v41_metadata_exact_values_over_steps(device: str, backend: str, fuse: b
         v4.write_decode_window_indices(plan, GEOMETRY, win)
         cells = write_v4_decode_window_indices_reference(
             want["v41_positions"], want["v41_token_batch_ids"], want["v41_state_slot_out"],
-            ref, GEOMETRY, window=WINDOW)
+            want["v41_state_slot_in"], ref, GEOMETRY, window=WINDOW)
         for name, written in cells.items():
             got = getattr(win, name).cpu().tolist()
             for index, value in written.items():

@@ -49,7 +49,9 @@ def test_v41_step_counts_plan_rows_and_qo_indptr_exact_bytes(device: str) -> Non
         "v41_positions": 12, "v41_token_batch_ids": 12, "v41_seq_lens": 4,
         "v41_state_slot_out": 4, "v41_state_slot_in": 4, "v41_chunk_starts": None,
         "v41_compress_plan_4": 4, "v41_write_plan_4": 12, "v41_compress_plan_128": 4,
-        "v41_write_plan_128": 12, "v41_qo_indptr": 13, "v41_block_tables": 4}
+        "v41_write_plan_128": 12, "v41_qo_indptr": 13, "v41_block_tables": 4,
+        "v41_window_write_plan": None}  # prefill's: decode's window rows are consumers'
+    assert plan.window_rows == (0, 0)
     st.publish(V41_METADATA)
     st.finish()
     qo = _dest(st, "v41_qo_indptr")
@@ -61,6 +63,7 @@ def test_v41_step_counts_plan_rows_and_qo_indptr_exact_bytes(device: str) -> Non
     assert c4[:16].view(4, 4).tolist() == [[0, 0, 299, 7], [3, 1, 259, 5], [-1] * 4, [-1] * 4]
     assert set(_dest(st, "v41_compress_plan_4")[64:]) == {V4_POISON}
     assert set(_dest(st, "v41_chunk_starts")) == {V4_POISON}  # omitted: never sent
+    assert set(_dest(st, "v41_window_write_plan")) == {V4_POISON}
 
 
 def test_v41_qo_indptr_follows_each_shape_and_leaves_the_rest(device: str) -> None:

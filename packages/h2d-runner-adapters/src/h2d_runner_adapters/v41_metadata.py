@@ -10,11 +10,19 @@ and two scatters" of an ordinary V4.1 DSpark decode), graph padding included:
   0 for padded requests;
 * ``v41_state_slot_out`` / ``v41_state_slot_in`` (int32, per request): the physical state
   slot written, and the one read (a fork source, else the same); padded requests get the
-  adapter's private dummy slot;
+  adapter's private dummy slot. Everything a step reads of positions before its own
+  tokens (the compressor rings the plans read, the window rows of the decode tails and
+  the prefill prefix indices) is ``state_slot_in``'s; everything it writes, and its own
+  tokens' window rows, ``state_slot_out``'s;
 * ``v41_compress_plan_{r}`` / ``v41_write_plan_{r}`` for each ratio ``r`` (int32 rows of
   ``[ragged_id, batch_id, position, window_len]``, counted in rows with ``set_count``): the
   graph form, ``P * ceil(q/r)`` compress rows and ``P * min(q, K)`` write rows, real rows
   first and ``-1`` rows after them;
+* ``v41_window_write_plan`` (prefill only; int32 rows as the plans'): one row per token
+  among its request's last ``window`` positions, the window ring rows the chunk writes
+  (at the geometry's row of ``state_slot_out`` and the position, each layer's view base
+  added); eager form: the real rows, then ``-1`` rows up to the whole array, all
+  published. Decode's own window rows are the consumers' ``dest``;
 * ``v41_block_tables`` (int32 ``[S, B]``, 256-token blocks): through the shared
   ``block_table_state`` (changed rows travel as byte ranges inside the DMA); padded requests
   get a private row holding the dummy block;
@@ -32,14 +40,14 @@ Further consumers: the decode window tails
 (:meth:`V41MetadataInputs.write_decode_window_indices`), prefill indptrs with context
 parallelism (:meth:`~V41MetadataInputs.generate_prefill_indptrs`), the sparse (Opus)
 prefill indices and the FP8 DSpark indexer rectangle; ``prefix=`` declares a TBO ubatch.
+The spans (:class:`RequestSpan`, :class:`SpanColumns`) and their checks live in
+:mod:`~h2d_runner_adapters.v41_spans`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from itertools import chain
-from typing import Any, NamedTuple, NoReturn
+from collections.abc import Sequence
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -72,9 +80,7 @@ from h2d_core import (
 from .batch import PageRow
 from .checks import (
     INT32_MAX,
-    INT32_MIN,
     AdapterInputError,
-    check_size,
     describe,
     int_array,
     padded_count,
@@ -94,144 +100,23 @@ from .consumers import (
 from .consumers._launch import interpreted
 from .consumers.v4_decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
 from .paged import PagedInputs
+from .v41_spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
 
-V41_METADATA = "v41_metadata"
+__all__ = [
+    "V4_BLOCK",
+    "V4_RATIOS",
+    "V41_METADATA",
+    "RequestSpan",
+    "SpanColumns",
+    "V41MetadataInputs",
+    "V41Plan",
+]
 _new = tuple.__new__
 #: V4 block size (tokens per block-table entry)
 V4_BLOCK = 256
 #: (ratio, window K): ratio 4 pools an overlapping window of 2 * 4, ratio 128 one of 128
 V4_RATIOS: tuple[tuple[int, int], ...] = ((4, 8), (128, 128))
 
-
-@dataclass(frozen=True)
-class RequestSpan:
-    """One request's interval in a V4.1 step and its state slot; nothing about its pages
-    (they arrive separately, as rows, in :meth:`V41MetadataInputs.begin_step`).
-
-    ``num_tokens`` query tokens run this step, ending at ``context_len`` (the committed
-    length after the step). ``fork_source`` (a physical state slot, or -1) is the slot whose
-    compressor ring this step reads instead of ``state_slot``. Every field is an int in
-    int32 range (checked by the producers: a float or bool is refused, never truncated).
-    """
-
-    num_tokens: int
-    context_len: int
-    state_slot: int
-    fork_source: int = -1
-
-
-_SPAN_FIELDS = ("num_tokens", "context_len", "state_slot", "fork_source")
-#: each field's lowest value (the highest is INT32_MAX) and what to do below it; the
-#: layout pass checks the lengths again against each other (and the table's capacity)
-_SPAN_LOWS = (
-    (1, "a scheduled request runs >= 1 query token"),
-    (1, "context_len counts the committed tokens after this step, its own included"),
-    (0, "pass the request's physical state slot"),
-    (-1, "pass a physical state slot, or -1 for no fork"),
-)
-#: the per-request column names of a SpanColumns, in the order of RequestSpan's fields
-_COLUMN_FIELDS = ("query_lens", "context_lens", "state_slots_out", "state_slots_in")
-
-
-@dataclass(frozen=True)
-class SpanColumns:
-    """A batch of spans as int32 columns: what a scheduler that keeps arrays passes.
-
-    Each column is a 1-D C-contiguous int32 numpy array with one entry per request;
-    ``state_slots_in`` is the slot each request reads (its fork source, else its own slot).
-    The producers check them whole (dtypes, lengths, slots) before writing anything.
-    """
-
-    query_lens: np.ndarray
-    context_lens: np.ndarray
-    state_slots_out: np.ndarray
-    state_slots_in: np.ndarray
-
-    @classmethod
-    def from_spans(cls, spans: Sequence[RequestSpan], *, group: str = V41_METADATA
-                   ) -> SpanColumns:
-        """The columns of ``spans``. Every field must be an int (or numpy integer) in
-        int32 range, at least its lowest value (``num_tokens`` and ``context_len`` 1,
-        ``state_slot`` 0, ``fork_source`` -1); raises :class:`AdapterInputError` naming
-        ``group``, the request and the field otherwise."""
-        if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
-            raise AdapterInputError(
-                f"{group}: spans must be a sequence of RequestSpan (or one SpanColumns), "
-                f"got {describe(spans)}")
-        kinds = set(map(type, spans))
-        if kinds != {RequestSpan} and not all(issubclass(k, RequestSpan) for k in kinds):
-            i = next(i for i, sp in enumerate(spans) if not isinstance(sp, RequestSpan))
-            raise AdapterInputError(
-                f"{group}: spans[{i}] is {describe(spans[i])}, not a RequestSpan; pass "
-                "RequestSpan objects (or one SpanColumns)")
-        fields = ([s.num_tokens for s in spans], [s.context_len for s in spans],
-                  [s.state_slot for s in spans], [s.fork_source for s in spans])
-        if not set(map(type, chain(*fields))) <= {int}:  # a bool or float converts silently
-            fields = _exact_ints(group, fields)
-        try:  # an int out of int32 range raises here, never wraps
-            out = np.array(fields, dtype=np.int32).reshape(len(_SPAN_FIELDS), len(spans))
-        except OverflowError:
-            _refuse_field(group, fields, lambda v, low: not INT32_MIN <= v <= INT32_MAX)
-        if spans and any(v < low for v, (low, _) in zip(out.min(axis=1).tolist(), _SPAN_LOWS,
-                                                        strict=True)):
-            _refuse_field(group, fields, lambda v, low: v < low)
-        slots_in = out[3]  # the fork source where there is one, else the request's slot
-        np.copyto(slots_in, out[2], where=slots_in < 0)
-        return cls(query_lens=out[0], context_lens=out[1], state_slots_out=out[2],
-                   state_slots_in=slots_in)
-
-
-_Fields = tuple[list[Any], list[Any], list[Any], list[Any]]
-
-
-def _exact_ints(group: str, fields: _Fields) -> _Fields:
-    """The spans' fields as Python ints, numpy integers included; a bool, a float
-    (integral or not) or anything else is refused, never truncated."""
-    for i, values in enumerate(zip(*fields, strict=True)):
-        for name, v in zip(_SPAN_FIELDS, values, strict=True):
-            if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
-                raise AdapterInputError(
-                    f"{group}: request {i} has RequestSpan.{name}={v!r} "
-                    f"({type(v).__name__}); it must be an int")
-    q, c, o, f = ([int(v) for v in values] for values in fields)
-    return q, c, o, f
-
-
-def _refuse_field(group: str, fields: _Fields, bad: Callable[[int, int], bool]) -> NoReturn:
-    """Raise for the first request's first field that ``bad`` refuses (given the value and
-    the field's lowest value)."""
-    for i, values in enumerate(zip(*fields, strict=True)):
-        for name, v, (low, rule) in zip(_SPAN_FIELDS, values, _SPAN_LOWS, strict=True):
-            if bad(v, low):
-                raise AdapterInputError(
-                    f"{group}: request {i} has RequestSpan.{name}={v}; it must be in "
-                    f"[{low}, {INT32_MAX}]; {rule}")
-    raise AssertionError(f"{group}: no field to refuse")  # the caller found one
-
-
-def _check_columns(group: str, cols: SpanColumns) -> None:
-    """A SpanColumns given directly: four 1-D C-contiguous aligned int32 arrays of one
-    length (the layout pass checks the lengths' values and the capacity)."""
-    n = cols.query_lens.size if isinstance(cols.query_lens, np.ndarray) else -1
-    for name in _COLUMN_FIELDS:
-        a = getattr(cols, name)
-        if type(a) is not np.ndarray or a.dtype != _INT32 or a.ndim != 1 or a.size != n:
-            if isinstance(a, np.ndarray) and a.dtype == _INT32 and a.ndim == 1 and n >= 0:
-                check_size(group, f"SpanColumns.{name}", a, n, "request")
-            _refuse_column(group, name, a, "")
-        flags = a.flags
-        if not (flags.c_contiguous and flags.aligned):
-            _refuse_column(group, name, a, " (not C-contiguous and aligned)")
-
-
-def _refuse_column(group: str, name: str, a: object, why: str) -> NoReturn:
-    raise AdapterInputError(
-        f"{group}: SpanColumns.{name} must be a 1-D C-contiguous int32 numpy array with one "
-        f"entry per request, got {describe(a)}{why}; build it with "
-        "np.ascontiguousarray(values, dtype=np.int32) or SpanColumns.from_spans")
-
-
-_INT32 = np.dtype(np.int32)
 _LENGTH_MASK = (1 << LENGTH_BITS) - 1
 
 
@@ -259,7 +144,11 @@ class V41Plan(NamedTuple):
     #: real write rows, published write rows)
     plan_rows: tuple[tuple[int, int, int, int], ...]
     table_stage: str
+    #: prefill: (real, published) rows of ``v41_window_write_plan``; decode: (0, 0)
+    window_rows: tuple[int, int]
 
+
+_NO_WINDOW_ROWS = (0, 0)  # decode publishes no window-write plan
 
 class V41MetadataInputs(PagedInputs):
     """Declares the ``v41_metadata`` buffers, produces them, and runs the first consumer.
@@ -271,7 +160,11 @@ class V41MetadataInputs(PagedInputs):
     comes from the CPU lengths (``V41Plan.max_query_len``), never a device reduction.
     ``envelope_rows`` (compressed rows per block over all compressed layers) enables the
     per-token expansion of the first consumer (per-token block tables and the HCA index
-    head, device buffers of ``max_tokens`` rows). ``fuse_step_indptrs`` puts that first
+    head, device buffers of ``max_tokens`` rows). Every row in the consumers' slices and
+    ``dest`` outputs (HCA head, window tails, prefill indices) is a VIEW ROW: relative to
+    the reading layer's view base (a compressed layer's offset in the block envelope), so
+    one published HCA head serves every HCA layer, each adding its own base; see
+    :class:`~h2d_runner_adapters.consumers.WindowGeometry`. ``fuse_step_indptrs`` puts that first
     consumer inside the group's publication (a packed group: its CUDA graphs), with the
     step's counts published as ``v41_step_counts`` and read on the device;
     :meth:`generate_step_indptrs` then launches nothing.
@@ -300,6 +193,10 @@ class V41MetadataInputs(PagedInputs):
         g = f"{prefix}{V41_METADATA}"
         refuse_interpreted(native, g)
         _check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise DeclarationError(
+                f"{g}: window must be an int >= 1 (the sliding window: positions each "
+                f"token sees, and each prefill's window-write rows), got {window!r}")
         self.prefix = prefix
         super().__init__(state, g, f"{prefix}v41_block_tables", max_reqs=max_reqs,
                          max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
@@ -329,9 +226,13 @@ class V41MetadataInputs(PagedInputs):
             self.write_plans.append(buf(
                 f"{prefix}v41_write_plan_{r}", (min(max_tokens, max_reqs * k), 4), torch.int32,
                 group=g, unit="rows"))
-        # prefill only (omitted from decode publications): each request's chunk start
+        # prefill only (omitted from decode publications): each request's chunk start, and
+        # the window-write rows (at most min(q, window) per request)
         self.chunk_starts = buf(f"{prefix}v41_chunk_starts", (max_reqs,), torch.int32,
                                 group=g)
+        self.window_write_plan = buf(
+            f"{prefix}v41_window_write_plan", (min(max_tokens, max_reqs * window), 4),
+            torch.int32, group=g, unit="rows")
         self.qo_indptr = (buf(f"{prefix}v41_qo_indptr", (max_tokens + 1,), torch.int32,
                               group=g) if fp8 else None)
         dev = state.device
@@ -393,6 +294,11 @@ class V41MetadataInputs(PagedInputs):
                 pad = self.dummy_state_slot if graph else None
                 extra = [] if graph else [LayoutColumn("chunk_starts", src(self.chunk_starts),
                                                        pad=None)]
+                # prefill: the tokens among each request's last `window` positions (a
+                # tail plan, eager: the whole array published), after the ratios' plans
+                window_plan = [] if graph else [LayoutPlan(
+                    self.window_write_plan.name, src(self.window_write_plan), 1,
+                    self.window, True, False)]
                 # decode writes the fp8 per-token query prefix too (prefill omits it)
                 qo = (src(self.qo_indptr) if graph and self.qo_indptr is not None
                       else None)
@@ -407,7 +313,7 @@ class V41MetadataInputs(PagedInputs):
                     plans=[LayoutPlan(b.name, src(b), r, k, tail, graph)
                            for (r, k), cb, wb in zip(self.ratios, self.compress_plans,
                                                      self.write_plans, strict=True)
-                           for b, tail in ((cb, False), (wb, True))])
+                           for b, tail in ((cb, False), (wb, True))] + window_plan)
             self._layouts.append(layout(True))
             self._prefill_layouts.append(layout(False))
         # decode: the graph grid; chunk starts are prefill's; plan k's published rows
@@ -416,7 +322,8 @@ class V41MetadataInputs(PagedInputs):
                  CountRule(self.seq_lens, PADDED_REQS),
                  CountRule(self.state_slot_out, PADDED_REQS),
                  CountRule(self.state_slot_in, PADDED_REQS),
-                 CountRule(self.chunk_starts, OMITTED)]
+                 CountRule(self.chunk_starts, OMITTED),
+                 CountRule(self.window_write_plan, OMITTED)]
         plans = [CountRule(b, PLAN_ROWS, plan=2 * k + j)
                  for k, pair in enumerate(zip(self.compress_plans, self.write_plans,
                                               strict=True))
@@ -435,11 +342,13 @@ class V41MetadataInputs(PagedInputs):
                    CountRule(self.seq_lens, REQS), CountRule(self.state_slot_out, REQS),
                    CountRule(self.state_slot_in, REQS), CountRule(self.chunk_starts, REQS)]
         prefill += plans  # the eager plans' published rows
+        prefill.append(CountRule(self.window_write_plan, PLAN_ROWS, plan=len(plans)))
         prefill += [CountRule(b, OMITTED) for b in (self.qo_indptr, self.step_counts)
                     if b is not None]
+        # one plan_rows entry per plan: begin_prefill regroups the ratios' pairs
         self._prefill_step = LayoutStep(self.group, self.h2d_state, self._prefill_layouts,
                                         self.tables, (), prefill, error=AdapterInputError,
-                                        plan_group=2)
+                                        plan_group=1)
         return self._step
 
     # -- the producer --------------------------------------------------------------------
@@ -472,7 +381,7 @@ class V41MetadataInputs(PagedInputs):
             (cols.state_slots_out, cols.state_slots_in))
         self._remember(slot, slots_proof, keys)
         # tuple.__new__ skips the NamedTuple's Python-level __new__
-        return _new(V41Plan, (n, p, t, pt, q, step.plan_rows, stage))
+        return _new(V41Plan, (n, p, t, pt, q, step.plan_rows, stage, _NO_WINDOW_ROWS))
 
     @h2d_producer(lambda self: self.group)
     def begin_prefill(
@@ -501,8 +410,10 @@ class V41MetadataInputs(PagedInputs):
             qlens, ctx, block_tables, -1, -1,
             (cols.state_slots_out, cols.state_slots_in, starts))
         self._remember(slot, slots_proof, keys)
-        return V41Plan(n, n, t, t, q if n else 0, self._prefill_step.plan_rows,  # type: ignore[union-attr]
-                       stage)
+        rows = self._prefill_step.plan_rows  # type: ignore[union-attr]
+        # (real, published) per plan: the ratios' (compress, write) pairs, then the window
+        ratios = tuple(rows[k] + rows[k + 1] for k in range(0, len(rows) - 1, 2))
+        return V41Plan(n, n, t, t, q if n else 0, ratios, stage, rows[-1])
 
     # -- input checks (before any write) -------------------------------------------------
     def _span_columns(self, spans: Sequence[RequestSpan] | SpanColumns
@@ -645,8 +556,9 @@ class V41MetadataInputs(PagedInputs):
         ``out.hca_indices`` to complete the HCA slices the expansion began."""
         return write_v4_decode_window_indices(
             self.positions.gpu, self.token_batch_ids.gpu, self.state_slot_out.gpu,
-            self.step_indptrs, out, geometry, num_tokens=plan.padded_tokens,
-            num_reqs=plan.num_reqs, window=self.window)
+            self.state_slot_in.gpu, self.step_indptrs, out, geometry,
+            num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs, window=self.window,
+            max_query_len=plan.max_query_len)
 
     def write_prefill_indices(self, plan: V41Plan, cu_seqlens_q: torch.Tensor,
                               geometry: WindowGeometry, out: PrefillIndices
@@ -660,7 +572,7 @@ class V41MetadataInputs(PagedInputs):
                 "rows per block); pass it to the constructor")
         return write_v4_prefill_indices(
             self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
-            self.chunk_starts.gpu, self.state_slot_out.gpu, cu_seqlens_q,
+            self.chunk_starts.gpu, self.state_slot_in.gpu, cu_seqlens_q,
             self.block_tables.gpu, self.prefill_indptrs, out, geometry,
             num_tokens=plan.num_tokens, num_reqs=plan.num_reqs, window=self.window,
             index_topk=self.index_topk, envelope_rows=self.envelope_rows)
@@ -683,8 +595,9 @@ class V41MetadataInputs(PagedInputs):
         if self.envelope_rows is not None:
             assert self.block_tables_per_token is not None and self.hca_indices is not None
             expand_v4_token_tables(
-                self.token_batch_ids.gpu, self.seq_lens.gpu, self.block_tables.gpu,
-                out.hca_indptr, self.block_tables_per_token, self.hca_indices,
+                self.positions.gpu, self.token_batch_ids.gpu, self.seq_lens.gpu,
+                self.block_tables.gpu, out.hca_indptr, self.block_tables_per_token,
+                self.hca_indices,
                 num_tokens=plan.padded_tokens, num_reqs=plan.num_reqs, window=self.window,
                 envelope_rows=self.envelope_rows)
         return out

@@ -9,10 +9,13 @@ For a real token ``t`` (``b = batch_ids[t] >= 0``, ``p = positions[t]``, ``ctx =
     swa_t     = min(p + 1, window)
     csa_vis_t = min((p + 1) // 4, ctx // 4)        # n_committed_per_token
     csa_k_t   = min(csa_vis_t, index_topk)
-    hca_t     = ctx // 128                          # per request, not capped per token
+    hca_t     = min((p + 1) // 128, ctx // 128)     # HCA entries closed at or before p
 
-and a padded token (``b < 0``) has every length 0. The outputs, for ``T`` padded tokens and
-``P`` padded requests (``n`` real ones):
+and a padded token (``b < 0``) has every length 0. Both committed counts are per token, as in
+prefill: in a verify step (several tokens per request) an entry the step itself closes is
+hidden from the tokens before its window's last position (the model's causal mask).
+
+The outputs, for ``T`` padded tokens and ``P`` padded requests (``n`` real ones):
 
 * ``swa_indptr``, ``csa_indptr``, ``hca_indptr`` ``[T + 1]``: exclusive prefixes of
   ``swa_t``, ``swa_t + csa_k_t`` and ``swa_t + hca_t`` (padded tokens repeat the total);
@@ -103,7 +106,7 @@ def _step_indptrs_kernel(  # type: ignore[no-untyped-def]
     swa = tl.where(real, tl.minimum(p + 1, window), 0)
     vis = tl.where(real, tl.minimum((p + 1) // 4, ctx // 4), 0)
     csa = swa + tl.minimum(vis, topk)
-    hca = swa + tl.where(real, ctx // 128, 0)
+    hca = swa + tl.where(real, tl.minimum((p + 1) // 128, ctx // 128), 0)
     # inclusive prefixes land one entry later: indptr[t + 1]; indptr[0] = 0
     tl.store(swa_ptr + t + 1, tl.cumsum(swa, axis=0), mask=live)
     tl.store(csa_ptr + t + 1, tl.cumsum(csa, axis=0), mask=live)
@@ -193,7 +196,7 @@ def generate_v4_step_indptrs_reference(
             ctx = seq_lens[b]
             s = min(p + 1, window)
             vis = min((p + 1) // 4, ctx // 4)
-            lens = (s, s + min(vis, index_topk), s + ctx // 128)
+            lens = (s, s + min(vis, index_topk), s + min((p + 1) // 128, ctx // 128))
         swa.append(swa[-1] + lens[0])
         csa.append(csa[-1] + lens[1])
         hca.append(hca[-1] + lens[2])
@@ -210,6 +213,7 @@ BLOCK_COLUMNS = 512
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "columns", "envelope",
                                "header_row"])
 def _token_tables_kernel(  # type: ignore[no-untyped-def]
+    positions_ptr,  # *i64 [>= num_tokens]
     batch_ids_ptr,  # *i32 [>= num_tokens]
     seq_lens_ptr,  # *i32 [>= num_reqs]
     tables_ptr,  # *i32 [S, B]
@@ -242,10 +246,11 @@ def _token_tables_kernel(  # type: ignore[no-untyped-def]
     ids = tl.load(tables_ptr + row + cols, mask=in_row & real, other=0)
     tl.store(per_token_ptr + t.to(tl.int64) * per_token_stride + cols, ids,
              mask=in_row & live)
-    # HCA index head: the request's compressed rows (2 per block), then -1 for the
-    # window tail the window kernel fills
+    # HCA index head: the compressed rows (2 per block) this token's position may see
+    # (as the step indptrs count them), then -1 for the window tail the window kernel fills
     ctx = tl.load(seq_lens_ptr + b, mask=real, other=0)
-    n_hca = ctx // 128
+    p = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int32)
+    n_hca = tl.minimum((p + 1) // 128, ctx // 128)
     start = tl.load(hca_indptr_ptr + t, mask=real, other=0)
     end = tl.load(hca_indptr_ptr + t + 1, mask=real, other=0)
     head = cols < n_hca
@@ -255,6 +260,7 @@ def _token_tables_kernel(  # type: ignore[no-untyped-def]
 
 
 def expand_v4_token_tables(
+    positions: torch.Tensor,
     batch_ids: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
@@ -272,7 +278,9 @@ def expand_v4_token_tables(
     For each of the ``num_tokens`` (padded) tokens: ``block_tables_per_token[t]`` is its
     request's block-table row (a zero row for a padded token), and its HCA slice
     ``hca_indices[hca_indptr[t] : hca_indptr[t+1]]`` is the compressed head
-    ``block_tables[b, e // 2] * envelope_rows + e % 2`` for ``e < ctx_b // 128``, then
+    ``block_tables[b, e // 2] * envelope_rows + e % 2`` for
+    ``e < min((positions[t] + 1) // 128, ctx_b // 128)`` (rows relative to the HCA layer's
+    view base: see :class:`~h2d_runner_adapters.consumers.WindowGeometry`), then
     ``-1`` for the window tail (decode HCA layout: compress head, SWA tail). Padded tokens
     own no HCA cells. Run after :func:`generate_v4_step_indptrs`; one launch, no sync.
     """
@@ -281,6 +289,7 @@ def expand_v4_token_tables(
     n = check_count(func, "num_reqs", num_reqs)
     envelope = check_count(func, "envelope_rows", envelope_rows)
     window = check_count(func, "window", window)
+    check_tensor(func, "positions", positions, dtype=torch.int64, ndim=1, min_numel=t)
     check_tensor(func, "batch_ids", batch_ids, dtype=torch.int32, ndim=1, min_numel=t)
     check_tensor(func, "seq_lens", seq_lens, dtype=torch.int32, ndim=1, min_numel=n)
     tables = check_tensor(func, "block_tables", block_tables, dtype=torch.int32, ndim=2,
@@ -293,14 +302,14 @@ def expand_v4_token_tables(
         raise ConsumerArgumentError(
             f"{func}: block_tables_per_token has {per_token.shape[1]} columns, the block "
             f"table {tables.shape[1]}; allocate at least as many")
-    check_devices(func, _token_tables_kernel, batch_ids=batch_ids, seq_lens=seq_lens,
-                  block_tables=tables, hca_indptr=hca_indptr, block_tables_per_token=per_token,
-                  hca_indices=hca_indices)
+    check_devices(func, _token_tables_kernel, positions=positions, batch_ids=batch_ids,
+                  seq_lens=seq_lens, block_tables=tables, hca_indptr=hca_indptr,
+                  block_tables_per_token=per_token, hca_indices=hca_indices)
     # the widest HCA slice: the window plus 2 compressed rows per block of a full row
     widest = max(tables.shape[1], window + 2 * tables.shape[1], 1)
     grid = (next_power_of_two(t), -(-widest // BLOCK_COLUMNS))
     _token_tables_kernel[grid](
-        batch_ids, seq_lens, tables, tables.stride(0), hca_indptr, per_token,
+        positions, batch_ids, seq_lens, tables, tables.stride(0), hca_indptr, per_token,
         per_token.stride(0), hca_indices, t, n, tables.shape[1], envelope,
         seq_lens, seq_lens, 0,  # unread: the counts are the host's
         BLOCK=BLOCK_COLUMNS, FROM_DEVICE=False,
@@ -308,6 +317,7 @@ def expand_v4_token_tables(
 
 
 def expand_v4_token_tables_reference(
+    positions: list[int],
     batch_ids: list[int],
     seq_lens: list[int],
     block_tables: list[list[int]],
@@ -317,13 +327,13 @@ def expand_v4_token_tables_reference(
 ) -> tuple[list[list[int]], list[int]]:
     """Plain-Python oracle: the per-token rows and the HCA cells up to ``hca_indptr[T]``."""
     rows, cells = [], []
-    for t, b in enumerate(batch_ids):
+    for t, (p, b) in enumerate(zip(positions, batch_ids, strict=True)):
         if b < 0:
             rows.append([0] * width)
             continue
         row = block_tables[b]
         rows.append(list(row) + [0] * (width - len(row)))
-        n_hca = seq_lens[b] // 128
+        n_hca = min((p + 1) // 128, seq_lens[b] // 128)
         seg = hca_indptr[t + 1] - hca_indptr[t]
         cells += [row[e // 2] * envelope_rows + e % 2 for e in range(n_hca)]
         cells += [-1] * (seg - n_hca)
@@ -366,7 +376,7 @@ def launch_v4_decode_steps_from_counts(
     widest = max(tables.shape[1], window + 2 * tables.shape[1], 1)
     grid = (next_power_of_two(max_tokens), -(-widest // BLOCK_COLUMNS))
     _token_tables_kernel[grid](
-        batch_ids, seq_lens, tables, tables.stride(0), out.hca_indptr, per_token,
+        positions, batch_ids, seq_lens, tables, tables.stride(0), out.hca_indptr, per_token,
         per_token.stride(0), hca_indices, max_tokens, max_reqs, tables.shape[1], envelope,
         counts, header, header_row, BLOCK=BLOCK_COLUMNS, FROM_DEVICE=True,
     )

@@ -2,15 +2,15 @@
 rectangle: the later first consumers of ``v41_metadata``.
 
 The decode step's own first consumers (step indptrs and the per-token expansion) live in
-:mod:`~h2d_runner_adapters.consumers.v4_decode_steps` and are re-exported here. Each kernel
-here sits beside its launcher and a plain-Python oracle written from the context document;
-host-side counts are Python ints, and the blocks are powers of two, so a kernel compiles
-once per size bucket, not per batch.
+:mod:`~h2d_runner_adapters.consumers.v4_decode_steps`, the window geometry and the decode
+window tails in :mod:`~h2d_runner_adapters.consumers.v4_window_rows`; both are re-exported
+here. Each kernel here sits beside its launcher and a plain-Python oracle written from the
+context document; host-side counts are Python ints, and the blocks are powers of two, so a
+kernel compiles once per size bucket, not per batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -34,6 +34,13 @@ from h2d_runner_adapters.consumers.v4_decode_steps import (
     generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
     launch_v4_decode_steps_from_counts,
+)
+from h2d_runner_adapters.consumers.v4_window_rows import (
+    DecodeWindowIndices,
+    WindowGeometry,
+    _window_row,
+    write_v4_decode_window_indices,
+    write_v4_decode_window_indices_reference,
 )
 
 __all__ = [
@@ -256,26 +263,6 @@ def generate_v4_prefill_indptrs_reference(
     return out
 
 
-@dataclass(frozen=True)
-class WindowGeometry:
-    """Where a request's window ring rows live in the KV row space (one allocation).
-
-    The row of position ``p`` in class ``c`` of physical state slot ``s`` is
-    ``s * slot_rows + ring_start_c + (r // stride_c) * run_rows_c + r % stride_c`` with
-    ``r = p % ring_positions``; ``classes`` holds ``(ring_start, stride, run_rows)`` for the
-    dense (SWA), CSA and HCA classes, in that order.
-    """
-
-    slot_rows: int
-    ring_positions: int
-    classes: tuple[tuple[int, int, int], tuple[int, int, int], tuple[int, int, int]]
-
-    def row(self, cls: int, slot: int, position: int) -> int:
-        start, stride, run = self.classes[cls]
-        r = position % self.ring_positions
-        return slot * self.slot_rows + start + (r // stride) * run + r % stride
-
-
 class PrefillIndices(NamedTuple):
     """The index outputs of :func:`write_v4_prefill_indices` (int32 device tensors)."""
 
@@ -285,18 +272,13 @@ class PrefillIndices(NamedTuple):
     prefix_hca: torch.Tensor
 
 
-@triton.jit
-def _window_row(slot, pos, slot_rows, ring, start, stride, run):  # type: ignore[no-untyped-def]
-    r = pos % ring
-    return slot * slot_rows + start + (r // stride) * run + r % stride
-
-
 @triton.jit(do_not_specialize=["num_tokens", "num_reqs", "window", "slot_rows", "ring",
                                "envelope", "d_start", "d_stride", "d_run", "c_start",
                                "c_stride", "c_run", "h_start", "h_stride", "h_run"])
 def _prefill_indices_kernel(  # type: ignore[no-untyped-def]
-    positions_ptr, batch_ids_ptr, seq_lens_ptr, chunk_starts_ptr, slots_ptr, cu_q_ptr,
-    tables_ptr, tables_stride,
+    positions_ptr, batch_ids_ptr, seq_lens_ptr, chunk_starts_ptr,
+    slots_ptr,  # state_slot_in: every window row here precedes the chunk
+    cu_q_ptr, tables_ptr, tables_stride,
     ext_ptr, swa_ptr, csa_ptr, hca_ptr,  # the indptrs of generate_v4_prefill_indptrs
     ext_out, swa_out, csa_out, hca_out,
     num_tokens, num_reqs, window, slot_rows, ring, envelope,
@@ -349,7 +331,7 @@ def write_v4_prefill_indices(
     batch_ids: torch.Tensor,
     seq_lens: torch.Tensor,
     chunk_starts: torch.Tensor,
-    state_slots: torch.Tensor,
+    state_slots_in: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     block_tables: torch.Tensor,
     indptrs: PrefillIndptrs,
@@ -374,6 +356,11 @@ def write_v4_prefill_indices(
       ``block_tables[b, e // 2] * envelope_rows + e % 2`` for ``e < min((p+1)//128,
       ctx_b//128)`` (prefill: SWA head, compress tail).
 
+    Every window and compressed row is a view row (:class:`WindowGeometry`). The window
+    rows all precede the chunk: they are state the chunk reads, so they lie in each
+    request's ``state_slots_in`` (``v41_state_slot_in``: a fork source, else its own slot),
+    as the compressor rings the plans read do; the chunk's own keys are extend rows.
+
     One program per token; no host work, no sync.
     """
     func = "write_v4_prefill_indices"
@@ -385,7 +372,7 @@ def write_v4_prefill_indices(
     for name, tensor, dtype, need in (
         ("positions", positions, torch.int64, t), ("batch_ids", batch_ids, torch.int32, t),
         ("seq_lens", seq_lens, torch.int32, n), ("chunk_starts", chunk_starts, torch.int32, n),
-        ("state_slots", state_slots, torch.int32, n),
+        ("state_slots_in", state_slots_in, torch.int32, n),
         ("cu_seqlens_q", cu_seqlens_q, torch.int32, n + 1),
     ):
         check_tensor(func, name, tensor, dtype=dtype, ndim=1, min_numel=need)
@@ -399,7 +386,7 @@ def write_v4_prefill_indices(
     widest = max(window, 2 * tables.shape[1], topk, 1)
     grid = (next_power_of_two(t), -(-widest // BLOCK_COLUMNS))
     _prefill_indices_kernel[grid](
-        positions, batch_ids, seq_lens, chunk_starts, state_slots, cu_seqlens_q,
+        positions, batch_ids, seq_lens, chunk_starts, state_slots_in, cu_seqlens_q,
         tables, tables.stride(0), indptrs.extend_indptr, indptrs.prefix_swa_indptr,
         indptrs.prefix_csa_indptr, indptrs.prefix_hca_indptr, out.extend, out.prefix_swa,
         out.prefix_csa, out.prefix_hca, t, n, window, geometry.slot_rows,
@@ -414,7 +401,7 @@ def write_v4_prefill_indices_reference(
     batch_ids: list[int],
     seq_lens: list[int],
     chunk_starts: list[int],
-    state_slots: list[int],
+    state_slots_in: list[int],
     cu_seqlens_q: list[int],
     block_tables: list[list[int]],
     geometry: WindowGeometry,
@@ -428,7 +415,7 @@ def write_v4_prefill_indices_reference(
     for p, b in zip(positions, batch_ids, strict=True):
         if b < 0:
             continue
-        ctx, s, slot = seq_lens[b], chunk_starts[b], state_slots[b]
+        ctx, s, slot = seq_lens[b], chunk_starts[b], state_slots_in[b]
         low = max(p - window + 1, 0)
         ext = min(p - s + 1, window)
         prefix = max(s - low, 0)
@@ -440,132 +427,6 @@ def write_v4_prefill_indices_reference(
         out["prefix_csa"] += [-1] * csa_k + [geometry.row(1, slot, x) for x in win]
         out["prefix_hca"] += [geometry.row(2, slot, x) for x in win] + [
             block_tables[b][e // 2] * envelope_rows + e % 2 for e in range(hca_n)]
-    return out
-
-
-class DecodeWindowIndices(NamedTuple):
-    """The window outputs of :func:`write_v4_decode_window_indices` (int32 tensors):
-    per class (dense/SWA, CSA, HCA) the index buffer whose slices the step indptrs give,
-    and the row each token's own KV goes to (``dest``)."""
-
-    swa_indices: torch.Tensor
-    csa_indices: torch.Tensor
-    hca_indices: torch.Tensor
-    dest_dense: torch.Tensor
-    dest_csa: torch.Tensor
-    dest_hca: torch.Tensor
-
-
-@triton.jit(do_not_specialize=["num_tokens", "num_reqs", "window", "slot_rows", "ring",
-                               "d_start", "d_stride", "d_run", "c_start", "c_stride",
-                               "c_run", "h_start", "h_stride", "h_run"])
-def _decode_window_kernel(  # type: ignore[no-untyped-def]
-    positions_ptr, batch_ids_ptr, slots_ptr, swa_ptr, csa_ptr, hca_ptr,
-    swa_out, csa_out, hca_out, dest_d, dest_c, dest_h,
-    num_tokens, num_reqs, window, slot_rows, ring,
-    d_start, d_stride, d_run, c_start, c_stride, c_run, h_start, h_stride, h_run,
-    BLOCK: tl.constexpr,
-):
-    t = tl.program_id(0)
-    live = t < num_tokens
-    b = tl.load(batch_ids_ptr + t, mask=live, other=-1)
-    real = live & (b >= 0) & (b < num_reqs)
-    p = tl.load(positions_ptr + t, mask=real, other=0).to(tl.int32)
-    slot = tl.load(slots_ptr + b, mask=real, other=0)
-    n = tl.minimum(p + 1, window)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    w = real & (i < n)
-    pos_i = p - n + 1 + i
-    # the window at each slice's tail: [ptr[t+1] - n, ptr[t+1])
-    e = tl.load(swa_ptr + t + 1, mask=real, other=0) - n
-    tl.store(swa_out + e + i,
-             _window_row(slot, pos_i, slot_rows, ring, d_start, d_stride, d_run), mask=w)
-    e = tl.load(csa_ptr + t + 1, mask=real, other=0) - n
-    tl.store(csa_out + e + i,
-             _window_row(slot, pos_i, slot_rows, ring, c_start, c_stride, c_run), mask=w)
-    e = tl.load(hca_ptr + t + 1, mask=real, other=0) - n
-    tl.store(hca_out + e + i,
-             _window_row(slot, pos_i, slot_rows, ring, h_start, h_stride, h_run), mask=w)
-    first = real & (i < 1)  # one lane writes the token's own rows
-    zero = i * 0
-    tl.store(dest_d + t + zero,
-             _window_row(slot, p + zero, slot_rows, ring, d_start, d_stride, d_run),
-             mask=first)
-    tl.store(dest_c + t + zero,
-             _window_row(slot, p + zero, slot_rows, ring, c_start, c_stride, c_run),
-             mask=first)
-    tl.store(dest_h + t + zero,
-             _window_row(slot, p + zero, slot_rows, ring, h_start, h_stride, h_run),
-             mask=first)
-
-
-def write_v4_decode_window_indices(
-    positions: torch.Tensor,
-    batch_ids: torch.Tensor,
-    state_slots: torch.Tensor,
-    indptrs: StepIndptrs,
-    out: DecodeWindowIndices,
-    geometry: WindowGeometry,
-    *,
-    num_tokens: int,
-    num_reqs: int,
-    window: int,
-) -> DecodeWindowIndices:
-    """The window part of each decode token's index slices, after
-    :func:`generate_v4_step_indptrs`: for a real token at position ``p`` of request ``b``
-    (state slot ``s = state_slots[b]``, ``n = min(p + 1, W)``), the last ``n`` entries of
-    its SWA, CSA and HCA slices are the window rows of positions ``p - n + 1 .. p`` in the
-    dense, CSA and HCA classes, and ``dest_c[t]`` is the row of ``p`` itself. The slice
-    heads (HCA compressed rows, CSA top-k) are not touched. Padded tokens write nothing.
-    """
-    func = "write_v4_decode_window_indices"
-    t = check_count(func, "num_tokens", num_tokens)
-    n = check_count(func, "num_reqs", num_reqs)
-    window = check_count(func, "window", window)
-    check_tensor(func, "positions", positions, dtype=torch.int64, ndim=1, min_numel=t)
-    check_tensor(func, "batch_ids", batch_ids, dtype=torch.int32, ndim=1, min_numel=t)
-    check_tensor(func, "state_slots", state_slots, dtype=torch.int32, ndim=1, min_numel=n)
-    for name in DecodeWindowIndices._fields:
-        check_tensor(func, name, getattr(out, name), dtype=torch.int32, ndim=1,
-                     min_numel=t if name.startswith("dest") else 0)
-    check_devices(func, _decode_window_kernel, positions=positions, batch_ids=batch_ids,
-                  state_slots=state_slots, swa_indices=out.swa_indices,
-                  dest_dense=out.dest_dense)
-    (ds, dst, dr), (cs, cst, cr), (hs, hst, hr) = geometry.classes
-    grid = (next_power_of_two(t), -(-max(window, 1) // BLOCK_COLUMNS))
-    _decode_window_kernel[grid](
-        positions, batch_ids, state_slots, indptrs.swa_indptr, indptrs.csa_indptr,
-        indptrs.hca_indptr, out.swa_indices, out.csa_indices, out.hca_indices,
-        out.dest_dense, out.dest_csa, out.dest_hca, t, n, window, geometry.slot_rows,
-        geometry.ring_positions, ds, dst, dr, cs, cst, cr, hs, hst, hr,
-        BLOCK=BLOCK_COLUMNS,
-    )
-    return out
-
-
-def write_v4_decode_window_indices_reference(
-    positions: list[int],
-    batch_ids: list[int],
-    state_slots: list[int],
-    indptrs: dict[str, list[int]],
-    geometry: WindowGeometry,
-    *,
-    window: int,
-) -> dict[str, dict[int, int]]:
-    """Plain-Python oracle: the cells written (index -> value) per output."""
-    out: dict[str, dict[int, int]] = {name: {} for name in DecodeWindowIndices._fields}
-    for t, (p, b) in enumerate(zip(positions, batch_ids, strict=True)):
-        if b < 0:
-            continue
-        s = state_slots[b]
-        n = min(p + 1, window)
-        for cls, (idx, ptr, dest) in enumerate((("swa_indices", "swa_indptr", "dest_dense"),
-                                               ("csa_indices", "csa_indptr", "dest_csa"),
-                                               ("hca_indices", "hca_indptr", "dest_hca"))):
-            end = indptrs[ptr][t + 1]
-            for i in range(n):
-                out[idx][end - n + i] = geometry.row(cls, s, p - n + 1 + i)
-            out[dest][t] = geometry.row(cls, s, p)
     return out
 
 
