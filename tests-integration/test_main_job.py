@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
+from h2d_kernels import copy_kind
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from trace_counts import copy_kind  # noqa: E402
 
 
 @pytest.mark.parametrize(("name", "kind"), [
