@@ -9,6 +9,8 @@
     nox -s sanitize       the compiled core's suites under ASan + UBSan (gcc, CPU)
     nox -s lint           ruff + mypy
     nox -s editable       `pip install -e` of every package in a fresh venv, then the READMEs
+    nox -s newest         every CPU suite on the newest numpy and test tools
+    nox -s newest -- ci   only NEWEST_CI's suites (what .ci/run runs)
     nox -s instructions   callgrind instructions per step of every family vs the budgets
 
 Packages are discovered from ``packages/*/pyproject.toml``; a new package needs no edit
@@ -75,6 +77,38 @@ def tests(session: nox.Session) -> None:
     _install_local(session, PACKAGES)
     session.run(
         "python", "-m", "pytest", "-n", "auto", *_test_dirs(), *session.posargs,
+        env={"TRITON_INTERPRET": "1", "H2D_REQUIRE_TRANSFORMERS": "1"},
+    )
+
+
+# `newest`: the newest numpy release the index has (and the newest pytest, hypothesis),
+# upgraded past any pin or cache; H2D_NEWEST_NUMPY names another (e.g. "numpy==2.5.*" where
+# an index has it). torch stays 2.13.0: the newest CPU build there is (on disk; the index's
+# later torch releases are CUDA builds of several GB, paired with later triton releases),
+# and triton stays 3.6.0, the release the CUDA torch this workspace targets runs on.
+NEWEST_NUMPY = os.environ.get("H2D_NEWEST_NUMPY", "numpy")
+#: what CI runs on the newest numpy: the suites numpy's changes reach first (the compiled
+#: core's numpy views: block-tables, h2d-core; the interpreter kernels: h2d-kernels, the
+#: step benchmarks, the UVA peer), ~2 min on 2 cores after the install; the adapters'
+#: and the other integration suites run once, in `tests`: `nox -s newest -- ci`
+NEWEST_CI = ["packages/block-tables/tests", "packages/h2d-core/tests",
+             "packages/h2d-kernels/tests", "tests-integration/test_main_job.py",
+             "tests-integration/test_mrv2_style_peer.py"]
+
+
+@nox.session
+def newest(session: nox.Session) -> None:
+    """The CPU suites (the paths given, or NEWEST_CI's for ``ci``) on the newest numpy,
+    pytest and hypothesis."""
+    session.install(TORCH, TRITON, TRANSFORMERS)
+    session.install("--upgrade", "--no-cache-dir", NEWEST_NUMPY, "pytest", "hypothesis",
+                    *PARALLEL)
+    _install_local(session, PACKAGES)
+    session.run("python", "-c", "import numpy, torch, triton; print('newest: numpy', "
+                "numpy.__version__, 'torch', torch.__version__, 'triton', triton.__version__)")
+    session.run(
+        "python", "-m", "pytest", "-n", "auto",
+        *(NEWEST_CI if session.posargs == ["ci"] else session.posargs or _test_dirs()),
         env={"TRITON_INTERPRET": "1", "H2D_REQUIRE_TRANSFORMERS": "1"},
     )
 

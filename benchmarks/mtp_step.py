@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from peers.atom_style import PageLists  # noqa: E402
 
 from block_tables import BlockTable  # noqa: E402
 from h2d_core import H2DRunnerState  # noqa: E402
+from h2d_kernels import copy_counts, is_copy  # noqa: E402
 from h2d_runner_adapters import (  # noqa: E402
     DECODE_STEP,
     GDN_STATE,
@@ -161,31 +163,35 @@ class AtomStyle(MtpVerifyStep):
         return float(np.median(times)) / 1e3
 
 
-def _cuda_names(fn: Any) -> list[str]:
+def _profiled(fn: Any) -> tuple[list[str], Counter[str]]:
+    """The device events' names of ``fn()`` (the record_function mirrors left out) and its
+    copies by kind (the runtime's copy kind, read from the trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type.name == "CUDA"
-            and not e.name.startswith("h2d.")]
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"
+             and not e.name.startswith("h2d.")]
+    return names, copy_counts(prof)
+
+
+def _kernels(names: list[str]) -> int:
+    return len([n for n in names if not is_copy(n) and "Memset" not in n])
 
 
 def atom_counts(atom: AtomStyle) -> dict[str, int]:
-    """Host-to-device copies (by the runtime's copy kind in the event name) and kernels of
-    one ATOM-style verify step."""
+    """Host-to-device copies (by the runtime's copy kind) and kernels of one ATOM-style
+    verify step."""
     batch, lists = atom.batches.step()
-    names = _cuda_names(lambda: atom.step(batch, lists))
-    return {"atom_h2d": len([n for n in names if "HtoD" in n]),
-            "atom_kernels": len([n for n in names if "Memcpy" not in n and "Memset" not in n])}
+    names, kinds = _profiled(lambda: atom.step(batch, lists))
+    return {"atom_h2d": kinds["H2D"], "atom_kernels": _kernels(names)}
 
 
 def trace_counts(lib: Library, k: int) -> dict[str, int]:
     """Host-to-device copies and kernels of one verify publication and of its k draft
     steps, from a torch.profiler trace (CUDA)."""
-    from torch.profiler import ProfilerActivity, profile
-
     batch = lib.batches.step()[0]
     rejected = torch.zeros(lib.batches.bs, dtype=torch.int32, device="cuda")
     plan = lib.publish(batch)
@@ -198,21 +204,18 @@ def trace_counts(lib: Library, k: int) -> dict[str, int]:
         if what == "draft":
             plan = lib.publish(batch)
             torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+        def run(what: str = what, plan: Any = plan, batch: Any = batch) -> None:
             if what == "verify":
                 lib.publish(batch)
             else:
                 for s in range(1, k + 1):
                     lib.loop.advance(plan.decode, rejected, s)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"
-                 and not e.name.startswith("h2d.")]
-        h2d = [n for n in names if "HtoD" in n]
-        other_copies = [n for n in names if "Memcpy" in n and "HtoD" not in n]
-        out[f"{what}_h2d"] = len(h2d)
-        out[f"{what}_kernels"] = len([n for n in names if "Memcpy" not in n
-                                      and "Memset" not in n])
-        out[f"{what}_other_copies"] = len(other_copies)
+
+        names, kinds = _profiled(run)
+        out[f"{what}_h2d"] = kinds["H2D"]
+        out[f"{what}_kernels"] = _kernels(names)
+        out[f"{what}_other_copies"] = sum(kinds.values()) - kinds["H2D"]
     return out
 
 

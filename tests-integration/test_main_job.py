@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 
+from h2d_kernels import copy_kind
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests-integration"))  # main_job_output imports the runners
-from trace_counts import copy_kind  # noqa: E402
 
 
 @pytest.mark.parametrize(("name", "kind"), [

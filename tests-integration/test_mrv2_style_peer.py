@@ -10,6 +10,7 @@ interpreter quick on CPU.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from pathlib import Path
 
@@ -35,8 +36,57 @@ def _sampled(position: np.ndarray, row: np.ndarray) -> np.ndarray:
 
 def test_steps_match_a_numpy_model(device: str) -> None:
     needs_kernels(device)
-    s = Mrv2StyleStep(BS, MAX_BLOCKS, device, context_len=CONTEXT, page_size=PAGE,
+    _check_steps(Mrv2StyleStep(BS, MAX_BLOCKS, device, context_len=CONTEXT, page_size=PAGE,
+                               max_reqs=MAX_REQS, seed=3))
+
+
+class _LowArena:
+    """Host memory mapped at a fixed address below 4 GiB (anonymous, zeroed), handing out
+    tensors as the peer's staging allocator does: where an allocator puts small buffers
+    is the machine's choice (the H200 host gave addresses below 2**32). The mapping is
+    never unmapped: tensors over it may outlive the test (1 MiB a case)."""
+
+    def __init__(self, base: int, size: int = 1 << 20) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        self.size = size
+        # PROT_READ | PROT_WRITE; MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE
+        for hint in range(base, base + (64 << 20), 1 << 20):
+            addr = libc.mmap(hint, size, 3, 0x22 | 0x100000, -1, 0)
+            if addr == hint:
+                break
+            if addr not in (None, ctypes.c_void_p(-1).value):
+                libc.munmap(ctypes.c_void_p(addr), size)  # an old kernel's mere hint
+        else:
+            pytest.skip(f"no free mapping near {base:#x} on this machine")
+        self.used = 0
+        self.bytes = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(hint))
+
+    def zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        off, self.used = self.used, self.used + -(-nbytes // 64) * 64
+        assert self.used <= self.size
+        return torch.from_numpy(self.bytes[off:off + nbytes]).view(dtype)
+
+
+@pytest.mark.parametrize("base", [0x4000_0000, 0xC000_0000], ids=["below-2^31", "below-2^32"])
+def test_staging_buffers_at_low_addresses(base: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A UVA address is passed as a Python int, which Triton types by its value: below
+    2**31 an int32, below 2**32 a uint32. The kernels widen it before the cast to a pointer
+    (the interpreter's cast is a bitcast: a 4-byte value does not view as an 8-byte
+    pointer), so the steps are right wherever the host's allocator put the buffers."""
+    needs_kernels("cpu")
+    arena = _LowArena(base)
+    monkeypatch.setattr(Mrv2StyleStep, "_host", lambda self, n, dtype: arena.zeros(n, dtype))
+    s = Mrv2StyleStep(BS, MAX_BLOCKS, "cpu", context_len=CONTEXT, page_size=PAGE,
                       max_reqs=MAX_REQS, seed=3)
+    assert all(base <= a < 2**32 for sl in s._addrs for a in sl.values())
+    _check_steps(s)
+
+
+def _check_steps(s: Mrv2StyleStep) -> None:
     rows = s.rows.astype(np.int64)
     assert len(set(rows.tolist())) == BS and rows.max() < MAX_REQS
     length = CONTEXT + np.arange(BS) % PAGE  # tokens cached before the step

@@ -1,4 +1,5 @@
-"""Copy counting from profiler traces (``benchmarks/trace_counts.py``): on ROCm the HIP
+"""Copy counting from profiler traces (``h2d_kernels.copy_kinds``, through
+``benchmarks/trace_counts.py``'s per-step counts): on ROCm the HIP
 runtime's ``kind`` argument decides, through the runtime call's correlation id, whatever
 the GPU memcpy's displayed name says; CUDA-shaped traces are classified by memory kinds
 as before.
@@ -22,15 +23,11 @@ from typing import Any
 import pytest
 import torch
 
+from h2d_kernels import classify_trace, copy_kind, hip_copy_kind
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from trace_counts import (  # noqa: E402
-    classify_trace,
-    copy_kind,
-    count_per_step,
-    hip_copy_kind,
-    per_step,
-)
+from trace_counts import count_per_step, per_step  # noqa: E402
 
 Event = dict[str, Any]
 

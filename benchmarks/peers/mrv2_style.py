@@ -28,7 +28,8 @@ not metadata publication and stays outside the host timing, as do the scheduler'
 a step in flight reads it (MRV2 leaves that bound to the engine).
 
 UVA on both devices: a kernel takes the staging buffer's address as an int and casts it
-with ``.to(tl.pointer_type(...))``. On CUDA the buffers come from torch's pinned allocator
+with ``.to(tl.pointer_type(...))`` (``_uva``: through uint64 first, as a low address
+arrives as a 32-bit int). On CUDA the buffers come from torch's pinned allocator
 (``cudaHostAlloc``), whose host address is the device address under UVA. Under Triton's
 interpreter (``TRITON_INTERPRET=1``, CPU tensors) the int-to-pointer cast is a bitcast and
 loads dereference host addresses, so the same int is the host tensor's address; no pinning
@@ -55,11 +56,22 @@ TOKEN_MULT, VOCAB = 7919, 32000
 
 
 @triton.jit
+def _uva(addr, dtype: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The pointer to ``dtype`` at host address ``addr``, an int argument. Triton types an
+    int by its value, and a host address can be low: below 2**31 it arrives as an int32;
+    below 2**32 the interpreter keeps it as a 4-byte uint32 though it calls it int64. The
+    cast to a pointer is a bitcast there, which cannot view 4 bytes as an 8-byte pointer,
+    so the address is first converted to uint64 (a real conversion at every width: never
+    a no-op, unlike a cast to the int64 it may claim to be already)."""
+    return addr.to(tl.uint64).to(tl.pointer_type(dtype))
+
+
+@triton.jit
 def _apply_staged_writes(  # type: ignore[no-untyped-def]
         table, stride, desc_addr, cap, contents, BLOCK: tl.constexpr):
     """One program per staged write; descriptors (row, start, offset, length) via UVA."""
     w = tl.program_id(0)
-    desc = desc_addr.to(tl.pointer_type(tl.int32))
+    desc = _uva(desc_addr, tl.int32)
     row = tl.load(desc + w).to(tl.int64)
     start = tl.load(desc + cap + w)
     offset = tl.load(desc + 2 * cap + w)
@@ -102,9 +114,9 @@ def _combine_sampled(  # type: ignore[no-untyped-def]
     last = tl.load(qsl + b + 1) - 1
     tl.store(input_ids + last, tl.load(last_sampled + row))
     tl.store(logits_indices + b, last)
-    tl.store(b_temp + b, tl.load(temp_addr.to(tl.pointer_type(tl.float32)) + row))
-    tl.store(b_top_p + b, tl.load(top_p_addr.to(tl.pointer_type(tl.float32)) + row))
-    tl.store(b_top_k + b, tl.load(top_k_addr.to(tl.pointer_type(tl.int32)) + row))
+    tl.store(b_temp + b, tl.load(_uva(temp_addr, tl.float32) + row))
+    tl.store(b_top_p + b, tl.load(_uva(top_p_addr, tl.float32) + row))
+    tl.store(b_top_k + b, tl.load(_uva(top_k_addr, tl.int32) + row))
 
 
 @triton.jit
@@ -113,7 +125,7 @@ def _gather_block_tables(  # type: ignore[no-untyped-def]
     """The batch's rows into the fixed-address input table, as long as the UVA counts say."""
     b = tl.program_id(0)
     row = tl.load(idx + b).to(tl.int64)
-    n = tl.load(num_blocks_addr.to(tl.pointer_type(tl.int32)) + row)
+    n = tl.load(_uva(num_blocks_addr, tl.int32) + row)
     i = 0
     while i < n:
         o = i + tl.arange(0, BLOCK)

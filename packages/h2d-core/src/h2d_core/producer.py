@@ -53,6 +53,12 @@ def h2d_producer(
 
     The first positional argument must be the :class:`H2DRunnerState` or an object whose
     ``h2d_state`` attribute is one (an adapter).
+
+    The returned wrapper carries ``h2d_groups``, the groups as declared (names, or the
+    functions of the owner that give them): the public mark of a producer, by which tools
+    and tests tell a decorated method from an undecorated one
+    (``hasattr(cls.method, "h2d_groups")``; the rule that every source-writing adapter
+    method carries it is ``test_producer_decorators.py``'s).
     """
     groups = (group, *more_groups)
     if not all((isinstance(g, str) and g) or callable(g) for g in groups):
@@ -85,6 +91,7 @@ def h2d_producer(
                 state.leave_producer_after_error(names)
                 raise
 
+        # the public producer mark (see the docstring)
         producer.h2d_groups = groups  # type: ignore[attr-defined]
         return producer
 

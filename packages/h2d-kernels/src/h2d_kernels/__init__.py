@@ -9,6 +9,15 @@ launch). This package knows arenas, layouts and addresses, not groups' rules or 
 """
 
 from h2d_kernels.arena import DEFAULT_LAUNCH, PackedArena, bind_destinations
+from h2d_kernels.copy_kinds import (
+    HIP_MEMCPY_KINDS,
+    classify_trace,
+    copy_counts,
+    copy_kind,
+    count_h2d_copies,
+    hip_copy_kind,
+    is_copy,
+)
 from h2d_kernels.driver import CUDA, HIP, DeviceDriver, DriverSymbols, device_driver
 from h2d_kernels.errors import (
     ArenaLayoutError,
@@ -53,6 +62,7 @@ __all__ = [
     "DESCRIPTOR_BYTES",
     "DESCRIPTOR_FIELDS",
     "HIP",
+    "HIP_MEMCPY_KINDS",
     "INPLACE_LIMIT",
     "PAYLOAD_ALIGN",
     "RANGE_OVERHEAD",
@@ -82,8 +92,14 @@ __all__ = [
     "ScatterConfig",
     "arena_order",
     "bind_destinations",
+    "classify_trace",
+    "copy_counts",
+    "copy_kind",
+    "count_h2d_copies",
     "device_driver",
+    "hip_copy_kind",
     "interpreter_enabled",
+    "is_copy",
     "placement_of",
     "plan_arena",
     "scatter_reference",
