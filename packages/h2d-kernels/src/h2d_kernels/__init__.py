@@ -22,6 +22,7 @@ from h2d_kernels.errors import (
     DestinationOverlapError,
     H2DKernelsError,
     NativeRequiredError,
+    PackBoundsError,
     PublishError,
     ScatterBackendError,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "H2DKernelsError",
     "MemberRegion",
     "NativeRequiredError",
+    "PackBoundsError",
     "PackedArena",
     "PackedGroup",
     "Placement",
