@@ -244,3 +244,49 @@ def test_ranges_that_fill_the_staging_room_exactly(device: str, h: Any, extra_pa
     else:
         assert ranges == [] and moved == ROWS * ROW_BYTES
         assert t.arena_rows() == (ROWS * ROW_BYTES, [])
+
+
+@pytest.mark.parametrize(("extra_pages", "expected"), [
+    (12, StageResult.PARTIAL),  # exactly the room the other table's range left
+    (13, StageResult.WHOLE),
+])
+def test_ranges_fill_the_room_another_tables_ranges_left(device: str, h: Any,
+                                                        extra_pages: int,
+                                                        expected: str) -> None:
+    """Two ranged tables share the group's staging room: table ``a``'s one 4-byte range
+    takes 4 + 16 bytes of the 2 * 2112, so table ``b``'s three ranges (rows [0, 16)
+    replaced, 3 pages appended to row 20 and ``extra_pages`` to row 26, share 1.0) fit
+    exactly with 12 extra pages: 4096 + 12 + 48 + 48 = 4204 = 4224 - 20."""
+    st = H2DRunnerState(device, scatter=h.scatter_mode(device))
+    lens = st.buffer("context_lens", (ROWS,), torch.int32, group="g")
+    bufs = [st.buffer(name, (ROWS, WIDTH), torch.int32, group="g", unit="rows", max_ranges=4)
+            for name in ("a", "b")]
+    st.bind()
+    a, b = (block_table_state(buf, partial_max_share=1.0) for buf in bufs)
+    rows_a = [BlockTable([i]) for i in range(ROWS)]
+    rows_b = [BlockTable([i]) for i in range(ROWS)]
+
+    def step() -> str:
+        st.begin()
+        a.prepare(rows_a)
+        b.prepare(rows_b)
+        st.set_count(lens, ROWS)
+        a.stage(ROWS)
+        how = b.stage(ROWS)
+        st.publish("g")
+        st.finish()
+        return how
+
+    step()
+    rec = st._slot_groups[0][st.plan("g").index]
+    assert rec.packed.range_capacity == 2 * 2112  # the case this pins
+    rows_a[5].append_one(9)
+    for i in range(16):
+        rows_b[i] = BlockTable(list(range(100 * i, 100 * i + WIDTH)))
+    rows_b[20].append([1, 2, 3])
+    rows_b[26].append(list(range(extra_pages)))
+    assert step() == expected
+    assert a.last_stage == StageResult.PARTIAL
+    h.sync(device)
+    for buf, state in ((bufs[0], a), (bufs[1], b)):
+        np.testing.assert_array_equal(buf.gpu.cpu().numpy(), state.snapshot.storage)
