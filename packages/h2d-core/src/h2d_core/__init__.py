@@ -45,6 +45,7 @@ from .errors import (
     PublicationEnqueueError,
     ReentryError,
     StreamMismatchError,
+    TablePolicyError,
     UnknownGroupError,
 )
 from .fused import ConsumerFn, FusedConsumer
@@ -63,6 +64,7 @@ from .step import (
     CountRule,
     LayoutStep,
 )
+from .table_policy import TablePublication
 
 __all__ = [
     "DRAFTS",
@@ -107,6 +109,8 @@ __all__ = [
     "ReentryError",
     "StageResult",
     "StreamMismatchError",
+    "TablePolicyError",
+    "TablePublication",
     "UnknownGroupError",
     "block_table_state",
     "device_context_active",

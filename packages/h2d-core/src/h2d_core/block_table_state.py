@@ -11,9 +11,13 @@ record of what its GPU destination holds. Two revisions stay separate:
 
 Each step the runner prepares rows (``prepare``) and then stages the table for its group
 (``stage``): the GPU table is reused (the member omitted) when destination, prepared
-revision and row count all match; otherwise only the changed column spans travel (extra
-ranges inside the group's one packed DMA) or, when most of the table changed or the group
-is not packed, rows ``[0, n)`` in one bulk publication.
+revision and row count all match. Otherwise, under the default policy
+(``publication="ranges"``), only the changed column spans travel (extra ranges inside the
+group's one packed DMA) while they are few (at most 8 ranges, 32 for tables of 4 MiB or
+more, at most half the published rows' bytes, within the staging room), else rows
+``[0, n)`` in one bulk publication; under ``publication="whole"`` (the spec's literal
+rule) always rows ``[0, n)`` in one piece. :mod:`h2d_core.table_policy` has the exact
+rules and the knobs' checks.
 
 CUDA-graph capture prepares the table it binds through the same state
 (:meth:`BlockTableState.prepare_capture`: empty rows for the captured batch size, staged
@@ -36,22 +40,16 @@ from .buffer import CountUnit, H2DBuffer
 from .config import Backend
 from .errors import CountError, DeclarationError, DuplicatePublicationError
 from .state import H2DRunnerState
+from .table_policy import (
+    PARTIAL_MAX_SHARE,
+    PublicationArg,
+    TablePublication,
+    check_max_ranges,
+    check_max_share,
+    check_publication,
+    limit_table,
+)
 from .table_stage import PARTIAL, REUSED, WHOLE, PublishedTable, TableStager
-
-# When changed spans travel as ranges instead of the whole table (measured on the H200,
-# docs/benchmarks.md "block-table crossover"): each range costs a few µs of host time
-# (staging copy, descriptor) and the scatter slows down with many descriptors, while a
-# whole table costs no host copy but moves every row. Up to 8 ranges, partial publication
-# costs the host about the same as a whole table and moves far fewer bytes; beyond that
-# the whole table wins on the host, unless it is large enough (>= 4 MiB: long contexts at
-# large batch) that its DMA dominates the GPU span, where up to 32 ranges still pay off.
-#: most ranges of an ordinary partial publication
-PARTIAL_MAX_RANGES = 8
-#: tables of at least this many bytes (rows requested) may use up to ``LARGE_TABLE_RANGES``
-LARGE_TABLE_BYTES = 4 << 20
-LARGE_TABLE_RANGES = 32
-#: and a partial publication never carries more than this share of the table's bytes
-PARTIAL_MAX_SHARE = 0.5
 
 
 class StageResult:
@@ -74,6 +72,7 @@ class BlockTableState:
         partial_max_share: float = PARTIAL_MAX_SHARE,
         partial_max_ranges: int | None = None,
         native: bool | None = None,
+        publication: PublicationArg = TablePublication.RANGES,
     ) -> None:
         spec = buffer.spec
         if spec.dtype != torch.int32 or len(spec.shape) != 2 or spec.unit is not CountUnit.ROWS:
@@ -86,6 +85,12 @@ class BlockTableState:
             raise DeclarationError(f"buffer {buffer.name!r} is not owned by an H2DRunnerState")
         state._check_thread()
         state._check_bound()
+        # the policy, checked before anything is made and resolved once, here
+        name = buffer.name
+        self._publication = check_publication(name, publication)
+        self._partial_max_ranges = check_max_ranges(name, partial_max_ranges,
+                                                     buffer.max_ranges)
+        self._partial_max_share = check_max_share(name, partial_max_share)
         self.buffer = buffer
         self.state = state
         self.snapshots = tuple(
@@ -93,11 +98,10 @@ class BlockTableState:
                               fill_value=fill_value, native=native)
             for slot in range(state.num_slots)
         )
-        self._partial_max_share = partial_max_share
-        self._partial_max_ranges = partial_max_ranges
         self._row_bytes = spec.unit_bytes
         ranged = (
-            buffer.max_ranges > 0
+            self._publication is TablePublication.RANGES
+            and buffer.max_ranges > 0
             and state.backend is Backend.PACKED
             and state.plan(buffer.publication_group).packed
         )
@@ -204,35 +208,37 @@ class BlockTableState:
         """The last stage's :class:`StageResult` ("" before the first)."""
         return self._stager.last_stage
 
-    def _limits(self, num_rows: int) -> tuple[int, int]:
-        """(most ranges, most bytes) of a partial publication of ``num_rows`` rows."""
-        whole = num_rows * self._row_bytes
-        limit = min(self._partial_max_ranges or (
-            LARGE_TABLE_RANGES if whole >= LARGE_TABLE_BYTES else PARTIAL_MAX_RANGES),
-            self.buffer.max_ranges)
-        return limit, int(self._partial_max_share * whole)
-
     def _limit_table(self) -> list[tuple[int, int]]:
-        return [self._limits(n) for n in range(self.buffer.spec.shape[0] + 1)]
+        return limit_table(self.buffer.spec.shape[0], self._row_bytes, self.buffer.max_ranges,
+                           self._partial_max_ranges, self._partial_max_share)
+
+    @property
+    def publication(self) -> TablePublication:
+        """What a changed table sends (fixed when the state is made)."""
+        return self._publication
 
     @property
     def partial_max_share(self) -> float:
-        """Largest share of the table's bytes a partial publication carries."""
+        """Largest share of the published rows' bytes a partial publication carries, in
+        [0, 1] (0: none; a changed table travels whole)."""
         return self._partial_max_share
 
     @partial_max_share.setter
     def partial_max_share(self, value: float) -> None:
-        self._partial_max_share = value
+        self._partial_max_share = check_max_share(self.buffer.name, value)
         self._stager.set_limits(self._limit_table())
 
     @property
     def partial_max_ranges(self) -> int | None:
-        """Override of the measured range-count policy (None: use it)."""
+        """Override of the measured range-count policy, in [0, the buffer's
+        ``max_ranges``] (None: the measured policy; 0: no ranges, a changed table travels
+        whole)."""
         return self._partial_max_ranges
 
     @partial_max_ranges.setter
     def partial_max_ranges(self, value: int | None) -> None:
-        self._partial_max_ranges = value
+        self._partial_max_ranges = check_max_ranges(self.buffer.name, value,
+                                                    self.buffer.max_ranges)
         self._stager.set_limits(self._limit_table())
 
     def forget_gpu(self) -> None:
@@ -254,11 +260,22 @@ def block_table_state(
     partial_max_share: float = PARTIAL_MAX_SHARE,
     partial_max_ranges: int | None = None,
     native: bool | None = None,
+    publication: PublicationArg = TablePublication.RANGES,
 ) -> BlockTableState:
     """Attach page-map state to a bound block-table buffer (one per buffer: each PP slot
     has its own snapshot inside, each TBO buffer gets its own state). ``native`` is passed
     to the snapshots (:class:`block_tables.PageTableSnapshot`: compiled only, False is
-    refused)."""
+    refused).
+
+    ``publication`` is what a table the GPU does not hold sends:
+    ``TablePublication.RANGES`` (``"ranges"``, the default) its changed byte ranges inside
+    the group's one packed DMA while they are few (``partial_max_ranges``: None for the
+    measured 8, or 32 for tables of 4 MiB or more, else an int in [0, the buffer's
+    ``max_ranges``]; ``partial_max_share``: in [0, 1], default 0.5, of the published rows'
+    bytes), else the published rows whole; ``TablePublication.WHOLE`` (``"whole"``) the
+    published rows whole, in one piece, whenever the table changed (the spec's literal
+    bulk rule; the partial knobs then have no effect). A knob of 0 allows no range. A bad
+    knob raises :class:`~h2d_core.TablePolicyError` and attaches nothing."""
     existing = getattr(buffer, "_page_map", None)
     if existing is not None:
         raise DeclarationError(
@@ -266,6 +283,7 @@ def block_table_state(
         )
     state = BlockTableState(buffer, pool_limit=pool_limit, fill_value=fill_value,
                             partial_max_share=partial_max_share,
-                            partial_max_ranges=partial_max_ranges, native=native)
+                            partial_max_ranges=partial_max_ranges, native=native,
+                            publication=publication)
     buffer._page_map = state  # type: ignore[attr-defined]
     return state

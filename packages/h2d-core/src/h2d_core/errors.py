@@ -11,6 +11,11 @@ class DeclarationError(H2DError):
     """A buffer or group declaration is invalid (duplicate name, bad unit, overlap...)."""
 
 
+class TablePolicyError(DeclarationError, ValueError):
+    """A block-table publication knob (``publication``, ``partial_max_ranges``,
+    ``partial_max_share``) has the wrong type or is out of its range."""
+
+
 class BindingError(H2DError):
     """Storage cannot be bound: overlapping CPU/GPU bytes, bad destination, wrong device."""
 

@@ -31,6 +31,7 @@ from h2d_kernels.errors import (
     DestinationOverlapError,
     H2DKernelsError,
     NativeRequiredError,
+    PackBoundsError,
     PublishError,
     ScatterBackendError,
 )
@@ -84,6 +85,7 @@ __all__ = [
     "H2DKernelsError",
     "MemberRegion",
     "NativeRequiredError",
+    "PackBoundsError",
     "PackedArena",
     "PackedGroup",
     "Placement",

@@ -31,6 +31,8 @@ from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int64_t, intptr_t
 from libc.string cimport memmove
 
+from h2d_kernels.errors import PackBoundsError
+
 
 # Borrowed-pointer forms of the C API: the hot loop reads list and tuple items without
 # taking references, as the C extension this module replaced did (a cast to ``object``
@@ -105,12 +107,15 @@ ctypedef struct Publish:
     int64_t *header
     int64_t staging_offset, first_extra, header_bytes, total_bytes
     int64_t header_rows      # rows of the header: members, then range rows
+    int64_t staging_end      # where packing must stop: the first tail region, or the end
     Py_ssize_t num_staged, num_src, num_execs, num_members
     Staged *staged
     int64_t *src_base
     int64_t *unit_bytes      # per member: bytes per counted unit
     int64_t *inplace         # per member: fixed arena offset, or -1 for a staged member
     int64_t *execs           # by bucket index: the graph of DMA size 2**index (0: none)
+    int64_t *staged_bytes    # per staged member: its bytes this publication (checked)
+    int64_t *range_fields    # per range row: member, destination offset, bytes (checked)
     graph_launch_fn launch
     is_capturing_fn is_capturing
     PyObject *owner          # keeps the arena (host memory, graphs) alive
@@ -124,6 +129,8 @@ cdef void publish_release(Publish *p) noexcept:
     PyMem_Free(p.unit_bytes)
     PyMem_Free(p.inplace)
     PyMem_Free(p.execs)
+    PyMem_Free(p.staged_bytes)
+    PyMem_Free(p.range_fields)
     PyMem_Free(p)
 
 
@@ -210,6 +217,19 @@ cdef int bind_into(Publish *p, tuple args) except -1:
         raise ValueError("bind_publish: header rows do not fit the members")
     if num_inplace != p.num_members:
         raise ValueError("bind_publish: unit_bytes and inplace differ in length")
+    # Staging sits before the tail regions (header | in place | staging | tails): packing
+    # ends at the first region placed at or past staging_offset, else at the arena's end.
+    p.staging_end = p.total_bytes
+    for k in range(p.num_members):
+        if p.staging_offset <= p.inplace[k] < p.staging_end:
+            p.staging_end = p.inplace[k]
+    p.staged_bytes = <int64_t *>PyMem_Calloc(<size_t>(p.num_staged if p.num_staged else 1),
+                                             sizeof(int64_t))
+    cdef Py_ssize_t range_rows = p.header_rows - p.first_extra
+    p.range_fields = <int64_t *>PyMem_Calloc(<size_t>(3 * range_rows if range_rows else 1),
+                                             sizeof(int64_t))
+    if p.staged_bytes == NULL or p.range_fields == NULL:
+        raise MemoryError()
     cdef object owner = args[11]
     Py_INCREF(owner)
     p.owner = <PyObject *>owner
@@ -241,6 +261,80 @@ def bind_publish(*args):
         raise
 
 
+cdef str member_name(Publish *p, int64_t i):
+    """Member ``i``'s name, for an error message (the arena the binding keeps alive)."""
+    try:
+        return repr((<object>p.owner).layout.members[i].name)
+    except Exception:
+        return f"#{i}"
+
+
+cdef Py_ssize_t check_packing(Publish *p, PyObject *counts, PyObject *ranges) except -1:
+    """Where every staged member's used bytes and every range will land, checked before
+    pack_into writes any byte: inside the staging region (from ``staging_offset`` to the
+    first tail region, which is a pinned source, or the arena's end), with the ranges in
+    the header's range rows. The caller validated counts (capacity) and ranges (the
+    staging room, RANGE_OVERHEAD each); this is the packing's own end check: one compare
+    per copy. Stores the checked sizes and fields for pack_into (it reads neither list
+    again) and returns the number of ranges."""
+    cdef Py_ssize_t num_members = p.num_members
+    cdef int64_t limit = p.staging_end
+    cdef int64_t off = p.staging_offset
+    cdef int64_t n, nbytes, member, dst_off
+    cdef const Staged *d
+    cdef PyObject *c
+    cdef PyObject *r
+    cdef Py_ssize_t k
+    for k in range(p.num_staged):
+        d = &p.staged[k]
+        if d.index < 0 or d.index >= num_members:
+            raise ValueError("publish: malformed count or range")
+        c = PyList_GET_ITEM(counts, d.index)
+        n = 0 if c == <PyObject *>None else int_of(c)
+        if n < 0:
+            raise ValueError("publish: malformed count or range")
+        # (n <= limit first: n * unit_bytes cannot overflow then)
+        if n > limit or n * d.unit_bytes > limit - off:
+            nbytes_obj = <object>n * <object>d.unit_bytes
+            raise PackBoundsError(
+                f"publish: staged member {member_name(p, d.index)} ({n} units, {nbytes_obj} "
+                f"bytes) would be packed at arena bytes [{off}, {off + nbytes_obj}), past the "
+                f"staging region's end at byte {limit}: a count must not exceed its "
+                "member's capacity; nothing was written")
+        nbytes = n * d.unit_bytes
+        p.staged_bytes[k] = nbytes
+        if nbytes:
+            off = align_up(off + nbytes)
+    cdef Py_ssize_t num_ranges = PyList_GET_SIZE(ranges)
+    cdef Py_ssize_t range_rows = p.header_rows - p.first_extra
+    if num_ranges > range_rows:
+        raise PackBoundsError(
+            f"publish: {num_ranges} ranges, but the header has {range_rows} range rows (the "
+            "members' max_ranges); nothing was written")
+    cdef int64_t *fields = p.range_fields
+    for k in range(num_ranges):
+        r = PyList_GET_ITEM(ranges, k)
+        if not PyTuple_CheckExact(r) or PyTuple_GET_SIZE(r) != 3:
+            raise ValueError("publish: malformed count or range")
+        member = int_of(PyTuple_GET_ITEM(r, 0))
+        dst_off = int_of(PyTuple_GET_ITEM(r, 1))
+        nbytes = int_of(PyTuple_GET_ITEM(r, 2))
+        if member < 0 or member >= p.num_src or dst_off < 0 or nbytes < 0:
+            raise ValueError("publish: malformed count or range")
+        if nbytes > limit - off:
+            raise PackBoundsError(
+                f"publish: range {k} of member {member_name(p, member)} ({nbytes} bytes "
+                f"from destination offset {dst_off}) would be packed at arena bytes "
+                f"[{off}, {off + nbytes}), past the staging region's end at byte {limit}: "
+                "ranges must fit the group's range_capacity with RANGE_OVERHEAD bytes "
+                "each; nothing was written")
+        fields[3 * k] = member
+        fields[3 * k + 1] = dst_off
+        fields[3 * k + 2] = nbytes
+        off = align_up(off + nbytes)
+    return num_ranges
+
+
 cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
                    int64_t *end_out) except -1:
     """Write every member's header byte count, copy staged members' used bytes, then the
@@ -250,7 +344,9 @@ cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
     ``*end_out``: where the DMA must end (the header at least). ``counts``: one int or
     None per member, validated against capacity by the caller; ``ranges``: (member index,
     byte offset in the destination, byte count), validated against capacity and the
-    staging room by the caller (bounds are not checked again here).
+    staging room by the caller. Before any byte is written, :func:`check_packing` checks
+    that the packing stays inside the staging region and the header's range rows
+    (PackBoundsError otherwise) and that no size or offset is negative (ValueError).
     """
     # the binding's fields in locals: the header stores below could alias the struct, so
     # the compiler would otherwise reload every field after each of them
@@ -262,8 +358,8 @@ cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
     if (not PyList_CheckExact(counts) or not PyList_CheckExact(ranges)
             or PyList_GET_SIZE(counts) != num_members):
         raise TypeError("publish: counts (one per member) and ranges lists")
+    cdef Py_ssize_t num_ranges = check_packing(p, counts, ranges)
     cdef PyObject *c
-    cdef PyObject *r
     cdef const Staged *d
     cdef int64_t *h
     cdef Py_ssize_t i, k
@@ -279,39 +375,31 @@ cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
         if nbytes and inplace[i] >= 0 and inplace[i] + nbytes > end:
             end = inplace[i] + nbytes
 
-    # staged members: their used bytes only, packed back to back from staging_offset on
+    # staged members: their used bytes only (as checked), packed back to back from
+    # staging_offset on
     cdef int64_t off = p.staging_offset
     cdef const Staged *staged = p.staged
+    cdef const int64_t *staged_bytes = p.staged_bytes
     for k in range(p.num_staged):
+        nbytes = staged_bytes[k]
+        if nbytes == 0:
+            continue
         d = &staged[k]
-        if d.index < 0 or d.index >= num_members:
-            raise ValueError("publish: malformed count or range")
-        c = PyList_GET_ITEM(counts, d.index)
-        if c == <PyObject *>None:
-            continue
-        n = int_of(c)
-        if n == 0:
-            continue
-        nbytes = n * d.unit_bytes
         memmove(host + off, <const char *><intptr_t>d.src, <size_t>nbytes)
         header[4 * d.index] = off
+        header[4 * d.index + 1] = nbytes
         off = align_up(off + nbytes)
-        if off > end:
-            end = off
+    if off > p.staging_offset and off > end:  # something was staged
+        end = off
 
-    # ranges right after them, each in its own header row past the members' rows
+    # ranges right after them (as checked), each in its own header row past the members'
     cdef const int64_t *src_base = p.src_base
-    cdef Py_ssize_t num_src = p.num_src
+    cdef const int64_t *fields = p.range_fields
     row = p.first_extra
-    for k in range(PyList_GET_SIZE(ranges)):
-        r = PyList_GET_ITEM(ranges, k)
-        if not PyTuple_CheckExact(r) or PyTuple_GET_SIZE(r) != 3:
-            raise ValueError("publish: malformed count or range")
-        member = int_of(PyTuple_GET_ITEM(r, 0))
-        dst_off = int_of(PyTuple_GET_ITEM(r, 1))
-        nbytes = int_of(PyTuple_GET_ITEM(r, 2))
-        if member < 0 or member >= num_src:
-            raise ValueError("publish: malformed count or range")
+    for k in range(num_ranges):
+        member = fields[3 * k]
+        dst_off = fields[3 * k + 1]
+        nbytes = fields[3 * k + 2]
         memmove(host + off, <const char *><intptr_t>(src_base[member] + dst_off),
                 <size_t>nbytes)
         h = header + 4 * row
@@ -321,8 +409,8 @@ cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
         h[3] = dst_off
         row += 1
         off = align_up(off + nbytes)
-        if off > end:
-            end = off
+    if num_ranges and off > end:  # (an empty range still reaches staging)
+        end = off
     cdef int64_t header_rows = p.header_rows
     while row < header_rows:
         header[4 * row + 1] = 0  # an unused range row scatters nothing

@@ -52,6 +52,13 @@ class PublishError(H2DKernelsError, ValueError):
     """A publication request is out of range (e.g. ``dma_bytes``)."""
 
 
+class PackBoundsError(PublishError):
+    """A count or range would be packed past its arena region: the staging region (which
+    ends where the first tail member's pinned source begins, or at the arena's end) or the
+    header's range rows. Callers validate first; this is the compiled packing's own end
+    check, made before any byte is written."""
+
+
 class ScatterBackendError(H2DKernelsError, RuntimeError):
     """The requested scatter or launch path is unavailable for this device or process."""
 

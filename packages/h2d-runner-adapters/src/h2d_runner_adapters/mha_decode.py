@@ -7,7 +7,9 @@ come from one :class:`block_tables.RequestLayout` pass over the prepared table; 
 consumer: KV-index generation (:func:`generate_kv_indices` builds ``kv_indices`` from the
 block tables and ``kv_indptr``).
 Block tables go through :func:`h2d_core.block_table_state`: unchanged tables are not
-re-sent, appended pages travel as a few bytes, whole tables only when most rows changed.
+re-sent, appended pages travel as a few bytes inside the group's DMA, whole rows once the
+changed spans pass the partial limits (more than 8 ranges, 32 for 4 MiB tables, half the
+published rows' bytes, or the staging room: docs/design.md "Block tables").
 
 Query widths may differ per request (uneven TBO ubatches, DSpark-style ragged verify): the
 tokens are the requests' spans back to back, and the widest query (``max_query_len``, the
