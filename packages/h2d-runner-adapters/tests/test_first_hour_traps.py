@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from adapter_helpers import need_kernels
@@ -18,6 +19,7 @@ from block_tables import BlockTable, PageIdRangeError
 from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     DECODE_STEP,
+    AdapterInputError,
     DecodeStepInputs,
     SamplingParams,
     ScheduledBatch,
@@ -107,3 +109,73 @@ def test_a_page_id_past_num_pages_is_refused(device: str) -> None:
     refuse(_seen(state, step), lambda: step.prepare(_batch((3, 8)), padded=4),
            PageIdRangeError, r"row 0: page ID 8 at column 1 is outside \[0, pool_limit=8\)")
     _publish_good(state, step)
+
+
+# -- 3. the batch's page size ----------------------------------------------------------------
+
+def test_a_batch_of_another_page_size_is_refused_naming_both(device: str) -> None:
+    state, step = _step(device)
+    state.begin()
+    refuse(_seen(state, step), lambda: step.prepare(_batch(page_size=32), padded=4),
+           AdapterInputError, r"decode_step: the batch has page_size=32 but the adapter was "
+           r"built with page_size=16; KV slots .* schedule the batch with the adapter's")
+    refuse(_seen(state, step), lambda: step.decode.prepare(_batch(page_size=32), padded=4),
+           AdapterInputError, r"mha_decode: the batch has page_size=32 .* page_size=16")
+    _publish_good(state, step)
+
+
+def test_a_prefill_chunk_of_another_page_size_is_refused(device: str) -> None:
+    from h2d_runner_adapters import PrefillStepInputs
+    need_kernels(device)
+    state = H2DRunnerState(device, num_slots=1)
+    step = PrefillStepInputs(state, max_reqs=2, max_tokens=32, max_pages_per_req=4,
+                             page_size=PAGE, num_pages=64)
+    state.bind()
+    chunk = [ScheduledRequest(0, 3, 3, BlockTable([4]), token_ids=[1, 2, 3])]
+    state.begin()
+    refuse(Observed(state, groups=(step.group,)),
+           lambda: step.prepare(ScheduledBatch(chunk, is_prefill=True, page_size=8)),
+           AdapterInputError, rf"{step.group}: the batch has page_size=8 but the adapter was "
+           r"built with page_size=16")
+    plan = step.prepare(ScheduledBatch(chunk, is_prefill=True, page_size=PAGE))
+    state.publish(step.group)
+    state.finish()
+    assert step.prefill.slot_mapping.gpu[:3].tolist() == [64, 65, 66]
+    # 5. its first consumer takes the step plan, its .prefill, or refuses by name
+    for given in (plan, plan.prefill):
+        assert step.prepare_attention(given)[:1].tolist() == [4]  # type: ignore[arg-type]
+        assert step.prefill.prepare_attention(given)[:1].tolist() == [4]  # type: ignore[arg-type]
+    with pytest.raises(AdapterInputError, match=rf"{step.group}: prepare_attention takes the "
+                       r"PrefillPlan of a step .* got TokenPlan"):
+        step.prepare_attention(plan.tokens)  # type: ignore[arg-type]
+
+
+# -- 5. the step's plan where a consumer takes its sub-plan --------------------------------
+
+def test_first_consumers_take_the_step_plan_or_refuse_by_name(device: str) -> None:
+    state, step = _step(device)
+    state.begin()
+    plan = step.prepare(_batch(prev=0), padded=4)
+    state.publish(DECODE_STEP)
+    state.finish()
+    # the step plan is read through its sub-plan: the same result as the sub-plan's
+    assert step.decode.generate_kv_indices(plan)[:3].tolist() == [3, 7, 5]
+    assert step.decode.generate_kv_indices(plan.decode)[:3].tolist() == [3, 7, 5]
+    prev = torch.tensor([[42]], dtype=torch.int32, device=device)
+    assert step.tokens.assemble(plan, prev).tolist()[:2] == [11, 42]
+    assert step.tokens.assemble(plan.tokens, prev).tolist()[:2] == [11, 42]
+    logits = torch.zeros(2, 8, device=device)
+    logits[0, 3] = logits[1, 5] = 1.0
+    noise = torch.ones(2, 8, device=device)
+    assert step.sampling.sample(logits, plan, noise).tolist() == [3, 5]
+    # anything else: a library error naming the group, the consumer and what to pass
+    before = step.decode.kv_indices.clone()
+    with pytest.raises(AdapterInputError, match=r"mha_decode: generate_kv_indices takes the "
+                       r"DecodePlan of a step .* got TokenPlan; pass what prepare\(\) "
+                       r"returned, or its \.decode"):
+        step.decode.generate_kv_indices(plan.tokens)  # type: ignore[arg-type]
+    assert torch.equal(step.decode.kv_indices, before)
+    with pytest.raises(AdapterInputError, match=r"token_ids: assemble takes the TokenPlan"):
+        step.tokens.assemble(plan.decode, prev)  # type: ignore[arg-type]
+    with pytest.raises(AdapterInputError, match=r"sampling: sample takes the SamplingPlan"):
+        step.sampling.sample(logits, plan.decode, noise)  # type: ignore[arg-type]

@@ -41,7 +41,7 @@ from h2d_core import (
 )
 
 from .batch import ScheduledBatch
-from .checks import AdapterInputError, padded_count
+from .checks import AdapterInputError, padded_count, refuse_page_size
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from .mla_decode import MLA_DECODE, MlaDecodeInputs
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
@@ -202,6 +202,8 @@ class DecodeStepInputs(FusedStep):
 
     def _run(self, step: LayoutStep, batch: ScheduledBatch, padded: int | None
              ) -> DecodeStepPlan:
+        if batch.page_size != self.decode.page_size:
+            refuse_page_size(self.group, batch.page_size, self.decode.page_size)
         cols = batch.columns
         n = len(cols.query_lens)
         p = -1 if padded is None else padded_count(self.group, n, padded)

@@ -175,4 +175,6 @@ class PrefillStepInputs(FusedStep):
         the chunk's pages, request after request. Reads only the step's own members. A
         chunk prepared with ``publish_tables=False`` is refused
         (:meth:`PrefillInputs.prepare_attention`: its GPU table is an earlier chunk's)."""
-        return self.prefill._kv_indices(plan.prefill, self.group)
+        # _kv_indices reads a step plan's .prefill, takes a PrefillPlan itself too, and
+        # refuses anything else naming the group
+        return self.prefill._kv_indices(plan, self.group)  # type: ignore[arg-type]

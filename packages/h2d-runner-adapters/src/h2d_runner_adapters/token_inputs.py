@@ -39,7 +39,7 @@ import torch
 from h2d_core import DeclarationError, FusedConsumer, H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
-from .checks import AdapterInputError, padded_count
+from .checks import AdapterInputError, padded_count, sub_plan
 from .consumers import assemble_token_ids, gather_draft_ids
 from .consumers._launch import check_tensor, interpreted
 from .consumers.token_assembly import _assemble_kernel, launch_assembly_from_header
@@ -267,7 +267,10 @@ class TokenInputs:
         """Token assembly: fill deferred ids from ``prev_sampled`` (int32 [rows, W]);
         returns the step's ``input_ids`` view (padding included). Fused
         (:meth:`fuse_assembly` on a packed group), the publication already enqueued it: this
-        launches nothing, and ``prev_sampled`` must be the tensor the fusion reads."""
+        launches nothing, and ``prev_sampled`` must be the tensor the fusion reads. A fused
+        step's plan is read through its ``.tokens``."""
+        if type(plan) is not TokenPlan:
+            plan = sub_plan(TOKEN_IDS, "assemble", plan, TokenPlan, "tokens")
         fused = self.assembly_consumer
         if fused is not None and fused.fused:
             if prev_sampled is not self._fused_prev:
@@ -282,6 +285,8 @@ class TokenInputs:
 
     def gather_drafts(self, plan: TokenPlan, out: torch.Tensor) -> torch.Tensor:
         """Draft-ID gather: ``out[i] = input_ids[1 + target_logits_indices[i]]``."""
+        if type(plan) is not TokenPlan:
+            plan = sub_plan(TOKEN_IDS, "gather_drafts", plan, TokenPlan, "tokens")
         n = plan.num_draft_tokens
         gather_draft_ids(self.input_ids.gpu, self.target_logits_indices.gpu[:n], out[:n])
         return out[:n]
