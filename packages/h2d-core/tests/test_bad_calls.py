@@ -191,6 +191,58 @@ def test_guard_sources_refuses_writes_outside_the_epoch(
     assert bt.gpu[0].tolist() == [7] * 8
 
 
+def test_guard_sources_refuses_writes_after_publish_until_a_reopen() -> None:
+    """A write after ``publish()`` and before ``finish()`` lands in a source its DMA may
+    still be reading: ``.np``/``.cpu`` refuse it naming the buffer, the group and what to
+    do, a view kept from before the publication is read-only, and nothing changed (the
+    published bytes, the counts, the counters). A deliberate second publication
+    (``reopen(group, reason)``, after which the sources are acquired) writes again, and
+    the other groups of the epoch are not affected."""
+    st = H2DRunnerState("cpu", num_slots=2, scatter="reference", guard_sources=True)
+    bt = st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows")
+    other = st.buffer("other", (4,), torch.int32, group="h")
+    st.bind()
+    st.begin()
+    kept = bt.np
+    kept[0] = 5
+    st.set_count(bt, 1)
+    st.publish("g")
+    seen = (bt.source(0).numpy().tobytes(), bt.gpu.numpy().tobytes(), st.count(bt),
+            st.counters("g").publications)
+    for what in ("np", "cpu"):
+        with pytest.raises(EpochError, match=rf"buffer 'bt': \.{what} after group 'g' was "
+                           r"published in epoch 1 \(guard_sources\): .* write it between "
+                           r"begin\(\) and publish\(\), or reopen\(group, reason\)"):
+            getattr(bt, what)
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 6
+    assert (bt.source(0).numpy().tobytes(), bt.gpu.numpy().tobytes(), st.count(bt),
+            st.counters("g").publications) == seen
+    other.np[:2] = 3  # an unpublished group of the same epoch still writes
+    st.set_count(other, 2)
+    st.publish("h")
+    st.reopen("g", "rewrite after a late correction")
+    bt.np[0] = 6  # the deliberate second publication writes again
+    kept[1] = 6
+    st.set_count(bt, 2)
+    st.publish("g")
+    st.finish()
+    assert bt.gpu[:2].tolist() == [[6] * 8, [6] * 8]
+    assert other.gpu[:2].tolist() == [3, 3]
+    assert st.counters("g").publications == 2
+    st.resume()  # a resumed epoch keeps its published groups read-only
+    with pytest.raises(EpochError, match=r"'bt': \.np after group 'g' was published"):
+        bt.np  # noqa: B018
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 7
+    st.finish()
+    st.begin()  # the next epoch on this slot writes as before
+    st.finish()
+    st.begin()
+    kept[0] = 8
+    st.finish()
+
+
 def test_guard_sources_is_off_by_default() -> None:
     _, bt = _state()
     assert type(bt).__name__ == "H2DBuffer"

@@ -290,6 +290,8 @@ class EpochCore:
         counters.publications += 1
         counters.bytes += nbytes
         self._published |= names
+        if self._guard:  # debug mode: the published sources are read-only until finish()
+            self._guard_published(names, False)  # type: ignore[attr-defined]
         if self._on_publish:
             for g in names.intersection(self._on_publish):
                 for buf, fn, only_if_sent in self._on_publish.pop(g):

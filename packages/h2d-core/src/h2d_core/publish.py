@@ -325,6 +325,8 @@ class Publication(StateOwner):
             self._published.discard(g)
             self._produced.discard(g)
             self._on_publish.pop(g, None)
+        if self._guard:  # guard_sources: the acquired sources are writable again
+            self._guard_published(groups, True)  # type: ignore[attr-defined]
         self._counters[group].second_publications += 1
 
     def _acquire_sources(self) -> None:
