@@ -14,6 +14,7 @@ from h2d_core import (
     DeviceUnavailableError,
     EpochError,
     H2DRunnerState,
+    MembershipError,
     ProducerOwnerError,
     h2d_producer,
 )
@@ -241,6 +242,90 @@ def test_guard_sources_refuses_writes_after_publish_until_a_reopen() -> None:
     st.begin()
     kept[0] = 8
     st.finish()
+
+
+class _Step:
+    """Two producer groups, combined into ``step``; one producer writes both (a fused
+    step), and each has its own producer too (standalone callers)."""
+
+    def __init__(self) -> None:
+        st = self.h2d_state = H2DRunnerState("cpu", num_slots=1, scatter="reference")
+        self.a = st.buffer("a_ids", (8,), torch.int32, group="a")
+        self.b = st.buffer("b_pos", (8,), torch.int64, group="b")
+        st.combine("step", ["a", "b"])
+        st.bind()
+
+    @h2d_producer("a", "b")
+    def both(self, value: int) -> None:
+        self.a.np[:2] = value
+        self.b.np[:2] = value
+        self.h2d_state.set_count(self.a, 2)
+        self.h2d_state.set_count(self.b, 2)
+
+    @h2d_producer("a")
+    def only_a(self, value: int) -> None:
+        self.a.np[:2] = value
+        self.h2d_state.set_count(self.a, 2)
+
+    @h2d_producer("b")
+    def only_b(self, value: int) -> None:
+        self.b.np[:2] = value
+        self.h2d_state.set_count(self.b, 2)
+
+
+def _observed(s: _Step) -> tuple[object, ...]:
+    st = s.h2d_state
+    return (s.a.np.tobytes(), s.b.np.tobytes(), s.a.gpu.numpy().tobytes(),
+            s.b.gpu.numpy().tobytes(), st.count(s.a), st.count(s.b),
+            frozenset(st._published), frozenset(st._produced),
+            [(c.publications, c.direct_copies, c.dmas)
+             for c in (st.counters("a"), st.counters("b"), st.counters("step"))])
+
+
+@pytest.mark.parametrize("covered", ["a", "b"])
+def test_a_covered_group_of_a_produced_step_is_refused_alone(covered: str) -> None:
+    """A producer wrote the whole combined group: publishing one covered group alone would
+    send part of the step and silently leave the rest. Refused naming the group, the
+    combined group and the groups left behind; nothing changed; the combined group then
+    publishes."""
+    s = _Step()
+    st = s.h2d_state
+    st.begin()
+    s.both(4)
+    before = _observed(s)
+    other = "b" if covered == "a" else "a"
+    with pytest.raises(MembershipError, match=rf"group '{covered}' is covered by the combined "
+                       rf"group 'step', whose producer groups \['{other}'\] were produced in "
+                       rf"epoch 1 and are not published: .* publish 'step'"):
+        st.publish(covered)
+    assert _observed(s) == before
+    st.publish("step")
+    st.finish()
+    assert s.a.gpu[:2].tolist() == [4, 4] and s.b.gpu[:2].tolist() == [4, 4]
+    assert st.counters(covered).publications == 0
+
+
+def test_a_covered_group_produced_on_its_own_publishes_alone() -> None:
+    """The spec's standalone callers: a covered group produced alone publishes alone
+    (checked direct copies); so does the other one, produced after."""
+    s = _Step()
+    st = s.h2d_state
+    st.begin()
+    s.only_a(5)
+    st.publish("a")
+    s.only_b(6)
+    st.publish("b")
+    st.finish()
+    assert s.a.gpu[:2].tolist() == [5, 5] and s.b.gpu[:2].tolist() == [6, 6]
+    assert st.counters("a").direct_copies == 1 and st.counters("step").dmas == 0
+    st.begin()  # both produced before either is published: the step is the combined group
+    s.only_a(7)
+    s.only_b(8)
+    with pytest.raises(MembershipError, match=r"group 'a' is covered .* \['b'\]"):
+        st.publish("a")
+    st.publish("step")
+    st.finish()
+    assert s.a.gpu[:2].tolist() == [7, 7] and s.b.gpu[:2].tolist() == [8, 8]
 
 
 def test_guard_sources_is_off_by_default() -> None:

@@ -16,7 +16,7 @@ from adapter_helpers import need_kernels
 from bad_inputs import Observed, refuse
 
 from block_tables import BlockTable, PageIdRangeError
-from h2d_core import H2DRunnerState
+from h2d_core import H2DRunnerState, MembershipError
 from h2d_runner_adapters import (
     DECODE_STEP,
     AdapterInputError,
@@ -179,3 +179,23 @@ def test_first_consumers_take_the_step_plan_or_refuse_by_name(device: str) -> No
         step.tokens.assemble(plan.decode, prev)  # type: ignore[arg-type]
     with pytest.raises(AdapterInputError, match=r"sampling: sample takes the SamplingPlan"):
         step.sampling.sample(logits, plan.decode, noise)  # type: ignore[arg-type]
+
+
+# -- 6. a sub-group of the step's combined group --------------------------------------------
+
+def test_publishing_the_decode_sub_group_of_a_produced_step_is_refused(device: str) -> None:
+    """``step.prepare`` wrote the whole ``decode_step`` group; ``mha_decode`` alone would
+    send the KV metadata and leave the token group behind."""
+    state, step = _step(device)
+    state.begin()
+    plan = step.prepare(_batch(), padded=4)
+    seen = Observed(state, extra=lambda: step.decode.tables.published,
+                    groups=(DECODE_STEP, "mha_decode", "token_ids"))
+    refuse(seen, lambda: state.publish("mha_decode"), MembershipError,
+           r"group 'mha_decode' is covered by the combined group 'decode_step', whose "
+           r"producer groups \['query_prefix', 'sampling', 'token_ids'\] were produced .* "
+           r"publish 'decode_step'")
+    state.publish(DECODE_STEP)
+    state.finish()
+    assert step.decode.generate_kv_indices(plan)[:3].tolist() == [3, 7, 5]
+    assert state.counters(DECODE_STEP).dmas == 1
