@@ -199,3 +199,64 @@ def test_publishing_the_decode_sub_group_of_a_produced_step_is_refused(device: s
     state.finish()
     assert step.decode.generate_kv_indices(plan)[:3].tolist() == [3, 7, 5]
     assert state.counters(DECODE_STEP).dmas == 1
+
+
+# -- 4. a deferred token's row outside prev_sampled --------------------------------------------
+
+@pytest.mark.parametrize("prev_rows, bad", [(None, 4), (None, 9), (2, 2)])
+def test_a_deferred_row_past_prev_rows_is_refused_by_the_producer(
+        device: str, prev_rows: int | None, bad: int) -> None:
+    """``prev_rows`` (default ``max_reqs`` = 4) bounds ``prev_sample_row``, checked with the
+    batch before any write."""
+    state, step = _step(device, prev_rows=prev_rows)
+    rows = 4 if prev_rows is None else prev_rows
+    state.begin()
+    refuse(_seen(state, step), lambda: step.prepare(_batch(prev=bad), padded=4),
+           AdapterInputError, rf"decode_step: request 1 has prev_sample_rows={bad}; "
+           rf"prev_sample_rows must be in \[-1, {rows - 1}\]")
+    plan = step.prepare(_batch(prev=rows - 1), padded=4)
+    state.publish(DECODE_STEP)
+    state.finish()
+    prev = torch.arange(rows, dtype=torch.int32, device=device).reshape(rows, 1) + 40
+    assert step.tokens.assemble(plan, prev).tolist()[:2] == [11, 40 + rows - 1]
+
+
+def test_assemble_refuses_a_prev_sampled_the_deferred_row_lies_past(device: str) -> None:
+    """A prev_sampled smaller than prev_rows (the previous step's exact tensor): the kernel
+    would keep the placeholder (id 12 here) for a row past it. Refused before the launch,
+    naming the request, its row and the tensor's rows; input_ids unchanged."""
+    state, step = _step(device)
+    state.begin()
+    plan = step.prepare(_batch(prev=2), padded=4)
+    state.publish(DECODE_STEP)
+    before = step.tokens.input_ids.gpu.clone()
+    small = torch.tensor([[40], [41]], dtype=torch.int32, device=device)
+    with pytest.raises(AdapterInputError, match=r"token_ids: assemble: request 1 has "
+                       r"prev_sample_row=2 but prev_sampled has 2 rows; .* pass that step's "
+                       r"whole sampled-token tensor"):
+        step.tokens.assemble(plan, small)
+    assert torch.equal(step.tokens.input_ids.gpu, before)
+    state.finish()
+    whole = torch.tensor([[40], [41], [42]], dtype=torch.int32, device=device)
+    assert step.tokens.assemble(plan, whole).tolist()[:2] == [11, 42]
+    state.begin()
+    plan = step.prepare(_batch(prev=1), padded=4)  # a row inside the small tensor: fine
+    state.publish(DECODE_STEP)
+    state.finish()
+    assert step.tokens.assemble(plan, small).tolist()[:2] == [11, 41]
+
+
+def test_the_standalone_token_producer_checks_prev_rows(device: str) -> None:
+    from h2d_runner_adapters import TOKEN_IDS, TokenInputs
+    need_kernels(device)
+    state = H2DRunnerState(device, num_slots=1)
+    tokens = TokenInputs(state, max_reqs=4, max_tokens=4, prev_rows=3)
+    state.bind()
+    state.begin()
+    refuse(Observed(state, groups=(TOKEN_IDS,)), lambda: tokens.prepare_ids(_batch(prev=3)),
+           AdapterInputError, r"token_ids: request 1 has prev_sample_rows=3; prev_sample_rows "
+           r"must be in \[-1, 3\) .* prev_rows")
+    tokens.prepare_ids(_batch(prev=2))
+    state.publish(TOKEN_IDS)
+    state.finish()
+    assert tokens.decode_src.gpu[:2].tolist() == [-1, 2]

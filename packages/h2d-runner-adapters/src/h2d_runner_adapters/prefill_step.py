@@ -94,10 +94,11 @@ class PrefillStepInputs(FusedStep):
         last_page_lens: bool = False,
         group: str = PREFILL_STEP,
         extra_groups: Sequence[str] = (),
+        prev_rows: int | None = None,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
-            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens),
+            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens, prev_rows=prev_rows),
             PrefillInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                           max_pages_per_req=max_pages_per_req, page_size=page_size,
                           num_pages=num_pages, max_ranges=max_ranges, mrope=mrope,
