@@ -328,6 +328,30 @@ def test_a_covered_group_produced_on_its_own_publishes_alone() -> None:
     assert s.a.gpu[:2].tolist() == [7, 7] and s.b.gpu[:2].tolist() == [8, 8]
 
 
+def test_guard_sources_lets_a_producer_with_a_reason_write_again() -> None:
+    """A producer entered again with ``h2d_reason`` (a deliberate second publication)
+    reopens its group: its sources are writable again, and it publishes."""
+    st = H2DRunnerState("cpu", num_slots=1, scatter="reference", guard_sources=True)
+    bt = st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows")
+    st.bind()
+
+    @h2d_producer("g")
+    def produce(owner: H2DRunnerState, value: int) -> None:
+        bt.np[0] = value
+        owner.set_count(bt, 1)
+
+    st.begin()
+    produce(st, 1)
+    st.publish("g")
+    with pytest.raises(EpochError, match=r"'bt': \.np after group 'g' was published"):
+        bt.np  # noqa: B018
+    produce(st, 2, h2d_reason="a late correction")  # type: ignore[call-arg]
+    st.publish("g")
+    st.finish()
+    assert bt.gpu[0].tolist() == [2] * 8
+    assert st.counters("g").second_publications == 1
+
+
 def test_guard_sources_is_off_by_default() -> None:
     _, bt = _state()
     assert type(bt).__name__ == "H2DBuffer"
