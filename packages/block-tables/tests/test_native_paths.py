@@ -279,6 +279,10 @@ def predict(
         )
         if bad:
             return Expected(PageIdRangeError, f"[0, pool_limit={limit})", bad)
+    else:  # no pool limit: the lower bound alone (-1 is never a page)
+        bad = frozenset(i for i, ids in enumerate(contents) if any(x < 0 for x in ids))
+        if bad:
+            return Expected(PageIdRangeError, "is negative; page IDs are >= 0", bad)
     return None
 
 

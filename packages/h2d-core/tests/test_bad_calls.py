@@ -14,6 +14,7 @@ from h2d_core import (
     DeviceUnavailableError,
     EpochError,
     H2DRunnerState,
+    MembershipError,
     ProducerOwnerError,
     h2d_producer,
 )
@@ -189,6 +190,166 @@ def test_guard_sources_refuses_writes_outside_the_epoch(
     kept[0] = 8  # writable again in its own slot's epoch
     st.finish()
     assert bt.gpu[0].tolist() == [7] * 8
+
+
+def test_guard_sources_refuses_writes_after_publish_until_a_reopen() -> None:
+    """A write after ``publish()`` and before ``finish()`` lands in a source its DMA may
+    still be reading: ``.np``/``.cpu`` refuse it naming the buffer, the group and what to
+    do, a view kept from before the publication is read-only, and nothing changed (the
+    published bytes, the counts, the counters). A deliberate second publication
+    (``reopen(group, reason)``, after which the sources are acquired) writes again, and
+    the other groups of the epoch are not affected."""
+    st = H2DRunnerState("cpu", num_slots=2, scatter="reference", guard_sources=True)
+    bt = st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows")
+    other = st.buffer("other", (4,), torch.int32, group="h")
+    st.bind()
+    st.begin()
+    kept = bt.np
+    kept[0] = 5
+    st.set_count(bt, 1)
+    st.publish("g")
+    seen = (bt.source(0).numpy().tobytes(), bt.gpu.numpy().tobytes(), st.count(bt),
+            st.counters("g").publications)
+    for what in ("np", "cpu"):
+        with pytest.raises(EpochError, match=rf"buffer 'bt': \.{what} after group 'g' was "
+                           r"published in epoch 1 \(guard_sources\): .* write it between "
+                           r"begin\(\) and publish\(\), or reopen\(group, reason\)"):
+            getattr(bt, what)
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 6
+    assert (bt.source(0).numpy().tobytes(), bt.gpu.numpy().tobytes(), st.count(bt),
+            st.counters("g").publications) == seen
+    other.np[:2] = 3  # an unpublished group of the same epoch still writes
+    st.set_count(other, 2)
+    st.publish("h")
+    st.reopen("g", "rewrite after a late correction")
+    bt.np[0] = 6  # the deliberate second publication writes again
+    kept[1] = 6
+    st.set_count(bt, 2)
+    st.publish("g")
+    st.finish()
+    assert bt.gpu[:2].tolist() == [[6] * 8, [6] * 8]
+    assert other.gpu[:2].tolist() == [3, 3]
+    assert st.counters("g").publications == 2
+    st.resume()  # a resumed epoch keeps its published groups read-only
+    with pytest.raises(EpochError, match=r"'bt': \.np after group 'g' was published"):
+        bt.np  # noqa: B018
+    with pytest.raises(ValueError, match="read-only"):
+        kept[0] = 7
+    st.finish()
+    st.begin()  # the next epoch on this slot writes as before
+    st.finish()
+    st.begin()
+    kept[0] = 8
+    st.finish()
+
+
+class _Step:
+    """Two producer groups, combined into ``step``; one producer writes both (a fused
+    step), and each has its own producer too (standalone callers)."""
+
+    def __init__(self) -> None:
+        st = self.h2d_state = H2DRunnerState("cpu", num_slots=1, scatter="reference")
+        self.a = st.buffer("a_ids", (8,), torch.int32, group="a")
+        self.b = st.buffer("b_pos", (8,), torch.int64, group="b")
+        st.combine("step", ["a", "b"])
+        st.bind()
+
+    @h2d_producer("a", "b")
+    def both(self, value: int) -> None:
+        self.a.np[:2] = value
+        self.b.np[:2] = value
+        self.h2d_state.set_count(self.a, 2)
+        self.h2d_state.set_count(self.b, 2)
+
+    @h2d_producer("a")
+    def only_a(self, value: int) -> None:
+        self.a.np[:2] = value
+        self.h2d_state.set_count(self.a, 2)
+
+    @h2d_producer("b")
+    def only_b(self, value: int) -> None:
+        self.b.np[:2] = value
+        self.h2d_state.set_count(self.b, 2)
+
+
+def _observed(s: _Step) -> tuple[object, ...]:
+    st = s.h2d_state
+    return (s.a.np.tobytes(), s.b.np.tobytes(), s.a.gpu.numpy().tobytes(),
+            s.b.gpu.numpy().tobytes(), st.count(s.a), st.count(s.b),
+            frozenset(st._published), frozenset(st._produced),
+            [(c.publications, c.direct_copies, c.dmas)
+             for c in (st.counters("a"), st.counters("b"), st.counters("step"))])
+
+
+@pytest.mark.parametrize("covered", ["a", "b"])
+def test_a_covered_group_of_a_produced_step_is_refused_alone(covered: str) -> None:
+    """A producer wrote the whole combined group: publishing one covered group alone would
+    send part of the step and silently leave the rest. Refused naming the group, the
+    combined group and the groups left behind; nothing changed; the combined group then
+    publishes."""
+    s = _Step()
+    st = s.h2d_state
+    st.begin()
+    s.both(4)
+    before = _observed(s)
+    other = "b" if covered == "a" else "a"
+    with pytest.raises(MembershipError, match=rf"group '{covered}' is covered by the combined "
+                       rf"group 'step', whose producer groups \['{other}'\] were produced in "
+                       rf"epoch 1 and are not published: .* publish 'step'"):
+        st.publish(covered)
+    assert _observed(s) == before
+    st.publish("step")
+    st.finish()
+    assert s.a.gpu[:2].tolist() == [4, 4] and s.b.gpu[:2].tolist() == [4, 4]
+    assert st.counters(covered).publications == 0
+
+
+def test_a_covered_group_produced_on_its_own_publishes_alone() -> None:
+    """The spec's standalone callers: a covered group produced alone publishes alone
+    (checked direct copies); so does the other one, produced after."""
+    s = _Step()
+    st = s.h2d_state
+    st.begin()
+    s.only_a(5)
+    st.publish("a")
+    s.only_b(6)
+    st.publish("b")
+    st.finish()
+    assert s.a.gpu[:2].tolist() == [5, 5] and s.b.gpu[:2].tolist() == [6, 6]
+    assert st.counters("a").direct_copies == 1 and st.counters("step").dmas == 0
+    st.begin()  # both produced before either is published: the step is the combined group
+    s.only_a(7)
+    s.only_b(8)
+    with pytest.raises(MembershipError, match=r"group 'a' is covered .* \['b'\]"):
+        st.publish("a")
+    st.publish("step")
+    st.finish()
+    assert s.a.gpu[:2].tolist() == [7, 7] and s.b.gpu[:2].tolist() == [8, 8]
+
+
+def test_guard_sources_lets_a_producer_with_a_reason_write_again() -> None:
+    """A producer entered again with ``h2d_reason`` (a deliberate second publication)
+    reopens its group: its sources are writable again, and it publishes."""
+    st = H2DRunnerState("cpu", num_slots=1, scatter="reference", guard_sources=True)
+    bt = st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows")
+    st.bind()
+
+    @h2d_producer("g")
+    def produce(owner: H2DRunnerState, value: int) -> None:
+        bt.np[0] = value
+        owner.set_count(bt, 1)
+
+    st.begin()
+    produce(st, 1)
+    st.publish("g")
+    with pytest.raises(EpochError, match=r"'bt': \.np after group 'g' was published"):
+        bt.np  # noqa: B018
+    produce(st, 2, h2d_reason="a late correction")  # type: ignore[call-arg]
+    st.publish("g")
+    st.finish()
+    assert bt.gpu[0].tolist() == [2] * 8
+    assert st.counters("g").second_publications == 1
 
 
 def test_guard_sources_is_off_by_default() -> None:

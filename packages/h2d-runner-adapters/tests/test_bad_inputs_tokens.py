@@ -331,7 +331,9 @@ TOKEN_CASES: dict[str, Case] = {
         AdapterInputError, r"token_ids: request 1 has query_lens=-1; query_lens must be >= 0"),
     "ids: prev_sample_rows below -1": (
         lambda a: lambda: a["t"].prepare_ids(batch(columns(prev=(-2, 0)))), AdapterInputError,
-        r"token_ids: request 0 has prev_sample_rows=-2; prev_sample_rows must be >= -1"),
+        r"token_ids: request 0 has prev_sample_rows=-2; prev_sample_rows must be in "
+        r"\[-1, 4\) \(-1: staged from the host; else a row of the previous step's 4 "
+        r"sampled rows, prev_rows\)"),
     "ids: negative draft count": (
         lambda a: lambda: a["t"].prepare_ids(batch(columns(drafts=(0, -1)))),
         AdapterInputError, r"token_ids: request 1 has num_drafts=-1; num_drafts must be >= 0"),
@@ -428,7 +430,7 @@ FUSED_CASES: dict[str, Case] = {  # DecodeStepInputs and TokenStepInputs: "{g}" 
     "prev_sample_rows below -1": (lambda a: lambda: a["f"](columns(prev=(I32.min, 0))),
                                   AdapterInputError, r"^{g}: request 0 has "
                                   r"prev_sample_rows=-2147483648; prev_sample_rows must be "
-                                  r">= -1$"),
+                                  r"in \[-1, 3\]$"),
     "negative draft count": (lambda a: lambda: a["f"](columns(drafts=(0, -1))),
                              AdapterInputError, r"^{g}: request 1 has num_drafts=-1; "
                                                 r"num_drafts must be >= 0$"),

@@ -286,8 +286,9 @@ class Population:
         # finite only (<= 0 is greedy): NaN and infinities are refused (test_bad_inputs_tokens)
         temps = rng.choice(np.array([0.0, 0.7, 1.3, -1.0], np.float32), n)
         deferred = rng.random(n) < 0.5
-        # rows past PREV_ROWS are out of range: token assembly writes nothing for them
-        prev = np.where(deferred, rng.integers(0, PREV_ROWS + 2, n), -1).astype(np.int32)
+        # rows of the previous step's PREV_ROWS sampled ids (a row past them is refused:
+        # test_first_hour_traps)
+        prev = np.where(deferred, rng.integers(0, PREV_ROWS, n), -1).astype(np.int32)
         return make_step(
             self.page, [self.ctx[i] for i in order.tolist()],
             [self.rows[i] for i in order.tolist()], qlens=qlens, padded=padded, temps=temps,
@@ -534,7 +535,8 @@ def _steps(draw: st.DrawFn) -> tuple[int, int | None, list[Step]]:
             top_p = _f32(draw(st.lists(unit, min_size=n, max_size=n)))
         steps.append(make_step(
             page, ctx, rows, q=q, padded=padded, temps=temps, top_k=top_k, top_p=top_p,
-            prev=np.asarray(draw(st.lists(from_minus_one, min_size=n, max_size=n)), np.int32),
+            prev=np.asarray(draw(st.lists(st.integers(-1, PREV_ROWS - 1), min_size=n,
+                                          max_size=n)), np.int32),
             tokens=np.asarray(draw(st.lists(i32, min_size=n * q, max_size=n * q)), np.int32),
             drafts=np.asarray(draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),
                               np.int32)))

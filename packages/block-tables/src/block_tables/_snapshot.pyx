@@ -238,7 +238,8 @@ cdef inline object rows_array(const int64_t *rows, Py_ssize_t count):
 def prepare_step(bound, rows, limit, required, /):
     """prepare_step(bound, rows, limit, required) -> changed rows, or None
 
-    rows: list or tuple; limit: the pool limit or -1; required: None or a 1-D signed or
+    rows: list or tuple; limit: the pool limit, or -1 for none (every appended ID is
+    still checked to be >= 0: -1 is never a page); required: None or a 1-D signed or
     unsigned 4/8-byte integer array of len(rows). Returns an int64 array of the rows whose
     bytes changed, ascending (empty for a hit), or None, before any write, when the batch
     is not covered."""
@@ -263,6 +264,8 @@ def prepare_step(bound, rows, limit, required, /):
     n = PySequence_Fast_GET_SIZE(rows)
     items = PySequence_Fast_ITEMS(rows)
     lim = PyLong_AsLongLong(limit)
+    if lim < 0:  # no pool limit: [0, 2**31), the lower bound in the same comparison
+        lim = <int64_t>INT32_MAX + 1
     width = b.width
     if n > b.capacity:
         return None
@@ -310,7 +313,7 @@ def prepare_step(bound, rows, limit, required, /):
         elif <uint64_t>key - <uint64_t>stored == 1:  # unsigned: no overflow
             if slot_int64(row, last_offset, &last):
                 return None
-            if lim >= 0 and <uint64_t><uint32_t>last >= <uint64_t>lim:
+            if <uint64_t><uint32_t>last >= <uint64_t>lim:  # negative reads as huge
                 return None
             lasts[i] = last
         else:

@@ -50,6 +50,7 @@ from .native import refuse_interpreted, require_extension
 from .validation import (
     INT32_MAX,
     INT32_MIN,
+    NO_POOL_LIMIT,
     Int32Array,
     Int64Array,
     check_page_range,
@@ -124,7 +125,9 @@ class PageTableSnapshot:
     """Incrementally prepared page table over fixed 2-D int32 storage.
 
     ``storage`` is never reallocated or replaced; the snapshot writes only through it.
-    ``pool_limit`` (optional) makes every page ID checked against ``[0, pool_limit)``;
+    Every page ID a row brings is checked to be >= 0 (-1 is never a page: padding and the
+    fill value are the snapshot's own); ``pool_limit`` (optional) makes it checked against
+    ``[0, pool_limit)``;
     ``fill_value`` is what columns past a row's length hold; ``history`` is how many
     byte-changing revisions :meth:`changed_rows_since` can look back over. ``native`` is
     kept for source compatibility: None and True both mean the compiled core (the only
@@ -150,6 +153,8 @@ class PageTableSnapshot:
         self._rows = int(rows)
         self._width = int(width)
         self._limit = None if pool_limit is None else int(pool_limit)
+        # the bound every ID is checked against: the pool limit, or [0, 2**31) without one
+        self._check_limit = NO_POOL_LIMIT if pool_limit is None else int(pool_limit)
         self._fill = int(fill_value)
         # Byte comparisons (tobytes) beat numpy reductions several times on row slices.
         self._fill_row = np.full(width, fill_value, dtype=np.int32)
@@ -170,7 +175,7 @@ class PageTableSnapshot:
         # the compiled paths, bound once to the arrays above and their own scratch
         # (changed rows, new keys)
         self._changed_out = np.empty(rows, dtype=np.int64)
-        self._limit_arg = -1 if pool_limit is None else int(pool_limit)
+        self._limit_arg = self._check_limit
         self._native = _native
         self._bound = _native.bind(
             self._row_keys, self._lengths, self._flat, self._changed_out,
@@ -207,7 +212,8 @@ class PageTableSnapshot:
 
     @property
     def pool_limit(self) -> int | None:
-        """Exclusive upper bound of page IDs, or None when IDs are not range-checked."""
+        """Exclusive upper bound of page IDs, or None when only their lower bound (0) is
+        checked."""
         return self._limit
 
     @property
@@ -395,7 +401,7 @@ class PageTableSnapshot:
                 f"the batch has {n} rows but the storage holds {self._rows}; split the "
                 "batch or allocate a larger block table"
             )
-        limit = self._limit
+        limit = self._check_limit
         width = self._width
 
         # ---- read the batch: packed (version, length) keys, unversioned IDs -------------
@@ -457,9 +463,8 @@ class PageTableSnapshot:
                 start = int(stored_lengths[i])
                 stop = int(lengths[i])
                 ids = table._lin.ids
-                if limit is not None:
-                    checked = max(start, _proof(table, limit))
-                    check_page_range(ids[checked:stop], row=i, start=checked, pool_limit=limit)
+                checked = max(start, _proof(table, limit))
+                check_page_range(ids[checked:stop], row=i, start=checked, pool_limit=limit)
                 multi.append((i, start, stop, ids))
 
         single_values: Int32Array | None = None
@@ -470,7 +475,7 @@ class PageTableSnapshot:
             else:
                 lasts = [rows[i]._last for i in single.tolist()]
             single_values = np.fromiter(lasts, dtype=np.int32, count=single.size)
-            if limit is not None and int(single_values.view(np.uint32).max()) >= limit:
+            if int(single_values.view(np.uint32).max()) >= limit:
                 raise_scalar_range_error(single_values, single, stored_lengths[single], limit)
 
         # Changed mapping: new version, reordered, unversioned or unknown rows.
@@ -495,21 +500,19 @@ class PageTableSnapshot:
                         # Same bytes: the stored key still describes them; keep it.
                         key_fixes.append((i, stored_key))
                         continue
-                    if limit is not None:
-                        check_page_range(ids, row=i, start=0, pool_limit=limit)
+                    check_page_range(ids, row=i, start=0, pool_limit=limit)
                     rewrites.append((i, ids, old_length))
                     key_fixes.append((i, _key(UNVERSIONED, length)))
                     continue
                 table = rows[i]  # type: ignore[assignment]
                 length = length_list[i]
                 ids = table._lin.ids[:length]
-                if limit is not None:
-                    proven = min(_proof(table, limit), length)
-                    if proven < length:
-                        unproven.append((i, proven, ids, length))
-                    proofs.append((table, length))
+                proven = min(_proof(table, limit), length)
+                if proven < length:
+                    unproven.append((i, proven, ids, length))
+                proofs.append((table, length))
                 rewrites.append((i, ids, old_length))
-            if unproven and limit is not None:
+            if unproven:
                 self._check_unproven(unproven, packed, limit)
 
         # ---- write: every check has passed ----------------------------------------------
@@ -526,11 +529,10 @@ class PageTableSnapshot:
             self._lengths[:n] = lengths
             for i, key in key_fixes:
                 self._row_keys[i] = key
-        if limit is not None:
-            for table, length in proofs:
-                _record_proof(table, length, limit)
-            for i, _start, stop, _ids in multi:
-                _record_proof(rows[i], stop, limit)  # type: ignore[arg-type]
+        for table, length in proofs:
+            _record_proof(table, length, limit)
+        for i, _start, stop, _ids in multi:
+            _record_proof(rows[i], stop, limit)  # type: ignore[arg-type]
         self._keys = keys
         self._all_versioned = keys is not None
         self._num_rows = n

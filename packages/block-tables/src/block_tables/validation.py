@@ -17,6 +17,10 @@ from .errors import MissingPagesError, PageIdRangeError, RowCountError, RowTypeE
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
 
+NO_POOL_LIMIT = INT32_MAX + 1
+"""The bound a snapshot without ``pool_limit`` checks page IDs against: ``[0, 2**31)``,
+i.e. only the lower bound (int32 IDs never reach the upper one). -1 is never a page."""
+
 Int32Array = npt.NDArray[np.int32]
 Int64Array = npt.NDArray[np.int64]
 
@@ -102,7 +106,8 @@ def coerce_page_id(value: object) -> int:
 
 
 def check_page_range(ids: Int32Array, *, row: int, start: int, pool_limit: int) -> None:
-    """Raise PageIdRangeError unless every ID in ``ids`` lies in ``[0, pool_limit)``.
+    """Raise PageIdRangeError unless every ID in ``ids`` lies in ``[0, pool_limit)``
+    (``NO_POOL_LIMIT``: the lower bound only).
 
     ``start`` is the column of ``ids[0]`` in the row; it only serves the message. One
     unsigned comparison covers both bounds: a negative int32 reads as a huge uint32.
@@ -114,10 +119,18 @@ def check_page_range(ids: Int32Array, *, row: int, start: int, pool_limit: int) 
     bad = np.flatnonzero(ids.view(np.uint32) >= pool_limit)
     col = int(bad[0])
     raise PageIdRangeError(
-        f"row {row}: page ID {int(ids[col])} at column {start + col} is outside "
-        f"[0, pool_limit={pool_limit}); pass page IDs allocated from this pool",
-        row=row,
-    )
+        f"row {row}: page ID {int(ids[col])} at column {start + col} "
+        + _range_rule(int(ids[col]), pool_limit), row=row)
+
+
+def _range_rule(value: int, pool_limit: int) -> str:
+    """Why ``value`` is refused and what to do, for a bound of ``pool_limit``."""
+    if pool_limit >= NO_POOL_LIMIT:
+        return ("is negative; page IDs are >= 0 (-1 is never a page: the library writes "
+                "padding rows and the fill value itself); pass the pages allocated to the "
+                "request, and num_pages= (pool_limit=) to check the pool's upper bound too")
+    return (f"is outside [0, pool_limit={pool_limit}); pass page IDs allocated from this "
+            "pool (padding rows and the fill value are the library's own)")
 
 
 def raise_scalar_range_error(
@@ -128,10 +141,8 @@ def raise_scalar_range_error(
     k = int(bad[0])
     row = int(rows[k])
     raise PageIdRangeError(
-        f"row {row}: appended page ID {int(values[k])} at column {int(cols[k])} is outside "
-        f"[0, pool_limit={pool_limit}); pass page IDs allocated from this pool",
-        row=row,
-    )
+        f"row {row}: appended page ID {int(values[k])} at column {int(cols[k])} "
+        + _range_rule(int(values[k]), pool_limit), row=row)
 
 
 def check_required_pages(

@@ -106,7 +106,7 @@ def prepare_vectors(
         return snap._revision
 
     # ---- check every touched row before the first write: the snapshot's write lists -----
-    width, limit = snap._width, snap._limit
+    width, limit = snap._width, snap._check_limit  # no pool limit: IDs still >= 0
     appends: list[tuple[int, int, int, Int32Array]] = []  # (row, start, stop, row IDs)
     shrunk: list[int] = []
     rewrites: list[tuple[int, Int32Array, int]] = []  # (row, IDs, length it replaces)
@@ -119,8 +119,7 @@ def prepare_vectors(
             continue
         ids = _row_ids(rows[i], i, new)
         start = old if abs(d) <= width else 0  # same lineage, grown: only the added IDs
-        if limit is not None:
-            check_page_range(ids[start:new], row=i, start=start, pool_limit=limit)
+        check_page_range(ids[start:new], row=i, start=start, pool_limit=limit)
         if start:
             appends.append((i, start, new, ids))
         else:

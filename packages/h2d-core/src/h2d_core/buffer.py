@@ -205,18 +205,28 @@ class H2DBuffer:
 
 class GuardedH2DBuffer(H2DBuffer):
     """An :class:`H2DBuffer` of a state with ``guard_sources=True`` (a debug mode): ``.cpu``
-    and ``.np`` refuse outside an epoch, and the state keeps every slot's numpy view
-    read-only except the open epoch's, so a write before ``begin()`` or through a reference
-    kept across steps raises instead of landing in a source a DMA may still be reading.
+    and ``.np`` refuse outside an epoch and after the buffer's group was published in the
+    open one (until a deliberate second publication, ``reopen(group, reason)``), and the
+    state keeps every slot's numpy view read-only except the open epoch's unpublished
+    groups', so a write before ``begin()``, after ``publish()`` or through a reference kept
+    across steps raises instead of landing in a source a DMA may still be reading.
     A normal state's buffers are plain :class:`H2DBuffer` objects: the mode costs nothing
     when off."""
 
     def _check_epoch(self, what: str) -> None:
-        if not self._state._epoch_open:  # type: ignore[attr-defined]
+        st = self._state
+        if not st._epoch_open:  # type: ignore[attr-defined]
             raise EpochError(
                 f"buffer {self.name!r}: .{what} outside an epoch (guard_sources): the slot's "
                 "source may still be read by its last DMA; write it between begin() and "
                 "publish()")
+        group = self.spec.group
+        if group in st._published:  # type: ignore[attr-defined]
+            raise EpochError(
+                f"buffer {self.name!r}: .{what} after group {group!r} was published in epoch "
+                f"{st.epoch} (guard_sources): its DMA may still be reading the "  # type: ignore[attr-defined]
+                "source; write it between begin() and publish(), or reopen(group, reason) "
+                "for a deliberate second publication (which acquires the sources first)")
 
     @property
     def cpu(self) -> torch.Tensor:

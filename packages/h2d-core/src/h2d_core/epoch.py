@@ -290,6 +290,8 @@ class EpochCore:
         counters.publications += 1
         counters.bytes += nbytes
         self._published |= names
+        if self._guard:  # debug mode: the published sources are read-only until finish()
+            self._guard_published(names, False)  # type: ignore[attr-defined]
         if self._on_publish:
             for g in names.intersection(self._on_publish):
                 for buf, fn, only_if_sent in self._on_publish.pop(g):
@@ -304,6 +306,9 @@ class EpochCore:
                     f"group {covered[0].group!r} is published by {rec.plan.name!r}, whose "
                     "publication runs fused first consumers: publish "
                     f"{rec.plan.name!r} (a direct copy of part of it would skip them)")
+            # not part of a step whose producers wrote the combined group (validation:
+            # raised before anything is enqueued)
+            self._check_covered(covered[0].group)  # type: ignore[attr-defined]
             return self._copy_direct(  # type: ignore[attr-defined]
                 rec, [b.member_index for b in covered], counters)
         packed = rec.packed

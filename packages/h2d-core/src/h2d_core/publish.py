@@ -24,6 +24,7 @@ from .count_batch import CountBatch
 from .errors import (
     CountError,
     DuplicatePublicationError,
+    MembershipError,
     PublicationEnqueueError,
     UnknownGroupError,
 )
@@ -290,6 +291,26 @@ class Publication(StateOwner):
             return dst
         return buffer.gpu.reshape(-1)[: count * buffer.spec.unit_bytes // buffer.spec.itemsize]
 
+    def _check_covered(self, group: str) -> None:
+        """Refuse publishing producer group ``group``, covered by a combined group, alone
+        while another producer group of that combined group was produced in this epoch
+        and is not published: the step's producers wrote the combined group, so ``group``
+        alone would send part of the step and silently leave the rest behind. A covered
+        group produced on its own (a standalone caller) publishes alone, with checked
+        direct copies of its own members only."""
+        left = {name: sorted(g for g in gs if g != group and g in self._produced
+                             and g not in self._published)
+                for name, gs in self._combined.items() if group in gs}
+        left = {name: gs for name, gs in left.items() if gs}
+        if left:
+            name, others = next(iter(left.items()))
+            raise MembershipError(
+                f"group {group!r} is covered by the combined group {name!r}, whose producer "
+                f"groups {others} were produced in epoch {self.epoch} and are not published: "
+                f"publishing {group!r} alone sends only its own members and leaves them "
+                f"behind; publish {name!r} (one DMA of the whole step), or produce "
+                f"{group!r} on its own to publish it alone")
+
     def reopen(self, group: str, reason: str) -> None:
         """Allow a deliberate second publication of ``group`` in this epoch.
 
@@ -325,6 +346,8 @@ class Publication(StateOwner):
             self._published.discard(g)
             self._produced.discard(g)
             self._on_publish.pop(g, None)
+        if self._guard:  # guard_sources: the acquired sources are writable again
+            self._guard_published(groups, True)  # type: ignore[attr-defined]
         self._counters[group].second_publications += 1
 
     def _acquire_sources(self) -> None:

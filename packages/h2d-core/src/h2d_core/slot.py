@@ -32,11 +32,20 @@ class SlotLifecycle(StateOwner):
         if not self._resumable:
             raise EpochError("nothing to resume: resume() must follow finish() of this epoch")
         self._check_device()
-        if self._guard:
+        if self._guard:  # writable again, but for the groups already published
             self._guard_slot(self.current_slot, True)
+            self._guard_published(self._published, False)
         self._epoch_open = True
         self._resumable = False
         return self.current_slot
+
+    def _guard_published(self, groups: frozenset[str] | set[str], writeable: bool) -> None:
+        """guard_sources: make the current slot's numpy views of ``groups``' members
+        read-only (published) or writable again (reopened)."""
+        slot = self.current_slot
+        for g in groups:
+            for buf in self._producer_groups.get(g, ()):
+                buf._set_writeable(slot, writeable)  # type: ignore[attr-defined]
 
     def _guard_slot(self, slot: int, writeable: bool) -> None:
         """guard_sources: make ``slot``'s numpy views writable (its epoch opened) or

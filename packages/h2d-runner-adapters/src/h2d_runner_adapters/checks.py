@@ -32,6 +32,32 @@ class AdapterInputError(CountError):
     """
 
 
+def refuse_page_size(group: str, batch_page_size: object, page_size: int) -> None:
+    """Raise: the batch was scheduled for pages of ``batch_page_size`` tokens, the adapter
+    computes KV slots with ``page_size`` (call only when they differ)."""
+    raise AdapterInputError(
+        f"{group}: the batch has page_size={batch_page_size!r} but the adapter was built "
+        f"with page_size={page_size}; KV slots (page * page_size + offset) would be "
+        f"computed with {page_size}: schedule the batch with the adapter's page size, or "
+        "build the adapter with the KV cache's")
+
+
+def sub_plan(group: str, method: str, plan: Any, cls: type, field: str) -> Any:
+    """The ``cls`` plan a first consumer reads: a step plan's ``field`` (a fused step's
+    plan, e.g. :class:`DecodeStepPlan`'s ``.decode``), or ``plan`` itself. Anything else
+    is refused naming ``group``, ``method`` and what to pass. Called only when ``type(plan)
+    is not cls`` (the consumer's fast path)."""
+    sub = getattr(plan, field, None)
+    if type(sub) is cls:
+        return sub
+    if isinstance(plan, cls):
+        return plan
+    raise AdapterInputError(
+        f"{group}: {method} takes the {cls.__name__} of a step (or the step plan holding "
+        f"it as .{field}), got {describe(plan)}; pass what prepare() returned, or its "
+        f".{field}")
+
+
 def describe(value: object) -> str:
     """A short description of what the caller passed, for messages."""
     if isinstance(value, np.ndarray):

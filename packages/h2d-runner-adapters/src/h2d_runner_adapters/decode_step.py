@@ -41,7 +41,7 @@ from h2d_core import (
 )
 
 from .batch import ScheduledBatch
-from .checks import AdapterInputError, padded_count
+from .checks import AdapterInputError, padded_count, refuse_page_size
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from .mla_decode import MLA_DECODE, MlaDecodeInputs
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
@@ -80,7 +80,8 @@ class DecodeStepInputs(FusedStep):
     nothing (see :class:`MhaDecodeInputs`). ``fuse_token_assembly`` (the engine's
     persistent int32 ``[rows, W]`` buffer of the previous step's sampled tokens) puts token
     assembly there too: ``tokens.assemble(plan, that_buffer)`` then launches nothing (see
-    :meth:`TokenInputs.fuse_assembly`).
+    :meth:`TokenInputs.fuse_assembly`). ``prev_rows`` is :class:`TokenInputs`' (the rows of
+    the previous step's sampled tokens a deferred request may name; default ``max_reqs``).
     """
 
     #: the decode group the step produces, and its adapter's class
@@ -102,11 +103,12 @@ class DecodeStepInputs(FusedStep):
         native: bool | None = None,
         fuse_kv_indices: bool = False,
         fuse_token_assembly: torch.Tensor | None = None,
+        prev_rows: int | None = None,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
             TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                        max_drafts=max_drafts),
+                        max_drafts=max_drafts, prev_rows=prev_rows),
             MhaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                             max_pages_per_req=max_pages_per_req, page_size=page_size,
                             num_pages=num_pages, max_ranges=max_ranges,
@@ -202,6 +204,8 @@ class DecodeStepInputs(FusedStep):
 
     def _run(self, step: LayoutStep, batch: ScheduledBatch, padded: int | None
              ) -> DecodeStepPlan:
+        if batch.page_size != self.decode.page_size:
+            refuse_page_size(self.group, batch.page_size, self.decode.page_size)
         cols = batch.columns
         n = len(cols.query_lens)
         p = -1 if padded is None else padded_count(self.group, n, padded)
@@ -263,11 +267,12 @@ class MlaDecodeStepInputs(DecodeStepInputs):
         max_drafts: int = 0,
         group: str = MLA_DECODE_STEP,
         extra_groups: Sequence[str] = (),
+        prev_rows: int | None = None,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
             TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                        max_drafts=max_drafts),
+                        max_drafts=max_drafts, prev_rows=prev_rows),
             MlaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                             max_pages_per_req=max_pages_per_req, page_size=page_size,
                             num_pages=num_pages, index_topk=index_topk,

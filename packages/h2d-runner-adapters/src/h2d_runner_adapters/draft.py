@@ -73,6 +73,9 @@ class MhaDraftLoop:
         later step would put every one past the block tables: no KV slot at all)."""
         d = self.decode
         g = d.group
+        if not isinstance(plan, DecodePlan) and isinstance(getattr(plan, "decode", None),
+                                                           DecodePlan):
+            plan = plan.decode  # type: ignore[attr-defined]  # the verify step's plan
         if not isinstance(plan, DecodePlan):
             raise AdapterInputError(
                 f"{g}: plan must be the DecodePlan of the verify step (what "

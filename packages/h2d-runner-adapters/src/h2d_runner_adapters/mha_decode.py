@@ -59,7 +59,7 @@ from h2d_core import (
 )
 
 from .batch import ScheduledBatch
-from .checks import AdapterInputError, int_value, padded_count
+from .checks import AdapterInputError, int_value, padded_count, refuse_page_size, sub_plan
 from .consumers import generate_kv_indices
 from .consumers._launch import interpreted
 from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_header
@@ -210,6 +210,8 @@ class MhaDecodeInputs(PagedInputs):
 
     def _prepare(self, batch: ScheduledBatch, padded: int | None,
                  mrope_deltas: np.ndarray | None = None) -> DecodePlan:
+        if batch.page_size != self.page_size:
+            refuse_page_size(self.group, batch.page_size, self.page_size)
         cols = batch.columns
         qlens = cols.query_lens
         n = qlens.size
@@ -236,6 +238,8 @@ class MhaDecodeInputs(PagedInputs):
         """The step's MRoPE planes as a ``(3, padded_tokens)`` view (the running width)."""
         if self.mrope_positions is None:
             raise AdapterInputError(f"{self.group}: no MRoPE planes; construct with mrope=True")
+        if type(plan) is not DecodePlan:
+            plan = sub_plan(self.group, "mrope_planes", plan, DecodePlan, "decode")
         width = int_value(self.group, "plan.padded_tokens", plan.padded_tokens, 0,
                           self.positions.spec.capacity)
         return mrope_planes(self.mrope_positions, width)
@@ -244,13 +248,18 @@ class MhaDecodeInputs(PagedInputs):
                                out: torch.Tensor) -> torch.Tensor:
         """The MRoPE planes' first reader: each rotary frequency's position per token
         (:func:`~h2d_runner_adapters.consumers.mrope.select_mrope_positions`)."""
+        if type(plan) is not DecodePlan:
+            plan = sub_plan(self.group, "select_mrope_positions", plan, DecodePlan, "decode")
         return select_mrope_positions(self.mrope_planes(plan), sections, out,
                                       plan.padded_tokens)
 
     def generate_kv_indices(self, plan: DecodePlan) -> torch.Tensor:
         """First consumer: ``kv_indices`` for the plan's rows (padding included). Fused
         (``fuse_kv_indices=True`` on a packed group), the publication already enqueued it,
-        with the row count read on the device: this launches nothing."""
+        with the row count read on the device: this launches nothing. A fused step's plan
+        (``DecodeStepPlan``) is read through its ``.decode``."""
+        if type(plan) is not DecodePlan:
+            plan = sub_plan(self.group, "generate_kv_indices", plan, DecodePlan, "decode")
         fused = self.kv_indices_consumer
         if fused is not None and fused.fused:
             return self.kv_indices

@@ -66,7 +66,7 @@ from h2d_core import (
 )
 
 from .batch import BatchColumns, PageRow, ScheduledBatch
-from .checks import AdapterInputError, bool_mask, describe
+from .checks import AdapterInputError, bool_mask, describe, refuse_page_size, sub_plan
 from .consumers import generate_kv_indices
 from .mrope import (
     check_deltas,
@@ -252,6 +252,8 @@ class PrefillInputs(PagedInputs):
         publication group) and changes nothing."""
         if not isinstance(batch, ScheduledBatch):
             raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
+        if batch.page_size != self.page_size:
+            refuse_page_size(g, batch.page_size, self.page_size)
         if not isinstance(publish_tables, bool | np.bool_):
             raise AdapterInputError(
                 f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
@@ -342,6 +344,8 @@ class PrefillInputs(PagedInputs):
         """The chunk's MRoPE planes as a ``(3, num_tokens)`` view."""
         if self.mrope_positions is None:
             raise CountError(f"{self.group}: no MRoPE planes; construct with mrope=True")
+        if type(plan) is not PrefillPlan:
+            plan = sub_plan(self.group, "mrope_planes", plan, PrefillPlan, "prefill")
         return mrope_planes(self.mrope_positions, plan.num_tokens)
 
     def prepare_attention(self, plan: PrefillPlan) -> torch.Tensor:
@@ -357,6 +361,8 @@ class PrefillInputs(PagedInputs):
 
     def _kv_indices(self, plan: PrefillPlan, g: str) -> torch.Tensor:
         """:meth:`prepare_attention`, a refusal naming group ``g`` (the publication's)."""
+        if type(plan) is not PrefillPlan:
+            plan = sub_plan(g, "prepare_attention", plan, PrefillPlan, "prefill")
         if plan.table_stage == "":
             raise AdapterInputError(
                 f"{g}: prepare_attention reads the published block tables, but this chunk "

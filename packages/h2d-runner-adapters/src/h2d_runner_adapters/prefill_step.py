@@ -94,10 +94,11 @@ class PrefillStepInputs(FusedStep):
         last_page_lens: bool = False,
         group: str = PREFILL_STEP,
         extra_groups: Sequence[str] = (),
+        prev_rows: int | None = None,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
-            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens),
+            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens, prev_rows=prev_rows),
             PrefillInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                           max_pages_per_req=max_pages_per_req, page_size=page_size,
                           num_pages=num_pages, max_ranges=max_ranges, mrope=mrope,
@@ -175,4 +176,6 @@ class PrefillStepInputs(FusedStep):
         the chunk's pages, request after request. Reads only the step's own members. A
         chunk prepared with ``publish_tables=False`` is refused
         (:meth:`PrefillInputs.prepare_attention`: its GPU table is an earlier chunk's)."""
-        return self.prefill._kv_indices(plan.prefill, self.group)
+        # _kv_indices reads a step plan's .prefill, takes a PrefillPlan itself too, and
+        # refuses anything else naming the group
+        return self.prefill._kv_indices(plan, self.group)  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ import torch
 from h2d_core import H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
-from .checks import AdapterInputError
+from .checks import AdapterInputError, sub_plan
 from .consumers import GREEDY_TEMPERATURE, sample_tokens
 
 SAMPLING = "sampling"
@@ -130,7 +130,10 @@ class SamplingInputs:
         noise: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Sample one token per real row of ``logits`` (float32 ``[>= n, V]``)."""
+        """Sample one token per real row of ``logits`` (float32 ``[>= n, V]``). A fused
+        step's plan is read through its ``.sampling``."""
+        if type(plan) is not SamplingPlan:
+            plan = sub_plan(SAMPLING, "sample", plan, SamplingPlan, "sampling")
         n = plan.num_reqs
         return sample_tokens(
             logits[:n],

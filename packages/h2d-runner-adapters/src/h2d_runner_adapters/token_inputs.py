@@ -23,10 +23,11 @@ after the forward, eagerly).
 Every producer checks its whole input before its first write (a refusal raises
 :class:`~h2d_runner_adapters.checks.AdapterInputError`, or the ``CountError`` of a bad
 ``padded``, and changes nothing): at most ``max_reqs`` requests (padding included) and
-``max_tokens`` tokens (graph padding included), query lengths >= 0, ``prev_sample_rows >=
--1``, draft counts >= 0 (and below the query length for the speculative indices). The
-batch's structure (dtypes, one entry per request, one id per query token) is
-:class:`BatchColumns`' own check.
+``max_tokens`` tokens (graph padding included), query lengths >= 0, ``prev_sample_rows``
+in ``[-1, prev_rows)`` (a deferred request names a row of the previous step's sampled
+tokens; see :class:`TokenInputs`), draft counts >= 0 (and below the query length for the
+speculative indices). The batch's structure (dtypes, one entry per request, one id per
+query token) is :class:`BatchColumns`' own check.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from h2d_core import DeclarationError, FusedConsumer, H2DRunnerState, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
-from .checks import AdapterInputError, padded_count
+from .checks import AdapterInputError, padded_count, sub_plan
 from .consumers import assemble_token_ids, gather_draft_ids
 from .consumers._launch import check_tensor, interpreted
 from .consumers.token_assembly import _assemble_kernel, launch_assembly_from_header
@@ -62,13 +63,28 @@ class TokenPlan(NamedTuple):
 
 
 class TokenInputs:
-    """Declares the token-input buffers, produces them, and runs their first consumers."""
+    """Declares the token-input buffers, produces them, and runs their first consumers.
+
+    ``prev_rows`` (default ``max_reqs``: a step samples at most that many rows) is how many
+    rows the previous step's sampled tokens (``prev_sampled``, token assembly's source)
+    hold: a deferred request's ``prev_sample_row`` must lie in ``[0, prev_rows)``, checked
+    by the producers before any write (a row past it would assemble the placeholder
+    instead of a token, silently). :meth:`fuse_assembly` lowers it to its tensor's rows;
+    :meth:`assemble` refuses a smaller ``prev_sampled`` that a deferred row of the step
+    lies past. Fixed at declaration."""
 
     def __init__(
-        self, state: H2DRunnerState, *, max_reqs: int, max_tokens: int, max_drafts: int = 0
+        self, state: H2DRunnerState, *, max_reqs: int, max_tokens: int, max_drafts: int = 0,
+        prev_rows: int | None = None,
     ) -> None:
         self.h2d_state = state
         self.max_reqs = max_reqs
+        if prev_rows is not None and (type(prev_rows) is not int or prev_rows < 1):
+            raise DeclarationError(
+                f"{TOKEN_IDS}: prev_rows must be an int >= 1 (the rows of the previous step's "
+                f"sampled tokens) or None (max_reqs), got {prev_rows!r}")
+        #: rows of the previous step's sampled tokens a deferred request may name
+        self.prev_rows: int = max_reqs if prev_rows is None else prev_rows
         #: the most tokens a step publishes (graph padding included)
         self.max_tokens = max_tokens
         buf = state.buffer
@@ -115,6 +131,7 @@ class TokenInputs:
         if self.assembly_consumer is not None:
             raise DeclarationError(f"{TOKEN_IDS}: token assembly is already fused")
         self._fused_prev = prev
+        self.prev_rows = min(self.prev_rows, prev.shape[0])  # the rows the fusion reads
         self.assembly_consumer = st.fuse_consumer(f"{TOKEN_IDS}.assembly", [self.decode_cu],
                                                   self._enqueue_assembly)
         return self.assembly_consumer
@@ -149,8 +166,11 @@ class TokenInputs:
                 f"max_tokens={self.max_tokens}; split the batch or declare a larger max_tokens")
         if n:
             prev, drafts = cols.prev_sample_rows, cols.num_drafts
-            if prev.min() < -1:
-                refuse_column(TOKEN_IDS, "prev_sample_rows", prev, prev < -1, ">= -1")
+            rows = self.prev_rows
+            if prev.min() < -1 or prev.max() >= rows:
+                refuse_column(TOKEN_IDS, "prev_sample_rows", prev, (prev < -1) | (prev >= rows),
+                              f"in [-1, {rows}) (-1: staged from the host; else a row of the "
+                              f"previous step's {rows} sampled rows, prev_rows)")
             if drafts.min() < 0:
                 refuse_column(TOKEN_IDS, "num_drafts", drafts, drafts < 0, ">= 0")
         st = self.h2d_state
@@ -267,7 +287,10 @@ class TokenInputs:
         """Token assembly: fill deferred ids from ``prev_sampled`` (int32 [rows, W]);
         returns the step's ``input_ids`` view (padding included). Fused
         (:meth:`fuse_assembly` on a packed group), the publication already enqueued it: this
-        launches nothing, and ``prev_sampled`` must be the tensor the fusion reads."""
+        launches nothing, and ``prev_sampled`` must be the tensor the fusion reads. A fused
+        step's plan is read through its ``.tokens``."""
+        if type(plan) is not TokenPlan:
+            plan = sub_plan(TOKEN_IDS, "assemble", plan, TokenPlan, "tokens")
         fused = self.assembly_consumer
         if fused is not None and fused.fused:
             if prev_sampled is not self._fused_prev:
@@ -276,12 +299,31 @@ class TokenInputs:
                     "the prev_sampled given to fuse_assembly; pass that tensor (or declare "
                     "without the fusion)")
             return self.input_ids.gpu[: plan.padded_tokens]
+        if (isinstance(prev_sampled, torch.Tensor) and prev_sampled.dim() == 2
+                and prev_sampled.size(0) < self.prev_rows):
+            self._check_prev_rows(plan, prev_sampled.size(0))
         assemble_token_ids(self.input_ids.gpu, self.decode_cu.gpu, self.decode_src.gpu,
                            prev_sampled, plan.padded_reqs)
         return self.input_ids.gpu[: plan.padded_tokens]
 
+    def _check_prev_rows(self, plan: TokenPlan, rows: int) -> None:
+        """A ``prev_sampled`` of fewer rows than ``prev_rows``: refuse the step if one of
+        its deferred requests names a row past it (read from the slot's host source of
+        ``decode_src``, what the step published)."""
+        src = self.decode_src.source(self.h2d_state.current_slot).numpy()[: plan.num_reqs]
+        bad = np.flatnonzero(src >= rows)
+        if bad.size:
+            i = int(bad[0])
+            raise AdapterInputError(
+                f"{TOKEN_IDS}: assemble: request {i} has prev_sample_row={int(src[i])} but "
+                f"prev_sampled has {rows} rows; a deferred request must name a row the "
+                "previous step sampled: pass that step's whole sampled-token tensor, or fix "
+                "the request's prev_sample_row")
+
     def gather_drafts(self, plan: TokenPlan, out: torch.Tensor) -> torch.Tensor:
         """Draft-ID gather: ``out[i] = input_ids[1 + target_logits_indices[i]]``."""
+        if type(plan) is not TokenPlan:
+            plan = sub_plan(TOKEN_IDS, "gather_drafts", plan, TokenPlan, "tokens")
         n = plan.num_draft_tokens
         gather_draft_ids(self.input_ids.gpu, self.target_logits_indices.gpu[:n], out[:n])
         return out[:n]

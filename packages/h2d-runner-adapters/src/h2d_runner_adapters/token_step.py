@@ -67,7 +67,9 @@ def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int, *,
                      minimum=GREEDY_TEMPERATURE, finite=True),
         LayoutColumn("top_k", src(sampling.top_ks), pad=None, low=-1),  # -1, 0: off
         LayoutColumn("top_p", src(sampling.top_ps), pad=None, low=0, low_open=True, high=1),
-        LayoutColumn("prev_sample_rows", src(tokens.decode_src), pad=-1, low=-1),
+        # -1: staged from the host; else a row of the previous step's sampled tokens
+        LayoutColumn("prev_sample_rows", src(tokens.decode_src), pad=-1, low=-1,
+                     high=tokens.prev_rows - 1),
         # the +1 entry of input_ids is the draft gather's shift, never a step's token
         LayoutColumn("token_ids", src(tokens.input_ids)[: tokens.max_tokens], per_token=True,
                      pad=0),
@@ -151,12 +153,13 @@ class TokenStepInputs:
         group: str = TOKEN_INPUTS,
         max_drafts: int = 0,
         native: bool | None = None,
+        prev_rows: int | None = None,
     ) -> None:
         self.h2d_state = state
         self.group = group
         self.sampling = SamplingInputs(state, max_reqs)
         self.tokens = TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                                  max_drafts=max_drafts)
+                                  max_drafts=max_drafts, prev_rows=prev_rows)
         # with drafts, the verification indices ride in the same DMA
         # (tokens.prepare_spec_indices produces them)
         spec = (SPEC_INDICES,) if max_drafts else ()

@@ -21,7 +21,10 @@ Writes exactly the deferred spans, nothing else: host-staged spans, tokens past
 ``decode_cu[num_reqs]`` and the rest of ``input_ids`` keep their contents.
 Graph padding: padded requests repeat the last prefix value (an empty span) and
 carry ``decode_src = -1``; either alone makes them write nothing. A source row
-outside ``[0, R_prev)`` writes nothing (there is nothing valid to read); a span
+outside ``[0, R_prev)`` writes nothing (there is nothing valid to read, and the
+placeholder stays): :class:`~h2d_runner_adapters.TokenInputs` refuses such a row on the
+host first (its producers against ``prev_rows``, its ``assemble`` against a smaller
+``prev_sampled``), so a device-side guard only keeps a bad launch in bounds; a span
 longer than ``W`` gets its first ``W`` tokens and keeps the staged rest, since
 the previous step sampled no more than ``W`` tokens for it.
 
