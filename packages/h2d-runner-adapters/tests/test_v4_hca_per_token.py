@@ -24,8 +24,7 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
 WINDOW, TOPK, ENVELOPE, WIDTH = 4, 8, 3, 2
 
 
-def test_verify_tokens_see_only_the_hca_entries_of_their_position(device: str) -> None:
-    dev = torch.device(device)
+def test_verify_tokens_see_only_the_hca_entries_of_their_position(dev: torch.device) -> None:
     # request 0 verifies positions 126..129 (window 0 closes at 127), request 1 254..257
     # (window 1 closes at 255); then one padded token
     positions = [126, 127, 128, 129, 254, 255, 256, 257, 0]
