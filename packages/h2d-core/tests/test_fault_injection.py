@@ -99,14 +99,25 @@ def inject(position: str, st: H2DRunnerState, bufs: dict[str, Any],
     rec = st._slot_groups[st.current_slot][st.plan("g").index]
     assert rec.packed is not None
     arena = rec.packed.arena
-    if position == "dma":
-        patch.setattr(arena, "_device_np", _FailOnWrite(arena._device_np))
-    else:  # the scatter launch
-        import h2d_kernels.arena
+    import types
 
-        def scatter(*args: object) -> None:
-            raise Injected("injected at the scatter launch")
-        patch.setattr(h2d_kernels.arena, "scatter_bytes", scatter)
+    import h2d_kernels.arena
+    import h2d_kernels.packed_group
+
+    def fail(*args: object) -> None:
+        raise Injected(f"injected at the {position}")
+
+    if position == "dma":  # the compiled publication (pack, copy, scatter) fails first
+        shim = types.SimpleNamespace(**vars(h2d_kernels.packed_group._native))
+        shim.publish_packed = fail
+        patch.setattr(h2d_kernels.packed_group, "_native", shim)
+    else:  # the arena's own CPU publication (a binding that hands it back) fails
+        group = rec.packed
+        patch.setattr(type(arena), "cpu_publish_binding", property(lambda self: None))
+        group._binding = group._bind_native()  # stays correct after: the arena publishes
+        shim = types.SimpleNamespace(**vars(h2d_kernels.arena._native))
+        shim.publish_cpu = fail
+        patch.setattr(h2d_kernels.arena, "_native", shim)
 
 
 CASES = [("direct", f"member:{m}", ranged) for m in MEMBERS for ranged in (False, True)

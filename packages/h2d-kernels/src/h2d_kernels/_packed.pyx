@@ -13,6 +13,10 @@ creates no Python object on its common path but the int it returns:
   members' used bytes and the pending ranges into staging (their header rows too), zero
   the range rows it does not use, then launch the graph that covers the DMA end through a
   function pointer.
+* ``bind_scatter`` / ``publish_cpu``: a CPU arena's publication (the host-to-"device"
+  copy of the DMA bytes, then one ``memcpy`` per header descriptor with bytes), the
+  ``scatter="reference"`` path; ``h2d_kernels.reference.scatter_reference`` is the plain
+  Python statement of the same rule and the tests' oracle.
 
 There is no Python version of these rules in the package (tests/oracle_packed.py holds a
 plain one for the tests only). No CUDA or HIP header is needed: entry points arrive as
@@ -29,9 +33,9 @@ from cpython.mem cimport PyMem_Calloc, PyMem_Free
 from cpython.pycapsule cimport PyCapsule_GetPointer, PyCapsule_New
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 from libc.stdint cimport int64_t, intptr_t
-from libc.string cimport memmove
+from libc.string cimport memcpy, memmove
 
-from h2d_kernels.errors import PackBoundsError
+from h2d_kernels.errors import DescriptorError, PackBoundsError
 
 
 # Borrowed-pointer forms of the C API: the hot loop reads list and tuple items without
@@ -102,6 +106,117 @@ ctypedef struct Staged:
     int64_t index, src, unit_bytes
 
 
+# ---- the CPU publication (scatter="reference") ------------------------------------------
+
+ctypedef struct Scatter:
+    char *host
+    char *device
+    const int64_t *header     # the device arena's header: its rows after the copy
+    int64_t header_bytes, total_bytes, num_rows
+    Py_ssize_t num_dests
+    int64_t *dest_addr        # per member: its destination's first byte
+    int64_t *dest_nbytes      # per member: its destination's size
+    PyObject *owner           # keeps the arena (host, device arena, destinations) alive
+
+
+cdef void scatter_free(object capsule) noexcept:
+    cdef Scatter *s = <Scatter *>PyCapsule_GetPointer(capsule, "h2d_scatter")
+    if s != NULL:
+        Py_XDECREF(s.owner)
+        PyMem_Free(s.dest_addr)
+        PyMem_Free(s.dest_nbytes)
+        PyMem_Free(s)
+
+
+def bind_scatter(host_addr, device_addr, header_bytes, total_bytes, num_rows, dest_addrs,
+                 dest_nbytes, owner, /):
+    """bind_scatter(host_addr, device_addr, header_bytes, total_bytes, num_rows,
+    dest_addrs, dest_nbytes, owner) -> capsule
+
+    A CPU arena's publication, bound once: ``host_addr`` and ``device_addr`` the two
+    arenas' first bytes (``total_bytes`` each, the header's ``num_rows`` int64
+    ``(src, nbytes, member, dst)`` rows first), ``dest_addrs`` and ``dest_nbytes`` one int
+    per member (tuples); ``owner`` is kept alive as long as the binding.
+    """
+    cdef Scatter *s = <Scatter *>PyMem_Calloc(1, sizeof(Scatter))
+    cdef Py_ssize_t n = 0, k
+    if s == NULL:
+        raise MemoryError()
+    try:
+        if not PyTuple_CheckExact(<PyObject *>dest_addrs) or not PyTuple_CheckExact(
+                <PyObject *>dest_nbytes):
+            raise TypeError("bind_scatter: dest_addrs and dest_nbytes must be tuples")
+        s.host = <char *><intptr_t>i64(host_addr)
+        s.device = <char *><intptr_t>i64(device_addr)
+        s.header = <const int64_t *>s.device
+        s.header_bytes = i64(header_bytes)
+        s.total_bytes = i64(total_bytes)
+        s.num_rows = i64(num_rows)
+        if s.num_rows * 32 > s.header_bytes or s.header_bytes > s.total_bytes:
+            raise ValueError("bind_scatter: the header's rows do not fit the arena")
+        s.dest_addr = i64_array(dest_addrs, "dest_addrs", &s.num_dests)
+        s.dest_nbytes = i64_array(dest_nbytes, "dest_nbytes", &n)
+        if n != s.num_dests:
+            raise ValueError("bind_scatter: dest_addrs and dest_nbytes differ in length")
+        for k in range(n):
+            if s.dest_nbytes[k] < 0:
+                raise ValueError(f"bind_scatter: destination {k} has a negative size")
+        Py_INCREF(owner)
+        s.owner = <PyObject *>owner
+        return PyCapsule_New(s, "h2d_scatter", scatter_free)
+    except BaseException:
+        Py_XDECREF(s.owner)
+        PyMem_Free(s.dest_addr)
+        PyMem_Free(s.dest_nbytes)
+        PyMem_Free(s)
+        raise
+
+
+cdef int scatter_rows(const Scatter *s, int64_t dma_bytes) except -1:
+    """Every header row with bytes: its arena bytes to its member's destination (the rule
+    of ``reference.scatter_bytes``). A row reaching past the DMA or its destination
+    raises DescriptorError naming it; rows before it were written (the caller validated
+    the header: this only keeps a corrupt one from writing out of bounds)."""
+    cdef const int64_t *h
+    cdef int64_t k, src, nbytes, member, dst
+    for k in range(s.num_rows):
+        h = s.header + 4 * k
+        nbytes = h[1]
+        if nbytes <= 0:
+            continue
+        src = h[0]
+        member = h[2]
+        dst = h[3]
+        if (src < 0 or src + nbytes > dma_bytes or member < 0 or member >= s.num_dests
+                or dst < 0 or dst + nbytes > s.dest_nbytes[member]):
+            raise DescriptorError(
+                f"descriptor {k} (src {src}, {nbytes} bytes, member {member}, dst {dst}) "
+                f"lies outside the {dma_bytes}-byte DMA or its destination: validate the "
+                "header (PackedArena.validate) before publishing")
+        memcpy(<char *><intptr_t>(s.dest_addr[member] + dst), s.device + src, <size_t>nbytes)
+    return 0
+
+
+cdef int publish_cpu_into(const Scatter *s, int64_t dma_bytes) except -1:
+    if dma_bytes < s.header_bytes or dma_bytes > s.total_bytes:
+        raise ValueError(f"publish_cpu: dma_bytes={dma_bytes} outside [{s.header_bytes}, "
+                         f"{s.total_bytes}]")
+    memcpy(s.device, s.host, <size_t>dma_bytes)
+    scatter_rows(s, dma_bytes)
+    return 0
+
+
+def publish_cpu(capsule, dma_bytes, /):
+    """publish_cpu(capsule, dma_bytes) -> None
+
+    Copy the host arena's first ``dma_bytes`` to the device arena, then scatter every
+    header descriptor with bytes to its destination: one ``memcpy`` each, no Python
+    object made. The caller checked ``dma_bytes`` (PublishError); outside the arena this
+    raises ValueError."""
+    cdef Scatter *s = <Scatter *>PyCapsule_GetPointer(capsule, "h2d_scatter")
+    publish_cpu_into(s, i64(dma_bytes))
+
+
 ctypedef struct Publish:
     char *host
     int64_t *header
@@ -119,11 +234,18 @@ ctypedef struct Publish:
     graph_launch_fn launch
     is_capturing_fn is_capturing
     PyObject *owner          # keeps the arena (host memory, graphs) alive
+    # a CPU arena without first consumers (attach_cpu): publish_packed copies and scatters
+    # itself, and hands back the DMA size as the same int object while it does not change
+    void *cpu                # its Scatter (the capsule below keeps it alive), or NULL
+    PyObject *cpu_capsule
+    PyObject *last_end
 
 
 cdef void publish_release(Publish *p) noexcept:
     """Everything a binding holds (a partly built one too: its unset pointers are NULL)."""
     Py_XDECREF(p.owner)
+    Py_XDECREF(p.cpu_capsule)
+    Py_XDECREF(p.last_end)
     PyMem_Free(p.staged)
     PyMem_Free(p.src_base)
     PyMem_Free(p.unit_bytes)
@@ -419,6 +541,36 @@ cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
     return 0
 
 
+cdef object cached_end(Publish *p, int64_t end):
+    """``end`` as an int: the one handed back last time when it is the same (a steady
+    publication makes no int object)."""
+    cdef object value
+    if p.last_end != NULL and as_i64(p.last_end) == end:
+        return <object>p.last_end
+    value = end
+    Py_XDECREF(p.last_end)
+    Py_INCREF(value)
+    p.last_end = <PyObject *>value
+    return value
+
+
+def attach_cpu(capsule, scatter, /):
+    """attach_cpu(capsule, scatter) -> None
+
+    Make the publish binding ``capsule`` publish on the CPU itself through ``scatter``
+    (a :func:`bind_scatter` capsule of the same arena, which must have no first
+    consumers): :func:`publish_packed` then copies and scatters, and returns the DMA
+    size."""
+    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+    cdef Scatter *s = <Scatter *>PyCapsule_GetPointer(scatter, "h2d_scatter")
+    if s.host != p.host or s.header_bytes != p.header_bytes or s.total_bytes != p.total_bytes:
+        raise ValueError("attach_cpu: the scatter binding is of another arena")
+    Py_INCREF(scatter)
+    Py_XDECREF(p.cpu_capsule)
+    p.cpu_capsule = <PyObject *>scatter
+    p.cpu = <void *>s
+
+
 def publish_packed(capsule, counts, ranges, stream, /):
     """publish_packed(capsule, counts, ranges, stream) -> int
 
@@ -433,6 +585,9 @@ def publish_packed(capsule, counts, ranges, stream, /):
     cdef void *handle = <void *><intptr_t>int_of(<PyObject *>stream)
     cdef int64_t end = 0
     pack_into(p, <PyObject *>counts, <PyObject *>ranges, &end)
+    if p.cpu != NULL and p.launch == NULL and p.header_bytes <= end <= p.total_bytes:
+        publish_cpu_into(<const Scatter *>p.cpu, end)
+        return cached_end(p, end)
     if p.launch == NULL or end < p.header_bytes or end > p.total_bytes:
         return -end  # the arena's publish launches (or raises)
     cdef Py_ssize_t b = bucket_of(end)
@@ -449,3 +604,5 @@ def publish_packed(capsule, counts, ranges, stream, /):
     if rc:
         raise RuntimeError(f"graph launch failed with driver error {rc}")
     return end
+
+

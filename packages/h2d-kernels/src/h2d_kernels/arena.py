@@ -28,7 +28,8 @@ from h2d_kernels.errors import (
 )
 from h2d_kernels.graphs import GraphLaunchTable, GraphPublisher, bucket_index, bucket_sizes
 from h2d_kernels.layout import ArenaLayout
-from h2d_kernels.reference import byte_view, scatter_bytes, validate_descriptors
+from h2d_kernels.native import helper as _native
+from h2d_kernels.reference import byte_view, validate_descriptors
 from h2d_kernels.scatter import (
     CompiledScatter,
     ScatterConfig,
@@ -267,13 +268,29 @@ class PackedArena:
             byte_view(d, f"member {m.name!r}")
             for m, d in zip(self.layout.members, self.destinations, strict=True)
         )
+        # The reference scatter's loop, compiled (reference.scatter_bytes states the same
+        # rule in Python and is the tests' oracle): one memcpy per descriptor, no Python
+        # object per publication. The binding keeps the arrays it points into alive.
+        self._cpu_scatter = _native.bind_scatter(
+            self.host_np.ctypes.data, self._device_np.ctypes.data, self.header_bytes,
+            self.total_bytes, self.num_ranges, tuple(v.ctypes.data for v in self._dest_views),
+            tuple(v.size for v in self._dest_views),
+            (self.host_np, self._device_np, self._dest_views))
         self._publish = (
             self._publish_cpu_reference if self.scatter == "reference" else self._publish_cpu_triton
         )
 
+    @property
+    def cpu_publish_binding(self) -> object | None:
+        """The compiled CPU publication (``bind_scatter``) a packed group's compiled
+        publish may run itself (``attach_cpu``), or None where a publication needs more
+        than the copy and the scatter: a CUDA arena, the Triton scatter, first consumers."""
+        if self.device_arena.device.type != "cpu" or self.scatter != "reference" or self.consumers:
+            return None
+        return self._cpu_scatter
+
     def _publish_cpu_reference(self, dma_bytes: int, stream: torch.cuda.Stream | None) -> None:
-        self._device_np[:dma_bytes] = self.host_np[:dma_bytes]
-        scatter_bytes(self._device_np, self._device_header_np, self._dest_views)
+        _native.publish_cpu(self._cpu_scatter, dma_bytes)
         for consumer in self.consumers:
             consumer(self.device_header)
 

@@ -202,11 +202,16 @@ class PackedGroup:
         self._launch_table = table
         execs, launch, capturing = ((table.execs, table.graph_launch, table.stream_is_capturing)
                                     if table is not None else ((), 0, 0))
-        return _native.bind_publish(
+        binding = _native.bind_publish(
             self._host_base, self.header.ctypes.data, self.staging_offset,
             self._first_extra, self._staged, self._src_base, arena.header_bytes,
             arena.total_bytes, execs, launch, capturing, arena, self._unit_bytes,
             self.offsets, self.header.shape[0])
+        cpu = arena.cpu_publish_binding
+        if cpu is not None and table is None:  # a CPU arena: the compiled publish copies
+            # and scatters too
+            _native.attach_cpu(binding, cpu)
+        return binding
 
     def publish(
         self,
