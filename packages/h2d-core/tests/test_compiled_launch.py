@@ -201,22 +201,24 @@ def test_compiled_publish_writes_the_models_bytes_through_the_bucket_graph(
     assert fast.counters("step").bytes == ref.counters("step").bytes
 
 
-def test_a_pack_only_binding_hands_the_launch_to_the_arena(
+def test_a_pack_only_binding_publishes_on_the_cpu_itself(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without graphs (the CPU) the compiled binding only packs; the arena's own launch
-    then writes exactly the model's bytes, over steps that shrink counts and move ranges
-    (stale range rows must scatter nothing)."""
+    """Without graphs (the CPU) the compiled binding packs, then copies and scatters
+    itself (the compiled CPU publication); that writes exactly the model's bytes, over
+    steps that shrink counts and move ranges (stale range rows must scatter nothing), and
+    the DMA ends where the model says."""
     st, b = _state()
     packed = st._slot_groups[0][st.plan("step").index].packed
     assert packed.compiled and not packed.launches_graphs
     ends: list[int] = []
-    publish = packed.arena.publish
+    publish = packed.publish
 
-    def spy(end: int, stream: Any = None) -> Any:
+    def spy(*args: Any) -> Any:
+        end = publish(*args)
         ends.append(end)
-        return publish(end, stream)
+        return end
 
-    monkeypatch.setattr(packed.arena, "publish", spy)
+    monkeypatch.setattr(packed, "publish", spy)
     model = _model(b)
     rng = np.random.default_rng(9)
     for k in range(16):

@@ -481,14 +481,14 @@ def test_single_active_member_does_not_borrow_the_packed_arena(
     host_before = packed.arena.host.clone()
     device_before = packed.arena.device_arena.cpu().clone()
     calls = h.spy_dma(monkeypatch, packed)
-    c0 = dict(vars(st.counters(group)))
+    c0 = dict(st.counters(group).as_dict())
     st.publish(group)
     st.finish()
     h.sync(device)
     assert calls == [], "a lone member went through the packed arena"
     assert torch.equal(packed.arena.host, host_before), "the arena's pinned bytes changed"
     assert torch.equal(packed.arena.device_arena.cpu(), device_before), "a DMA ran"
-    c = vars(st.counters(group))
+    c = st.counters(group).as_dict()
     assert (c["dmas"], c["scatters"]) == (c0["dmas"], c0["scatters"])
     assert (c["direct_copies"] - c0["direct_copies"],
             c["direct_fallbacks"] - c0["direct_fallbacks"]) == (1, 1)

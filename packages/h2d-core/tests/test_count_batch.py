@@ -173,7 +173,7 @@ def _snapshot(setup: Setup, h: Any) -> dict[str, Any]:
                     for n, b in setup.buffers.items()},
         "dest": {n: _dest(b) for n, b in setup.buffers.items()},
         "published": {g: s.is_published(g) for g in (*s._plans, *s._producer_groups)},
-        "counters": {g: vars(s.counters(g)).copy() for g in s._counters},
+        "counters": {g: s.counters(g).as_dict() for g in s._counters},
         "epoch": (s.epoch, s.epoch_open, s.current_slot, s.invalidated),
     }
 
@@ -295,8 +295,8 @@ def test_batch_matches_set_count_state_and_bytes(
             assert np.array_equal(_dest(b), want), f"reference {name}"
             assert np.array_equal(_dest(bat.buffers[name]), want), f"batch {name}"
         assert _records(bat.state) == _records(ref.state)
-        assert ({g: vars(c) for g, c in bat.state._counters.items()}
-                == {g: vars(c) for g, c in ref.state._counters.items()})
+        assert ({g: c.as_dict() for g, c in bat.state._counters.items()}
+                == {g: c.as_dict() for g, c in ref.state._counters.items()})
 
     run(BATCHED)  # byte-unit counts are handed back to the Python check and store
     run(NON_BYTES)

@@ -40,7 +40,7 @@ def _snapshot(setup: Any, h: Any) -> dict[str, Any]:
         "src": {n: b.cpu.clone() for n, b in setup.buffers.items()},
         "counts": {n: st.count(b) for n, b in setup.buffers.items()},
         "epoch": (st.epoch, st.epoch_open, st.current_slot),
-        "counters": {g: vars(st.counters(g)).copy() for g in ("decode", "token_inputs",
+        "counters": {g: st.counters(g).as_dict() for g in ("decode", "token_inputs",
                                                              "mha_decode")},
         "invalid": st.invalidated,
     }

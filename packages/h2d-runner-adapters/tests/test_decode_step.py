@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sys
 from collections.abc import Sequence
@@ -449,7 +448,7 @@ def test_fused_bodies_equal_separate_adapters_over_decode_sequences(
         assert all(r is not None for r in recs)
         # row keys (version, length) of the batch rows; each side pads with its own row
         assert len({(r.revision, r.rows, r.keys[:n].tobytes()) for r in recs if r}) == 1, index
-        counters = [dataclasses.asdict(s.state.counters(DECODE_STEP)) for s in sides]
+        counters = [s.state.counters(DECODE_STEP).as_dict() for s in sides]
         assert counters[0] == counters[1], index
         # destinations, whole (tails included), and the first consumers' outputs
         for name, x, z in zip(MEMBERS, a.members(), c.members(), strict=True):

@@ -49,8 +49,9 @@ from .errors import (
     UnknownGroupError,
 )
 from .fused import ConsumerFn, FusedConsumer
-from .group import GroupCounters, GroupPlan
+from .group import GroupPlan
 from .producer import h2d_producer
+from .records import GroupCounters
 from .state import H2DRunnerState
 from .step import (
     DRAFTS,

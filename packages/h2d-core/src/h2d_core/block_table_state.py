@@ -29,7 +29,6 @@ table outside these entry points breaks this contract; call
 from __future__ import annotations
 
 from collections.abc import Sequence
-from threading import get_ident
 
 import numpy as np
 import torch
@@ -107,6 +106,8 @@ class BlockTableState:
         )
         # the published record, key buffers and limits as compiled state, made once
         self._stager = TableStager(self, self._limit_table(), ranged)
+        group = buffer.group
+        state._stagers[group] = (*state._stagers.get(group, ()), self._stager)
         # Capture rows: one private empty row (versioned, so a repeated capture
         # preparation is a hit; private, so nothing ever appends to it).
         self._empty_rows = [BlockTable()] * spec.shape[0]
@@ -132,7 +133,7 @@ class BlockTableState:
         the prepared revision. All rows are validated before any write; prefill may
         prepare without publishing."""
         state = self.state
-        if state._invalid is not None or not state._epoch_open or get_ident() != state._owner:
+        if not state._ready():  # owner thread, valid, in an epoch
             state._check_ready(f"prepare of {self.buffer.name!r}")
         slot = state.current_slot
         self._stager.prepare(slot, rows, required_pages)
@@ -152,7 +153,7 @@ class BlockTableState:
         ``num_rows`` is checked before any write. Returns the :class:`StageResult`.
         """
         state = self.state
-        if state._invalid is not None or not state._epoch_open or get_ident() != state._owner:
+        if not state._ready():  # owner thread, valid, in an epoch
             state._check_ready(f"prepare_capture of {self.buffer.name!r}")
         name = self.buffer.name
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
@@ -182,7 +183,7 @@ class BlockTableState:
         The record is updated only when the group's publication succeeds.
         """
         state = self.state
-        if state._invalid is not None or not state._epoch_open or get_ident() != state._owner:
+        if not state._ready():  # owner thread, valid, in an epoch
             state._check_ready(f"stage of {self.buffer.name!r}")
         slot = state.current_slot
         snap = self.snapshots[slot]

@@ -9,7 +9,6 @@ then stores any: a rejected call changes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from threading import get_ident
 from typing import TYPE_CHECKING
 
 from block_tables.native import refuse_interpreted
@@ -67,7 +66,7 @@ class CountBatch:
         """Set every member's count (in member order); all are checked before any is
         stored, exactly as :meth:`H2DRunnerState.set_count` checks one."""
         st = self._state
-        if st._invalid is not None or not st._epoch_open or get_ident() != st._owner:
+        if not st._ready():  # owner thread, valid, in an epoch
             st._check_ready("CountBatch.set")
         entries = self._entries
         if len(counts) != len(entries):

@@ -42,6 +42,12 @@ try:
 except ImportError:  # interpreted where Cython is not installed: no-op decorators
     from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
+if cython.compiled:
+    # the calling thread's id as a C integer: threading.get_ident() makes a new int per call
+    from cython.cimports.cpython.pythread import PyThread_get_thread_ident
+else:  # interpreted, this module only hands over to its build (see the end)
+    PyThread_get_thread_ident = get_ident
+
 # the raw C getters: torch.cuda.current_device() / current_stream() cost several times more
 get_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 current_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -62,7 +68,10 @@ class EpochCore:
     #: host ns the last begin() blocked on its slot's previous DMA (source reuse); 0 when
     #: that DMA had completed (checking it is then ordinary host work)
     last_source_wait_ns = cython.declare(cython.longlong, visibility="public")
-    _owner = cython.declare(object, visibility="public")
+    # the owner thread's id: as created (the ``_owner`` property) and as a C integer, which
+    # the entry points compare with the caller's without making an int
+    _owner_id = cython.declare(object)
+    _owner_c = cython.declare(cython.ulong)
     _bound = cython.declare(cython.bint, visibility="public")
     _invalid = cython.declare(object, visibility="public")
     _epoch_open = cython.declare(cython.bint, visibility="public")
@@ -82,6 +91,9 @@ class EpochCore:
     # producer group lists already checked by enter_producer (the multi-group fast path)
     _known_group_lists = cython.declare(set, visibility="public")
     _on_publish = cython.declare(dict, visibility="public")
+    #: producer group -> its block tables' TableStagers: told after each publication of
+    #: the group (they commit what it carried), cleared at begin (registered at build)
+    _stagers = cython.declare(dict, visibility="public")
     #: publish(name) -> (record index, names it publishes, members copied directly when it
     #: is a producer group covered by a combined one, counters): one lookup per call
     _routes = cython.declare(dict, visibility="public")
@@ -91,6 +103,23 @@ class EpochCore:
     _last_groups = cython.declare(object)
 
     # ------------------------------------------------------------------ state
+    @property
+    def _owner(self) -> Any:
+        """The owner thread's ``threading.get_ident()`` (set once, by the state)."""
+        return self._owner_id
+
+    @_owner.setter
+    def _owner(self, ident: Any) -> None:
+        self._owner_id = ident
+        self._owner_c = ident
+
+    @cython.ccall
+    def _ready(self) -> cython.bint:
+        """Owner thread, valid and inside an epoch: the common case of a producer's entry
+        check, made without an int object (else call :meth:`_check_ready`)."""
+        return (self._invalid is None and self._epoch_open
+                and PyThread_get_thread_ident() == self._owner_c)
+
     @property
     def bound(self) -> bool:
         return self._bound
@@ -112,7 +141,8 @@ class EpochCore:
         then producers may write. The current stream (or ``stream``) becomes the epoch's
         consumer stream: every publication of the epoch must be enqueued on it.
         """
-        if get_ident() != self._owner or not self._bound or self._invalid is not None:
+        if (PyThread_get_thread_ident() != self._owner_c or not self._bound
+                or self._invalid is not None):
             self._check_thread()
             self._check_bound()
             self._check_valid()
@@ -171,13 +201,17 @@ class EpochCore:
         self._published.clear()
         self._produced.clear()
         self._on_publish.clear()
+        if self._stagers:  # a stage not published last epoch commits nothing now
+            for stagers in self._stagers.values():
+                for stager in stagers:
+                    stager.clear_pending()
         self._epoch_open = True
         self._resumable = False
         return s
 
     def finish(self) -> None:
         """Record this slot's completion after the epoch's uploads; never waits for the GPU."""
-        if get_ident() != self._owner or self._invalid is not None:
+        if PyThread_get_thread_ident() != self._owner_c or self._invalid is not None:
             self._check_thread()
             self._check_valid()
         if not self._epoch_open:
@@ -196,7 +230,8 @@ class EpochCore:
     # ------------------------------------------------------------------ producers
     def enter_producer(self, groups: tuple, reason: Any) -> None:
         """The check ``@h2d_producer`` runs before entering a producer of ``groups``."""
-        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+        if (self._invalid is not None or not self._epoch_open
+                or PyThread_get_thread_ident() != self._owner_c):
             self._check_ready(f"producer of {list(groups)}")
         produced: set = self._produced
         published: set = self._published
@@ -254,7 +289,8 @@ class EpochCore:
         member (per range). Validation happens first; a rejected publication enqueues
         nothing.
         """
-        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+        if (self._invalid is not None or not self._epoch_open
+                or PyThread_get_thread_ident() != self._owner_c):
             self._check_ready(f"publish({group!r})")
         route = self._routes.get(group)
         if route is None:
@@ -276,9 +312,9 @@ class EpochCore:
         try:
             if _profiler_enabled():
                 with torch.autograd.profiler.record_function(f"h2d.publish/{group}"):
-                    nbytes = self._enqueue(rec, covered_members, counters, stream)
+                    self._enqueue(rec, covered_members, counters, stream)
             else:
-                nbytes = self._enqueue(rec, covered_members, counters, stream)
+                self._enqueue(rec, covered_members, counters, stream)
         except H2DError:
             raise
         except Exception as exc:
@@ -287,19 +323,24 @@ class EpochCore:
                 f"enqueueing publication of group {group!r} failed; the owner is invalidated "
                 "and its storage retained; call reset() to recover"
             ) from exc
-        counters.publications += 1
-        counters.bytes += nbytes
         self._published |= names
         if self._guard:  # debug mode: the published sources are read-only until finish()
             self._guard_published(names, False)  # type: ignore[attr-defined]
+        if self._stagers:  # the block tables commit what this publication carried
+            for g in names:
+                stagers = self._stagers.get(g)
+                if stagers is not None:
+                    for stager in stagers:
+                        stager.after_publish()
         if self._on_publish:
             for g in names.intersection(self._on_publish):
                 for buf, fn, only_if_sent in self._on_publish.pop(g):
                     if not only_if_sent or self._sent(buf):  # type: ignore[attr-defined]
                         fn()
 
-    def _enqueue(self, rec: Any, covered: tuple, counters: Any, stream: Any) -> int:
-        """Enqueue one publication (validated); return the payload bytes it moves."""
+    def _enqueue(self, rec: Any, covered: tuple, counters: Any, stream: Any) -> None:
+        """Enqueue one publication (validated) and count it (``counters``: its payload
+        bytes, copies, DMA and scatter, in C fields)."""
         if covered:
             if rec.fused:
                 raise MembershipError(
@@ -309,19 +350,18 @@ class EpochCore:
             # not part of a step whose producers wrote the combined group (validation:
             # raised before anything is enqueued)
             self._check_covered(covered[0].group)  # type: ignore[attr-defined]
-            return self._copy_direct(  # type: ignore[attr-defined]
-                rec, [b.member_index for b in covered], counters)
+            counters.count_publication(self._copy_direct(  # type: ignore[attr-defined]
+                rec, [b.member_index for b in covered], counters))
+            return
         packed = rec.packed
         if packed is not None and (rec.active > 1 or len(rec.ranges) > 1 or rec.fused):
             packed.publish(rec.counts, rec.ranges, self._stream_id, stream)
-            counters.dmas += 1
-            counters.scatters += 1
-            return rec.count_bytes + rec.range_bytes
-        nbytes: int = self._copy_direct(  # type: ignore[attr-defined]
-            rec, range(len(rec.plan.members)), counters)
+            counters.count_packed(rec)
+            return
+        counters.count_publication(self._copy_direct(  # type: ignore[attr-defined]
+            rec, range(len(rec.plan.members)), counters))
         if rec.plan.packed:
             counters.direct_fallbacks += 1
-        return nbytes
 
     # ------------------------------------------------------------------ checks
     def _unknown_group(self, group: str) -> str:

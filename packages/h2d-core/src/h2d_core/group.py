@@ -2,40 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 import torch
 
 from .buffer import CountUnit, H2DBuffer
-
-
-@dataclass
-class GroupCounters:
-    """Per-group observability counters (cumulative since the state was created)."""
-
-    publications: int = 0
-    #: payload bytes published (sum of the members' counted bytes)
-    bytes: int = 0
-    #: packed DMAs issued (each followed by exactly one scatter)
-    dmas: int = 0
-    scatters: int = 0
-    #: direct member copies issued (direct backend, single-member groups, covered groups)
-    direct_copies: int = 0
-    #: publications of a packed-eligible group that used direct copies instead
-    direct_fallbacks: int = 0
-    #: deliberate second publications (a reason was given)
-    second_publications: int = 0
-
-    def snapshot(self) -> GroupCounters:
-        """A copy of the counts now (this object keeps counting as the state publishes)."""
-        return replace(self)
-
-    def __sub__(self, earlier: GroupCounters) -> GroupCounters:
-        """What was counted since ``earlier`` (a :meth:`snapshot`)."""
-        return GroupCounters(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
-                                for f in fields(self)})
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from .buffer import H2DBuffer
 from .config import Backend
 from .epoch import EpochCore
 from .errors import MembershipError
-from .group import GroupCounters, GroupPlan
-from .records import GroupRecord
+from .group import GroupPlan
+from .records import GroupCounters, GroupRecord
 
 if TYPE_CHECKING:
     from .launch import SlotEvents
@@ -62,9 +62,11 @@ class StateOwner(EpochCore):
     _produced: set[str]
     _known_group_lists: set[tuple[str, ...]]
     _on_publish: dict[str, list[tuple[H2DBuffer, Callable[[], None], bool]]]
+    _stagers: dict[str, tuple[Any, ...]]
     _reset_hooks: list[Callable[[], None]]
 
     if TYPE_CHECKING:  # provided by the parts, called across them
+        def _ready(self) -> bool: ...
         def reopen(self, group: str, reason: str) -> None: ...
 
     def _check_member(self, buffer: H2DBuffer) -> None:

@@ -12,7 +12,6 @@ failure invalidates the owner.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from threading import get_ident
 
 import numpy as np
 import torch
@@ -28,9 +27,8 @@ from .errors import (
     PublicationEnqueueError,
     UnknownGroupError,
 )
-from .group import GroupCounters
 from .owner import StateOwner
-from .records import GroupRecord
+from .records import GroupCounters, GroupRecord
 
 _profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
@@ -55,7 +53,7 @@ class Publication(StateOwner):
         ``None`` omits the member; ``0`` is an explicit empty publication. The count is
         checked now (type, range, capacity); a rejected count changes nothing.
         """
-        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+        if not self._ready():  # owner thread, valid, in an epoch
             self._check_ready("set_count")
         if getattr(buffer, "_state", None) is not self:
             self._check_member(buffer)
@@ -94,7 +92,7 @@ class Publication(StateOwner):
     ) -> bool:
         """:meth:`try_trusted_ranges` with the ranges already as the record's
         ``(member index, offset, bytes)`` triples (the list is kept, not copied)."""
-        if self._invalid is not None or not self._epoch_open or get_ident() != self._owner:
+        if not self._ready():  # owner thread, valid, in an epoch
             self._check_ready("set_ranges")
         if buffer.group in self._published or len(triples) > buffer.max_ranges:
             return False
@@ -346,6 +344,8 @@ class Publication(StateOwner):
             self._published.discard(g)
             self._produced.discard(g)
             self._on_publish.pop(g, None)
+            for stager in self._stagers.get(g, ()):
+                stager.clear_pending()
         if self._guard:  # guard_sources: the acquired sources are writable again
             self._guard_published(groups, True)  # type: ignore[attr-defined]
         self._counters[group].second_publications += 1

@@ -21,6 +21,83 @@ except ImportError:  # interpreted where Cython is not installed: no-op decorato
 
 
 
+#: GroupCounters' fields, in order (its constructor's keywords, ``as_dict``'s keys)
+COUNTER_FIELDS = ("publications", "bytes", "dmas", "scatters", "direct_copies",
+                  "direct_fallbacks", "second_publications")
+
+
+@cython.cclass
+class GroupCounters:
+    """Per-group observability counters (cumulative since the state was created).
+
+    ``publications``; ``bytes``: payload bytes published (the sum of the members' counted
+    bytes); ``dmas``: packed DMAs issued (each followed by exactly one scatter);
+    ``scatters``; ``direct_copies``: direct member copies issued (direct backend,
+    single-member groups, covered groups); ``direct_fallbacks``: publications of a
+    packed-eligible group that used direct copies instead; ``second_publications``:
+    deliberate second publications (a reason was given).
+
+    The counts are C fields, so a step's increments (by byte totals past CPython's cached
+    small ints) create no int object; reading a field makes one.
+    """
+
+    publications = cython.declare(cython.longlong, visibility="public")
+    bytes = cython.declare(cython.longlong, visibility="public")
+    dmas = cython.declare(cython.longlong, visibility="public")
+    scatters = cython.declare(cython.longlong, visibility="public")
+    direct_copies = cython.declare(cython.longlong, visibility="public")
+    direct_fallbacks = cython.declare(cython.longlong, visibility="public")
+    second_publications = cython.declare(cython.longlong, visibility="public")
+
+    def __init__(self, publications: int = 0, bytes: int = 0, dmas: int = 0,
+                 scatters: int = 0, direct_copies: int = 0, direct_fallbacks: int = 0,
+                 second_publications: int = 0) -> None:
+        self.publications = publications
+        self.bytes = bytes
+        self.dmas = dmas
+        self.scatters = scatters
+        self.direct_copies = direct_copies
+        self.direct_fallbacks = direct_fallbacks
+        self.second_publications = second_publications
+
+    def as_dict(self) -> dict[str, int]:
+        """Every count by field name."""
+        return {f: getattr(self, f) for f in COUNTER_FIELDS}
+
+    def snapshot(self) -> GroupCounters:
+        """A copy of the counts now (this object keeps counting as the state publishes)."""
+        return GroupCounters(**self.as_dict())
+
+    def __sub__(self, earlier: GroupCounters) -> GroupCounters:
+        """What was counted since ``earlier`` (a :meth:`snapshot`)."""
+        mine, theirs = self.as_dict(), earlier.as_dict()
+        return GroupCounters(**{f: mine[f] - theirs[f] for f in COUNTER_FIELDS})
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GroupCounters):
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
+
+    def __repr__(self) -> str:
+        return "GroupCounters(" + ", ".join(f"{k}={v}" for k, v in self.as_dict().items()) + ")"
+
+    @cython.ccall
+    def count_packed(self, rec: GroupRecord) -> None:
+        """One packed publication of ``rec``: a DMA, a scatter and its bytes, in C."""
+        self.publications += 1
+        self.dmas += 1
+        self.scatters += 1
+        self.bytes += rec.count_bytes + rec.range_bytes
+
+    @cython.ccall
+    def count_publication(self, nbytes: cython.longlong) -> None:
+        """One publication of ``nbytes`` payload bytes (its copies counted by the caller)."""
+        self.publications += 1
+        self.bytes += nbytes
+
+
 @cython.cclass
 class GroupRecord:
     """One publication group's per-slot, per-epoch state: counts, ranges and the arena.
@@ -274,3 +351,4 @@ if not cython.compiled:
     _compiled = require_extension("h2d_core._records_native")
     GroupRecord = _compiled.GroupRecord  # type: ignore[misc]
     CountProgram = _compiled.CountProgram  # type: ignore[misc]
+    GroupCounters = _compiled.GroupCounters  # type: ignore[misc]

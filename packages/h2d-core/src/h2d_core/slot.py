@@ -68,6 +68,9 @@ class SlotLifecycle(StateOwner):
         self._published.clear()
         self._produced.clear()
         self._on_publish.clear()
+        for stagers in self._stagers.values():
+            for stager in stagers:
+                stager.clear_pending()
         self._event_recorded = [False] * self.num_slots
         if self._guard:
             for slot in range(self.num_slots):

@@ -33,10 +33,10 @@ from .errors import BindingError, DeclarationError, DeviceUnavailableError, Unkn
 from .fused import ConsumerFn, FusedConsumer
 from .fused import declare as declare_consumer
 from .fused import place as place_consumers
-from .group import GroupCounters, GroupPlan, find_shared_bytes, unit_view
+from .group import GroupPlan, find_shared_bytes, unit_view
 from .launch import SlotEvents
 from .publish import Publication
-from .records import GroupRecord
+from .records import GroupCounters, GroupRecord
 from .slot import SlotLifecycle
 
 
@@ -125,6 +125,8 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self.last_source_wait_ns = 0
         #: callbacks run once after a producer group's successful publication this epoch
         self._on_publish: dict[str, list[tuple[H2DBuffer, Callable[[], None], bool]]] = {}
+        #: each producer group's block-table stagers (see EpochCore._stagers)
+        self._stagers: dict[str, tuple[Any, ...]] = {}
         #: called by reset(): attached state that must forget what the GPU holds
         self._reset_hooks: list[Callable[[], None]] = []
         self._fused: list[FusedConsumer] = []

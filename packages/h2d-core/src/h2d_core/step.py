@@ -19,7 +19,6 @@ Compiled by Cython as ``h2d_core._step_native`` when the package is built (requi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from threading import get_ident
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -212,7 +211,7 @@ class LayoutStep:
         this publication; ``table_stage`` ""). Call from inside the producer (its
         epoch)."""
         st = self._state
-        if st._invalid is not None or not st._epoch_open or get_ident() != st._owner:
+        if not st._ready():  # owner thread, valid, in an epoch
             st._check_ready(f"producer {self.name}")
         slot: cython.Py_ssize_t = st.current_slot
         layout = self._layouts[slot]

@@ -88,12 +88,12 @@ class TableStager:
     _pend_slot = cython.declare(cython.Py_ssize_t)
     _pend_revision = cython.declare(cython.longlong)
     _pend_rows = cython.declare(cython.Py_ssize_t)
+    # the pending stage sends nothing (the GPU holds these bytes): it commits even when
+    # the publication did not carry the member
+    _pend_unchanged = cython.declare(cython.bint)
     _spare = cython.declare(cython.Py_ssize_t)
     # the PublishedTable last handed out (kept while the record does not move)
     _pub_object = cython.declare(object)
-    # on_publish entries, made once: commit when the member was sent / always
-    _commit_if_sent = cython.declare(tuple)
-    _commit_always = cython.declare(tuple)
 
     def __init__(self, table: Any, limits: Any, ranged: bool) -> None:
         buffer = table.buffer
@@ -120,9 +120,8 @@ class TableStager:
         self._pub_object = None
         self._spare = 0
         self._pend_slot = -1
+        self._pend_unchanged = False
         self.last_stage = ""
-        self._commit_if_sent = (buffer, self._commit, True)
-        self._commit_always = (buffer, self._commit, False)
 
     def set_limits(self, limits: Any) -> None:
         """``limits[n]`` = (most ranges, most bytes) of a partial publication of ``n``
@@ -150,6 +149,28 @@ class TableStager:
         self._pub_valid = False
         self._pub_object = None
 
+    @cython.ccall
+    def clear_pending(self) -> None:
+        """Drop this epoch's stage uncommitted (a new epoch, a reopened group, a reset)."""
+        self._pend_slot = -1
+
+    @cython.ccall
+    def after_publish(self) -> None:
+        """The table's group was published successfully: commit the pending stage when
+        that publication carried the member (or the stage sent nothing), at most once."""
+        if self._pend_slot < 0:
+            return
+        if self._pend_unchanged:
+            self._commit()
+            return
+        records: list = self._state._slot_groups[self._pend_slot]
+        rec = records[self._home_group]
+        if rec.sent(self._member):
+            self._commit()
+        else:
+            self._pend_slot = -1
+
+    @cython.ccall
     def _commit(self) -> None:
         # idempotent: a stage repeated before its publication registers a second entry
         if self._pend_slot < 0:
@@ -242,14 +263,11 @@ class TableStager:
         self._pend_slot = slot
         self._pend_revision = rev
         self._pend_rows = num_rows
+        self._pend_unchanged = unchanged
         self.last_stage = stage
-        # With nothing to send the GPU already holds these bytes; the record still moves
-        # only once the group's publication succeeded (state.on_publish without its
-        # checks, which the caller made).
-        entries = st._on_publish.get(self._group)
-        if entries is None:
-            entries = st._on_publish[self._group] = []
-        entries.append(self._commit_always if unchanged else self._commit_if_sent)
+        # The record moves only once the group's publication succeeded: the state calls
+        # after_publish then (this stager is in its _stagers), and clear_pending at the
+        # next begin, so an unpublished stage never commits.
         return stage
 
     @cython.cfunc
