@@ -75,7 +75,12 @@ class Publication(StateOwner):
                 f"buffer {buffer.name!r}: ranges were already set this epoch; publish either a "
                 "count or ranges, not both"
             )
-        for gi, i in buffer.homes:
+        homes = buffer.homes
+        if len(homes) == 1:  # a Python for loop would make an iterator object per call
+            gi, i = homes[0]
+            recs[gi].store_count(i, n, buffer._unit_bytes)
+            return
+        for gi, i in homes:
             recs[gi].store_count(i, n, buffer._unit_bytes)
 
     def try_trusted_ranges(
