@@ -40,8 +40,10 @@ class GraphLaunches:
     stand-ins of the driver: a launch queues the bucket's DMA + scatter on the simulated
     stream, then the slot event's record (the graph's last node)."""
 
-    def __init__(self, gpu: SimulatedGpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, gpu: SimulatedGpu, monkeypatch: pytest.MonkeyPatch,
+                 records: bool = True) -> None:
         self.gpu = gpu
+        self.records = records  # whether the graphs carry the slot event's record
         self.capturing = 0  # what the capture query answers
         self._keep: list[Any] = []  # the ctypes callbacks must outlive the bindings
         for slot, records in enumerate(gpu.state._slot_groups):
@@ -58,7 +60,8 @@ class GraphLaunches:
             gpu.log.append("graph.launch")
             queued(sizes[(graph_exec or 0) - EXEC_BASE], None)
             events = gpu.state._slot_events
-            if events is not None and hasattr(events, "marks"):  # driver events only
+            # driver events only (a torch-events state: the graphs record nothing it reads)
+            if self.records and events is not None and hasattr(events, "marks"):
                 events.marks[slot] = gpu.stream.enqueued
             return 0
 
@@ -74,15 +77,16 @@ class GraphLaunches:
         mp.setattr(arena, "graph_launch_table", lambda: table)
         group._binding = group._bind_native()
         assert group.launches_graphs
-        group._records_completion = True  # what a CUDA arena bound with an event reports
+        # what a CUDA arena bound with an event reports (False: the driver lacked the record)
+        group._records_completion = self.records
 
 
 def _simulated(h: Any, monkeypatch: pytest.MonkeyPatch, *, events: str = "driver",
-               combined: bool = True, num_slots: int = 1
+               combined: bool = True, num_slots: int = 1, records: bool = True
                ) -> tuple[H2DRunnerState, dict[str, Any], SimulatedGpu, GraphLaunches]:
     setup = h.build_state("cpu", combined=combined, num_slots=num_slots)
     gpu = SimulatedGpu(setup.state, monkeypatch, events)
-    return setup.state, setup.buffers, gpu, GraphLaunches(gpu, monkeypatch)
+    return setup.state, setup.buffers, gpu, GraphLaunches(gpu, monkeypatch, records)
 
 
 def _produce(st: H2DRunnerState, bufs: dict[str, Any], base: int,
@@ -162,6 +166,24 @@ def test_a_direct_copy_before_the_graph_needs_no_record(
     st.publish("mha_decode")
     st.finish()
     assert gpu.log.count("graph.launch") == 1 and not RECORDS & set(gpu.log), gpu.log
+
+
+def test_graphs_without_the_record_leave_it_to_finish(
+        h: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver without cuEventRecordWithFlags: graphs launch, finish() records, and the
+    next begin() still waits for the DMA."""
+    st, bufs, gpu, _ = _simulated(h, monkeypatch, records=False)
+    st.begin()
+    _produce(st, bufs, 100)
+    st.publish("decode")
+    read = gpu.read(bufs["input_ids"].gpu)
+    st.finish()
+    assert gpu.log.count("graph.launch") == 1 and gpu.log.count("slot.record") == 1
+    st.begin()
+    bufs["input_ids"].np[:] = -1
+    st.finish()
+    gpu.sync()
+    assert read.tolist() == _values(bufs, "input_ids", 100)
 
 
 def test_torch_events_are_recorded_by_finish(h: Any, monkeypatch: pytest.MonkeyPatch) -> None:

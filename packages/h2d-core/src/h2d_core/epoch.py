@@ -400,7 +400,7 @@ class EpochCore:
         if packed is not None and (rec.active > 1 or len(rec.ranges) > 1 or rec.fused):
             # True only for a graph launch that recorded the slot's event (finish skips it)
             self._graph_recorded = packed.publish_step(rec.counts, rec.ranges,
-                                                       self._stream_id, stream)
+                                                       self._stream_id, stream) > 0
             counters.dmas += 1
             counters.scatters += 1
             return rec.count_bytes + rec.range_bytes

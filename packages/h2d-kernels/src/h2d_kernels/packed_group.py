@@ -251,13 +251,14 @@ class PackedGroup:
         ranges: list[tuple[int, int, int]],
         stream_id: int = 0,
         stream: torch.cuda.Stream | None = None,
-    ) -> bool:
-        """:meth:`publish`, returning whether the publication recorded the bound completion
-        event: True only when the compiled helper launched a bucket's graph and the graphs
-        carry the record (:attr:`records_completion`). False: the caller must record
-        completion after it (an eager, captured or CPU publication records nothing)."""
+    ) -> int:
+        """:meth:`publish`, its DMA size signed by whether the publication recorded the
+        bound completion event: positive only when the compiled helper launched a bucket's
+        graph and the graphs carry the record (:attr:`records_completion`); negative when
+        the caller must record completion after it (an eager, captured or CPU publication
+        records nothing). An int either way: the step's path allocates nothing."""
         end: int = _native.publish_packed(self._binding, counts, ranges, stream_id)
         if end > 0:
-            return self._records_completion
+            return end if self._records_completion else -end
         self.arena.publish(-end, stream)
-        return False
+        return end
