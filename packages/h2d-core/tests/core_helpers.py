@@ -96,18 +96,25 @@ def break_publication(monkeypatch: Any, packed: Any, message: str = "injected") 
         raise RuntimeError(message)
 
     monkeypatch.setattr(packed, "publish", broken)
+    monkeypatch.setattr(packed, "publish_step", broken)  # the state's call
 
 
 def spy_dma(monkeypatch: Any, packed: Any) -> list[int]:
     """Record the DMA size of every publication of this packed slot (what its one
     publication call returns, whichever launch ran)."""
     seen: list[int] = []
-    real = packed.publish
+    real, real_step = packed.publish, packed.publish_step
 
     def spy(*args: Any, **kwargs: Any) -> int:
         end = int(real(*args, **kwargs))
         seen.append(end)
         return end
 
+    def spy_step(*args: Any, **kwargs: Any) -> int:  # the state's call: signed DMA size
+        end = int(real_step(*args, **kwargs))
+        seen.append(abs(end))
+        return end
+
     monkeypatch.setattr(packed, "publish", spy)
+    monkeypatch.setattr(packed, "publish_step", spy_step)
     return seen

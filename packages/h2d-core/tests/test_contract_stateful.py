@@ -176,8 +176,9 @@ class ContractMachine(RuleBasedStateMachine):
             raise RuntimeError("injected")
 
         if rec.packed is not None:
-            originals.append((rec.packed, "publish", rec.packed.publish))
-            rec.packed.publish = boom
+            for name in ("publish", "publish_step"):  # (the state calls publish_step)
+                originals.append((rec.packed, name, getattr(rec.packed, name)))
+                setattr(rec.packed, name, boom)
         for b in self.s.buffers.values():
             originals.append((b, "_dst_units", b._dst_units))
             b._dst_units = _Exploding()

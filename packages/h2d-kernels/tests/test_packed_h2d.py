@@ -360,6 +360,21 @@ def test_driver_binds_each_runtimes_symbols(table: DriverSymbols) -> None:
         DeviceDriver(_FakeLib(partial), table)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("table", [CUDA, HIP], ids=["cuda", "hip"])
+def test_a_driver_without_record_with_flags_still_loads_and_says_why(
+        table: DriverSymbols) -> None:
+    """The graphs' completion record is optional: without the entry point the driver
+    binds, says what is missing, and refuses the record (finish() then records)."""
+    full = DeviceDriver(_FakeLib(_symbols(table)), table)  # type: ignore[arg-type]
+    assert full.record_external_missing is None
+    lacking = DeviceDriver(_FakeLib(_symbols(table) - {table.event_record_with_flags}),
+                           table)  # type: ignore[arg-type]
+    why = f"{table.event_record_with_flags} is missing from {table.library}"
+    assert lacking.record_external_missing == why
+    with pytest.raises(ScatterBackendError, match=why):
+        lacking.event_record_external(1, 2)
+
+
 # -- exact bytes ---------------------------------------------------------------------------------
 
 

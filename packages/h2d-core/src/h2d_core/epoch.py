@@ -53,6 +53,11 @@ get_device: Any = getattr(torch._C, "_cuda_getDevice", None)
 current_raw_stream: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _profiler_enabled: Any = torch._C._autograd._profiler_enabled
 
+#: slots whose completion begin() can know without asking the driver (see begin); a slot
+#: past them is always checked (sound, only slower)
+TRACKED_SLOTS = 64
+_TRACKED = cython.declare(cython.Py_ssize_t, 64)  # the same, as a C constant
+
 
 @cython.cclass
 class EpochCore:
@@ -101,6 +106,24 @@ class EpochCore:
     _guard = cython.declare(cython.bint, visibility="public")
     # the groups tuple enter_producer checked last (see there)
     _last_groups = cython.declare(object)
+    #: the epoch's last enqueue was a publication graph that recorded the slot's event
+    #: (set by such a publish, cleared by every other enqueue, begin, resume and reopen):
+    #: finish() then records nothing itself
+    _graph_recorded = cython.declare(cython.bint, visibility="public")
+    #: begin() calls that asked the driver nothing: the slot was known complete
+    source_checks_skipped = cython.declare(cython.longlong, visibility="public")
+    # What is known complete without asking the driver. Every completion record (finish)
+    # draws a sequence number; per tracked slot, the number and stream of its last record.
+    # _synced_seq: records up to it are complete (mark_synchronized, the caller's
+    # promise); _done_seq on stream _done_stream: records on that stream up to it are
+    # complete (a wait that returned proves every earlier record on its stream: one
+    # stream runs its work in order).
+    _record_seq = cython.declare(cython.longlong)
+    _synced_seq = cython.declare(cython.longlong)
+    _done_seq = cython.declare(cython.longlong)
+    _done_stream = cython.declare(cython.longlong)
+    _slot_seq = cython.declare(cython.longlong[64])
+    _slot_stream = cython.declare(cython.longlong[64])
 
     # ------------------------------------------------------------------ state
     @property
@@ -175,7 +198,10 @@ class EpochCore:
                 consumer = self._stream  # the same consumer stream as last epoch
             else:
                 consumer = torch.cuda.current_stream(self.device)
-        if self._event_recorded[s]:
+        if self._event_recorded[s] and self._known_complete(s):
+            self.last_source_wait_ns = 0  # nothing to ask the driver: see _known_complete
+            self.source_checks_skipped += 1
+        elif self._event_recorded[s]:
             # last_source_wait_ns counts only the blocking wait for a pending event: the
             # query of a completed one is host work like any other
             if self._slot_events is not None:
@@ -187,6 +213,7 @@ class EpochCore:
                 t0 = time.perf_counter_ns()
                 self._events[s].synchronize()
                 self.last_source_wait_ns = time.perf_counter_ns() - t0 or 1
+            self._waited(s)
         else:
             self.last_source_wait_ns = 0
         self.current_slot = s
@@ -207,6 +234,7 @@ class EpochCore:
                     stager.clear_pending()
         self._epoch_open = True
         self._resumable = False
+        self._graph_recorded = False
         return s
 
     def finish(self) -> None:
@@ -217,15 +245,71 @@ class EpochCore:
         if not self._epoch_open:
             raise EpochError("finish() without an open epoch: call begin() first")
         if self._cuda:
-            if self._slot_events is not None:
+            if self._graph_recorded and self._slot_events is not None:
+                pass  # the epoch's last enqueue, a publication graph, recorded the event
+            elif self._slot_events is not None:
                 self._slot_events.record(self.current_slot, self._stream_id)
             else:  # torch events: the driver library did not load
                 self._events[self.current_slot].record(self._stream)
             self._event_recorded[self.current_slot] = True
+            self._recorded(self.current_slot)
         if self._guard:
             self._guard_slot(self.current_slot, False)  # type: ignore[attr-defined]
         self._epoch_open = False
         self._resumable = True
+
+    def mark_synchronized(self) -> None:
+        """The caller's promise that every completion recorded so far has completed: the
+        host has synchronized with all work enqueued before this call on every stream
+        the state's epochs used (``torch.cuda.synchronize()``, or a blocking read, e.g. of
+        the step's sampled tokens, on the one consumer stream every epoch runs on, made
+        after ``finish()``). The next ``begin()`` of a slot recorded before the call then
+        asks the driver nothing. A false promise lets producers overwrite pinned sources
+        a DMA may still read: when unsure, do not call it (begin() then checks)."""
+        if get_ident() != self._owner:
+            self._check_thread()
+        self._synced_seq = self._record_seq
+
+    def slot_known_complete(self, slot: int) -> bool:
+        """Whether ``begin(slot)`` would skip the driver: the slot's last recorded
+        completion is known complete (or none was recorded)."""
+        s: cython.Py_ssize_t = slot
+        if not 0 <= s < self.num_slots:
+            raise EpochError(f"slot {s} is not in [0, {self.num_slots})")
+        return not self._event_recorded[s] or self._known_complete(s)
+
+    @cython.cfunc
+    @cython.inline
+    def _known_complete(self, s: cython.Py_ssize_t) -> cython.bint:
+        """Slot ``s``'s last record is known complete (it must have one): recorded before
+        the last mark_synchronized(), or on the stream of a completed wait, no later than
+        the record that wait saw (that stream ran it first)."""
+        if s >= _TRACKED:
+            return False
+        seq: cython.longlong = self._slot_seq[s]
+        return seq <= self._synced_seq or (
+            self._slot_stream[s] == self._done_stream and seq <= self._done_seq)
+
+    @cython.cfunc
+    @cython.inline
+    def _recorded(self, s: cython.Py_ssize_t) -> cython.void:
+        """finish() recorded slot ``s``'s completion on the epoch's stream."""
+        self._record_seq += 1
+        if s < _TRACKED:
+            self._slot_seq[s] = self._record_seq
+            self._slot_stream[s] = self._stream_id
+
+    @cython.cfunc
+    @cython.inline
+    def _waited(self, s: cython.Py_ssize_t) -> cython.void:
+        """begin()'s wait found slot ``s``'s last record complete."""
+        if s >= _TRACKED:
+            return
+        if self._slot_stream[s] != self._done_stream:
+            self._done_stream = self._slot_stream[s]  # knowledge of one stream at a time
+            self._done_seq = 0
+        if self._slot_seq[s] > self._done_seq:
+            self._done_seq = self._slot_seq[s]
 
     # ------------------------------------------------------------------ producers
     def enter_producer(self, groups: tuple, reason: Any) -> None:
@@ -350,14 +434,18 @@ class EpochCore:
             # not part of a step whose producers wrote the combined group (validation:
             # raised before anything is enqueued)
             self._check_covered(covered[0].group)  # type: ignore[attr-defined]
+            self._graph_recorded = False
             counters.count_publication(self._copy_direct(  # type: ignore[attr-defined]
                 rec, [b.member_index for b in covered], counters))
             return
         packed = rec.packed
         if packed is not None and (rec.active > 1 or len(rec.ranges) > 1 or rec.fused):
-            packed.publish(rec.counts, rec.ranges, self._stream_id, stream)
+            # True only for a graph launch that recorded the slot's event (finish skips it)
+            self._graph_recorded = packed.publish_step(rec.counts, rec.ranges,
+                                                       self._stream_id, stream) > 0
             counters.count_packed(rec)
             return
+        self._graph_recorded = False
         counters.count_publication(self._copy_direct(  # type: ignore[attr-defined]
             rec, range(len(rec.plan.members)), counters))
         if rec.plan.packed:

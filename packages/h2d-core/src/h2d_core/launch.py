@@ -43,6 +43,9 @@ class SlotEvents:
     """
 
     def __init__(self, driver: DeviceDriver, events: tuple[int, ...]) -> None:
+        #: the raw event handles, by slot: each slot's publication graphs record theirs
+        #: (h2d_kernels.PackedGroup.bind's completion_event); they live as long as this
+        self.handles = events
         self._bound = native.bind_events(
             events, driver.address("event_record"), driver.address("event_query"),
             driver.address("event_synchronize"), driver.symbols)  # names its errors

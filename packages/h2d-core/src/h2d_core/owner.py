@@ -53,6 +53,7 @@ class StateOwner(EpochCore):
     _events: list[Any]
     _slot_events: SlotEvents | None
     _event_recorded: list[bool]
+    _graph_recorded: bool
     _acquire_event: Any
     _epoch_open: bool
     _resumable: bool

@@ -276,6 +276,7 @@ class Publication(StateOwner):
         self._check_device()
         self._check_stream(None)
         dst = buffer._dst_units[:count]
+        self._graph_recorded = False  # a direct copy after it: finish() records
         try:
             if count:
                 dst.copy_(buffer._src_units[self.current_slot][:count], non_blocking=True)
@@ -356,6 +357,7 @@ class Publication(StateOwner):
         self._counters[group].second_publications += 1
 
     def _acquire_sources(self) -> None:
+        self._graph_recorded = False  # an enqueue (the acquire record): finish() records
         if self._cuda:
             self._acquire_event.record(self._stream)
             self._acquire_event.synchronize()

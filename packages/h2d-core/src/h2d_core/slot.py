@@ -37,6 +37,7 @@ class SlotLifecycle(StateOwner):
             self._guard_published(self._published, False)
         self._epoch_open = True
         self._resumable = False
+        self._graph_recorded = False  # finish() records again unless a graph launch does
         return self.current_slot
 
     def _guard_published(self, groups: frozenset[str] | set[str], writeable: bool) -> None:

@@ -291,11 +291,18 @@ class H2DRunnerState(SlotLifecycle, Publication):
         slot_groups: list[list[GroupRecord]] = [[] for _ in range(self.num_slots)]
         sources: dict[str, list[torch.Tensor]] = {b: [] for b in self._buffers}
         fused = place_consumers(self._fused, plans)
+        # The slots' events exist before the arenas: each slot's publication graphs end
+        # with a record of its event, so finish() after such a launch enqueues nothing.
+        if self._cuda and self._slot_events is None:
+            self._slot_events = SlotEvents.create(self.num_slots, self.device)
+        handles = (self._slot_events.handles if self._slot_events is not None
+                   else (0,) * self.num_slots)
         try:
             for plan in plans.values():
                 for slot in range(self.num_slots):
                     slot_groups[slot].append(self._bind_group(
-                        plan, sources, slot, [c.bound() for c in fused.get(plan.name, ())]))
+                        plan, sources, slot, [c.bound() for c in fused.get(plan.name, ())],
+                        handles[slot]))
         except ValueError as exc:  # layout/destination rejections from h2d_kernels
             raise BindingError(f"cannot bind packed storage: {exc}") from exc
 
@@ -332,7 +339,6 @@ class H2DRunnerState(SlotLifecycle, Publication):
             for slot in range(self.num_slots):
                 self._guard_slot(slot, False)
         if self._cuda:
-            self._slot_events = SlotEvents.create(self.num_slots, self.device)
             if self._slot_events is None:
                 self._events = [torch.cuda.Event() for _ in range(self.num_slots)]
             self._acquire_event = torch.cuda.Event()
@@ -341,6 +347,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
     def _bind_group(
         self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]], slot: int,
         consumers: Sequence[Callable[[torch.Tensor], None]] = (),
+        completion_event: int = 0,
     ) -> GroupRecord:
         own = [b for b in plan.members if b.name not in plan.borrowed]
         if not plan.packed:
@@ -354,7 +361,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         packed = PackedGroup.bind(
             [_group_member(b, b.name in plan.borrowed) for b in plan.members], self.device,
             self._scatter, self._cuda, {n: sources[n][slot] for n in plan.borrowed},
-            consumers)
+            consumers, completion_event)
         for buf, src in zip(plan.members, packed.sources, strict=True):
             if buf.name not in plan.borrowed:
                 sources[buf.name].append(src)

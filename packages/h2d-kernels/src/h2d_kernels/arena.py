@@ -149,6 +149,11 @@ class PackedArena:
     scatter and the consumers; their kernels must then read the step's counts from
     ``device_header`` (row ``i``, column 1: member ``i``'s published bytes), never take
     them as launch arguments.
+
+    ``completion_event`` (a raw ``CUevent`` handle, 0: none; it must outlive the arena):
+    under ``launch="graph"`` every bucket's graph ends with a record of it, so a graph
+    launch also records the owner's completion (see :class:`GraphPublisher`). Other paths
+    never record it: :attr:`records_completion` says whether the graphs do.
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class PackedArena:
         dma: DmaChoice = "auto",
         config: ScatterConfig | None = None,
         consumers: Sequence[Consumer] = (),
+        completion_event: int = 0,
     ) -> None:
         dev = _resolve_device(destinations, device)
         scatter_kind, launch_kind, dma_kind = _choose_paths(dev, scatter, launch, dma)
@@ -201,10 +207,16 @@ class PackedArena:
             for index, nbytes in bucket_sizes(layout.header_bytes, layout.total_bytes).items()
         }
         self._publish: Callable[[int, torch.cuda.Stream | None], None]
+        self._completion_event = completion_event
+        #: how the completion event is recorded by this arena's graphs (see
+        #: GraphPublisher.completion; None: no event given, or no graphs to carry it)
+        self.completion: str | None = None
         if cuda:
             self._init_cuda()
         else:
             self._init_cpu()
+        if completion_event and self.completion is None:
+            self.completion = f"not recorded: launch={self.launch!r} captures no graph"
 
     # -- views -------------------------------------------------------------------------------
 
@@ -232,6 +244,12 @@ class PackedArena:
                 f"header and at most the arena's {self.total_bytes} bytes"
             )
         self._publish(dma_bytes, stream)
+
+    @property
+    def records_completion(self) -> bool:
+        """Whether every captured graph ends with the completion event's record (only
+        graph launches record it: a caller of an eager or captured publish records it)."""
+        return self.launch == "graph" and self._graphs.records_completion
 
     def graph_launch_table(self) -> GraphLaunchTable | None:
         """Raw graph handles and driver entry points for a compiled launcher that replaces
@@ -332,8 +350,10 @@ class PackedArena:
                 bucket_sizes(self.header_bytes, self.total_bytes),
                 self._enqueue_compiled,
                 self._driver,
+                self._completion_event,
             )
             self.graph_launcher = self._graphs.launcher
+            self.completion = self._graphs.completion
             self._publish = self._publish_graph
         elif self.launch == "compiled":
             self._publish = self._publish_compiled

@@ -28,6 +28,9 @@ from h2d_kernels.errors import ScatterBackendError
 
 _NOT_CURRENT = 201  # CUDA_ERROR_INVALID_CONTEXT / hipErrorInvalidContext
 _EVENT_DISABLE_TIMING = 0x2  # CU_EVENT_DISABLE_TIMING / hipEventDisableTiming
+#: CU_EVENT_RECORD_EXTERNAL / hipEventRecordExternal: recorded into a stream being captured,
+#: the event record becomes a node of the graph (each launch of the graph records it)
+EVENT_RECORD_EXTERNAL = 0x1
 
 
 @dataclass(frozen=True)
@@ -44,16 +47,18 @@ class DriverSymbols:
     event_record: str
     event_query: str
     event_synchronize: str
+    #: optional (an older driver may lack it): graphs then carry no completion record
+    event_record_with_flags: str = ""
 
 
 CUDA = DriverSymbols(
     "cuda", "libcuda.so.1", "cuMemcpyHtoDAsync_v2", "cuStreamIsCapturing", "cuGraphLaunch",
     "cuEventCreate", "cuEventDestroy_v2", "cuEventRecord", "cuEventQuery",
-    "cuEventSynchronize")
+    "cuEventSynchronize", "cuEventRecordWithFlags")
 HIP = DriverSymbols(
     "hip", "libamdhip64.so", "hipMemcpyHtoDAsync", "hipStreamIsCapturing", "hipGraphLaunch",
     "hipEventCreateWithFlags", "hipEventDestroy", "hipEventRecord", "hipEventQuery",
-    "hipEventSynchronize")
+    "hipEventSynchronize", "hipEventRecordWithFlags")
 
 #: entry points :meth:`DeviceDriver.address` hands out, by their runtime-neutral names
 ADDRESSABLE = frozenset({
@@ -86,6 +91,26 @@ class DeviceDriver:
         self._event_destroy.restype = ctypes.c_int
         for name in ADDRESSABLE:
             getattr(lib, getattr(symbols, name))  # missing symbols fail here, at load
+        # Optional: without it publication graphs carry no completion record and finish()
+        # records the slot's event itself (record_external_missing says why).
+        self._record_flags = None
+        if symbols.event_record_with_flags:
+            try:
+                fn = getattr(lib, symbols.event_record_with_flags)
+            except AttributeError:
+                fn = None
+            if fn is not None:
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+                fn.restype = ctypes.c_int
+                self._record_flags = fn
+
+    @property
+    def record_external_missing(self) -> str | None:
+        """Why graphs cannot carry an event record node (None: they can)."""
+        if self._record_flags is not None:
+            return None
+        name = self.symbols.event_record_with_flags or "an event record with flags"
+        return f"{name} is missing from {self.symbols.library}"
 
     def address(self, name: str) -> int:
         """Address of entry point ``name`` (a runtime-neutral name of :data:`ADDRESSABLE`,
@@ -111,6 +136,16 @@ class DeviceDriver:
         """Destroy an event from :meth:`event_create`; return the CUresult. Work already
         recorded on it completes normally."""
         return int(self._event_destroy(event))
+
+    def event_record_external(self, event: int, stream: int) -> int:
+        """Record ``event`` on ``stream`` with the external flag; return the CUresult.
+        Only valid while ``stream`` is being captured: the record becomes a graph node.
+        ScatterBackendError when the driver lacks the entry point (see
+        :attr:`record_external_missing`)."""
+        if self._record_flags is None:
+            raise ScatterBackendError(
+                f"{self.record_external_missing}: bind graphs without a completion event")
+        return int(self._record_flags(event, stream, EVENT_RECORD_EXTERNAL))
 
     def memcpy_htod_async(self, dst: int, src: int, nbytes: int, stream: int) -> int:
         """Enqueue ``nbytes`` from host ``src`` to device ``dst``; return the CUresult."""

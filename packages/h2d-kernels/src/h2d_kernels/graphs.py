@@ -1,6 +1,7 @@
 """Publication captured as CUDA graphs, one per DMA-size bucket.
 
-Each graph holds one H2D copy of ``host[:bucket]`` and one scatter launch.
+Each graph holds one H2D copy of ``host[:bucket]`` and one scatter launch (then the fused
+first consumers, and the slot's completion event record when one is given).
 Buckets are powers of two (the last one is the whole arena), so a
 publication copies at most twice its bytes; extra arena bytes are harmless
 because only the descriptors decide what is written. All graphs are captured
@@ -53,6 +54,12 @@ class GraphPublisher:
     torch exposes it (``CUDAGraph.raw_cuda_graph_exec``) and a driver binding
     is given, skipping ``CUDAGraph.replay``'s own overhead; otherwise it uses
     ``replay()`` on the requested stream. :attr:`launcher` says which.
+
+    ``completion_event`` (a raw ``CUevent`` handle; 0: none): each graph ends with an
+    event record node of it (``cuEventRecordWithFlags(..., CU_EVENT_RECORD_EXTERNAL)``
+    under capture), so a launch also records the owner's completion and the owner need
+    not enqueue a record of its own after it. The event must outlive the graphs.
+    :attr:`completion` says whether the graphs carry it, and why not.
     """
 
     def __init__(
@@ -61,10 +68,25 @@ class GraphPublisher:
         sizes: dict[int, int],
         enqueue: Callable[[int, int], None],
         driver: DeviceDriver | None = None,
+        completion_event: int = 0,
     ) -> None:
         """Capture ``enqueue(bucket_bytes, raw_stream)`` once per bucket on a side stream."""
         self._device = device
         self._driver = driver
+        self._event = 0
+        #: how the graphs carry the completion event: the record's entry point (e.g.
+        #: "cuEventRecordWithFlags"), None when no event was given, or "not recorded: ..."
+        #: saying why the owner must record it after each launch itself
+        self.completion: str | None = None
+        if completion_event:
+            missing = ("no driver binding" if driver is None
+                       else driver.record_external_missing)
+            if missing is None:
+                assert driver is not None
+                self._event = completion_event
+                self.completion = driver.symbols.event_record_with_flags
+            else:
+                self.completion = f"not recorded: {missing}"
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         side = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
@@ -106,9 +128,26 @@ class GraphPublisher:
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     enqueue(nbytes, side.cuda_stream)
+                    if self._event:
+                        self._record_completion(side.cuda_stream)
                 finally:
                     graph.capture_end()
                 self._graphs[index] = graph
+
+    @property
+    def records_completion(self) -> bool:
+        """Whether every graph ends with the completion event's record node."""
+        return self._event != 0
+
+    def _record_completion(self, stream: int) -> None:
+        # last in the graph: it follows the DMA (the host arena's only reader), the
+        # scatter and the fused consumers
+        assert self._driver is not None
+        rc = self._driver.event_record_external(self._event, stream)
+        if rc:
+            raise ScatterBackendError(
+                f"{self._driver.symbols.event_record_with_flags} under capture failed with "
+                f"{self._driver.symbols.runtime} error {rc}: bind without a completion event")
 
     def launch_table(self) -> GraphLaunchTable | None:
         """The raw handles for compiled launches, or None when graphs replay through torch."""

@@ -121,7 +121,7 @@ class PackedGroup:
 
     def __init__(self, members: Sequence[GroupMember], device: torch.device, scatter: str,
                  pin: bool, borrowed_sources: Mapping[str, torch.Tensor],
-                 consumers: Sequence[Consumer] = ()) -> None:
+                 consumers: Sequence[Consumer] = (), completion_event: int = 0) -> None:
         places = [placement_of(m) for m in members]
         first_tail = next((i for i, p in enumerate(places) if p is Placement.TAIL),
                           len(members))
@@ -134,7 +134,8 @@ class PackedGroup:
             staging_before=first_tail,
         )
         arena = PackedArena(layout, [m.destination for m in members], device=device,
-                            scatter=scatter, consumers=consumers)  # type: ignore[arg-type]
+                            scatter=scatter, consumers=consumers,  # type: ignore[arg-type]
+                            completion_event=completion_event)
         header = arena.header_np
         header[:] = 0
         sources: list[torch.Tensor] = []
@@ -174,13 +175,16 @@ class PackedGroup:
     def bind(cls, members: Sequence[GroupMember], device: torch.device | str,
              scatter: str = "auto", pin: bool = True,
              borrowed_sources: Mapping[str, torch.Tensor] | None = None,
-             consumers: Sequence[Consumer] = ()) -> PackedGroup:
+             consumers: Sequence[Consumer] = (), completion_event: int = 0) -> PackedGroup:
         """Plan and allocate one slot's arena for ``members`` (in arena order);
         ``borrowed_sources`` maps each borrowed member's name to its pinned source;
         ``consumers`` run after every scatter, inside its graph (see
-        :class:`~h2d_kernels.PackedArena`; member ``i``'s header row is ``i``)."""
+        :class:`~h2d_kernels.PackedArena`; member ``i``'s header row is ``i``).
+        ``completion_event``: the slot's raw event handle (one group binds one slot, so
+        one event), recorded at the end of every captured graph (see
+        :attr:`records_completion`); the caller keeps it alive as long as the group."""
         return cls(members, torch.device(device), scatter, pin, borrowed_sources or {},
-                   consumers)
+                   consumers, completion_event)
 
     @property
     def compiled(self) -> bool:
@@ -193,6 +197,12 @@ class PackedGroup:
         """Whether the compiled helper launches the arena's captured graphs itself."""
         return self._launch_table is not None
 
+    @property
+    def records_completion(self) -> bool:
+        """Whether a publication this helper launches as a graph also records the bound
+        completion event (:meth:`publish_step` then returns True)."""
+        return self._records_completion
+
     def _bind_native(self, graphs: bool = True) -> object:
         """The compiled binding of this group's publication (``bind_publish``): it launches
         the arena's captured graphs when the arena has a launch table and ``graphs`` is
@@ -200,6 +210,7 @@ class PackedGroup:
         arena = self.arena
         table = arena.graph_launch_table() if graphs else None
         self._launch_table = table
+        self._records_completion = table is not None and arena.records_completion
         execs, launch, capturing = ((table.execs, table.graph_launch, table.stream_is_capturing)
                                     if table is not None else ((), 0, 0))
         binding = _native.bind_publish(
@@ -238,3 +249,21 @@ class PackedGroup:
         # PublishError for a size outside the arena).
         self.arena.publish(-end, stream)
         return -end
+
+    def publish_step(
+        self,
+        counts: list[int | None],
+        ranges: list[tuple[int, int, int]],
+        stream_id: int = 0,
+        stream: torch.cuda.Stream | None = None,
+    ) -> int:
+        """:meth:`publish`, its DMA size signed by whether the publication recorded the
+        bound completion event: positive only when the compiled helper launched a bucket's
+        graph and the graphs carry the record (:attr:`records_completion`); negative when
+        the caller must record completion after it (an eager, captured or CPU publication
+        records nothing). An int either way: the step's path allocates nothing."""
+        end: int = _native.publish_packed(self._binding, counts, ranges, stream_id)
+        if end > 0:
+            return end if self._records_completion else -end
+        self.arena.publish(-end, stream)
+        return end
