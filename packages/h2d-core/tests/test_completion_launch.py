@@ -28,6 +28,7 @@ from test_contract_rules import RECORDS, SimulatedGpu
 
 from h2d_core import H2DRunnerState
 from h2d_kernels import GraphLaunchTable, PackedGroup
+from h2d_kernels import _h2d_kernels_native as _native
 from h2d_kernels.graphs import bucket_sizes
 
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
@@ -79,6 +80,7 @@ class GraphLaunches:
         assert group.launches_graphs
         # what a CUDA arena bound with an event reports (False: the driver lacked the record)
         group._records_completion = self.records
+        _native.set_records(group._binding, self.records)
 
 
 def _simulated(h: Any, monkeypatch: pytest.MonkeyPatch, *, events: str = "driver",

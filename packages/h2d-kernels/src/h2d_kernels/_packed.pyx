@@ -4,7 +4,7 @@
 
 :meth:`h2d_kernels.PackedGroup.publish` runs once per step and per slot on the engine's
 hot path, so its header writes, packing and graph launch live here, as one call that
-creates no Python object on its common path but the int it returns:
+creates no Python object on its common path (the int it returns is cached):
 
 * ``bind_publish``: once per slot's arena: host base, header, staging, staged members,
   every member's unit bytes and in-place offset, the captured graphs by size bucket and
@@ -12,7 +12,9 @@ creates no Python object on its common path but the int it returns:
 * ``publish_packed``: write every member's header byte count from its count, copy staged
   members' used bytes and the pending ranges into staging (their header rows too), zero
   the range rows it does not use, then launch the graph that covers the DMA end through a
-  function pointer.
+  function pointer. ``publish_packed_step`` is the state's call: the arena's own launch
+  when no graph could run, and the DMA size signed by whether the graphs recorded the
+  slot's completion (``set_records``), as the same int object while it repeats.
 * ``bind_scatter`` / ``publish_cpu``: a CPU arena's publication (the host-to-"device"
   copy of the DMA bytes, then one ``memcpy`` per header descriptor with bytes), the
   ``scatter="reference"`` path; ``h2d_kernels.reference.scatter_reference`` is the plain
@@ -239,6 +241,7 @@ ctypedef struct Publish:
     void *cpu                # its Scatter (the capsule below keeps it alive), or NULL
     PyObject *cpu_capsule
     PyObject *last_end
+    int records              # the graphs record the slot's completion event (set_records)
 
 
 cdef void publish_release(Publish *p) noexcept:
@@ -571,38 +574,75 @@ def attach_cpu(capsule, scatter, /):
     p.cpu = <void *>s
 
 
-def publish_packed(capsule, counts, ranges, stream, /):
-    """publish_packed(capsule, counts, ranges, stream) -> int
-
-    Writes the header and packs, then launches the graph of the bucket covering the DMA
-    end on the raw ``stream`` handle. Returns that DMA size when launched, or its negation
-    when nothing was launched because the binding only packs, the stream is being captured,
-    no graph covers the size or the size lies outside the arena: the caller then enqueues
-    (or raises) through ``PackedArena.publish``. A driver error raises RuntimeError naming
-    the call and the status.
-    """
-    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+cdef int publish_into(Publish *p, object counts, object ranges, object stream,
+                      int64_t *end) except -1:
+    """Pack, then publish on the CPU or launch the bucket's graph. Returns 1 for a
+    launched graph, 2 for a CPU publication, 0 when nothing was enqueued (the caller's
+    arena launches or raises); ``end``: the DMA size."""
     cdef void *handle = <void *><intptr_t>int_of(<PyObject *>stream)
-    cdef int64_t end = 0
-    pack_into(p, <PyObject *>counts, <PyObject *>ranges, &end)
-    if p.cpu != NULL and p.launch == NULL and p.header_bytes <= end <= p.total_bytes:
-        publish_cpu_into(<const Scatter *>p.cpu, end)
-        return cached_end(p, end)
-    if p.launch == NULL or end < p.header_bytes or end > p.total_bytes:
-        return -end  # the arena's publish launches (or raises)
-    cdef Py_ssize_t b = bucket_of(end)
+    pack_into(p, <PyObject *>counts, <PyObject *>ranges, end)
+    if p.cpu != NULL and p.launch == NULL and p.header_bytes <= end[0] <= p.total_bytes:
+        publish_cpu_into(<const Scatter *>p.cpu, end[0])
+        return 2
+    if p.launch == NULL or end[0] < p.header_bytes or end[0] > p.total_bytes:
+        return 0
+    cdef Py_ssize_t b = bucket_of(end[0])
     cdef void *graph_exec = <void *><intptr_t>p.execs[b] if b < p.num_execs else NULL
     if graph_exec == NULL:
-        return -end
+        return 0
     cdef int capturing = 0
     cdef int rc = p.is_capturing(handle, &capturing)
     if rc:
         raise RuntimeError(f"stream capture query failed with driver error {rc}")
     if capturing:  # a graph cannot be launched into a capture: the plain launch can
-        return -end
+        return 0
     rc = p.launch(graph_exec, handle)
     if rc:
         raise RuntimeError(f"graph launch failed with driver error {rc}")
-    return end
+    return 1
+
+
+def publish_packed(capsule, counts, ranges, stream, /):
+    """publish_packed(capsule, counts, ranges, stream) -> int
+
+    Writes the header and packs, then launches the graph of the bucket covering the DMA
+    end on the raw ``stream`` handle (a CPU binding, :func:`attach_cpu`, copies and
+    scatters instead). Returns that DMA size when published, or its negation when nothing
+    was enqueued because the binding only packs, the stream is being captured, no graph
+    covers the size or the size lies outside the arena: the caller then enqueues (or
+    raises) through ``PackedArena.publish``. The same int object while the value repeats.
+    A driver error raises RuntimeError naming the call and the status.
+    """
+    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+    cdef int64_t end = 0
+    cdef int how = publish_into(p, counts, ranges, stream, &end)
+    return cached_end(p, end if how else -end)
+
+
+def publish_packed_step(capsule, counts, ranges, stream, arena_stream, /):
+    """publish_packed_step(capsule, counts, ranges, stream, arena_stream) -> int
+
+    :func:`publish_packed`, then the arena's own ``publish(end, arena_stream)`` when the
+    binding enqueued nothing. Returns the DMA size signed by whether the publication
+    recorded the slot's completion: positive only for a launched graph whose graphs
+    carry the record (:func:`set_records`), negative otherwise (the caller records). The
+    same int object while the value repeats: a steady step makes none.
+    """
+    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+    cdef int64_t end = 0
+    cdef int how = publish_into(p, counts, ranges, stream, &end)
+    if how == 0:
+        (<object>p.owner).publish(end, arena_stream)
+    return cached_end(p, end if how == 1 and p.records else -end)
+
+
+def set_records(capsule, records, /):
+    """set_records(capsule, records) -> None
+
+    Whether the graphs this binding launches record the slot's completion event (what
+    :func:`publish_packed_step`'s sign reports).
+    """
+    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+    p.records = 1 if records else 0
 
 

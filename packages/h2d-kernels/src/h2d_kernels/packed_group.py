@@ -222,6 +222,7 @@ class PackedGroup:
         if cpu is not None and table is None:  # a CPU arena: the compiled publish copies
             # and scatters too
             _native.attach_cpu(binding, cpu)
+        _native.set_records(binding, self._records_completion)
         return binding
 
     def publish(
@@ -242,11 +243,11 @@ class PackedGroup:
         """
         end: int = _native.publish_packed(self._binding, counts, ranges, stream_id)
         if end > 0:
-            return end  # packed and launched the bucket's graph
+            return end  # packed and published (the bucket's graph, or the CPU's copy)
         # Packed, not launched: the compiled helper hands back what it has no launcher for
-        # (a CPU arena, an arena without driver-launched graphs, a stream under capture, a
-        # size no graph covers); the arena enqueues the DMA and scatter (or raises
-        # PublishError for a size outside the arena).
+        # (a CPU arena with first consumers, an arena without driver-launched graphs, a
+        # stream under capture, a size no graph covers); the arena enqueues the DMA and
+        # scatter (or raises PublishError for a size outside the arena).
         self.arena.publish(-end, stream)
         return -end
 
@@ -261,9 +262,7 @@ class PackedGroup:
         bound completion event: positive only when the compiled helper launched a bucket's
         graph and the graphs carry the record (:attr:`records_completion`); negative when
         the caller must record completion after it (an eager, captured or CPU publication
-        records nothing). An int either way: the step's path allocates nothing."""
-        end: int = _native.publish_packed(self._binding, counts, ranges, stream_id)
-        if end > 0:
-            return end if self._records_completion else -end
-        self.arena.publish(-end, stream)
-        return end
+        records nothing). The same int object while the size and sign repeat: a steady
+        step makes none."""
+        return _native.publish_packed_step(  # type: ignore[no-any-return]
+            self._binding, counts, ranges, stream_id, stream)
