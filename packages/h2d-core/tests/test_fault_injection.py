@@ -109,7 +109,7 @@ def inject(position: str, st: H2DRunnerState, bufs: dict[str, Any],
 
     if position == "dma":  # the compiled publication (pack, copy, scatter) fails first
         shim = types.SimpleNamespace(**vars(h2d_kernels.packed_group._native))
-        shim.publish_packed = fail
+        shim.publish_packed = shim.publish_packed_step = fail
         patch.setattr(h2d_kernels.packed_group, "_native", shim)
     else:  # the arena's own CPU publication (a binding that hands it back) fails
         group = rec.packed
