@@ -6,8 +6,9 @@ rules run against the simulation in test_completion_launch.py).
 1. A state's packed groups bind graphs that record their slot's event
    (``records_completion``); the event is pending while the graph waits behind a busy
    stream, and the next ``begin()`` on the slot blocks for it.
-2. One steady step in a profiler trace: one graph launch, and on the host no kernel
-   launch, event record/query or memcpy call outside it.
+2. One steady step in a profiler trace: its DMA and scatter enqueued by one call (one
+   correlation id: the graph launch), and on the host no kernel launch, event
+   record/query or memcpy call.
 """
 
 from __future__ import annotations
@@ -112,13 +113,38 @@ def test_one_steady_step_is_one_graph_launch(h: Any) -> None:
     host = Counter(e.name for e in events if e.device_type.name == "CPU")
     calls = {n: c for n, c in host.items()
              if n in KERNEL_LAUNCHES + EVENT_CALLS + COPY_CALLS + GRAPH_LAUNCHES}
-    assert sum(host[n] for n in GRAPH_LAUNCHES) == 1, calls
     assert not any(host[n] for n in KERNEL_LAUNCHES), calls
     assert not any(host[n] for n in EVENT_CALLS), calls
     assert not any(host[n] for n in COPY_CALLS), calls
+    # The compiled launch calls the driver's cuGraphLaunch through its address, which the
+    # trace does not list (seen on the H200): at most the one launch shows on the host.
+    assert sum(host[n] for n in GRAPH_LAUNCHES) <= 1, calls
     # on the device: the graph's one H2D DMA and one scatter kernel
     names = [e.name for e in events
              if e.device_type.name == "CUDA" and not e.name.startswith("h2d.")]
     assert copy_counts(prof) == Counter({"H2D": 1}), names
     kernels = [n for n in names if not is_copy(n) and "Memset" not in n]
     assert len(kernels) == 1, names
+    # ... enqueued by one API call: every device activity carries the correlation id of
+    # the call that launched it, and a graph launch is the one call that enqueues both
+    device_work = _device_activities(prof)
+    launches = {e["args"].get("correlation") for e in device_work}
+    assert len(device_work) >= 2 and len(launches) == 1 and None not in launches, device_work
+
+
+def _device_activities(prof: Any) -> list[dict[str, Any]]:
+    """The chrome trace's device copies, memsets and kernels (not the annotations)."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json", prefix="h2d_trace_")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    return [e for e in trace.get("traceEvents", [])
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]

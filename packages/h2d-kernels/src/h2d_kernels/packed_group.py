@@ -264,5 +264,5 @@ class PackedGroup:
         the caller must record completion after it (an eager, captured or CPU publication
         records nothing). The same int object while the size and sign repeat: a steady
         step makes none."""
-        return _native.publish_packed_step(  # type: ignore[no-any-return]
+        return _native.publish_packed_step(
             self._binding, counts, ranges, stream_id, stream)
