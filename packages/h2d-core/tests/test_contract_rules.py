@@ -19,6 +19,7 @@ hazard the GPU shows, but without depending on how long anything takes.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -284,6 +285,30 @@ def _graph_recorded(st: H2DRunnerState) -> bool:
 
 def _values(base: int, n: int) -> list[int]:
     return (base + np.arange(n)).tolist()
+
+
+@pytest.mark.parametrize("scatter", ["reference", "triton"])
+def test_the_simulated_gpu_queues_every_cpu_publication(
+        h: Any, monkeypatch: pytest.MonkeyPatch, scatter: str) -> None:
+    """The rules below hold only if a simulated packed publication waits in the queue: with
+    the reference scatter a CPU arena's compiled publication would copy at once (as on a
+    CUDA machine, where the CPU cases take it), so the simulation must route it too."""
+    if scatter == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton scatter on CPU tensors needs TRITON_INTERPRET=1")
+    setup = h.build_state("cpu", scatter=scatter)
+    st = setup.state
+    gpu = SimulatedGpu(st, monkeypatch)
+    ids = setup.buffers["input_ids"]
+    before = ids.gpu.clone()
+    st.begin()
+    ids.np[:] = _values(100, ids.np.shape[0])
+    st.set_count(ids, ids.np.shape[0])
+    st.set_count(setup.buffers["positions"], 1)
+    st.publish("decode")
+    assert gpu.pending and torch.equal(ids.gpu, before), "published before the queue ran"
+    gpu.sync()
+    assert ids.gpu.tolist() == _values(100, ids.np.shape[0])
+    st.finish()
 
 
 # ---------------------------------------------------------------------------- rule 1
