@@ -35,6 +35,7 @@ from h2d_core import (
 )
 from h2d_core.records import CountProgram
 from h2d_core.step import OMITTED, PLAN_ROWS, STEP_COUNTS
+from h2d_core.step import TOKENS as TOKENS_WHAT
 
 POISON = 0x5A
 SOURCE_POISON = -3  # every source element starts as this: what the step leaves shows
@@ -244,6 +245,34 @@ def test_count_program_plan_rows_from_c_values_and_the_slow_path() -> None:
     with pytest.raises(CountError, match=r"plan_a"):
         s.state.count_batch([s.plan_a, s.plan_b, s.extra]).set(
             *program.values(1, 1, 1, 1, 0, [2, 5]))
+    st.finish()
+
+
+def test_count_program_stores_each_row_in_its_record_and_checks_all_first() -> None:
+    """The ninth column names the record a row stores into (a member in two groups' records
+    has a row per home): every row is checked before any record changes."""
+    st = H2DRunnerState("cpu", backend="packed", scatter="reference")
+    a = st.buffer("a", (8,), torch.int32, group="shared")
+    b = st.buffer("b", (8,), torch.int32, group="decode")
+    st.buffer("c", (8,), torch.int32, group="prefill")
+    st.combine("decode_step", ["shared", "decode"])
+    st.combine("prefill_step", ["shared", "prefill"])
+    st.bind()
+    assert len(a.homes) == 2 and len(b.homes) == 1
+    st.begin()
+    records = st._slot_groups[0]
+    rows = [(i, 4, 8, TOKENS_WHAT, 0, 0, 0, 1, gi) for gi, i in a.homes]
+    rows += [(i, 4, 5, TOKENS_WHAT, 1, 0, 0, 1, gi) for gi, i in b.homes]
+    program = CountProgram(rows)
+
+    def counts() -> list[list[int | None]]:
+        return [[records[gi].counts[i] for gi, i in m.homes] for m in (a, b)]
+
+    assert program.store_homes(records, 2, 2, 4, 4, 0)
+    assert counts() == [[4, 4], [5]]
+    # b's count 7 + 1 is past its largest (5), a's row checked first fits: nothing stored
+    assert not program.store_homes(records, 2, 2, 7, 7, 0)
+    assert counts() == [[4, 4], [5]]
     st.finish()
 
 

@@ -605,6 +605,43 @@ def test_shared_adapters_serve_a_decode_and_a_prefill_step(device: str) -> None:
         assert (c.publications, c.dmas, c.scatters) == (1, 1, 1), group
 
 
+def test_shared_members_are_counted_in_both_records_by_one_compiled_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling and token inputs shared by the decode and the prefill step sit in both
+    groups' records: a decode step stores each shared member's count in both, through the
+    step's compiled count program (the per-member Python count batch is the error path
+    only: a steady step that reaches it fails here)."""
+    from h2d_core.count_batch import CountBatch
+
+    st = H2DRunnerState("cpu", scatter="reference")
+    caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
+    tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE,
+                              "num_pages": NUM_PAGES}
+    sampling, tokens = SamplingInputs(st, MAX_REQS), TokenInputs(st, **caps)
+    decode = DecodeStepInputs.from_adapters(
+        sampling, tokens, MhaDecodeInputs(st, **caps, **tables))
+    PrefillStepInputs.from_adapters(sampling, tokens, PrefillInputs(st, **caps, **tables),
+                                    group="chunk")
+    st.bind()
+    shared = [sampling.temperatures, tokens.input_ids, tokens.cu_seqlens_q]
+    assert all(len(b.homes) == 2 for b in shared)
+
+    def slow(*_: object) -> None:
+        raise AssertionError("a steady step took the per-member count batch")
+
+    monkeypatch.setattr(CountBatch, "set", slow)
+    dbatch = chunk([1, 1, 1], [8, 13, 4], [BlockTable(r) for r in (
+        [10, 11], [20, 21, 22, 23], [30])], prefill=False)
+    st.begin()
+    decode.prepare(dbatch)
+    records = st._slot_groups[st.current_slot]
+    for b, want in zip(shared, (3, 3, 4), strict=True):
+        assert [records[gi].counts[i] for gi, i in b.homes] == [want, want], b.name
+    st.publish(DECODE_STEP)
+    st.finish()
+    assert decode.decode.kv_indptr.gpu[:4].tolist() == [0, 2, 6, 7]
+
+
 def test_from_adapters_refuses_adapters_of_another_state() -> None:
     one, other = H2DRunnerState("cpu"), H2DRunnerState("cpu")
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}

@@ -254,7 +254,11 @@ class CountProgram:
     published rows of plan ``plan``) plus ``plus`` units, or nothing when ``what`` is
     ``OMITTED`` or the step's uniform mask has a bit of ``omit_if_uniform`` set.
     :meth:`store` reads C ints only (and the plan row counts from the layout's list): no
-    tuple, list or int object is made per step but the counts the record keeps."""
+    tuple, list or int object is made per step but the counts the record keeps.
+
+    A ninth column names the row's record: an index into the list :meth:`store_homes`
+    takes, for members that sit in several records (a buffer shared by two combined
+    groups, e.g. a decode step's and a prefill step's token inputs: one row per home)."""
 
     _rules = cython.declare(cython.longlong[:, ::1])
     _size = cython.declare(cython.Py_ssize_t)
@@ -266,7 +270,9 @@ class CountProgram:
         array = array.reshape(-1, array.shape[-1] if array.size else 7)
         if array.shape[1] == 7:  # no multiplier given: 1
             array = np.concatenate([array, np.ones((array.shape[0], 1), np.int64)], axis=1)
-        array = np.ascontiguousarray(array.reshape(-1, 8))
+        if array.shape[1] == 8:  # no record given: the one record store() is handed
+            array = np.concatenate([array, np.zeros((array.shape[0], 1), np.int64)], axis=1)
+        array = np.ascontiguousarray(array.reshape(-1, 9))
         self._rules = array
         self._size = array.shape[0]
 
@@ -281,6 +287,36 @@ class CountProgram:
         rules) and ``drafts`` draft tokens. Returns False, storing nothing, when a count
         exceeds its member's largest (the caller then raises the specific error the slow
         way)."""
+        if not self._fits(n, p, t, pt, uniform, plans, drafts):
+            return False
+        rules = self._rules
+        k: cython.Py_ssize_t
+        for k in range(self._size):
+            self._store_row(record, k, n, p, t, pt, uniform, plans, drafts)
+        return True
+
+    @cython.ccall
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def store_homes(self, records: list, n: cython.longlong, p: cython.longlong,
+                    t: cython.longlong, pt: cython.longlong, uniform: cython.longlong,
+                    plans: list | None = None, drafts: cython.longlong = 0) -> cython.bint:
+        """:meth:`store` with each row stored into ``records[row's record column]``: every
+        row is checked before any record changes."""
+        if not self._fits(n, p, t, pt, uniform, plans, drafts):
+            return False
+        rules = self._rules
+        k: cython.Py_ssize_t
+        for k in range(self._size):
+            self._store_row(records[rules[k, 8]], k, n, p, t, pt, uniform, plans, drafts)
+        return True
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _fits(self, n: cython.longlong, p: cython.longlong, t: cython.longlong,
+              pt: cython.longlong, uniform: cython.longlong, plans: list | None,
+              drafts: cython.longlong) -> cython.bint:
         rules = self._rules
         k: cython.Py_ssize_t
         v: cython.longlong
@@ -291,15 +327,23 @@ class CountProgram:
                                                      rules[k, 6], drafts)
             if v < 0 or v > rules[k, 2]:
                 return False
-        for k in range(self._size):
-            if rules[k, 3] == 5 or uniform & rules[k, 5]:
-                if record.counts[rules[k, 0]] is not None:
-                    record.omit(rules[k, 0])
-                continue
-            v = rules[k, 4] + rules[k, 7] * _counted(rules[k, 3], n, p, t, pt, plans,
-                                                     rules[k, 6], drafts)
-            record.store_count(rules[k, 0], v, rules[k, 1])
         return True
+
+    @cython.cfunc
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def _store_row(self, record: GroupRecord, k: cython.Py_ssize_t, n: cython.longlong,
+                   p: cython.longlong, t: cython.longlong, pt: cython.longlong,
+                   uniform: cython.longlong, plans: list | None,
+                   drafts: cython.longlong) -> cython.void:
+        rules = self._rules
+        if rules[k, 3] == 5 or uniform & rules[k, 5]:
+            if record.counts[rules[k, 0]] is not None:
+                record.omit(rules[k, 0])
+            return
+        v: cython.longlong = rules[k, 4] + rules[k, 7] * _counted(
+            rules[k, 3], n, p, t, pt, plans, rules[k, 6], drafts)
+        record.store_count(rules[k, 0], v, rules[k, 1])
 
     def values(self, n: int, p: int, t: int, pt: int, uniform: int,
                plans: list | None = None, drafts: int = 0) -> tuple[int | None, ...]:

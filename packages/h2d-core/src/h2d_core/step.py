@@ -119,8 +119,8 @@ class LayoutStep:
     _stager = cython.declare(object)
     _pad_rows = cython.declare(list)
     _error = cython.declare(object)
-    _record_index = cython.declare(cython.Py_ssize_t)
     _program = cython.declare(object)
+    _values = cython.declare(object)
     _sum_column = cython.declare(cython.Py_ssize_t)
     _slow = cython.declare(object)
     _check = cython.declare(object)
@@ -148,12 +148,6 @@ class LayoutStep:
         self._pad_rows = list(pad_rows)
         self._error = error
         self._check = check
-        # One record carrying every member (a fused producer's group) stores the counts
-        # in one call; members in several records (a group combined with others that
-        # share a buffer) go through the count batch's per-record stores.
-        homes = {gi for rule in counts for gi, _ in rule.buffer.homes}
-        single = len(homes) == 1 and all(len(rule.buffer.homes) == 1 for rule in counts)
-        self._record_index = homes.pop() if single else -1
         plans = sorted({len(layout.plan_published) for layout in self._layouts})
         num_plans = plans[0] if plans else 0
         if (len(plans) > 1 or type(plan_group) is not int or plan_group < 1
@@ -184,11 +178,18 @@ class LayoutStep:
                     f"{r.plan!r}; the layouts bind {num_plans} plans")
         self._count_addrs = _count_addresses(name, state, counts)
         self._has_counts = self._count_addrs.shape[0] > 0
-        self._program = CountProgram([(r.buffer.homes[0][1], r.buffer._unit_bytes,
-                                       r.buffer._fast_capacity, r.what, r.plus,
-                                       r.omit_if_uniform,
-                                       r.plan if r.what == PLAN_ROWS else 0, r.times)
-                                      for r in counts])
+        # One row per (member, record that carries it): a buffer shared by two combined
+        # groups (a decode and a prefill step's token inputs) is counted in both records
+        # by the same compiled call, every row checked before any record changes.
+        self._program = CountProgram([(i, r.buffer._unit_bytes, r.buffer._fast_capacity,
+                                       r.what, r.plus, r.omit_if_uniform,
+                                       r.plan if r.what == PLAN_ROWS else 0, r.times, gi)
+                                      for r in counts for gi, i in r.buffer.homes])
+        self._values = CountProgram([(r.buffer.homes[0][1], r.buffer._unit_bytes,
+                                      r.buffer._fast_capacity, r.what, r.plus,
+                                      r.omit_if_uniform,
+                                      r.plan if r.what == PLAN_ROWS else 0, r.times)
+                                     for r in counts])
         self._sum_column = sum_column
         # the specific error for a count out of range (none is, for a bound layout)
         self._slow = state.count_batch([r.buffer for r in counts])
@@ -240,10 +241,9 @@ class LayoutStep:
         # the written batch's published rows per plan: the layout's own list, read in place
         published: list | None = layout.plan_published if self._num_plans else None
         records: list = st._slot_groups[slot]
-        if self._record_index < 0 or not self._program.store(
-                records[self._record_index], n, p, t, pt, uniform, published, summed):
-            # members in several records, or a count out of range (the specific error)
-            self._slow.set(*self._program.values(n, p, t, pt, uniform, published, summed))
+        if not self._program.store_homes(records, n, p, t, pt, uniform, published, summed):
+            # a count out of range: the count batch raises the specific error
+            self._slow.set(*self._values.values(n, p, t, pt, uniform, published, summed))
         if self._has_counts:  # the counts fused consumers read on the device
             out: cython.pointer[cython.int] = cython.cast(cython.pointer[cython.int],
                                                           self._count_addrs[slot])
