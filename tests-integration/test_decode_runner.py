@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,74 @@ def test_packed_and_direct_are_bit_identical(device: str) -> None:
     assert tp == td
     mismatched = [i for i, (a, b) in enumerate(zip(lp, ld, strict=True)) if not torch.equal(a, b)]
     assert mismatched == []
+
+
+def test_the_runner_fuses_its_first_consumers_by_default(device: str) -> None:
+    """By default (``fuse_consumers=None``, where the kernels can run at publication) the
+    decode and prefill publications run token assembly and KV-index generation: no
+    consumer graph, a step is one publication launch then the model. Tokens and logits
+    equal the unfused runner's, step for step."""
+    needs_kernels(device)
+    _, cfg = _configs(device)
+    runner = DecodeRunner(cfg, device, "packed")
+    assert runner.fuse_consumers and runner.consumers_in_publication
+    assembly = runner.tokens.assembly_consumer
+    assert assembly is not None and sorted(assembly.groups) == ["decode_step", "prefill_step"]
+    assert runner.consumer_graphs == {}
+    unfused = DecodeRunner(replace(cfg, fuse_consumers=False), device, "packed")
+    assert not unfused.consumers_in_publication
+    assert set(unfused.consumer_graphs) == set(cfg.graph_sizes)
+    steps = 60 if device == "cuda" else 24
+    lf, tf, kinds = _run(device, "packed", steps)
+    lu, tu, _ = _run(device, "packed", steps, fuse_consumers=False)
+    assert kinds["prefill"] and kinds["decode"], kinds
+    assert tf == tu
+    assert all(torch.equal(a, b) for a, b in zip(lf, lu, strict=True))
+
+
+@pytest.mark.gpu
+def test_a_steady_decode_step_is_one_publication_launch_then_the_model_graph() -> None:
+    """A steady padded decode step of the default runner in a profiler trace: on the host
+    no kernel launch and no memcpy call (the publication's graph is launched by the
+    compiled core, the model's by its replay); on the device one H2D DMA, and every
+    device activity enqueued by at most two calls (two correlation ids: the publication
+    graph with its scatter and both first consumers, then the model's graph)."""
+    import json
+    import tempfile
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from h2d_kernels import copy_counts
+
+    bs = 4
+    cfg = RunnerConfig(max_reqs=bs, max_tokens=bs, max_pages_per_req=16, page_size=16,
+                       num_pages=steady_decode_num_pages(bs, 64, 16, 64), vocab=512,
+                       graph_sizes=(bs,), num_slots=2, dtype=torch.float16)
+    runner = DecodeRunner(cfg, "cuda", "packed")
+    assert runner.consumers_in_publication and runner.consumer_graphs == {}
+    batches = steady_decode_batches(bs, 64, 16, window=64, graph_sizes=(bs,), vocab_size=512)
+    for _ in range(5):
+        runner.step(next(batches))
+    batch = next(batches)
+    batch.columns, batch.block_tables  # noqa: B018  (the scheduler's side)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.step(batch)
+        torch.cuda.synchronize()
+    host = Counter(e.name for e in prof.events() if e.device_type.name == "CPU")
+    launches = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
+                "cuLaunchKernelEx", "cudaMemcpyAsync", "cuMemcpyHtoDAsync_v2")
+    assert not any(host[n] for n in launches), {n: host[n] for n in launches}
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    assert copy_counts(trace) == Counter({"H2D": 1})
+    work = [e for e in trace["traceEvents"]
+            if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    calls = {e["args"].get("correlation") for e in work}
+    assert None not in calls and len(calls) <= 2, calls
 
 
 def test_two_batch_overlap_packed_equals_direct(device: str) -> None:

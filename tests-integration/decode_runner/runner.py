@@ -7,8 +7,10 @@ Per step::
                call)
     state.publish(<step group>)                   # one DMA + one scatter (packed backend)
     state.finish()                                # records completion, never waits
-    token assembly -> KV-index generation / attention preparation   (first consumers;
-               one captured graph of both on padded decode steps)
+    token assembly -> KV-index generation / attention preparation   (first consumers: by
+               default fused into the publication, so a decode step is one graph launch
+               of DMA, scatter and both; unfused, one captured graph of both on padded
+               decode steps)
     CUDA-graph replay (decode, padded; the graph also samples when no top-k/top-p filter
                is on) or eager forward (prefill, TBO, no graph)
     sampler (greedy rows corrected on the GPU, no readback; noise drawn only when a row
@@ -41,6 +43,7 @@ from h2d_runner_adapters import (
     ScheduledBatch,
     TokenInputs,
     TokenPlan,
+    consumers_fusable,
     fill_gumbel_noise_,
 )
 from h2d_runner_adapters.sampling import GREEDY_TEMPERATURE
@@ -78,6 +81,12 @@ class RunnerConfig:
     #: packed scatter: "auto" (Triton on CUDA, the CPU reference on CPU) or "triton"
     #: (on CPU under TRITON_INTERPRET=1, so CI runs the kernel itself)
     scatter: str = "auto"
+    #: token assembly and KV-index generation inside the decode and prefill publications
+    #: (one launch per step; the direct backend launches them after it). None: wherever
+    #: their kernels can run at publication (:func:`consumers_fusable`: CUDA, or CPU under
+    #: TRITON_INTERPRET=1); False: launched after the publication (one captured graph of
+    #: both on padded decode steps)
+    fuse_consumers: bool | None = None
 
 
 @dataclass
@@ -105,6 +114,13 @@ class DecodeRunner:
         st = H2DRunnerState(self.device, num_slots=cfg.num_slots,
                             backend="direct" if atom else backend, scatter=cfg.scatter)
         self.state = st
+        dev = self.device
+        # previous step's sampled ids, one row per batch row: token assembly reads it (a
+        # fused assembly reads this very tensor, so it exists before the declaration)
+        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
+        fuse = cfg.fuse_consumers
+        #: whether the step's first consumers run inside its publication (see RunnerConfig)
+        self.fuse_consumers = consumers_fusable(dev) if fuse is None else fuse
         self._declare(st, tbo)
         st.bind()
 
@@ -114,9 +130,6 @@ class DecodeRunner:
                               num_pages=cfg.num_pages, dtype=cfg.dtype),
             self.device, seed=cfg.seed, max_pages=cfg.max_pages_per_req,
         )
-        dev = self.device
-        # previous step's sampled ids, one row per batch row: token assembly reads it
-        self.sampled = torch.zeros(cfg.max_reqs, 1, dtype=torch.int32, device=dev)
         self.noise = torch.zeros(cfg.max_reqs, cfg.vocab, dtype=torch.float32, device=dev)
         self.generator = torch.Generator(device=dev)
         self.token_rows = torch.arange(cfg.max_reqs, dtype=torch.int32, device=dev)
@@ -164,9 +177,11 @@ class DecodeRunner:
         self.sampling = SamplingInputs(st, cfg.max_reqs)
         self.tokens = TokenInputs(st, **caps)
         tables = self.table_caps
-        self.decode = MhaDecodeInputs(st, **caps, **tables)
+        self.decode = MhaDecodeInputs(st, **caps, **tables, fuse_kv_indices=self.fuse_consumers)
         self.prefill = PrefillInputs(st, **caps, **tables)
         token_groups = ["sampling", *self.tokens.producer_groups]
+        if self.fuse_consumers:  # into every publication carrying decode_cu / kv_indptr
+            self.tokens.fuse_assembly(self.sampled)
         # plain decode steps: one fused producer call (compiled when available), one group
         extra = self.step_extra_groups
         self.decode_step = DecodeStepInputs.from_adapters(
@@ -201,6 +216,14 @@ class DecodeRunner:
             query_start=self.tokens.cu_seqlens_q.gpu[: rows + 1] if first_token == 0 else None,
         )
 
+    @property
+    def consumers_in_publication(self) -> bool:
+        """Whether the decode publication runs both first consumers (token assembly and
+        KV-index generation) itself: a step is then one launch, then the model's graph."""
+        assembly = self.tokens.assembly_consumer
+        kv = getattr(self.decode, "kv_indices_consumer", None)
+        return assembly is not None and assembly.fused and kv is not None and kv.fused
+
     def _capture(self) -> None:
         d = self.decode
         # Capture over safe contents: no KV writes, no pages (the graph records; warm-up
@@ -209,7 +232,11 @@ class DecodeRunner:
         d.context_lens.gpu.zero_()
         d.kv_indptr.gpu.zero_()
         d.positions.gpu.zero_()
-        self._prepare_capture_tables(max(self.graph_inputs))
+        # consumers fused into the publication: no graph of them, and no table to publish
+        # for it (the first step publishes its rows whole: the record names nothing yet)
+        fused = self.consumers_in_publication
+        if not fused:
+            self._prepare_capture_tables(max(self.graph_inputs))
         self.tokens.input_ids.gpu.zero_()
         self.tokens.decode_cu.gpu.zero_()
         self.tokens.decode_src.gpu.fill_(-1)
@@ -222,13 +249,15 @@ class DecodeRunner:
         torch.cuda.current_stream(self.device).wait_stream(side)
         pool = None
         for p in sorted(self.graph_inputs, reverse=True):
-            # The first consumers read only fixed destinations and host ints fixed by the
-            # graph size, so a padded step replays them too: two Triton launches (and
-            # their host work between publications) become one graph launch.
-            cg = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(cg, pool=pool):
-                self._run_consumers(p)
-            pool = cg.pool()
+            if not fused:
+                # The first consumers read only fixed destinations and host ints fixed by
+                # the graph size, so a padded step replays them too: two Triton launches
+                # (and their host work between publications) become one graph launch.
+                cg = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(cg, pool=pool):
+                    self._run_consumers(p)
+                pool = cg.pool()
+                self.consumer_graphs[p] = cg
             # The model and the unfiltered sampler over the graph's rows: a padded decode
             # step with no top-k/top-p filter does no host work to sample (the Triton
             # launch and its checks would otherwise run between two publications).
@@ -236,7 +265,7 @@ class DecodeRunner:
             with torch.cuda.graph(g, pool=pool):
                 out = self.model(self.graph_inputs[p])
                 self._sample_rows(out, p)
-            self.consumer_graphs[p] = cg
+            pool = g.pool()
             self.graphs[p] = (g, out)
         torch.cuda.synchronize(self.device)
         self.sampled.zero_()  # the warm-up sampled garbage rows: no step has sampled yet

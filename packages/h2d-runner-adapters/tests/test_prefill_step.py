@@ -642,6 +642,50 @@ def test_shared_members_are_counted_in_both_records_by_one_compiled_call(
     assert decode.decode.kv_indptr.gpu[:4].tolist() == [0, 2, 6, 7]
 
 
+def test_assembly_fused_into_both_steps_that_carry_the_shared_token_inputs(
+        device: str) -> None:
+    """Token assembly fused on token inputs shared by a decode and a prefill step runs in
+    each step's publication, at that arena's header rows: a deferred request's first id
+    is the previous step's sampled id after either publication, with no launch by the
+    caller (the oracle: ``prev[src, 0]`` at the request's first token)."""
+    ah.need_kernels(device)
+    st = H2DRunnerState(device, scatter=_scatter(device))
+    caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
+    tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE,
+                              "num_pages": NUM_PAGES}
+    sampling, tokens = SamplingInputs(st, MAX_REQS), TokenInputs(st, **caps)
+    prev = torch.arange(100, 100 + MAX_REQS, dtype=torch.int32,
+                        device=device).reshape(MAX_REQS, 1)
+    consumer = tokens.fuse_assembly(prev)
+    decode = DecodeStepInputs.from_adapters(
+        sampling, tokens, MhaDecodeInputs(st, **caps, **tables))
+    prefill = PrefillStepInputs.from_adapters(
+        sampling, tokens, PrefillInputs(st, **caps, **tables), group="chunk")
+    st.bind()
+    assert consumer.fused and sorted(consumer.groups) == ["chunk", DECODE_STEP]
+    assert consumer.group is None  # several groups run it
+    rows = [BlockTable(r) for r in ([10, 11], [20, 21, 22, 23], [30])]
+    steps = [("chunk", prefill, chunk([7, 5, 3], [7, 12, 3], rows,
+                                      prev_sample_rows=np.array([-1, 2, -1], np.int32))),
+             (DECODE_STEP, decode, chunk([1, 1, 1], [8, 13, 4], rows, prefill=False,
+                                         prev_sample_rows=np.array([3, -1, 0], np.int32)))]
+    for group, step, batch in steps:
+        tokens.input_ids.gpu.fill_(-5)
+        st.begin()
+        step.prepare(batch)
+        st.publish(group)
+        st.finish()
+        ah.sync(device)
+        cols = batch.columns
+        ids, start = cols.token_ids.tolist(), 0
+        for qr, src in zip(cols.query_lens.tolist(), cols.prev_sample_rows.tolist(),
+                           strict=True):
+            if src >= 0:
+                ids[start] = 100 + src
+            start += qr
+        assert tokens.input_ids.gpu[: len(ids)].tolist() == ids, group
+
+
 def test_from_adapters_refuses_adapters_of_another_state() -> None:
     one, other = H2DRunnerState("cpu"), H2DRunnerState("cpu")
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}

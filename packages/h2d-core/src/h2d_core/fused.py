@@ -12,9 +12,12 @@ A fused consumer's kernel must read the step's counts on the device, from the ar
 header the DMA carried (row ``rows[k]`` of member ``members[k]``, column 1: the bytes that
 member published this step; 0 when it was omitted): the graph was captured once, with no
 count as a launch argument. It runs on every publication path of that group, eager and
-captured; a group published without its arena (direct backend, noncontiguous
-destinations, a member carried by several groups) fuses nothing, and
-:attr:`FusedConsumer.fused` tells the adapter to launch the consumer itself.
+captured. Members carried by several combined groups (token inputs shared by a decode and
+a prefill step) fuse the consumer into each of them, at that group's header rows: every
+publication that can change the members runs it. When a carrier cannot run it (direct
+backend, noncontiguous destinations, a group carrying only some of the members), the
+consumer is fused nowhere, and :attr:`FusedConsumer.fused` tells the adapter to launch it
+itself.
 """
 
 from __future__ import annotations
@@ -45,19 +48,30 @@ class FusedConsumer:
     name: str
     members: tuple[H2DBuffer, ...]
     fn: ConsumerFn
-    #: set at bind: the publication group that runs it (None: not fused)
-    group: str | None = None
-    #: the members' header rows in that group's arena (the same in every slot)
-    rows: tuple[int, ...] = field(default=())
+    #: set at bind: per publication group that runs it, the members' header rows in that
+    #: group's arena (the same in every slot); empty: not fused
+    rows_by_group: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def fused(self) -> bool:
-        """Whether the group's publication enqueues this consumer (known after bind)."""
-        return self.group is not None
+        """Whether the publications of the members enqueue this consumer (after bind)."""
+        return bool(self.rows_by_group)
 
-    def bound(self) -> Callable[[torch.Tensor], None]:
-        """The arena's callback: ``fn(header, rows)``."""
-        fn, rows = self.fn, self.rows
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The publication groups that run it (empty: not fused)."""
+        return tuple(self.rows_by_group)
+
+    @property
+    def group(self) -> str | None:
+        """The one publication group that runs it; None when not fused (or when several
+        do: see :attr:`groups`)."""
+        return self.groups[0] if len(self.rows_by_group) == 1 else None
+
+    def bound(self, group: str) -> Callable[[torch.Tensor], None]:
+        """``consumer(header)``: the form ``group``'s packed arena enqueues after its
+        scatter (the arena's callback: ``fn(header, rows)``, that group's rows)."""
+        fn, rows = self.fn, self.rows_by_group[group]
 
         def consume(header: torch.Tensor) -> None:
             fn(header, rows)
@@ -87,18 +101,17 @@ def declare(name: str, members: Sequence[H2DBuffer], fn: ConsumerFn,
 def place(consumers: Sequence[FusedConsumer],
           plans: dict[str, GroupPlan]) -> dict[str, list[FusedConsumer]]:
     """At bind: publication group -> the consumers its packed arenas run. A consumer is
-    fused only when every member is carried by one and the same packed group."""
+    fused when every group carrying any of its members carries all of them and is packed:
+    each such group runs it at its own header rows."""
     placed: dict[str, list[FusedConsumer]] = {}
     for c in consumers:
-        homes = [[p for p in plans.values() if _row(p, b) >= 0] for b in c.members]
-        if any(len(h) != 1 for h in homes) or len({h[0].name for h in homes}) != 1:
-            continue  # a member carried by several groups (or by none): not fused
-        plan = homes[0][0]
-        if not plan.packed:
-            continue
-        c.rows = tuple(_row(plan, b) for b in c.members)
-        c.group = plan.name
-        placed.setdefault(plan.name, []).append(c)
+        carriers = [p for p in plans.values() if any(_row(p, b) >= 0 for b in c.members)]
+        if not carriers or not all(p.packed and all(_row(p, b) >= 0 for b in c.members)
+                                   for p in carriers):
+            continue  # a carrier that cannot run it: fused nowhere, the caller launches
+        for plan in carriers:
+            c.rows_by_group[plan.name] = tuple(_row(plan, b) for b in c.members)
+            placed.setdefault(plan.name, []).append(c)
     return placed
 
 

@@ -289,7 +289,6 @@ class CountProgram:
         way)."""
         if not self._fits(n, p, t, pt, uniform, plans, drafts):
             return False
-        rules = self._rules
         k: cython.Py_ssize_t
         for k in range(self._size):
             self._store_row(record, k, n, p, t, pt, uniform, plans, drafts)

@@ -301,7 +301,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
             for plan in plans.values():
                 for slot in range(self.num_slots):
                     slot_groups[slot].append(self._bind_group(
-                        plan, sources, slot, [c.bound() for c in fused.get(plan.name, ())],
+                        plan, sources, slot, [c.bound(plan.name) for c in fused.get(plan.name, ())],
                         handles[slot]))
         except ValueError as exc:  # layout/destination rejections from h2d_kernels
             raise BindingError(f"cannot bind packed storage: {exc}") from exc

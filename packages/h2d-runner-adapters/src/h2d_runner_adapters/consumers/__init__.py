@@ -6,6 +6,7 @@ place (or into ``out=``) and never recompile for a new batch size.
 :mod:`~h2d_runner_adapters.consumers.reference` holds plain-torch oracles for tests.
 """
 
+from h2d_runner_adapters.consumers._launch import consumers_fusable
 from h2d_runner_adapters.consumers.draft_gather import gather_draft_ids
 from h2d_runner_adapters.consumers.errors import ConsumerArgumentError, ConsumerDeviceError
 from h2d_runner_adapters.consumers.kv_indices import generate_kv_indices
@@ -40,6 +41,7 @@ __all__ = [
     "StepIndptrs",
     "WindowGeometry",
     "assemble_token_ids",
+    "consumers_fusable",
     "expand_v4_token_tables",
     "fill_gumbel_noise_",
     "gather_draft_ids",

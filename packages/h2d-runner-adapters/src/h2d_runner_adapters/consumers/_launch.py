@@ -24,6 +24,16 @@ def interpreted(kernel: object) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+def consumers_fusable(device: str | torch.device) -> bool:
+    """Whether first consumers can run inside publications on ``device`` (the adapters'
+    ``fuse_*`` options): on CUDA, always; on CPU, only under Triton's interpreter
+    (``TRITON_INTERPRET=1`` set before triton is imported), where the CPU arena runs the
+    real kernels. Elsewhere a ``fuse_*`` option is refused with a DeclarationError."""
+    from h2d_runner_adapters.consumers.token_assembly import _assemble_kernel
+
+    return torch.device(device).type != "cpu" or interpreted(_assemble_kernel)
+
+
 def next_power_of_two(n: int) -> int:
     """The smallest power of two >= ``max(n, 1)``."""
     return 1 << max(n - 1, 0).bit_length()
