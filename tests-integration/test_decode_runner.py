@@ -78,6 +78,9 @@ def _run(device: str, backend: str, steps: int, *, check_oracle: bool = False,
             _check_inputs(runner, batch, res.decoder_inputs, prev)
         logits.append(res.logits.float().cpu())
         sampled = res.sampled.cpu().tolist()
+        # blocking reads on the stream every epoch runs on, after finish(): as an engine
+        # that reads its ids back says so, begin() then asks the driver nothing
+        runner.state.mark_synchronized()
         tokens.append(sampled)
         prev = sampled + [0] * (run_cfg.max_reqs - len(sampled))
     return logits, tokens, kinds
