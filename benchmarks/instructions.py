@@ -187,7 +187,8 @@ def _decode_setup(family: str, warmup: int, built: int, extra: int, *, gdn: bool
     # the GDN group first: the decode step combines it (as the runner declares them)
     states = GdnStateInputs(state, max_reqs=BS, num_state_slots=BS) if gdn else None
     step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
-                            page_size=PAGE, extra_groups=[GDN_STATE] if gdn else ())
+                            page_size=PAGE, extra_groups=[GDN_STATE] if gdn else (),
+                            fuse_kv_indices=False)
     state.bind()
     # the engine's state groups: request i keeps group i (its allocator's work, uncounted)
     groups = np.arange(BS, dtype=np.int32)
@@ -276,7 +277,8 @@ def _setup_mtp(warmup: int, built: int, extra: int) -> Setup:
     per_row = -(-(context + 200 * (k + 1) + 4 * k + 64) // PAGE)
     state = _state()
     step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS * (k + 1),
-                            max_pages_per_req=per_row, page_size=PAGE, max_drafts=k)
+                            max_pages_per_req=per_row, page_size=PAGE, max_drafts=k,
+                            fuse_kv_indices=False)
     state.bind()
     batches = Batches(BS, context, k)
     warm = [batches.step()[0] for _ in range(warmup)]

@@ -136,7 +136,8 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                 fused = backend in ("packed", "direct")
                 # (the interpreted producers are gone: native=False is refused)
                 step_inputs = DecodeStepInputs(
-                    st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=page)
+                    st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=page,
+                    fuse_kv_indices=False)
                 sampling, tokens, decode = (step_inputs.sampling, step_inputs.tokens,
                                             step_inputs.decode)
                 st.bind()

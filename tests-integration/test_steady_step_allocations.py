@@ -110,7 +110,7 @@ def _mha() -> tuple[Step, list[Any]]:
     per_row = -(-(context + PAGE - 1 + window) // PAGE)
     st = _state()
     step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
-                                   page_size=PAGE)
+                                   page_size=PAGE, fuse_kv_indices=False)
     st.bind()
     batches = steady_decode_batches(BS, context, PAGE, window=window)
     items = [next(batches) for _ in range(WARM + STEPS + 1)]
@@ -137,7 +137,8 @@ def _mtp() -> tuple[Step, list[Any]]:
     per_row = -(-(context + 2 * (WARM + STEPS) * (k + 1) + 4 * k + 64) // PAGE)
     st = _state()
     step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS * (k + 1),
-                                   max_pages_per_req=per_row, page_size=PAGE, max_drafts=k)
+                                   max_pages_per_req=per_row, page_size=PAGE, max_drafts=k,
+                                   fuse_kv_indices=False)
     st.bind()
     batches = Batches(BS, context, k)
     items = [batches.step()[0] for _ in range(WARM + STEPS + 1)]

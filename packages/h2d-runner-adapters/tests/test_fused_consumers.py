@@ -144,18 +144,45 @@ def test_direct_backend_fuses_nothing(device: str) -> None:
     assert kv.cpu().tolist()[: len(want)] == want
 
 
+def test_kv_index_generation_is_fused_by_default_where_it_can_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fuse_kv_indices=None`` (the default) fuses wherever ``consumers_fusable`` says the
+    kernel runs at publication; False launches it after ``publish``; a CPU state without
+    the interpreter is not fused by default (an explicit True is refused there)."""
+    from h2d_runner_adapters import consumers_fusable, mha_decode
+
+    caps = {"max_reqs": 2, "max_tokens": 2, "max_pages_per_req": 2, "page_size": PAGE}
+    st = H2DRunnerState("cpu", backend="packed", scatter=ah.scatter_for("cpu"))
+    default = DecodeStepInputs(st, **caps)
+    st.bind()
+    consumer = default.decode.kv_indices_consumer
+    assert consumers_fusable("cpu") is (consumer is not None)
+    assert consumer is None or consumer.fused
+    off = H2DRunnerState("cpu", backend="packed", scatter=ah.scatter_for("cpu"))
+    assert DecodeStepInputs(off, **caps, fuse_kv_indices=False).decode.kv_indices_consumer is None
+    monkeypatch.setattr(mha_decode, "consumers_fusable", lambda device: False)
+    plain = H2DRunnerState("cpu", backend="packed", scatter="reference")
+    assert DecodeStepInputs(plain, **caps).decode.kv_indices_consumer is None
+
+
 def test_covered_group_of_a_fused_publication_is_refused() -> None:
+    """``mha_decode`` produced on its own (a standalone caller) would publish alone with
+    direct copies, which skip the fused KV-index generation: refused, changing nothing;
+    the whole step then publishes."""
     st, step = _state("cpu", "packed")
     ctx, tables, padded = _schedule(7)[0]
     st.begin()
-    step.prepare(_batch(ctx, tables, padded), padded)
+    step.decode.prepare(_batch(ctx, tables, padded), padded)  # the covered group alone
     before = step.decode.kv_indptr.gpu.clone()
     with pytest.raises(MembershipError, match=r"'mha_decode'.*fused first consumers.*"
                        r"publish 'decode_step'"):
         st.publish(MHA_DECODE)
     assert torch.equal(step.decode.kv_indptr.gpu, before)
     assert not st.is_published(MHA_DECODE)
-    st.publish("decode_step")  # the refusal changed nothing: the step still publishes
+    st.finish()
+    st.begin()  # the refusal changed nothing: the next epoch's step publishes whole
+    step.prepare(_batch(ctx, tables, padded), padded)
+    st.publish("decode_step")
     st.finish()
     assert step.decode.kv_indices.tolist()[: len(_oracle(ctx, tables))] == _oracle(ctx, tables)
 

@@ -426,14 +426,14 @@ class EpochCore:
         """Enqueue one publication (validated) and count it (``counters``: its payload
         bytes, copies, DMA and scatter, in C fields)."""
         if covered:
+            # not part of a step whose producers wrote the combined group (validation:
+            # raised before anything is enqueued; the more specific refusal first)
+            self._check_covered(covered[0].group)  # type: ignore[attr-defined]
             if rec.fused:
                 raise MembershipError(
                     f"group {covered[0].group!r} is published by {rec.plan.name!r}, whose "
                     "publication runs fused first consumers: publish "
                     f"{rec.plan.name!r} (a direct copy of part of it would skip them)")
-            # not part of a step whose producers wrote the combined group (validation:
-            # raised before anything is enqueued)
-            self._check_covered(covered[0].group)  # type: ignore[attr-defined]
             self._graph_recorded = False
             counters.count_publication(self._copy_direct(  # type: ignore[attr-defined]
                 rec, [b.member_index for b in covered], counters))

@@ -101,7 +101,7 @@ class DecodeStepInputs(FusedStep):
         max_drafts: int = 0,
         extra_groups: Sequence[str] = (),
         native: bool | None = None,
-        fuse_kv_indices: bool = False,
+        fuse_kv_indices: bool | None = None,
         fuse_token_assembly: torch.Tensor | None = None,
         prev_rows: int | None = None,
     ) -> None:

@@ -61,7 +61,7 @@ from h2d_core import (
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, int_value, padded_count, refuse_page_size, sub_plan
 from .consumers import generate_kv_indices
-from .consumers._launch import interpreted
+from .consumers._launch import consumers_fusable, interpreted
 from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_header
 from .consumers.mrope import select_mrope_positions
 from .mrope import check_deltas, declare_mrope, mrope_planes
@@ -100,7 +100,7 @@ class MhaDecodeInputs(PagedInputs):
         prefix: str = "",
         mrope: bool = False,
         group: str | None = None,
-        fuse_kv_indices: bool = False,
+        fuse_kv_indices: bool | None = None,
     ) -> None:
         g = group or f"{prefix}{MHA_DECODE}"
         super().__init__(state, g, f"{prefix}block_tables", max_reqs=max_reqs,
@@ -124,6 +124,8 @@ class MhaDecodeInputs(PagedInputs):
         #: KV-index generation fused into the publication (its graphs) when the packed
         #: group carries ``kv_indptr`` (see h2d_core.fused); None: launched by the caller
         self.kv_indices_consumer: FusedConsumer | None = None
+        if fuse_kv_indices is None:  # the default: fused wherever the kernel can run there
+            fuse_kv_indices = consumers_fusable(state.device)
         if fuse_kv_indices:
             if state.device.type == "cpu" and not interpreted(_kv_indices_kernel):
                 raise DeclarationError(
