@@ -240,7 +240,8 @@ def _setup_v41(warmup: int, built: int, extra: int) -> Setup:
     tokens = TokenStepInputs(state, max_reqs=BS, max_tokens=BS)
     v4 = V41MetadataInputs(state, max_reqs=BS, max_tokens=BS, max_blocks_per_req=blocks,
                            dummy_state_slot=BS, dummy_block=0, window=WINDOW,
-                           index_topk=TOPK, fp8=True, envelope_rows=ENVELOPE)
+                           index_topk=TOPK, fp8=True, envelope_rows=ENVELOPE,
+                           fuse_step_indptrs=False)
     state.bind()
     n = BS
     columns = BatchColumns(

@@ -518,7 +518,8 @@ class V41Side:
         self.v4 = V41MetadataInputs(
             st_, max_reqs=REQS, max_tokens=TOKENS, max_blocks_per_req=V41_BLOCKS_PER_REQ,
             dummy_state_slot=V41_DUMMY_SLOT, dummy_block=V41_DUMMY_BLOCK, num_blocks=40,
-            window=8, index_topk=4, fp8=True, envelope_rows=3)
+            window=8, index_topk=4, fp8=True, envelope_rows=3,
+            fuse_step_indptrs=False)  # the machine models the publications' members only
         st_.bind()
         self.plan: V41Plan | None = None
         self.progress = 0

@@ -176,7 +176,8 @@ def _v41() -> tuple[Step, list[Any]]:
     tokens = TokenStepInputs(st, max_reqs=BS, max_tokens=BS)
     v4 = V41MetadataInputs(st, max_reqs=BS, max_tokens=BS, max_blocks_per_req=blocks,
                            dummy_state_slot=BS, dummy_block=0, window=WINDOW,
-                           index_topk=TOPK, fp8=True, envelope_rows=ENVELOPE)
+                           index_topk=TOPK, fp8=True, envelope_rows=ENVELOPE,
+                           fuse_step_indptrs=False)
     st.bind()
     n = BS
     columns = BatchColumns(

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from block_tables import BlockTable
-from h2d_runner_adapters import V41_METADATA, RequestSpan
+from h2d_core import H2DRunnerState
+from h2d_runner_adapters import V41_METADATA, RequestSpan, V41MetadataInputs
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adapter_helpers as ah
@@ -136,6 +137,32 @@ def test_v41_decode_after_prefill_in_one_epoch_leaves_out_the_chunk_starts(devic
     st.publish(V41_METADATA)
     st.finish()
     assert set(_dest(st, "v41_chunk_starts")) == {V4_POISON}
+
+
+def test_step_indptrs_are_fused_by_default_where_they_can_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fuse_step_indptrs=None`` (the default) fuses wherever ``consumers_fusable`` says
+    the kernels run at publication (CUDA, or CPU under the interpreter); elsewhere no
+    consumer and no ``v41_step_counts`` member are declared."""
+    import h2d_runner_adapters.v41_metadata as module
+    from h2d_runner_adapters import consumers_fusable
+
+    def declare(st_: H2DRunnerState) -> V41MetadataInputs:
+        return V41MetadataInputs(st_, max_reqs=2, max_tokens=4, max_blocks_per_req=2,
+                                 dummy_state_slot=9, dummy_block=5, num_blocks=6, window=4,
+                                 index_topk=4, envelope_rows=2)
+
+    st_ = H2DRunnerState("cpu", backend="packed", scatter=ah.scatter_for("cpu"))
+    v4 = declare(st_)
+    st_.bind()
+    fused = consumers_fusable("cpu")
+    assert (v4.step_indptrs_consumer is not None) is fused
+    assert (v4.step_counts is not None) is fused
+    if fused:
+        assert v4.step_indptrs_consumer is not None and v4.step_indptrs_consumer.fused
+    monkeypatch.setattr(module, "consumers_fusable", lambda device: False)
+    plain = declare(H2DRunnerState("cpu", backend="packed", scatter="reference"))
+    assert plain.step_indptrs_consumer is None and plain.step_counts is None
 
 
 def test_fused_step_indptrs_launch_nothing_and_a_prefill_leaves_them(

@@ -97,7 +97,7 @@ from .consumers import (
     write_v4_decode_window_indices,
     write_v4_prefill_indices,
 )
-from .consumers._launch import interpreted
+from .consumers._launch import consumers_fusable, interpreted
 from .consumers.v4_decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
 from .paged import PagedInputs
 from .v41_spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
@@ -188,7 +188,7 @@ class V41MetadataInputs(PagedInputs):
         max_ranges: int = 64,
         native: bool | None = None,
         prefix: str = "",
-        fuse_step_indptrs: bool = False,
+        fuse_step_indptrs: bool | None = None,
     ) -> None:
         g = f"{prefix}{V41_METADATA}"
         refuse_interpreted(native, g)
@@ -258,6 +258,8 @@ class V41MetadataInputs(PagedInputs):
         #: (None: not declared; its ``fused`` says whether the publication runs it)
         self.step_counts: H2DBuffer | None = None
         self.step_indptrs_consumer: FusedConsumer | None = None
+        if fuse_step_indptrs is None:  # the default: fused wherever the kernels run there
+            fuse_step_indptrs = consumers_fusable(dev)
         if fuse_step_indptrs:
             if dev.type == "cpu" and not interpreted(_step_indptrs_kernel):
                 raise DeclarationError(
