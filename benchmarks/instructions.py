@@ -21,6 +21,10 @@ next stage sends only the changed rows.
   decode step, as ``decode_runner/qwen3next_runner.py`` runs it: ``DecodeStepInputs(...,
   extra_groups=[GDN_STATE])``, then ``gdn.prepare(state_groups)``, non-speculative, each
   request keeping its state group), the same batches as ``mha``;
+* ``shared``: ``mha``'s step with its sampling and token adapters shared with a prefill
+  step (``DecodeStepInputs.from_adapters`` and ``PrefillStepInputs.from_adapters``: two
+  combined groups carry those members, as ``decode_runner/runner.py`` declares them), the
+  same batches as ``mha``: its counts go to both groups' records;
 * ``prefill``: ``PrefillStepInputs.prepare`` over a 2,048-token chunk: 4 requests of long
   prompts, 512 tokens each a step (32 pages appended per row), prompts already
   8K-32K tokens in, ids staged from the host (:class:`PrefillChunks`).
@@ -56,7 +60,7 @@ enough that a few percent of added work fails (``tests-integration/
 test_instruction_budgets.py`` injects ~3%), loose enough for the layouts' spread (<1%).
 ``--write-budgets`` measures and writes the figures there (other families' entries stay):
 after an intended change of the counted path, ``python benchmarks/instructions.py
---write-budgets --jobs 2`` re-records every family in one command (15 callgrind runs of
+--write-budgets --jobs 2`` re-records every family in one command (18 callgrind runs of
 ~14 s of CPU each: about 2 minutes on two idle cores). ``--results FILE`` reads a
 previous ``--out`` JSON instead of measuring. ``H2D_INSTR_EXTRA_WORK=N`` (environment)
 adds a Python loop of ``N`` iterations to every counted step (about 250 instructions an
@@ -92,7 +96,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 BUDGETS = HERE / "instruction_budgets.json"
-FAMILIES = ("mha", "v41", "mtp", "gdn", "prefill")
+FAMILIES = ("mha", "v41", "mtp", "gdn", "prefill", "shared")
 BS = 64
 WHAT = ("callgrind instructions (Ir) per steady step on CPU: state.begin() + the family's "
         "producer calls + state.publish (the CPU arena's reference scatter) + state.finish()")
@@ -168,9 +172,15 @@ def _setup_gdn(warmup: int, built: int, extra: int) -> Setup:
     return _decode_setup("gdn", warmup, built, extra, gdn=True)
 
 
-def _decode_setup(family: str, warmup: int, built: int, extra: int, *, gdn: bool) -> Setup:
+def _setup_shared(warmup: int, built: int, extra: int) -> Setup:
+    return _decode_setup("shared", warmup, built, extra, gdn=False, shared=True)
+
+
+def _decode_setup(family: str, warmup: int, built: int, extra: int, *, gdn: bool,
+                  shared: bool = False) -> Setup:
     """``mha``'s step, or with ``gdn`` the GDN hybrid's: the state indices riding in the
-    decode step's group, produced after it (``decode_runner/qwen3next_runner.py``)."""
+    decode step's group, produced after it (``decode_runner/qwen3next_runner.py``); with
+    ``shared`` the sampling and token adapters also serve a prefill step's group."""
     import numpy as np
     from decode_runner.scheduler import steady_decode_batches
     from step_targets import PAGE, WINDOW
@@ -186,9 +196,26 @@ def _decode_setup(family: str, warmup: int, built: int, extra: int, *, gdn: bool
     state = _state()
     # the GDN group first: the decode step combines it (as the runner declares them)
     states = GdnStateInputs(state, max_reqs=BS, num_state_slots=BS) if gdn else None
-    step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
-                            page_size=PAGE, extra_groups=[GDN_STATE] if gdn else (),
-                            fuse_kv_indices=False)
+    if shared:
+        from h2d_runner_adapters import (
+            MhaDecodeInputs,
+            PrefillInputs,
+            PrefillStepInputs,
+            SamplingInputs,
+            TokenInputs,
+        )
+
+        caps = {"max_reqs": BS, "max_tokens": BS}
+        tables = {"max_pages_per_req": per_row, "page_size": PAGE}
+        sampling, tokens = SamplingInputs(state, BS), TokenInputs(state, **caps)
+        step = DecodeStepInputs.from_adapters(
+            sampling, tokens, MhaDecodeInputs(state, **caps, **tables, fuse_kv_indices=False))
+        PrefillStepInputs.from_adapters(sampling, tokens,
+                                        PrefillInputs(state, **caps, **tables))
+    else:
+        step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
+                                page_size=PAGE, extra_groups=[GDN_STATE] if gdn else (),
+                                fuse_kv_indices=False)
     state.bind()
     # the engine's state groups: request i keeps group i (its allocator's work, uncounted)
     groups = np.arange(BS, dtype=np.int32)
@@ -380,7 +407,7 @@ def _setup_prefill(warmup: int, built: int, extra: int) -> Setup:
 
 SETUPS: dict[str, Callable[[int, int, int], Setup]] = {
     "mha": _setup_mha, "v41": _setup_v41, "mtp": _setup_mtp, "gdn": _setup_gdn,
-    "prefill": _setup_prefill}
+    "prefill": _setup_prefill, "shared": _setup_shared}
 
 
 #: the layout padding's objects, alive for the whole child

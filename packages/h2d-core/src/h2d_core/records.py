@@ -258,7 +258,8 @@ class CountProgram:
 
     A ninth column names the row's record: an index into the list :meth:`store_homes`
     takes, for members that sit in several records (a buffer shared by two combined
-    groups, e.g. a decode step's and a prefill step's token inputs: one row per home)."""
+    groups, e.g. a decode step's and a prefill step's token inputs: one row per home);
+    rows of one record are best kept together (one record lookup per run of them)."""
 
     _rules = cython.declare(cython.longlong[:, ::1])
     _size = cython.declare(cython.Py_ssize_t)
@@ -306,8 +307,13 @@ class CountProgram:
             return False
         rules = self._rules
         k: cython.Py_ssize_t
+        at: cython.longlong = -1
+        record: GroupRecord = None
         for k in range(self._size):
-            self._store_row(records[rules[k, 8]], k, n, p, t, pt, uniform, plans, drafts)
+            if rules[k, 8] != at:  # rows grouped by record: one lookup per record
+                at = rules[k, 8]
+                record = records[at]
+            self._store_row(record, k, n, p, t, pt, uniform, plans, drafts)
         return True
 
     @cython.cfunc
@@ -329,6 +335,7 @@ class CountProgram:
         return True
 
     @cython.cfunc
+    @cython.inline
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def _store_row(self, record: GroupRecord, k: cython.Py_ssize_t, n: cython.longlong,

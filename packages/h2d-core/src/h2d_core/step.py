@@ -181,10 +181,10 @@ class LayoutStep:
         # One row per (member, record that carries it): a buffer shared by two combined
         # groups (a decode and a prefill step's token inputs) is counted in both records
         # by the same compiled call, every row checked before any record changes.
-        self._program = CountProgram([(i, r.buffer._unit_bytes, r.buffer._fast_capacity,
-                                       r.what, r.plus, r.omit_if_uniform,
-                                       r.plan if r.what == PLAN_ROWS else 0, r.times, gi)
-                                      for r in counts for gi, i in r.buffer.homes])
+        self._program = CountProgram(sorted(
+            [(i, r.buffer._unit_bytes, r.buffer._fast_capacity, r.what, r.plus,
+              r.omit_if_uniform, r.plan if r.what == PLAN_ROWS else 0, r.times, gi)
+             for r in counts for gi, i in r.buffer.homes], key=lambda row: row[8]))
         self._values = CountProgram([(r.buffer.homes[0][1], r.buffer._unit_bytes,
                                       r.buffer._fast_capacity, r.what, r.plus,
                                       r.omit_if_uniform,
