@@ -143,7 +143,7 @@ def test_the_runner_fuses_its_first_consumers_by_default(device: str) -> None:
 def test_a_steady_decode_step_is_one_publication_launch_then_the_model_graph() -> None:
     """A steady padded decode step of the default runner in a profiler trace: on the host
     no kernel launch and no memcpy call (the publication's graph is launched by the
-    compiled core, the model's by its replay); on the device one H2D DMA, and every
+    compiled core, the model's by its replay); on the device one H2D copy, and every
     device activity enqueued by at most two calls (two correlation ids: the publication
     graph with its scatter and both first consumers, then the model's graph)."""
     import json
@@ -177,7 +177,8 @@ def test_a_steady_decode_step_is_one_publication_launch_then_the_model_graph() -
         path = Path(folder) / "trace.json"
         prof.export_chrome_trace(str(path))
         trace = json.loads(path.read_text())
-    assert copy_counts(trace) == Counter({"H2D": 1})
+    # one DMA (the model's graph has device-to-device copies of its own)
+    assert copy_counts(trace)["H2D"] == 1
     work = [e for e in trace["traceEvents"]
             if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     calls = {e["args"].get("correlation") for e in work}

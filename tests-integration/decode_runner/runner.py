@@ -232,10 +232,12 @@ class DecodeRunner:
         d.context_lens.gpu.zero_()
         d.kv_indptr.gpu.zero_()
         d.positions.gpu.zero_()
-        # consumers fused into the publication: no graph of them, and no table to publish
-        # for it (the first step publishes its rows whole: the record names nothing yet)
+        # consumers fused into the publication: no graph of them; KV-index generation
+        # fused: no capture table to publish for it (the first step publishes its rows
+        # whole, the record naming nothing yet; a covered group alone is refused then)
         fused = self.consumers_in_publication
-        if not fused:
+        kv = getattr(self.decode, "kv_indices_consumer", None)
+        if kv is None or not kv.fused:
             self._prepare_capture_tables(max(self.graph_inputs))
         self.tokens.input_ids.gpu.zero_()
         self.tokens.decode_cu.gpu.zero_()

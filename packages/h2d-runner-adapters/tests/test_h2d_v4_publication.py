@@ -417,7 +417,11 @@ def test_v41_decode_is_two_h2d_copies_and_two_kernels_in_a_profiler_trace(device
     # copies by the runtime's kind (ROCm's HIP kind=1 even where the name says DtoD)
     assert copy_counts(prof) == Counter({"H2D": 2}), names
     kernels = [n for n in names if not is_copy(n) and "Memset" not in n]
-    assert len(kernels) == 2, names
+    # two scatters; the step indptrs, fused by default, run inside the second's graph
+    assert [n for n in kernels if "scatter" in n] == ["_scatter_kernel"] * 2, names
+    fused = v4.step_indptrs_consumer is not None and v4.step_indptrs_consumer.fused
+    assert fused and sorted(kernels) == sorted(["_scatter_kernel"] * 2
+                                                + ["_step_indptrs_kernel"]), names
 
 
 @pytest.mark.parametrize(("backend", "fuse"), [("packed", False), ("direct", False),
