@@ -123,6 +123,9 @@ class DecodeRunner:
         self.fuse_consumers = consumers_fusable(dev) if fuse is None else fuse
         self._declare(st, tbo)
         st.bind()
+        #: fixed at bind: a decode step's publication runs both first consumers, so the
+        #: step calls neither (their fused forms launch nothing; assemble builds a view)
+        self._fused_both = self.consumers_in_publication
 
         self.model = model if model is not None else TinyDecoder(
             TinyDecoderConfig(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers,
@@ -374,7 +377,9 @@ class DecodeRunner:
         t5 = time.perf_counter_ns()
         rows = dplan.padded_reqs
         consumers = self.consumer_graphs.get(rows)
-        if consumers is not None and tplan.padded_tokens == rows:
+        if self._fused_both:
+            pass  # the publication ran both (the decoder reads the fixed destinations)
+        elif consumers is not None and tplan.padded_tokens == rows:
             consumers.replay()
         else:
             self.tokens.assemble(tplan, self.sampled)
