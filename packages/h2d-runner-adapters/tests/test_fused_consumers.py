@@ -234,6 +234,8 @@ def test_fused_token_assembly_fills_deferred_ids(device: str) -> None:
         plan = step.prepare(batch, padded)
         st.publish(DECODE_STEP)
         ids = step.tokens.assemble(plan.tokens, prev)  # launches nothing: fused
+        # ... and makes no tensor for a padded size it has seen (one view per size)
+        assert step.tokens.assemble(plan.tokens, prev) is ids
         st.finish()
         ah.sync(device)
         host = prev.cpu().numpy()

@@ -109,6 +109,8 @@ class TokenInputs:
         #: token assembly fused into the publication (fuse_assembly), and what it reads
         self.assembly_consumer: FusedConsumer | None = None
         self._fused_prev: torch.Tensor | None = None
+        #: the fused assemble's input-ids views, per padded token count
+        self._fused_views: dict[int, torch.Tensor] = {}
 
     def fuse_assembly(self, prev_sampled: torch.Tensor) -> FusedConsumer:
         """Put token assembly inside the publication of the group carrying ``decode_cu``
@@ -298,7 +300,12 @@ class TokenInputs:
                     f"{TOKEN_IDS}: token assembly is fused into the publication and reads "
                     "the prev_sampled given to fuse_assembly; pass that tensor (or declare "
                     "without the fusion)")
-            return self.input_ids.gpu[: plan.padded_tokens]
+            # the view of a padded size is built once: a steady step makes no tensor
+            view = self._fused_views.get(plan.padded_tokens)
+            if view is None:
+                view = self._fused_views[plan.padded_tokens] = (
+                    self.input_ids.gpu[: plan.padded_tokens])
+            return view
         if (isinstance(prev_sampled, torch.Tensor) and prev_sampled.dim() == 2
                 and prev_sampled.size(0) < self.prev_rows):
             self._check_prev_rows(plan, prev_sampled.size(0))
