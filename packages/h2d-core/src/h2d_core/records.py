@@ -306,9 +306,11 @@ class CountProgram:
         if not self._fits(n, p, t, pt, uniform, plans, drafts):
             return False
         rules = self._rules
+        if self._size == 0:
+            return True
         k: cython.Py_ssize_t
-        at: cython.longlong = -1
-        record: GroupRecord = None
+        at: cython.longlong = rules[0, 8]
+        record: GroupRecord = records[at]
         for k in range(self._size):
             if rules[k, 8] != at:  # rows grouped by record: one lookup per record
                 at = rules[k, 8]
