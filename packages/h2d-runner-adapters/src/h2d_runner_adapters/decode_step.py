@@ -75,7 +75,8 @@ class DecodeStepInputs(FusedStep):
     ``state.bind()``. :meth:`from_adapters` composes adapters the caller declared (e.g.
     shared with a prefill path). ``native`` is kept for source compatibility: every rule
     runs compiled (None and True), and False, the removed interpreted mode, is refused.
-    ``fuse_kv_indices`` puts KV-index generation inside the step's publication (its CUDA
+    ``fuse_kv_indices`` (default None: wherever :func:`consumers_fusable` says the kernel
+    runs there) puts KV-index generation inside the step's publication (its CUDA
     graphs, counts read on the device): ``decode.generate_kv_indices(plan)`` then launches
     nothing (see :class:`MhaDecodeInputs`). ``fuse_token_assembly`` (the engine's
     persistent int32 ``[rows, W]`` buffer of the previous step's sampled tokens) puts token

@@ -164,7 +164,8 @@ class V41MetadataInputs(PagedInputs):
     ``dest`` outputs (HCA head, window tails, prefill indices) is a VIEW ROW: relative to
     the reading layer's view base (a compressed layer's offset in the block envelope), so
     one published HCA head serves every HCA layer, each adding its own base; see
-    :class:`~h2d_runner_adapters.consumers.WindowGeometry`. ``fuse_step_indptrs`` puts that first
+    :class:`~h2d_runner_adapters.consumers.WindowGeometry`. ``fuse_step_indptrs`` (default None:
+    wherever :func:`consumers_fusable` says the kernels run there) puts that first
     consumer inside the group's publication (a packed group: its CUDA graphs), with the
     step's counts published as ``v41_step_counts`` and read on the device;
     :meth:`generate_step_indptrs` then launches nothing.
