@@ -230,17 +230,18 @@ def test_count_program_plan_rows_from_c_values_and_the_slow_path() -> None:
     gi, ia = s.plan_a.homes[0]
     _, ib = s.plan_b.homes[0]
     _, ie = s.extra.homes[0]
-    record = st._slot_groups[0][gi]
-    # (member, unit bytes, largest, what, plus, omit_if_uniform, plan)
-    program = CountProgram([(ia, 16, 4, PLAN_ROWS, 0, 0, 1), (ib, 16, 12, PLAN_ROWS, 1, 0, 0),
-                            (ie, 4, 8, OMITTED, 0, 0, 0)])
+    records = st._slot_groups[0]
+    # (member, unit bytes, largest, what, plus, omit_if_uniform, plan, times, record)
+    program = CountProgram([(ia, 16, 4, PLAN_ROWS, 0, 0, 1, 1, gi),
+                            (ib, 16, 12, PLAN_ROWS, 1, 0, 0, 1, gi),
+                            (ie, 4, 8, OMITTED, 0, 0, 0, 1, gi)])
     assert program.values(3, 4, 6, 12, 0, [2, 4]) == (4, 3, None)
-    assert program.store(record, 3, 4, 6, 12, 0, [2, 4])
+    assert program.store_homes(records, 3, 4, 6, 12, 0, [2, 4])
     assert (st.count(s.plan_a), st.count(s.plan_b), st.count(s.extra)) == (4, 3, None)
     # a plan count past its member's largest, no plans, or a plan index outside them:
     # False, storing nothing (the caller raises the specific error the slow way)
     for plans in ([2, 5], None, [2]):
-        assert not program.store(record, 1, 1, 1, 1, 0, plans)
+        assert not program.store_homes(records, 1, 1, 1, 1, 0, plans)
         assert (st.count(s.plan_a), st.count(s.plan_b)) == (4, 3)
     with pytest.raises(CountError, match=r"plan_a"):
         s.state.count_batch([s.plan_a, s.plan_b, s.extra]).set(

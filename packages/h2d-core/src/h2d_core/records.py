@@ -253,13 +253,14 @@ class CountProgram:
     ``what`` (``REQS``, ``PADDED_REQS``, ``TOKENS``, ``PADDED_TOKENS`` or ``PLAN_ROWS``: the
     published rows of plan ``plan``) plus ``plus`` units, or nothing when ``what`` is
     ``OMITTED`` or the step's uniform mask has a bit of ``omit_if_uniform`` set.
-    :meth:`store` reads C ints only (and the plan row counts from the layout's list): no
+    :meth:`store_homes` reads C ints only (and the plan row counts from the layout's list): no
     tuple, list or int object is made per step but the counts the record keeps.
 
     A ninth column names the row's record: an index into the list :meth:`store_homes`
-    takes, for members that sit in several records (a buffer shared by two combined
-    groups, e.g. a decode step's and a prefill step's token inputs: one row per home);
-    rows of one record are best kept together (one record lookup per run of them)."""
+    takes (0 when the rules give none), so members that sit in several records (a buffer
+    shared by two combined groups, e.g. a decode step's and a prefill step's token inputs)
+    have one row per home; rows of one record are best kept together (one record lookup
+    per run of them)."""
 
     _rules = cython.declare(cython.longlong[:, ::1])
     _size = cython.declare(cython.Py_ssize_t)
@@ -271,7 +272,7 @@ class CountProgram:
         array = array.reshape(-1, array.shape[-1] if array.size else 7)
         if array.shape[1] == 7:  # no multiplier given: 1
             array = np.concatenate([array, np.ones((array.shape[0], 1), np.int64)], axis=1)
-        if array.shape[1] == 8:  # no record given: the one record store() is handed
+        if array.shape[1] == 8:  # no record given: the list's first
             array = np.concatenate([array, np.zeros((array.shape[0], 1), np.int64)], axis=1)
         array = np.ascontiguousarray(array.reshape(-1, 9))
         self._rules = array
@@ -280,29 +281,14 @@ class CountProgram:
     @cython.ccall
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def store(self, record: GroupRecord, n: cython.longlong, p: cython.longlong,
-              t: cython.longlong, pt: cython.longlong, uniform: cython.longlong,
-              plans: list | None = None, drafts: cython.longlong = 0) -> cython.bint:
-        """Store every rule's count for ``n`` / ``p`` requests, ``t`` / ``pt`` tokens and
-        ``plans`` (the layout's published rows per plan, ints; None without ``PLAN_ROWS``
-        rules) and ``drafts`` draft tokens. Returns False, storing nothing, when a count
-        exceeds its member's largest (the caller then raises the specific error the slow
-        way)."""
-        if not self._fits(n, p, t, pt, uniform, plans, drafts):
-            return False
-        k: cython.Py_ssize_t
-        for k in range(self._size):
-            self._store_row(record, k, n, p, t, pt, uniform, plans, drafts)
-        return True
-
-    @cython.ccall
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
     def store_homes(self, records: list, n: cython.longlong, p: cython.longlong,
                     t: cython.longlong, pt: cython.longlong, uniform: cython.longlong,
                     plans: list | None = None, drafts: cython.longlong = 0) -> cython.bint:
-        """:meth:`store` with each row stored into ``records[row's record column]``: every
-        row is checked before any record changes."""
+        """Store every rule's count for ``n`` / ``p`` requests, ``t`` / ``pt`` tokens,
+        ``plans`` (the layout's published rows per plan, ints; None without ``PLAN_ROWS``
+        rules) and ``drafts`` draft tokens, each row into ``records[its record column]``.
+        Returns False, storing nothing in any record, when a count exceeds its member's
+        largest (the caller then raises the specific error the slow way)."""
         if not self._fits(n, p, t, pt, uniform, plans, drafts):
             return False
         rules = self._rules
@@ -355,7 +341,7 @@ class CountProgram:
 
     def values(self, n: int, p: int, t: int, pt: int, uniform: int,
                plans: list | None = None, drafts: int = 0) -> tuple[int | None, ...]:
-        """The counts :meth:`store` would store (None: omitted), for the slow path."""
+        """The counts :meth:`store_homes` would store (None: omitted), for the slow path."""
         out: list[int | None] = []
         for row in range(self._size):
             if self._rules[row, 3] == OMITTED or uniform & self._rules[row, 5]:
