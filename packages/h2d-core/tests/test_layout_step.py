@@ -32,6 +32,7 @@ from h2d_core import (
     DeclarationError,
     H2DRunnerState,
     LayoutStep,
+    StepCounts,
 )
 from h2d_core.records import CountProgram
 from h2d_core.step import OMITTED, PLAN_ROWS, STEP_COUNTS
@@ -120,7 +121,7 @@ def test_plan_rows_counts_omitted_and_token_prefix_publish_exact_bytes() -> None
     st = s.state
     st.begin()
     st.set_count(s.extra, 5)  # set earlier in the epoch: OMITTED drops it
-    n, p, q, t, pt, total, stage, _, column_sum = s.run(Q, CTX, PADDED)
+    n, p, q, t, pt, total, stage, _, column_sum = s.run(Q, CTX, PADDED).astuple()
     # no table: the pages of one-token pages are the contexts' sum
     assert (n, p, q, t, pt, total, stage, column_sum) == (3, 4, 3, T, PT, 17, "", 0)
     counts = {b.name: st.count(b) for b in (s.pos, s.owners, s.lens, s.prefix, s.plan_a,
@@ -165,14 +166,35 @@ def test_plan_rows_keep_their_tuple_while_the_rows_stay_and_follow_a_change() ->
     assert seen[4] is seen[3]
 
 
+def test_each_slot_has_one_counts_record_refreshed_by_its_next_step() -> None:
+    """``run`` returns its slot's record, the same object every step of that slot: the
+    next step of the slot rewrites it (the documented validity), the other slot's does
+    not; a hand-built record equal in value compares equal."""
+    s = Setup(num_slots=2)
+    st = s.state
+    seen = []
+    for q, ctx, padded in ((Q, CTX, PADDED), ([1], [4], 2), ([2, 1], [2, 9], 3)):
+        st.begin()
+        seen.append(s.run(q, ctx, padded))
+        st.publish(GROUP)
+        st.finish()
+    assert seen[0] is seen[2] is s.step.counts(0)
+    assert seen[1] is s.step.counts(1) and seen[1] is not seen[0]
+    assert seen[0].astuple()[:5] == (2, 3, 2, 3, 6)  # slot 0: the third step (3 x 2 padded)
+    assert seen[1].astuple()[:5] == (1, 2, 1, 1, 2)  # slot 1 kept the second step's
+    assert seen[1] == StepCounts(*seen[1].astuple())
+    assert seen[1] != StepCounts(*seen[0].astuple())
+    with pytest.raises(TypeError):
+        StepCounts(num_reqs=1.5)
+
+
 def test_token_prefix_eager_and_empty_batches() -> None:
     s = Setup()
     st = s.state
     st.begin()
     # eager with uneven widths: exactly the real tokens, no padding entry
-    n, p, _, t, pt, *_ = s.step.run(np.array([2, 1], np.int32), np.array([2, 9], np.int32),
-                                    None, -1, -1, ())
-    assert (n, p, t, pt) == (2, 2, 3, 3)
+    out = s.step.run(np.array([2, 1], np.int32), np.array([2, 9], np.int32), None, -1, -1, ())
+    assert (out.num_reqs, out.padded_reqs, out.num_tokens, out.padded_tokens) == (2, 2, 3, 3)
     assert st.count(s.prefix) == 4
     assert s.prefix.source(0).numpy().tolist() == [0, 1, 2, 3] + [SOURCE_POISON] * 13
     # graph plans: no position closes a ratio-4 block, 2 * ceil(2 / 4) published; every

@@ -617,18 +617,25 @@ DRAFT_CASES: dict[str, tuple[Callable[[DraftWorld], object], str]] = {
     "rejected-other-device": (
         lambda w: w.loop.advance(w.plan, torch.zeros(4, dtype=torch.int32, device="meta"), 1),
         r"num_rejected is on meta but the verify step's members are on"),
-    "plan-tuple": (lambda w: w.loop.advance(tuple(w.plan), w.rejected, 1),  # type: ignore[arg-type]
+    "plan-tuple": (lambda w: w.loop.advance(w.plan.astuple(), w.rejected, 1),  # type: ignore[arg-type]
                    r"plan must be the DecodePlan of the verify step .* got tuple"),
     "plan-reqs-above-padded": (
-        lambda w: w.loop.advance(w.plan._replace(num_reqs=4), w.rejected, 1),
+        lambda w: w.loop.advance(w.plan.replace(num_reqs=4), w.rejected, 1),
         r"plan.num_reqs=4 must be in \[0, 3\]"),
     "plan-padded-past-capacity": (
-        lambda w: w.loop.advance(w.plan._replace(padded_reqs=5), w.rejected, 1),
+        lambda w: w.loop.advance(w.plan.replace(padded_reqs=5), w.rejected, 1),
         r"plan.padded_reqs=5 must be in \[0, 4\]"),
-    "plan-float-count": (
-        lambda w: w.loop.advance(w.plan._replace(num_reqs=2.0), w.rejected, 1),
-        r"plan.num_reqs must be an int, got float"),
 }
+
+
+def test_plan_refuses_a_float_count_at_construction(device: str) -> None:
+    """A hand-built plan's counts are integers: a float is refused where the plan is made
+    (it never reaches the draft loop, and is never truncated)."""
+    w = DraftWorld(device)
+    with pytest.raises(TypeError):
+        w.plan.replace(num_reqs=2.0)
+    assert w.plan.replace(num_reqs=2).num_reqs == 2
+    w.state.finish()
 
 
 @pytest.mark.parametrize("case", list(DRAFT_CASES))

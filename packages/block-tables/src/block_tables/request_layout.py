@@ -41,7 +41,7 @@ if cython.compiled:
 
     cnp.import_array()
 
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = cython.declare(cython.longlong, 2**31 - 1)  # a C constant: a comparison boxes nothing
 #: ``padded_tokens`` of :meth:`RequestLayout.plan` for an eager step: exactly the tokens
 EXACT_TOKENS = -2
 
@@ -219,7 +219,6 @@ class RequestLayout:
     _p = cython.declare(cython.Py_ssize_t)
     _t = cython.declare(cython.Py_ssize_t)
     _pt = cython.declare(cython.Py_ssize_t)
-    _total = cython.declare(cython.longlong)
     _planned = cython.declare(cython.bint)
     _paged = cython.declare(cython.bint)
     # per column: (kind, out, per_token, pad, minimum or None, name, bounds or None); the
@@ -227,8 +226,9 @@ class RequestLayout:
     # swapped in only when the whole batch passed)
     _columns = cython.declare(tuple)
     _values = cython.declare(tuple)
-    _sums = cython.declare(list)
-    _spare_sums = cython.declare(list)
+    # C integers, not a list: a sum above 256 stored in a list boxes an int per step
+    _sums = cython.declare(cython.longlong[::1])
+    _spare_sums = cython.declare(cython.longlong[::1])
     # per plan: (flat out, ratio, window, tail, capacity, graph, name)
     _plans = cython.declare(tuple)
     #: per plan, the last written batch's published rows and its real rows: lists the
@@ -248,6 +248,8 @@ class RequestLayout:
     #: bit k set: request column k holds one value (bit for bit) for every request of the
     #: planned batch
     uniform_mask = cython.declare(cython.longlong, visibility="readonly")
+    #: the planned batch's KV pages in all (what :meth:`write` writes the table's rows for)
+    kv_pages = cython.declare(cython.longlong, visibility="readonly")
     #: the arrays, as bound (the memoryviews above are their compiled views)
     arrays = cython.declare(dict, visibility="readonly")
 
@@ -431,8 +433,8 @@ class RequestLayout:
         self._targets = draft_targets
         self._draft_prefix = draft_prefix
         self._bonus = draft_bonus
-        self._sums = [0] * len(bound)
-        self._spare_sums = [0] * len(bound)
+        self._sums = np.zeros(len(bound), np.int64)
+        self._spare_sums = np.zeros(len(bound), np.int64)
         bound_plans = []
         for plan in plans:
             out = plan.out
@@ -642,7 +644,7 @@ class RequestLayout:
                     f"{name}: plan {spec[6]!r} needs {rows} rows ({padded_reqs} requests of "
                     f"up to {width_q} tokens), more than its {spec[4]}; declare a larger "
                     "array")
-        sums: list = self._spare_sums
+        sums: cython.longlong[::1] = self._spare_sums
         mask: cython.longlong = _check_columns(name, self._columns, values, n, t, sums)
         if self._draft_col >= 0:
             _check_drafts(name, _ints(values[self._draft_col]), qv, n,
@@ -681,7 +683,7 @@ class RequestLayout:
         self._p = padded_reqs
         self._t = t
         self._pt = padded_tokens
-        self._total = total
+        self.kv_pages = total
         self._values = values
         self.num_reqs, self.padded_reqs = n, padded_reqs
         self.num_tokens, self.padded_tokens = t, padded_tokens
@@ -695,10 +697,11 @@ class RequestLayout:
     @cython.boundscheck(False)
     @cython.wraparound(False)
     @cython.cdivision(True)
-    def write(self) -> cython.longlong:
-        """Write every bound output for the planned batch from the prepared table;
-        returns the batch's total KV pages. Call once per :meth:`plan`, after the rows
-        were prepared into ``table`` with ``required_pages``."""
+    def write(self) -> None:
+        """Write every bound output for the planned batch from the prepared table (its
+        KV pages in all are :attr:`kv_pages`). Call once per :meth:`plan`, after the rows
+        were prepared into ``table`` with ``required_pages``. Returns None: a compiled
+        caller reads the counts it needs as C fields, and boxes no page total per step."""
         if not self._planned:
             raise RequestLayoutError(
                 f"{self.name}: write() needs a planned batch; call plan() first (once "
@@ -849,7 +852,6 @@ class RequestLayout:
                                            self.plan_published[k])
             if self.plan_published[k] < 0:
                 self.plan_published[k] = self.plan_real[k]
-        return self._total
 
 
 def _state_columns(name: str, bound: list, groups: str | None, forks: str | None,
@@ -1135,7 +1137,7 @@ def _check_drafts(name: str, dv: cython.pointer[cython.int], qv: cython.pointer[
 
 @cython.cfunc
 def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_t,
-                   t: cython.Py_ssize_t, sums: list) -> cython.longlong:
+                   t: cython.Py_ssize_t, sums: cython.longlong[::1]) -> cython.longlong:
     """Check each column's values (dtype, layout, length, bounds); the uniform request
     columns; the sums of the columns without an output (into ``sums``)."""
     if len(values) != len(columns):

@@ -64,6 +64,7 @@ from .step import (
     TOKENS,
     CountRule,
     LayoutStep,
+    StepCounts,
 )
 from .table_policy import TablePublication
 
@@ -109,6 +110,7 @@ __all__ = [
     "PublishedTable",
     "ReentryError",
     "StageResult",
+    "StepCounts",
     "StreamMismatchError",
     "TablePolicyError",
     "TablePublication",

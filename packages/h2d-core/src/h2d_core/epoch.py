@@ -59,6 +59,23 @@ TRACKED_SLOTS = 64
 _TRACKED = cython.declare(cython.Py_ssize_t, 64)  # the same, as a C constant
 
 
+
+# set.update / set.isdisjoint over a tuple make a tuple iterator per call (48 bytes): a
+# compiled index loop over the tuple makes none
+@cython.cfunc
+def _add_all(into: set, names: tuple) -> None:
+    for g in names:
+        into.add(g)
+
+
+@cython.cfunc
+def _disjoint(names_set: set, names: tuple) -> cython.bint:
+    for g in names:  # noqa: SIM110 - a C loop when compiled (all() makes a generator)
+        if g in names_set:
+            return False
+    return True
+
+
 @cython.cclass
 class EpochCore:
     """The fields a step touches and the calls that open, enter and close its epoch.
@@ -323,16 +340,16 @@ class EpochCore:
             if groups is self._last_groups and not produced and not published:
                 # the epoch's first producer, again the one checked last: a decorator passes
                 # the same tuple every call, so no name is hashed twice
-                produced.update(groups)
+                _add_all(produced, groups)
                 return
             if len(groups) == 1:
                 g = groups[0]
                 if g in self._producer_groups and g not in produced and g not in published:
                     produced.add(g)
                     return
-            elif (groups in self._known_group_lists and produced.isdisjoint(groups)
-                    and published.isdisjoint(groups)):
-                produced.update(groups)
+            elif (groups in self._known_group_lists and _disjoint(produced, groups)
+                    and _disjoint(published, groups)):
+                _add_all(produced, groups)
                 return
         for g in groups:
             if g not in self._producer_groups:

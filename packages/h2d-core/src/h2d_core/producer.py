@@ -7,6 +7,7 @@ the wrapper runs in front of every producer call, and compiled it adds no interp
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
@@ -31,6 +32,116 @@ def _owner_state(owner: object, producer: str) -> H2DRunnerState:
             "method of the adapter that declared its buffers"
         )
     return state
+
+
+_NO = object()  # an argument the call did not pass (the exact wrapper's default)
+_PLAIN = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+def _names_of(owner: object, groups: tuple, key: str) -> tuple:
+    """The group names of ``owner`` (``groups`` holding functions of it), as the tuple
+    kept on the owner while they stay the same: a steady producer call builds none."""
+    d = getattr(owner, "__dict__", None)
+    kept = d.get(key) if d is not None else None
+    if kept is not None:
+        i: cython.Py_ssize_t
+        for i in range(len(groups)):
+            g = groups[i]
+            name = g(owner) if callable(g) else g
+            if name != kept[i]:
+                break
+        else:
+            return kept
+    names = tuple(g(owner) if callable(g) else g for g in groups)
+    if d is not None:
+        d[key] = names
+    return names
+
+
+def _enter_error(qualname: str, missing: str) -> None:
+    if missing == "":
+        raise ProducerOwnerError(
+            f"producer {qualname} called without its owner: pass the H2DRunnerState or "
+            "the adapter as the first argument")
+    raise TypeError(f"{qualname}() missing required argument: {missing!r}")
+
+
+def _exact_wrapper(fn: Callable[..., Any], groups: tuple, dynamic: bool) -> Any:
+    """A wrapper with ``fn``'s own parameters (plus keyword-only ``h2d_reason``), so a call
+    packs no argument tuple or keyword dict: what a steady step calls. None when ``fn``
+    takes ``*args``, ``**kwargs``, positional-only parameters or an ``h2d_reason`` (the
+    generic wrapper serves those)."""
+    params = list(inspect.signature(fn).parameters.values())
+    if (not params or any(p.kind not in _PLAIN for p in params)
+            or params[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
+            or any(p.name == "h2d_reason" or p.name.startswith("_h2d") for p in params)):
+        return None
+    env: dict[str, Any] = {
+        "_h2d_fn": fn, "_h2d_groups": groups, "_h2d_no": _NO, "_h2d_state_type": H2DRunnerState,
+        "_h2d_owner_state": _owner_state, "_h2d_names_of": _names_of,
+        "_h2d_error": _enter_error, "_h2d_qualname": fn.__qualname__,
+        "_h2d_key": f"_h2d_names_{fn.__qualname__}"}
+    sig, checks, call = [], [], []
+    keyword = False
+    for i, p in enumerate(params):
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and not keyword:
+            sig.append("*")
+            keyword = True
+        if p.default is inspect.Parameter.empty:
+            sig.append(f"{p.name}=_h2d_no")  # refused below by name: the owner's own error
+            checks.append(f"    if {p.name} is _h2d_no: _h2d_error(_h2d_qualname, "
+                          f"{('' if i == 0 else p.name)!r})")
+        else:
+            env[f"_h2d_d{i}"] = p.default
+            sig.append(f"{p.name}=_h2d_d{i}")
+        call.append(f"{p.name}={p.name}" if keyword else p.name)
+    if not keyword:
+        sig.append("*")
+    sig.append("h2d_reason=None")
+    owner = params[0].name
+    names = (f"_h2d_names_of({owner}, _h2d_groups, _h2d_key)" if dynamic else "_h2d_groups")
+    source = "\n".join([
+        f"def producer({', '.join(sig)}):",
+        *checks,
+        # the common owner, an adapter holding the state, without isinstance calls
+        f"    state = getattr({owner}, 'h2d_state', None)",
+        "    if type(state) is not _h2d_state_type:",
+        f"        state = _h2d_owner_state({owner}, _h2d_qualname)",
+        f"    names = {names}",
+        "    state.enter_producer(names, h2d_reason)",
+        "    try:",
+        f"        return _h2d_fn({', '.join(call)})",
+        "    except BaseException:",
+        # a producer that failed published nothing: let it be retried as a first entry
+        "        state.leave_producer_after_error(names)",
+        "        raise",
+    ])
+    exec(compile(source, f"<h2d_producer {fn.__qualname__}>", "exec"), env)
+    return env["producer"]
+
+
+def _generic_wrapper(fn: Callable[..., Any], groups: tuple, dynamic: bool) -> Any:
+    """The wrapper for any other signature (its call packs its arguments)."""
+
+    def producer(*args: Any, **kwargs: Any) -> Any:
+        reason = kwargs.pop("h2d_reason", None) if kwargs else None
+        if not args:
+            _enter_error(fn.__qualname__, "")
+        state = getattr(args[0], "h2d_state", None)
+        if type(state) is not H2DRunnerState:
+            state = _owner_state(args[0], fn.__qualname__)
+        names: tuple[str, ...] = (
+            tuple(g(args[0]) if callable(g) else g for g in groups)
+            if dynamic else groups
+        )
+        state.enter_producer(names, reason)
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            state.leave_producer_after_error(names)
+            raise
+
+    return producer
 
 
 GroupName = str | Callable[[Any], str]
@@ -68,31 +179,12 @@ def h2d_producer(
     dynamic = any(callable(g) for g in groups)
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
-        @functools.wraps(fn)
-        def producer(*args: Any, **kwargs: Any) -> Any:
-            reason = kwargs.pop("h2d_reason", None) if kwargs else None
-            if not args:
-                raise ProducerOwnerError(
-                    f"producer {fn.__qualname__} called without its owner: pass the "
-                    "H2DRunnerState or the adapter as the first argument")
-            # the common owner, an adapter holding the state, without isinstance calls
-            state = getattr(args[0], "h2d_state", None)
-            if type(state) is not H2DRunnerState:
-                state = _owner_state(args[0], fn.__qualname__)
-            names: tuple[str, ...] = (
-                tuple(g(args[0]) if callable(g) else g for g in groups)
-                if dynamic else groups  # type: ignore[assignment]
-            )
-            state.enter_producer(names, reason)
-            try:
-                return fn(*args, **kwargs)
-            except BaseException:
-                # A producer that failed published nothing: let it be retried as a first entry.
-                state.leave_producer_after_error(names)
-                raise
-
+        producer = _exact_wrapper(fn, groups, dynamic)
+        if producer is None:
+            producer = _generic_wrapper(fn, groups, dynamic)
+        functools.update_wrapper(producer, fn)
         # the public producer mark (see the docstring)
-        producer.h2d_groups = groups  # type: ignore[attr-defined]
+        producer.h2d_groups = groups
         return producer
 
     return decorate

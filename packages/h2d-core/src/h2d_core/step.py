@@ -19,7 +19,8 @@ Compiled by Cython as ``h2d_core._step_native`` when the package is built (requi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from operator import index as _index
+from typing import Any, NamedTuple, SupportsIndex
 
 import numpy as np
 import torch
@@ -84,6 +85,72 @@ def _count_addresses(name: str, state: Any, rules: Sequence[CountRule]) -> Any:
 
 
 @cython.cclass
+class StepCounts:
+    """What one :meth:`LayoutStep.run` planned and wrote: ``num_reqs``, ``padded_reqs``,
+    ``max_query_len`` (at least 1), ``num_tokens``, ``padded_tokens``, ``kv_pages`` (0
+    without a table), ``table_stage`` (the block table's stage: "" without a table or
+    unstaged), ``uniform_mask`` (the layout's bits of columns whose values are all equal)
+    and ``column_sum`` (the summed column's sum, e.g. the step's draft tokens).
+
+    A bound step refreshes one record per slot in place and returns it: it stays valid
+    until the same slot's next step (read what you keep before then). The fields are C
+    integers, so a step boxes none of them; reading one from Python makes the int then.
+    Construct one directly for a hand-built plan (warm-up, tests)."""
+
+    num_reqs = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    padded_reqs = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    max_query_len = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    num_tokens = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    padded_tokens = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    table_stage = cython.declare(str, visibility="readonly")
+    uniform_mask = cython.declare(cython.longlong, visibility="readonly")
+    column_sum = cython.declare(cython.longlong, visibility="readonly")
+    # the page total: the bound layout's (read when asked: a page total above 256 would
+    # box an int per step), or the constructor's for a hand-built record
+    _layout = cython.declare(object)
+    _kv_pages = cython.declare(cython.longlong)
+
+    # SupportsIndex, not int: Cython would coerce an int-annotated float (1.5 -> 1)
+    def __init__(self, num_reqs: SupportsIndex = 0, padded_reqs: SupportsIndex = 0,
+                 max_query_len: SupportsIndex = 1, num_tokens: SupportsIndex = 0,
+                 padded_tokens: SupportsIndex = 0, kv_pages: SupportsIndex = 0,
+                 table_stage: str = "", uniform_mask: SupportsIndex = 0,
+                 column_sum: SupportsIndex = 0) -> None:
+        # operator.index: a float count is refused (TypeError), never truncated
+        self.num_reqs = _index(num_reqs)
+        self.padded_reqs = _index(padded_reqs)
+        self.max_query_len = _index(max_query_len)
+        self.num_tokens = _index(num_tokens)
+        self.padded_tokens = _index(padded_tokens)
+        self._kv_pages = _index(kv_pages)
+        self._layout = None
+        self.table_stage = table_stage
+        self.uniform_mask = _index(uniform_mask)
+        self.column_sum = _index(column_sum)
+
+    @property
+    def kv_pages(self) -> int:
+        return self._kv_pages if self._layout is None else self._layout.kv_pages
+
+    def astuple(self) -> tuple:
+        """The fields in declaration order (a comparison's or a test's view; builds a
+        tuple)."""
+        return (self.num_reqs, self.padded_reqs, self.max_query_len, self.num_tokens,
+                self.padded_tokens, self.kv_pages, self.table_stage, self.uniform_mask,
+                self.column_sum)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepCounts):
+            return NotImplemented
+        return self.astuple() == other.astuple()
+
+    def __repr__(self) -> str:
+        return ("StepCounts(num_reqs={}, padded_reqs={}, max_query_len={}, num_tokens={}, "
+                "padded_tokens={}, kv_pages={}, table_stage={!r}, uniform_mask={}, "
+                "column_sum={})").format(*self.astuple())
+
+
+@cython.cclass
 class LayoutStep:
     """A fused producer's step, bound once: ``run`` plans the layout over the batch's
     columns, prepares the block table's rows (padding rows appended), writes every bound
@@ -132,6 +199,8 @@ class LayoutStep:
     # per slot, the address of the STEP_COUNTS member's pinned source (empty: none)
     _count_addrs = cython.declare(cython.Py_ssize_t[::1])
     _has_counts = cython.declare(cython.bint)
+    # per slot, the record run() refreshes and returns
+    _results = cython.declare(tuple)
 
     def __init__(self, name: str, state: Any, layouts: Sequence[Any], table: Any,
                  pad_rows: Sequence[Any], counts: Sequence[CountRule], *,
@@ -197,17 +266,26 @@ class LayoutStep:
         self._plan_group = plan_group
         self._rows_seen = np.full(2 * num_plans, -1, dtype=np.int64)
         self.plan_rows = ()
+        self._results = tuple([StepCounts() for _ in range(state.num_slots)])
+        record: StepCounts
+        for slot in range(state.num_slots):
+            record = self._results[slot]
+            record._layout = self._layouts[slot]
+
+    def counts(self, slot: int) -> StepCounts:
+        """The record :meth:`run` refreshes in ``slot`` (an adapter binds its plans over
+        it once)."""
+        return self._results[slot]
 
     @cython.ccall
     def run(self, query_lens: Any, context_lens: Any, rows: Any,
             padded: cython.Py_ssize_t, tokens: cython.Py_ssize_t, values: tuple,
-            stage: cython.bint = True) -> tuple:
+            stage: cython.bint = True) -> StepCounts:
         """One step: ``padded`` requests (-1: eager), ``tokens`` published tokens (-1: the
         graph grid of ``padded`` requests times the widest query, or exactly the real
-        tokens when eager), ``values`` the layout's bound columns. Returns ``(num_reqs,
-        padded_reqs, max_query_len, num_tokens, padded_tokens, kv_pages, table_stage,
-        uniform_mask, column_sum)`` (``max_query_len`` at least 1; ``table_stage`` "" and
-        ``kv_pages`` 0 without a table) and sets :attr:`plan_rows`. ``stage=False``
+        tokens when eager), ``values`` the layout's bound columns. Refreshes and returns
+        the slot's :class:`StepCounts` (valid until the slot's next step) and sets
+        :attr:`plan_rows`. ``stage=False``
         prepares the table's rows without staging them (the caller leaves the table out of
         this publication; ``table_stage`` ""). Call from inside the producer (its
         epoch)."""
@@ -234,7 +312,7 @@ class LayoutStep:
                 rows = list(rows) + self._pad_rows[: p - n]
             # validates every row before writing the table; nothing below can fail
             self._stager.prepare(slot, rows, layout.required_pages)
-        total: cython.longlong = layout.write()
+        layout.write()
         uniform: cython.longlong = layout.uniform_mask
         summed: cython.longlong = (layout.column_sum(self._sum_column)
                                    if self._sum_column >= 0 else 0)
@@ -254,8 +332,17 @@ class LayoutStep:
         staged = "" if table is None or not stage else self._stager.stage(slot, p)
         if published is not None:
             self._note_rows(layout.plan_real, published)
-        q = layout.max_query_len
-        return (n, p, q if q > 0 else 1, t, pt, total, staged, uniform, summed)
+        q: cython.Py_ssize_t = layout.max_query_len
+        out_counts: StepCounts = self._results[slot]
+        out_counts.num_reqs = n
+        out_counts.padded_reqs = p
+        out_counts.max_query_len = q if q > 0 else 1
+        out_counts.num_tokens = t
+        out_counts.padded_tokens = pt
+        out_counts.table_stage = staged
+        out_counts.uniform_mask = uniform
+        out_counts.column_sum = summed
+        return out_counts
 
     @cython.cfunc
     @cython.boundscheck(False)
@@ -290,3 +377,4 @@ if not cython.compiled:
 
     _compiled = require_extension("h2d_core._step_native")
     LayoutStep = _compiled.LayoutStep  # type: ignore[misc]
+    StepCounts = _compiled.StepCounts  # type: ignore[misc]

@@ -25,7 +25,6 @@ Padding and first consumers are those of the composed adapters: ``plan.tokens`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -44,6 +43,7 @@ from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count, refuse_page_size
 from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from .mla_decode import MLA_DECODE, MlaDecodeInputs
+from .plan_records import CompositePlan, slot_plans
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import (
     QUERY_PREFIX,
@@ -52,16 +52,16 @@ from .token_inputs import (
     TokenInputs,
     TokenPlan,
 )
-from .token_step import FusedStep, sampling_plan, step_columns, step_counts, step_values
+from .token_step import FusedStep, sampling_plan, step_columns, step_counts
 
 DECODE_STEP = "decode_step"
 MLA_DECODE_STEP = "mla_decode_step"
-_new = tuple.__new__
 
 
-class DecodeStepPlan(NamedTuple):
-    """The three adapters' plans for one step."""
+class DecodeStepPlan(CompositePlan):
+    """The three adapters' plans for one step (valid until the slot's next step)."""
 
+    __slots__ = FIELDS = ("sampling", "tokens", "decode")
     sampling: SamplingPlan
     tokens: TokenPlan
     decode: DecodePlan
@@ -161,6 +161,7 @@ class DecodeStepInputs(FusedStep):
         refuse_interpreted(native, "DecodeStepInputs")
         decode.native = native  # the block-table snapshots follow the same choice
         self._verify: LayoutStep | None = None  # prepare_verify's, bound on first use
+        self._plans_of: dict[LayoutStep, tuple[DecodeStepPlan, ...]] = {}
 
     @property
     def native(self) -> bool:
@@ -211,14 +212,9 @@ class DecodeStepInputs(FusedStep):
         n = len(cols.query_lens)
         p = -1 if padded is None else padded_count(self.group, n, padded)
         # plan (every column checked), prepare the rows, write, count and stage: one call
-        n, p, q, t, pt, total, stage, uniform, drafts = step.run(
-            cols.query_lens, cols.context_lens, batch.block_tables, p, -1, step_values(cols))
-        # tuple.__new__ skips the NamedTuples' Python-level __new__ (~0.15 µs each)
-        return _new(DecodeStepPlan, (
-            sampling_plan(cols, n, uniform),
-            _new(TokenPlan, (n, p, t, pt, drafts)),
-            _new(DecodePlan, (n, p, q, t, pt, total, stage)),
-        ))
+        step.run(cols.query_lens, cols.context_lens, batch.block_tables, p, -1,
+                 self._values.of(cols))
+        return self._plans_of[step][self.h2d_state.current_slot]
 
     def _bind(self, verify: bool = False) -> LayoutStep:
         s, t, d = self.sampling, self.tokens, self.decode
@@ -239,8 +235,13 @@ class DecodeStepInputs(FusedStep):
             rules += [CountRule(t.target_logits_indices, DRAFTS),
                       CountRule(t.cu_num_draft_tokens, REQS),
                       CountRule(t.bonus_logits_indices, REQS)]
-        return LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
+        step = LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
                           rules, sum_column=5, error=AdapterInputError)
+        # per slot, the step's plans over its records (prepare's and prepare_verify's
+        # steps each have their own)
+        self._plans_of[step] = slot_plans(self.h2d_state, step, lambda c, slot: DecodeStepPlan(
+            sampling_plan(s, c, slot), TokenPlan.over(c), DecodePlan.over(c)))
+        return step
 
 
 class MlaDecodeStepInputs(DecodeStepInputs):

@@ -135,8 +135,8 @@ class EngramInputs:
                 np.ascontiguousarray(rows, np.int32),
                 np.ascontiguousarray(cursors, np.int32),
                 np.ascontiguousarray(cols.num_drafts, np.int32)))
-        n = out[0]
-        return EngramPlan(n, out[2] if n else 0)
+        n = out.num_reqs
+        return EngramPlan(n, out.max_query_len if n else 0)
 
     def _check(self, batch: ScheduledBatch, rows: object, cursors: object
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

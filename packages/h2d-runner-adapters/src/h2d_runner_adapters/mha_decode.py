@@ -37,7 +37,7 @@ checked with the batch before any source is written.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +55,7 @@ from h2d_core import (
     H2DBuffer,
     H2DRunnerState,
     LayoutStep,
+    StepCounts,
     h2d_producer,
 )
 
@@ -66,22 +67,33 @@ from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_hea
 from .consumers.mrope import select_mrope_positions
 from .mrope import check_deltas, declare_mrope, mrope_planes
 from .paged import PagedInputs
+from .plan_records import CountsPlan, counts_field, slot_plans
 
 MHA_DECODE = "mha_decode"
-_new = tuple.__new__
 
 
-class DecodePlan(NamedTuple):
+class DecodePlan(CountsPlan):
     """What a decode step published: requests (real, padded), the widest query (from the
-    CPU lengths), tokens (real, padded), KV pages and the block table's stage."""
+    CPU lengths), tokens (real, padded), KV pages and the block table's stage. A step's
+    plan reads its record in place (valid until the slot's next step; see
+    :mod:`~h2d_runner_adapters.plan_records`)."""
 
-    num_reqs: int
-    padded_reqs: int
-    max_query_len: int
-    num_tokens: int
-    padded_tokens: int
-    num_pages: int
-    table_stage: str
+    __slots__ = ()
+    FIELDS = ("num_reqs", "padded_reqs", "max_query_len", "num_tokens", "padded_tokens",
+              "num_pages", "table_stage")
+    num_reqs = counts_field("num_reqs")
+    padded_reqs = counts_field("padded_reqs")
+    max_query_len = counts_field("max_query_len")
+    num_tokens = counts_field("num_tokens")
+    padded_tokens = counts_field("padded_tokens")
+    num_pages = counts_field("kv_pages")
+    table_stage = counts_field("table_stage")
+
+    def __init__(self, num_reqs: int, padded_reqs: int, max_query_len: int,
+                 num_tokens: int, padded_tokens: int, num_pages: int,
+                 table_stage: str) -> None:
+        self._counts = StepCounts(num_reqs, padded_reqs, max_query_len, num_tokens,
+                                  padded_tokens, num_pages, table_stage)
 
 
 class MhaDecodeInputs(PagedInputs):
@@ -121,6 +133,7 @@ class MhaDecodeInputs(PagedInputs):
         # nothing on a hit; private, so nothing can append to it.
         self._pad_rows: list[BlockTable] = [BlockTable()] * max_reqs
         self._step: LayoutStep | None = None  # the compiled step, bound on first use
+        self._plans: tuple[DecodePlan, ...] | None = None  # per slot, over its records
         #: KV-index generation fused into the publication (its graphs) when the packed
         #: group carries ``kv_indptr`` (see h2d_core.fused); None: launched by the caller
         self.kv_indices_consumer: FusedConsumer | None = None
@@ -231,10 +244,14 @@ class MhaDecodeInputs(PagedInputs):
         # plan (every length checked; -1 tokens: the graph grid, p times the widest query,
         # exactly the real tokens when eager), prepare the rows, write, count and stage:
         # one call; nothing after it fails
-        n, p, q, t, pt, total, stage, _, _ = step.run(
+        step.run(
             qlens, cols.context_lens, batch.block_tables, -1 if padded is None else p, -1,
             () if mrope is None else (mrope_deltas,))
-        return _new(DecodePlan, (n, p, q, t, pt, total, stage))
+        plans = self._plans
+        if plans is None:
+            plans = self._plans = slot_plans(self.h2d_state, step,
+                                             lambda c, _: DecodePlan.over(c))
+        return plans[self.h2d_state.current_slot]
 
     def mrope_planes(self, plan: DecodePlan) -> torch.Tensor:
         """The step's MRoPE planes as a ``(3, padded_tokens)`` view (the running width)."""

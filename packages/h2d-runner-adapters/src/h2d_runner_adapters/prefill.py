@@ -285,7 +285,7 @@ class PrefillInputs(PagedInputs):
             out = step.run(qlens, ctx, rows, -1, -1, values, bool(publish_tables))
         finally:
             self._call = ()
-        t, total, stage = out[3], out[5], out[6]
+        t, total, stage = out.num_tokens, out.kv_pages, out.table_stage
         mask, sources = self._checked
         self._checked = (None, [])
         st = self.h2d_state

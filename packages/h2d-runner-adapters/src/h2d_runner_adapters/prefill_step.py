@@ -40,10 +40,11 @@ from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep, h2d_producer
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError
+from .plan_records import slot_plans
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
-from .token_step import FusedStep, sampling_plan, step_columns, step_counts, step_values
+from .token_step import FusedStep, sampling_plan, step_columns, step_counts
 
 PREFILL_STEP = "prefill_step"
 _new = tuple.__new__
@@ -127,6 +128,7 @@ class PrefillStepInputs(FusedStep):
         self._combine(sampling, tokens, prefill, "prefill", group,
                       [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS, *extra_groups])
         self.prefill = prefill
+        self._plans: tuple[tuple[SamplingPlan, TokenPlan], ...] = ()  # per slot, at bind
         #: the published KV page prefix and token owners (the prefill adapter's members)
         self.kv_indptr: H2DBuffer = prefill.kv_indptr
         self.token_request: H2DBuffer = prefill.token_request
@@ -152,13 +154,11 @@ class PrefillStepInputs(FusedStep):
             step = self._step = self._bind()
         cols = batch.columns if isinstance(batch, ScheduledBatch) else None
         # not a batch: the prefill adapter refuses it
-        values = () if cols is None else step_values(cols)
-        out, pplan = self.prefill._produce(step, batch, values, publish_tables, owns_slot,
-                                           mrope_positions, mrope_deltas, self.group)
-        assert cols is not None  # _produce refused anything but a batch
-        n, p, _, t, pt, _, _, uniform, drafts = out
-        return _new(PrefillStepPlan, (sampling_plan(cols, n, uniform),
-                                      _new(TokenPlan, (n, p, t, pt, drafts)), pplan))
+        values = () if cols is None else self._values.of(cols)
+        _, pplan = self.prefill._produce(step, batch, values, publish_tables, owns_slot,
+                                         mrope_positions, mrope_deltas, self.group)
+        sampling, tokens = self._plans[self.h2d_state.current_slot]
+        return _new(PrefillStepPlan, (sampling, tokens, pplan))
 
     def _bind(self) -> LayoutStep:
         s, t, pf = self.sampling, self.tokens, self.prefill
@@ -166,9 +166,13 @@ class PrefillStepInputs(FusedStep):
                                      # a prefill chunk verifies no drafts: num_drafts 0
                                      columns=lambda slot: step_columns(s, t, slot,
                                                                        drafts=False))
-        return LayoutStep(self.group, self.h2d_state, layouts, pf.tables, (),
+        step = LayoutStep(self.group, self.h2d_state, layouts, pf.tables, (),
                           [*step_counts(s, t), *pf._count_rules()], sum_column=5,
                           error=AdapterInputError, check=pf._check_planned)
+        # per slot, the sampling and token plans over the step's records
+        self._plans = slot_plans(self.h2d_state, step, lambda c, slot: (
+            sampling_plan(s, c, slot), TokenPlan.over(c)))
+        return step
 
     def prepare_attention(self, plan: PrefillStepPlan) -> torch.Tensor:
         """First consumer after publication: ``kv_indices`` (returned) from the published

@@ -17,29 +17,75 @@ temperatures finite, ``top_k >= -1`` (-1 and 0 both mean "off"), ``top_p`` in (0
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from h2d_core import H2DRunnerState, h2d_producer
+from h2d_core import H2DRunnerState, StepCounts, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, sub_plan
 from .consumers import GREEDY_TEMPERATURE, sample_tokens
+from .plan_records import CountsPlan, counts_field
 
 SAMPLING = "sampling"
 
 
-class SamplingPlan(NamedTuple):
-    """What the producer decided for one batch."""
+#: the fused steps' uniform-mask bits of the top-k and top-p columns (their positions in
+#: ``token_step.step_columns``): set, the column holds one value for every request
+TOP_K_UNIFORM, TOP_P_UNIFORM = 2, 4
 
-    num_reqs: int
-    #: uniform top-k as a CPU scalar (None = off), or None with ``per_request_top_k``
-    top_k: int | None
-    top_p: float | None
-    per_request_top_k: bool
-    per_request_top_p: bool
+
+class SamplingPlan(CountsPlan):
+    """What the producer decided for one batch: ``num_reqs``; ``top_k`` / ``top_p``, the
+    uniform filter as a CPU scalar (None: off, or per request); ``per_request_top_k`` /
+    ``per_request_top_p``. A step's plan reads the step's record and the slot's top-k and
+    top-p sources in place (valid until the slot's next step; see
+    :mod:`~h2d_runner_adapters.plan_records`)."""
+
+    __slots__ = ("_top_k", "_top_p")
+    FIELDS = ("num_reqs", "top_k", "top_p", "per_request_top_k", "per_request_top_p")
+    num_reqs = counts_field("num_reqs")
+    _top_k: np.ndarray
+    _top_p: np.ndarray
+
+    def __init__(self, num_reqs: int, top_k: int | None, top_p: float | None,
+                 per_request_top_k: bool, per_request_top_p: bool) -> None:
+        self._counts = StepCounts(num_reqs, num_reqs, uniform_mask=(
+            (0 if per_request_top_k else TOP_K_UNIFORM)
+            | (0 if per_request_top_p else TOP_P_UNIFORM)))
+        self._top_k = np.array([0 if top_k is None else top_k], np.int64)
+        self._top_p = np.array([1.0 if top_p is None else top_p], np.float64)
+
+    @classmethod
+    def over_sources(cls, counts: StepCounts, top_k: np.ndarray,
+                     top_p: np.ndarray) -> SamplingPlan:
+        """The plan reading ``counts`` and the slot's top-k / top-p sources in place."""
+        plan: SamplingPlan = cls.over(counts)
+        plan._top_k, plan._top_p = top_k, top_p
+        return plan
+
+    @property
+    def per_request_top_k(self) -> bool:
+        return not self._counts.uniform_mask & TOP_K_UNIFORM
+
+    @property
+    def per_request_top_p(self) -> bool:
+        return not self._counts.uniform_mask & TOP_P_UNIFORM
+
+    @property
+    def top_k(self) -> int | None:
+        k = self._top_k
+        if self.per_request_top_k or not self._counts.num_reqs or k[0] <= 0:
+            return None
+        return int(k[0])
+
+    @property
+    def top_p(self) -> float | None:
+        p = self._top_p
+        if self.per_request_top_p or not self._counts.num_reqs or not p[0] < 1.0:
+            return None
+        return float(p[0])
 
 
 def refuse_column(group: str, name: str, values: np.ndarray, bad: np.ndarray, rule: str,

@@ -32,18 +32,17 @@ query token) is :class:`BatchColumns`' own check.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
-from h2d_core import DeclarationError, FusedConsumer, H2DRunnerState, h2d_producer
+from h2d_core import DeclarationError, FusedConsumer, H2DRunnerState, StepCounts, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, padded_count, sub_plan
 from .consumers import assemble_token_ids, gather_draft_ids
 from .consumers._launch import check_tensor, interpreted
 from .consumers.token_assembly import _assemble_kernel, launch_assembly_from_header
+from .plan_records import CountsPlan, counts_field
 from .sampling import SAMPLING, refuse_column
 
 TOKEN_IDS = "token_ids"
@@ -54,12 +53,23 @@ TOKEN_PRODUCERS = (SAMPLING, TOKEN_IDS, QUERY_PREFIX)
 TOKEN_INPUTS = "token_inputs"
 
 
-class TokenPlan(NamedTuple):
-    num_reqs: int
-    padded_reqs: int
-    num_tokens: int
-    padded_tokens: int
-    num_draft_tokens: int
+class TokenPlan(CountsPlan):
+    """What the token producer published: requests and tokens (real, padded) and the
+    step's draft tokens. A step's plan reads its record in place (valid until the slot's
+    next step; see :mod:`~h2d_runner_adapters.plan_records`)."""
+
+    __slots__ = ()
+    FIELDS = ("num_reqs", "padded_reqs", "num_tokens", "padded_tokens", "num_draft_tokens")
+    num_reqs = counts_field("num_reqs")
+    padded_reqs = counts_field("padded_reqs")
+    num_tokens = counts_field("num_tokens")
+    padded_tokens = counts_field("padded_tokens")
+    num_draft_tokens = counts_field("column_sum")
+
+    def __init__(self, num_reqs: int, padded_reqs: int, num_tokens: int,
+                 padded_tokens: int, num_draft_tokens: int = 0) -> None:
+        self._counts = StepCounts(num_reqs, padded_reqs, 1, num_tokens, padded_tokens,
+                                  column_sum=num_draft_tokens)
 
 
 class TokenInputs:

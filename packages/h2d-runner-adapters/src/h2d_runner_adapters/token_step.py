@@ -18,7 +18,7 @@ and changes nothing.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -33,13 +33,15 @@ from h2d_core import (
     H2DBuffer,
     H2DRunnerState,
     LayoutStep,
+    StepCounts,
     h2d_producer,
 )
 
 from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, padded_count
 from .consumers import GREEDY_TEMPERATURE
-from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .plan_records import CompositePlan, slot_plans
+from .sampling import SAMPLING, TOP_K_UNIFORM, TOP_P_UNIFORM, SamplingInputs, SamplingPlan
 from .token_inputs import (
     QUERY_PREFIX,
     SPEC_INDICES,
@@ -48,8 +50,6 @@ from .token_inputs import (
     TokenInputs,
     TokenPlan,
 )
-
-_new = tuple.__new__
 
 
 def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int, *,
@@ -84,26 +84,44 @@ def step_values(cols: BatchColumns) -> tuple[Any, ...]:
             cols.token_ids, cols.num_drafts)
 
 
+class StepValues:
+    """:func:`step_values` of the last batch columns seen, kept while the same
+    :class:`BatchColumns` comes back (an engine that keeps one persistent batch, filled in
+    place): its steps build no tuple. The tuple holds the arrays themselves, so values
+    written into them in place are read as they are then."""
+
+    __slots__ = ("_cols", "_values")
+
+    def __init__(self) -> None:
+        self._cols: BatchColumns | None = None
+        self._values: tuple[Any, ...] = ()
+
+    def of(self, cols: BatchColumns) -> tuple[Any, ...]:
+        if cols is not self._cols:
+            self._values = step_values(cols)
+            self._cols = cols
+        return self._values
+
+
 def step_counts(sampling: SamplingInputs, tokens: TokenInputs) -> tuple[CountRule, ...]:
     """What the fused steps publish of the sampling and token members, per step: real
     requests for the sampler's rows (top-k and top-p omitted when uniform: bits 2 and 4 of
     the layout's mask, their columns' positions in :func:`step_columns`), the padded grid
     for ids and the prefixes."""
     s, t = sampling, tokens
-    return (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, 2),
-            CountRule(s.top_ps, REQS, 0, 4), CountRule(t.input_ids, PADDED_TOKENS),
+    return (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, TOP_K_UNIFORM),
+            CountRule(s.top_ps, REQS, 0, TOP_P_UNIFORM), CountRule(t.input_ids, PADDED_TOKENS),
             CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
             CountRule(t.cu_seqlens_q, PADDED_REQS, 1))
 
 
-def sampling_plan(cols: BatchColumns, n: int, uniform: int) -> SamplingPlan:
-    """The sampler's plan of a fused step: per-request filters where the layout found the
-    top-k or top-p column uneven, else their one value as a CPU scalar (None: off)."""
-    k_rows, p_rows = not uniform & 2, not uniform & 4
-    top_k = None if k_rows or not n or cols.top_k[0] <= 0 else int(cols.top_k[0])
-    top_p = None if p_rows or not n or not cols.top_p[0] < 1.0 else float(cols.top_p[0])
-    # tuple.__new__ skips the NamedTuple's Python-level __new__ (~0.15 µs)
-    return _new(SamplingPlan, (n, top_k, top_p, k_rows, p_rows))
+def sampling_plan(sampling: SamplingInputs, counts: StepCounts, slot: int) -> SamplingPlan:
+    """The sampler's plan of a fused step in ``slot``, over the step's record: per-request
+    filters where the layout found the top-k or top-p column uneven (its uniform-mask
+    bits ``TOP_K_UNIFORM`` / ``TOP_P_UNIFORM``), else their one value, read from the
+    slot's sources, as a CPU scalar (None: off)."""
+    return SamplingPlan.over_sources(counts, sampling.top_ks.source(slot).numpy(),
+                                     sampling.top_ps.source(slot).numpy())
 
 
 class FusedStep:
@@ -132,9 +150,14 @@ class FusedStep:
         self.tokens = tokens
         state.combine(group, list(groups))
         self._step = None  # bound on first use (after bind)
+        self._values = StepValues()
 
 
-class TokenStepPlan(NamedTuple):
+class TokenStepPlan(CompositePlan):
+    """The sampling and token plans of one :meth:`TokenStepInputs.prepare` (valid until
+    the slot's next step)."""
+
+    __slots__ = FIELDS = ("sampling", "tokens")
     sampling: SamplingPlan
     tokens: TokenPlan
 
@@ -166,6 +189,8 @@ class TokenStepInputs:
         state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec])
         refuse_interpreted(native, "TokenStepInputs")
         self._step: LayoutStep | None = None  # bound on first use (after bind)
+        self._plans: tuple[TokenStepPlan, ...] = ()  # per slot, over the step's records
+        self._values = StepValues()
 
     def _bind(self) -> LayoutStep:
         s, t = self.sampling, self.tokens
@@ -175,6 +200,8 @@ class TokenStepInputs:
             columns=step_columns(s, t, slot)) for slot in range(self.h2d_state.num_slots)]
         self._step = LayoutStep(self.group, self.h2d_state, layouts, None, (), step_counts(s, t),
                                 sum_column=5, error=AdapterInputError)
+        self._plans = slot_plans(self.h2d_state, self._step, lambda c, slot: TokenStepPlan(
+            sampling_plan(s, c, slot), TokenPlan.over(c)))
         return self._step
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX)
@@ -188,8 +215,6 @@ class TokenStepInputs:
         ids = cols.token_ids
         p = -1 if padded is None else padded_count(self.group, len(cols.query_lens), padded)
         # plan (every column checked), write and count: one call
-        n, p, _, t, pt, _, _, uniform, drafts = step.run(
-            cols.query_lens, cols.context_lens, None, p, len(ids) if padded is None else -1,
-            step_values(cols))
-        return _new(TokenStepPlan, (sampling_plan(cols, n, uniform),
-                                    _new(TokenPlan, (n, p, t, pt, drafts))))
+        step.run(cols.query_lens, cols.context_lens, None, p,
+                 len(ids) if padded is None else -1, self._values.of(cols))
+        return self._plans[self.h2d_state.current_slot]

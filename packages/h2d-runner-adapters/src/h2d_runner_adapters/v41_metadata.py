@@ -381,7 +381,7 @@ class V41MetadataInputs(PagedInputs):
         # member (qo_indptr included), count and stage: one call; nothing after it fails
         n, p, q, t, pt, _, stage, _, _ = step.run(
             cols.query_lens, cols.context_lens, block_tables, p, -1,
-            (cols.state_slots_out, cols.state_slots_in))
+            (cols.state_slots_out, cols.state_slots_in)).astuple()
         self._remember(slot, slots_proof, keys)
         # tuple.__new__ skips the NamedTuple's Python-level __new__
         return _new(V41Plan, (n, p, t, pt, q, step.plan_rows, stage, _NO_WINDOW_ROWS))
@@ -411,7 +411,7 @@ class V41MetadataInputs(PagedInputs):
         # (qo_indptr and the fused decode consumer's counts are left out)
         n, _, q, t, _, _, stage, _, _ = self._prefill_step.run(  # type: ignore[union-attr]
             qlens, ctx, block_tables, -1, -1,
-            (cols.state_slots_out, cols.state_slots_in, starts))
+            (cols.state_slots_out, cols.state_slots_in, starts)).astuple()
         self._remember(slot, slots_proof, keys)
         rows = self._prefill_step.plan_rows  # type: ignore[union-attr]
         # (real, published) per plan: the ratios' (compress, write) pairs, then the window
