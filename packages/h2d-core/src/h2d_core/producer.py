@@ -39,23 +39,9 @@ _PLAIN = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONL
 
 
 def _names_of(owner: object, groups: tuple, key: str) -> tuple:
-    """The group names of ``owner`` (``groups`` holding functions of it), as the tuple
-    kept on the owner while they stay the same: a steady producer call builds none."""
-    d = getattr(owner, "__dict__", None)
-    kept = d.get(key) if d is not None else None
-    if kept is not None:
-        i: cython.Py_ssize_t
-        for i in range(len(groups)):
-            g = groups[i]
-            name = g(owner) if callable(g) else g
-            if name != kept[i]:
-                break
-        else:
-            return kept
-    names = tuple(g(owner) if callable(g) else g for g in groups)
-    if d is not None:
-        d[key] = names
-    return names
+    """The group names of ``owner`` (``groups`` holding functions of it). Built per call:
+    kept on the owner it would change the adapter's observed state."""
+    return tuple(g(owner) if callable(g) else g for g in groups)
 
 
 def _enter_error(qualname: str, missing: str) -> None:
@@ -103,17 +89,18 @@ def _exact_wrapper(fn: Callable[..., Any], groups: tuple, dynamic: bool) -> Any:
     source = "\n".join([
         f"def producer({', '.join(sig)}):",
         *checks,
-        # the common owner, an adapter holding the state, without isinstance calls
-        f"    state = getattr({owner}, 'h2d_state', None)",
-        "    if type(state) is not _h2d_state_type:",
-        f"        state = _h2d_owner_state({owner}, _h2d_qualname)",
-        f"    names = {names}",
-        "    state.enter_producer(names, h2d_reason)",
+        # the common owner, an adapter holding the state, without isinstance calls; the
+        # locals are _h2d_-named so no parameter of the producer is shadowed
+        f"    _h2d_st = getattr({owner}, 'h2d_state', None)",
+        "    if type(_h2d_st) is not _h2d_state_type:",
+        f"        _h2d_st = _h2d_owner_state({owner}, _h2d_qualname)",
+        f"    _h2d_names = {names}",
+        "    _h2d_st.enter_producer(_h2d_names, h2d_reason)",
         "    try:",
         f"        return _h2d_fn({', '.join(call)})",
         "    except BaseException:",
         # a producer that failed published nothing: let it be retried as a first entry
-        "        state.leave_producer_after_error(names)",
+        "        _h2d_st.leave_producer_after_error(_h2d_names)",
         "        raise",
     ])
     exec(compile(source, f"<h2d_producer {fn.__qualname__}>", "exec"), env)
