@@ -38,7 +38,7 @@ _NO = object()  # an argument the call did not pass (the exact wrapper's default
 _PLAIN = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def _names_of(owner: object, groups: tuple, key: str) -> tuple:
+def _names_of(owner: object, groups: tuple) -> tuple:
     """The group names of ``owner`` (``groups`` holding functions of it). Built per call:
     kept on the owner it would change the adapter's observed state."""
     return tuple(g(owner) if callable(g) else g for g in groups)
@@ -65,8 +65,7 @@ def _exact_wrapper(fn: Callable[..., Any], groups: tuple, dynamic: bool) -> Any:
     env: dict[str, Any] = {
         "_h2d_fn": fn, "_h2d_groups": groups, "_h2d_no": _NO, "_h2d_state_type": H2DRunnerState,
         "_h2d_owner_state": _owner_state, "_h2d_names_of": _names_of,
-        "_h2d_error": _enter_error, "_h2d_qualname": fn.__qualname__,
-        "_h2d_key": f"_h2d_names_{fn.__qualname__}"}
+        "_h2d_error": _enter_error, "_h2d_qualname": fn.__qualname__}
     sig, checks, call = [], [], []
     keyword = False
     for i, p in enumerate(params):
@@ -85,7 +84,7 @@ def _exact_wrapper(fn: Callable[..., Any], groups: tuple, dynamic: bool) -> Any:
         sig.append("*")
     sig.append("h2d_reason=None")
     owner = params[0].name
-    names = (f"_h2d_names_of({owner}, _h2d_groups, _h2d_key)" if dynamic else "_h2d_groups")
+    names = (f"_h2d_names_of({owner}, _h2d_groups)" if dynamic else "_h2d_groups")
     source = "\n".join([
         f"def producer({', '.join(sig)}):",
         *checks,

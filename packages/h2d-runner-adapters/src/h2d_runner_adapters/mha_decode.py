@@ -67,7 +67,7 @@ from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_hea
 from .consumers.mrope import select_mrope_positions
 from .mrope import check_deltas, declare_mrope, mrope_planes
 from .paged import PagedInputs
-from .plan_records import CountsPlan, counts_field, slot_plans
+from .plan_records import CountsPlan, slot_plans
 
 MHA_DECODE = "mha_decode"
 
@@ -81,13 +81,14 @@ class DecodePlan(CountsPlan):
     __slots__ = ()
     FIELDS = ("num_reqs", "padded_reqs", "max_query_len", "num_tokens", "padded_tokens",
               "num_pages", "table_stage")
-    num_reqs = counts_field("num_reqs")
-    padded_reqs = counts_field("padded_reqs")
-    max_query_len = counts_field("max_query_len")
-    num_tokens = counts_field("num_tokens")
-    padded_tokens = counts_field("padded_tokens")
-    num_pages = counts_field("kv_pages")
-    table_stage = counts_field("table_stage")
+    COUNTS = (("num_pages", "kv_pages"),)
+    num_reqs: int
+    padded_reqs: int
+    max_query_len: int
+    num_tokens: int
+    padded_tokens: int
+    num_pages: int
+    table_stage: str
 
     def __init__(self, num_reqs: int, padded_reqs: int, max_query_len: int,
                  num_tokens: int, padded_tokens: int, num_pages: int,

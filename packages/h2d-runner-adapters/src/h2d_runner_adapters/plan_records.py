@@ -54,10 +54,26 @@ class StepPlan:
 
 
 class CountsPlan(StepPlan):
-    """A plan whose fields are a :class:`h2d_core.StepCounts` record's."""
+    """A plan whose fields are a :class:`h2d_core.StepCounts` record's: each name in
+    ``FIELDS`` that the class does not define itself reads the record's field of that
+    name, or the one ``COUNTS`` pairs with it (``(plan field, record field)``) where the
+    plan names it otherwise. Subclasses annotate those fields (their types) and define
+    the others (properties)."""
 
     __slots__ = ("_counts",)
     _counts: StepCounts
+    COUNTS: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        renamed = dict(cls.COUNTS)
+        for name in cls.FIELDS:
+            if name not in cls.__dict__:
+                field = renamed.get(name, name)
+                if not hasattr(StepCounts, field):
+                    raise TypeError(f"{cls.__name__}.{name}: StepCounts has no field "
+                                    f"{field!r}; define the field or name it in COUNTS")
+                setattr(cls, name, property(attrgetter(f"_counts.{field}")))
 
     @classmethod
     def over(cls, counts: StepCounts) -> Any:
@@ -65,11 +81,6 @@ class CountsPlan(StepPlan):
         plan = cls.__new__(cls)
         plan._counts = counts
         return plan
-
-
-def counts_field(name: str) -> Any:
-    """A read-only plan field reading the step record's ``name``."""
-    return property(attrgetter(f"_counts.{name}"))
 
 
 class CompositePlan(StepPlan):

@@ -26,7 +26,7 @@ from h2d_core import H2DRunnerState, StepCounts, h2d_producer
 from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, sub_plan
 from .consumers import GREEDY_TEMPERATURE, sample_tokens
-from .plan_records import CountsPlan, counts_field
+from .plan_records import CountsPlan
 
 SAMPLING = "sampling"
 
@@ -45,7 +45,7 @@ class SamplingPlan(CountsPlan):
 
     __slots__ = ("_top_k", "_top_p")
     FIELDS = ("num_reqs", "top_k", "top_p", "per_request_top_k", "per_request_top_p")
-    num_reqs = counts_field("num_reqs")
+    num_reqs: int
     _top_k: np.ndarray
     _top_p: np.ndarray
 

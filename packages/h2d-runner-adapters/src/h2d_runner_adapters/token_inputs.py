@@ -42,7 +42,7 @@ from .checks import AdapterInputError, padded_count, sub_plan
 from .consumers import assemble_token_ids, gather_draft_ids
 from .consumers._launch import check_tensor, interpreted
 from .consumers.token_assembly import _assemble_kernel, launch_assembly_from_header
-from .plan_records import CountsPlan, counts_field
+from .plan_records import CountsPlan
 from .sampling import SAMPLING, refuse_column
 
 TOKEN_IDS = "token_ids"
@@ -60,11 +60,12 @@ class TokenPlan(CountsPlan):
 
     __slots__ = ()
     FIELDS = ("num_reqs", "padded_reqs", "num_tokens", "padded_tokens", "num_draft_tokens")
-    num_reqs = counts_field("num_reqs")
-    padded_reqs = counts_field("padded_reqs")
-    num_tokens = counts_field("num_tokens")
-    padded_tokens = counts_field("padded_tokens")
-    num_draft_tokens = counts_field("column_sum")
+    COUNTS = (("num_draft_tokens", "column_sum"),)
+    num_reqs: int
+    padded_reqs: int
+    num_tokens: int
+    padded_tokens: int
+    num_draft_tokens: int
 
     def __init__(self, num_reqs: int, padded_reqs: int, num_tokens: int,
                  padded_tokens: int, num_draft_tokens: int = 0) -> None:
