@@ -8,11 +8,12 @@ gc.freeze()`` (as engines do after warm-up). Over 1,000 steady steps (their inpu
 beforehand, as ``benchmarks/instructions.py`` builds them, so the inputs are not counted)
 the test asserts three things:
 
-* ``sys.getallocatedblocks()`` does not grow (net: nothing kept per step);
+* ``sys.getallocatedblocks()`` does not grow over the second of two 1,000-step windows
+  (net: nothing kept per step; the first window takes what the interpreter makes once);
 * ``gc.get_count()[0]`` does not grow (net: no container object kept);
-* over 50 of those steps, sampled one at a time under ``tracemalloc``, the traced peak
-  does not rise above the memory traced before the step (gross: no transient object
-  either; the two net measures cannot see an object made and freed within a step).
+* over the next 50 steady steps, each sampled under ``tracemalloc``, the traced peak does
+  not rise above the memory traced before the step (gross: no transient object either;
+  the two net measures cannot see an object made and freed within a step).
 
 Block tables that grow by appends stay steady steps: 1/16 of the rows append a page per
 step (``steady_decode_batches``). Families whose step still allocates are marked
@@ -38,6 +39,10 @@ BS = 64
 WARM = 60
 STEPS = 1000
 SAMPLED = 50
+#: batches per family: warm-up, two windows of counted steps, then the sampled ones (one
+#: more, for tracemalloc's own start-up), each a batch no earlier step ran: stepping an
+#: older batch again would rewind the block tables (a changed batch, not a steady step)
+ITEMS = WARM + 2 * STEPS + SAMPLED + 1
 
 Step = Callable[[Any], None]
 
@@ -66,7 +71,7 @@ def _core() -> tuple[Step, list[Any]]:
         publish("g")
         finish()
 
-    return step, [BS] * (WARM + STEPS + 1)
+    return step, [BS] * (ITEMS)
 
 
 def _tokens() -> tuple[Step, list[Any]]:
@@ -96,7 +101,7 @@ def _tokens() -> tuple[Step, list[Any]]:
         publish(TOKEN_INPUTS)
         finish()
 
-    return step, [batch] * (WARM + STEPS + 1)
+    return step, [batch] * (ITEMS)
 
 
 def _mha() -> tuple[Step, list[Any]]:
@@ -106,14 +111,14 @@ def _mha() -> tuple[Step, list[Any]]:
 
     from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
 
-    context, window = 131072, 2 * (WARM + STEPS)  # no row restarts within the test
+    context, window = 131072, 2 * ITEMS  # no row restarts within the test
     per_row = -(-(context + PAGE - 1 + window) // PAGE)
     st = _state()
     step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
                                    page_size=PAGE, fuse_kv_indices=False)
     st.bind()
     batches = steady_decode_batches(BS, context, PAGE, window=window)
-    items = [next(batches) for _ in range(WARM + STEPS + 1)]
+    items = [next(batches) for _ in range(ITEMS)]
     for b in items:
         b.columns, b.block_tables  # noqa: B018  (built lazily: build them now)
     begin, finish, publish, prepare = st.begin, st.finish, st.publish, step_inputs.prepare
@@ -134,14 +139,14 @@ def _mtp() -> tuple[Step, list[Any]]:
     from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
 
     context, k = 32768, 1
-    per_row = -(-(context + 2 * (WARM + STEPS) * (k + 1) + 4 * k + 64) // PAGE)
+    per_row = -(-(context + 2 * ITEMS * (k + 1) + 4 * k + 64) // PAGE)
     st = _state()
     step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS * (k + 1),
                                    max_pages_per_req=per_row, page_size=PAGE, max_drafts=k,
                                    fuse_kv_indices=False)
     st.bind()
     batches = Batches(BS, context, k)
-    items = [batches.step()[0] for _ in range(WARM + STEPS + 1)]
+    items = [batches.step()[0] for _ in range(ITEMS)]
     for b in items:
         b.columns, b.block_tables  # noqa: B018
     begin, finish, publish = st.begin, st.finish, st.publish
@@ -187,7 +192,7 @@ def _v41() -> tuple[Step, list[Any]]:
         token_ids=np.zeros(n, np.int32), num_drafts=np.zeros(n, np.int32))
     batch = ScheduledBatch((), False, V4_BLOCK, given_columns=columns)
     batches = Batches(BS, context)
-    items = [batches.step()[:2] for _ in range(WARM + STEPS + 1)]
+    items = [batches.step()[:2] for _ in range(ITEMS)]
     begin, finish, publish = st.begin, st.finish, st.publish
     prepare, begin_step = tokens.prepare, v4.begin_step
 
@@ -207,30 +212,31 @@ def _left(what: str) -> Any:
     return pytest.mark.xfail(strict=True, reason=f"still allocates per step: {what}")
 
 
-_TABLES = ("the block table's snapshot history entry and changed-rows array "
-           "(block_tables prepare_step), the changed byte ranges' list and tuple, and the "
-           "padded rows' list (LayoutStep.run)")
 FAMILIES = [
     pytest.param(_core, id="core"),
     pytest.param(_tokens, id="tokens"),
-    pytest.param(_mha, id="mha", marks=_left(_TABLES)),
-    pytest.param(_mtp, id="mtp", marks=_left(f"{_TABLES}; the verify step's draft sum")),
+    pytest.param(_mha, id="mha"),
+    pytest.param(_mtp, id="mtp"),
     pytest.param(_v41, id="v41", marks=_left(
-        f"{_TABLES}; V41MetadataInputs.begin_step's Python row checks and span columns, "
-        "its V41Plan tuple")),
+        "V41MetadataInputs.begin_step's Python row checks and span columns, its V41Plan "
+        "tuple")),
 ]
 
 
 def measure(step: Step, items: Sequence[Any]) -> tuple[int, int, list[int]]:
-    """(allocated-blocks delta, gc generation-0 delta) over ``STEPS`` steady steps after
-    ``WARM``, then each sampled step's tracemalloc peak rise above the memory traced
-    before it."""
+    """(allocated-blocks delta, gc generation-0 delta) over the second of two windows of
+    ``STEPS`` steady steps after ``WARM`` (the first takes what the interpreter makes once,
+    e.g. a specialization retried after its back-off: a step that keeps an object keeps
+    it in both), then each of the next ``SAMPLED`` steps' tracemalloc peak rise above the
+    memory traced before it."""
     for item in items[:WARM]:
         step(item)
     gc.collect()
     gc.freeze()
     try:
-        steady = items[WARM:WARM + STEPS]
+        for item in items[WARM:WARM + STEPS]:
+            step(item)
+        steady = items[WARM + STEPS:WARM + 2 * STEPS]
         blocks, count = sys.getallocatedblocks(), gc.get_count()[0]
         for item in steady:
             step(item)
@@ -239,7 +245,7 @@ def measure(step: Step, items: Sequence[Any]) -> tuple[int, int, list[int]]:
         tracemalloc.start(1)
         try:
             # the first step traced after tracemalloc.start() carries its own start-up
-            for item in steady[-SAMPLED - 1:]:
+            for item in items[WARM + 2 * STEPS:WARM + 2 * STEPS + SAMPLED + 1]:
                 before = tracemalloc.get_traced_memory()[0]
                 tracemalloc.reset_peak()
                 step(item)
@@ -263,7 +269,9 @@ def test_a_steady_step_allocates_nothing(build: Callable[[], tuple[Step, list[An
     base_blocks, base_count, _ = measure(_nothing, items)
     blocks, count, rises = measure(step, items)
     blocks, count = blocks - base_blocks, count - base_count
-    assert blocks == 0, f"{blocks} memory blocks kept over {STEPS} steady steps"
+    # (a block freed meanwhile, e.g. one the test runner left from an earlier test, reads
+    # as -1: nothing was kept)
+    assert blocks <= 0, f"{blocks} memory blocks kept over {STEPS} steady steps"
     assert count == 0, f"{count} gc-tracked objects kept over {STEPS} steady steps"
     assert max(rises) == 0, (f"a steady step allocated up to {max(rises)} bytes transiently "
                              f"(per sampled step: {rises[:10]} ...)")

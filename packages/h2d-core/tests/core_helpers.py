@@ -110,10 +110,10 @@ def spy_dma(monkeypatch: Any, packed: Any) -> list[int]:
         seen.append(end)
         return end
 
-    def spy_step(*args: Any, **kwargs: Any) -> int:  # the state's call: signed DMA size
-        end = int(real_step(*args, **kwargs))
-        seen.append(abs(end))
-        return end
+    def spy_step(*args: Any, **kwargs: Any) -> bool:  # the state's call: completion
+        recorded = bool(real_step(*args, **kwargs))
+        seen.append(packed.last_dma_bytes)
+        return recorded
 
     monkeypatch.setattr(packed, "publish", spy)
     monkeypatch.setattr(packed, "publish_step", spy_step)

@@ -154,13 +154,30 @@ cdef inline int slot_int64(PyObject *row, Py_ssize_t offset, int64_t *out) excep
 
 cdef const char *CAPSULE = b"block_tables_snapshot"
 
+# the snapshot's bookkeeping, int64 fields of its ``meta`` array (snapshot.py reads them
+# through properties): C integers, so a step that bumps the revision past CPython's small
+# ints boxes nothing
+cdef enum:
+    META_REVISION = 0
+    META_NUM_ROWS = 1
+    META_ALL_VERSIONED = 2  # every row of the last batch was a BlockTable
+    META_KEYS_VALID = 3  # snapshot.py's packed keys of the last batch still describe it
+    META_SIZE = 4
+
+
 cdef struct Bound:
-    PyObject *owner  # a strong reference: the tuple of the five arrays (they never move)
+    PyObject *owner  # a strong reference: the tuple of the arrays (they never move)
     int64_t *row_keys
     int64_t *lengths
     int64_t *changed
     int64_t *scratch
     int32_t *storage
+    int64_t *meta
+    # the history ring: revision r's changed rows are hist_rows[r % hist_len] (its first
+    # hist_count[r % hist_len] items; -1: every row)
+    int64_t *hist_count
+    int64_t *hist_rows
+    Py_ssize_t hist_len
     Py_ssize_t capacity
     Py_ssize_t width
 
@@ -173,24 +190,28 @@ cdef void bound_free(object capsule) noexcept:
     PyMem_Free(b)
 
 
-def bind(row_keys, lengths, storage, changed, scratch, width, /):
-    """bind(row_keys, lengths, storage, changed, scratch, width) -> capsule
+def bind(row_keys, lengths, storage, changed, scratch, width, meta, hist_count, hist_rows,
+         /):
+    """bind(row_keys, lengths, storage, changed, scratch, width, meta, hist_count,
+    hist_rows) -> capsule
 
     row_keys, lengths, changed: int64[capacity]; storage: int32[capacity, width];
-    scratch: int64[2 * capacity]; each writable and C-contiguous. Bound once, so per-step
-    calls pay no buffer-protocol lookup for them."""
+    scratch: int64[2 * capacity]; meta: int64[4] (revision, rows, all versioned, keys
+    valid); hist_count: int64[history]; hist_rows: int64[history * capacity]; each
+    writable and C-contiguous. Bound once, so per-step calls pay no buffer-protocol lookup
+    for them."""
     cdef Py_ssize_t w = PyLong_AsSsize_t(width)
-    cdef Py_ssize_t itemsize[5]
-    cdef Py_ssize_t items[5]
-    cdef void *ptr[5]
+    cdef Py_ssize_t itemsize[8]
+    cdef Py_ssize_t items[8]
+    cdef void *ptr[8]
     cdef Py_buffer view
     cdef Py_ssize_t capacity
     cdef bint bad
     cdef Bound *b
     cdef int i
-    arrays = (row_keys, lengths, storage, changed, scratch)
-    itemsize[:] = [8, 8, 4, 8, 8]
-    for i in range(5):
+    arrays = (row_keys, lengths, storage, changed, scratch, meta, hist_count, hist_rows)
+    itemsize[:] = [8, 8, 4, 8, 8, 8, 8, 8]
+    for i in range(8):
         PyObject_GetBuffer(arrays[i], &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)
         ptr[i] = view.buf
         items[i] = view.len // itemsize[i]
@@ -200,7 +221,8 @@ def bind(row_keys, lengths, storage, changed, scratch, width, /):
             raise ValueError("internal array has the wrong item size or length")
     capacity = items[0]
     if (items[1] < capacity or items[2] < capacity * w or items[3] < capacity
-            or items[4] < 2 * capacity):
+            or items[4] < 2 * capacity or items[5] < META_SIZE or items[6] < 1
+            or items[7] < items[6] * capacity):
         raise ValueError("bind: arrays too small for the capacity")
     b = <Bound *>PyMem_Calloc(1, sizeof(Bound))
     if b == NULL:
@@ -210,6 +232,10 @@ def bind(row_keys, lengths, storage, changed, scratch, width, /):
     b.storage = <int32_t *>ptr[2]
     b.changed = <int64_t *>ptr[3]
     b.scratch = <int64_t *>ptr[4]
+    b.meta = <int64_t *>ptr[5]
+    b.hist_count = <int64_t *>ptr[6]
+    b.hist_rows = <int64_t *>ptr[7]
+    b.hist_len = items[6]
     b.capacity = capacity
     b.width = w
     try:
@@ -235,19 +261,23 @@ cdef inline object rows_array(const int64_t *rows, Py_ssize_t count):
 
 # ---- the common decode step -------------------------------------------------------------
 
-def prepare_step(bound, rows, limit, required, /):
-    """prepare_step(bound, rows, limit, required) -> changed rows, or None
+def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
+    """prepare_step(bound, rows, limit, required[, pad_row, pad]) -> rows changed, or -1
+
+    The batch is ``rows`` followed by ``pad`` times ``pad_row`` (graph padding, without
+    a list built for it).
 
     rows: list or tuple; limit: the pool limit, or -1 for none (every appended ID is
     still checked to be >= 0: -1 is never a page); required: None or a 1-D signed or
-    unsigned 4/8-byte integer array of len(rows). Returns an int64 array of the rows whose
-    bytes changed, ascending (empty for a hit), or None, before any write, when the batch
-    is not covered."""
+    unsigned 4/8-byte integer array of len(rows). Returns how many rows' bytes changed
+    (0 for a hit; they are the bound ``changed`` array's first items, ascending, and the
+    history's entry of the revision this advanced to), the snapshot's bookkeeping (the
+    ``meta`` fields) updated; or -1, before any write, when the batch is not covered."""
     cdef Bound *b
     cdef PyObject **items
     cdef PyObject *row
     cdef PyArrayObject *r
-    cdef Py_ssize_t n, i, c
+    cdef Py_ssize_t n, nr, extra, i, c
     cdef int64_t lim, width, key, stored, length, need, last
     cdef int64_t *new_keys
     cdef int64_t *lasts
@@ -260,26 +290,30 @@ def prepare_step(bound, rows, limit, required, /):
         raise RuntimeError("prepare_step before configure()")
     b = <Bound *>PyCapsule_GetPointer(bound, CAPSULE)
     if not PyList_CheckExact(rows) and not PyTuple_CheckExact(rows):
-        return None
-    n = PySequence_Fast_GET_SIZE(rows)
+        return -1
+    nr = PySequence_Fast_GET_SIZE(rows)
     items = PySequence_Fast_ITEMS(rows)
+    extra = PyLong_AsSsize_t(pad)
+    if extra < 0 or (extra and pad_row is None):
+        return -1
+    n = nr + extra
     lim = PyLong_AsLongLong(limit)
     if lim < 0:  # no pool limit: [0, 2**31), the lower bound in the same comparison
         lim = <int64_t>INT32_MAX + 1
     width = b.width
     if n > b.capacity:
-        return None
+        return -1
     # required pages: a 1-D aligned native-order integer array of 4 or 8 bytes per item;
     # anything else goes to snapshot.py, which coerces and checks it
     if required is not None:
         if not PyArray_Check(<PyObject *>required):
-            return None
+            return -1
         r = <PyArrayObject *><PyObject *>required
         req_size = PyArray_ITEMSIZE(r)
         if (PyArray_NDIM(r) != 1 or PyArray_DIM(r, 0) != n or not PyArray_ISINTEGER(r)
                 or (req_size != 4 and req_size != 8) or not PyArray_ISALIGNED(r)
                 or not PyArray_ISNOTSWAPPED(r)):
-            return None
+            return -1
         req = <const char *>PyArray_DATA(r)
         req_stride = PyArray_STRIDE(r, 0)
         unsigned_req = PyArray_ISUNSIGNED(r)
@@ -289,14 +323,14 @@ def prepare_step(bound, rows, limit, required, /):
 
     # ---- check everything: no write before the batch is known to be covered ----
     for i in range(n):
-        row = items[i]
+        row = items[i] if i < nr else <PyObject *>pad_row
         if <PyObject *>type_of(row) != table_type:
-            return None
+            return -1
         if slot_int64(row, key_offset, &key):
-            return None
+            return -1
         length = key & length_mask
         if length > width:
-            return None
+            return -1
         if req != NULL:
             at = req + i * req_stride
             if req_size == 4:
@@ -305,19 +339,19 @@ def prepare_step(bound, rows, limit, required, /):
             else:
                 need = (<const int64_t *>at)[0]  # uint64 past 2**63 reads negative: huge
             if <uint64_t>need > <uint64_t>length:  # negative reads as huge
-                return None
+                return -1
         new_keys[i] = key
         stored = b.row_keys[i]
         if key == stored:
             lasts[i] = INT64_MIN
         elif <uint64_t>key - <uint64_t>stored == 1:  # unsigned: no overflow
             if slot_int64(row, last_offset, &last):
-                return None
+                return -1
             if <uint64_t><uint32_t>last >= <uint64_t>lim:  # negative reads as huge
-                return None
+                return -1
             lasts[i] = last
         else:
-            return None
+            return -1
 
     # ---- write: one page ID per grown row, counted only when its bytes differ ----
     c = 0
@@ -330,7 +364,50 @@ def prepare_step(bound, rows, limit, required, /):
                 c += 1
             b.row_keys[i] = new_keys[i]
             b.lengths[i] = new_keys[i] & length_mask
-    return rows_array(b.changed, c)
+    b.meta[META_NUM_ROWS] = n
+    b.meta[META_ALL_VERSIONED] = 1
+    b.meta[META_KEYS_VALID] = 0  # snapshot.py's packed keys describe an older batch
+    if c:
+        bump_revision(b, b.changed, c)
+    return c
+
+
+# ---- the revision and its history --------------------------------------------------------
+
+cdef void bump_revision(Bound *b, const int64_t *rows, Py_ssize_t count) noexcept:
+    """The next revision changed ``rows[0, count)`` (ascending; count -1: every row):
+    advance the revision and record it in the history ring, over its oldest entry."""
+    cdef int64_t revision = b.meta[META_REVISION] + 1
+    cdef Py_ssize_t at = <Py_ssize_t>(revision % b.hist_len)
+    b.meta[META_REVISION] = revision
+    b.hist_count[at] = count
+    if count > 0:
+        memcpy(b.hist_rows + at * b.capacity, rows, <size_t>count * sizeof(int64_t))
+
+
+def record_revision(bound, rows, /):
+    """record_revision(bound, rows) -> the new revision
+
+    snapshot.py's write paths: the next revision changed ``rows`` (a 1-D int64 array of
+    distinct rows below the capacity, ascending) or every row (None)."""
+    cdef Bound *b = <Bound *>PyCapsule_GetPointer(bound, CAPSULE)
+    cdef PyArrayObject *a
+    cdef Py_ssize_t count = -1
+    cdef const int64_t *data = NULL
+    if rows is not None:
+        if not PyArray_Check(<PyObject *>rows):
+            raise TypeError("record_revision: rows must be an int64 array or None")
+        a = <PyArrayObject *><PyObject *>rows
+        if (PyArray_NDIM(a) != 1 or PyArray_TYPE(a) != NPY_INT64 or not PyArray_ISALIGNED(a)
+                or not PyArray_ISNOTSWAPPED(a) or PyArray_DIM(a, 0) > b.capacity
+                or (PyArray_DIM(a, 0) > 1
+                    and PyArray_STRIDE(a, 0) != <npy_intp>sizeof(int64_t))):
+            raise ValueError("record_revision: rows must be a contiguous 1-D int64 array of "
+                             "at most the capacity")
+        count = PyArray_DIM(a, 0)
+        data = <const int64_t *>PyArray_DATA(a)
+    bump_revision(b, data, count)
+    return b.meta[META_REVISION]
 
 
 # ---- a fully replaced batch ---------------------------------------------------------------
@@ -477,18 +554,11 @@ def key_spans(now, then, limit, /):
     return rows, starts, stops
 
 
-cdef inline tuple byte_range(int64_t start, int64_t stop, int64_t tag):
-    """(start, stop), or the record triple (tag, start, nbytes) when tag >= 0."""
-    if tag < 0:
-        return (start, stop)
-    return (tag, start, stop - start)
-
-
-cdef int byte_ranges(const int64_t *now, Py_ssize_t ns, const int64_t *then, Py_ssize_t ts,
-                     int64_t limit, int64_t rows_then, int64_t num_rows, int64_t row_bytes,
-                     int64_t tag, list out, int64_t *count, int64_t *total) except -1:
-    """One pass of changed_byte_ranges: count the merged ranges and their bytes, and
-    append each to ``out`` unless it is None."""
+cdef void byte_ranges(const int64_t *now, Py_ssize_t ns, const int64_t *then, Py_ssize_t ts,
+                      int64_t limit, int64_t rows_then, int64_t num_rows, int64_t row_bytes,
+                      int64_t tag, int64_t *out, int64_t *count, int64_t *total) noexcept:
+    """One pass of the byte-range diff: count the merged ranges and their bytes, and write
+    each as the triple (tag, start, nbytes) at ``out[3 * k]`` unless ``out`` is NULL."""
     cdef int64_t r, a, e, cur_start = -1, cur_stop = -1
     count[0] = 0
     total[0] = 0
@@ -508,15 +578,34 @@ cdef int byte_ranges(const int64_t *now, Py_ssize_t ns, const int64_t *then, Py_
             cur_stop = e
             continue
         if cur_start >= 0:
-            if out is not None:
-                PyList_Append(out, byte_range(cur_start, cur_stop, tag))
+            if out != NULL:
+                out[3 * count[0]] = tag
+                out[3 * count[0] + 1] = cur_start
+                out[3 * count[0] + 2] = cur_stop - cur_start
             count[0] += 1
         cur_start = a
         cur_stop = e
     if cur_start >= 0:
-        if out is not None:
-            PyList_Append(out, byte_range(cur_start, cur_stop, tag))
+        if out != NULL:
+            out[3 * count[0]] = tag
+            out[3 * count[0] + 1] = cur_start
+            out[3 * count[0] + 2] = cur_stop - cur_start
         count[0] += 1
+
+
+cdef int copy_keys(object now, object keys_out, int64_t n_now) except -1:
+    """keys_out[0, n_now) = now[0, n_now); 1 (nothing copied) when either is not an int64
+    array this reads or keys_out is read-only."""
+    cdef const int64_t *src
+    cdef int64_t *dst
+    cdef Py_ssize_t ss, ds
+    cdef int64_t r
+    if (n_now < 0 or get_keys(now, &src, n_now, &ss)
+            or get_keys(keys_out, <const int64_t **>&dst, n_now, &ds)
+            or not PyArray_ISWRITEABLE(<PyArrayObject *><PyObject *>keys_out)):
+        return 1
+    for r in range(n_now):
+        dst[r * ds] = src[r * ss]
     return 0
 
 
@@ -533,18 +622,18 @@ def changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, m
     keys_out) are not int64 arrays this reads (the Python path handles them). keys_out,
     when given, receives now[0, num_rows) whatever the result: the keys to remember for
     this upload, without a separate copy. tag (an int >= 0), when given, makes each range
-    the triple (tag, start, nbytes) a publication record takes (h2d_core)."""
+    the triple (tag, start, nbytes) a publication record takes (h2d_core); without it
+    each is (start, stop). :func:`changed_ranges_into` is the same diff into an array."""
     cdef int64_t n_then = PyLong_AsLongLong(rows_then)
     cdef int64_t n_now = PyLong_AsLongLong(num_rows)
     cdef int64_t nbytes = PyLong_AsLongLong(row_bytes)
     cdef int64_t most_ranges = PyLong_AsLongLong(max_ranges)
     cdef int64_t most_bytes = PyLong_AsLongLong(max_bytes)
-    cdef int64_t label = -1, limit, r, count, total
+    cdef int64_t label = -1, limit, count, total, k
     cdef const int64_t *w
     cdef const int64_t *t
-    cdef const int64_t *src
-    cdef int64_t *dst
-    cdef Py_ssize_t ns, ts, ss, ds
+    cdef Py_ssize_t ns, ts
+    cdef int64_t *buf
     if tag is not None:
         label = PyLong_AsLongLong(tag)
         if label < 0:
@@ -552,17 +641,81 @@ def changed_byte_ranges(now, then, rows_then, num_rows, row_bytes, max_ranges, m
     limit = n_now if n_now < n_then else n_then
     if get_keys(now, &w, limit, &ns) or get_keys(then, &t, limit, &ts):
         return NotImplemented
-    if keys_out is not None:
-        if (n_now < 0 or get_keys(now, &src, n_now, &ss)
-                or get_keys(keys_out, <const int64_t **>&dst, n_now, &ds)
-                or not PyArray_ISWRITEABLE(<PyArrayObject *><PyObject *>keys_out)):
-            return NotImplemented
-        for r in range(n_now):
-            dst[r * ds] = src[r * ss]
-    # first pass: count ranges and bytes without allocating; second: build the list
-    byte_ranges(w, ns, t, ts, limit, n_then, n_now, nbytes, label, None, &count, &total)
+    if keys_out is not None and copy_keys(now, keys_out, n_now):
+        return NotImplemented
+    # first pass: count ranges and bytes without writing; second: the ranges themselves
+    byte_ranges(w, ns, t, ts, limit, n_then, n_now, nbytes, label, NULL, &count, &total)
     if count > most_ranges or total > most_bytes:
         return None
-    ranges = []
-    byte_ranges(w, ns, t, ts, limit, n_then, n_now, nbytes, label, ranges, &count, &total)
+    buf = <int64_t *>PyMem_Calloc(<size_t>(3 * count + 3), sizeof(int64_t))
+    if buf == NULL:
+        raise MemoryError()
+    try:
+        byte_ranges(w, ns, t, ts, limit, n_then, n_now, nbytes, label, buf, &count, &total)
+        ranges = []
+        for k in range(count):
+            if label < 0:
+                PyList_Append(ranges, (buf[3 * k + 1], buf[3 * k + 1] + buf[3 * k + 2]))
+            else:
+                PyList_Append(ranges, (label, buf[3 * k + 1], buf[3 * k + 2]))
+    finally:
+        PyMem_Free(buf)
     return ranges, total
+
+
+# changed_ranges_into's parameters, int64 fields of its ``params`` array
+cdef enum:
+    P_ROWS_THEN = 0
+    P_NUM_ROWS = 1
+    P_ROW_BYTES = 2
+    P_MAX_RANGES = 3
+    P_MAX_BYTES = 4
+    P_TAG = 5
+    P_START = 6
+    P_TOTAL = 7  # written: the ranges' bytes
+    P_SIZE = 8
+
+
+def changed_ranges_into(now, then, params, keys_out, out, /):
+    """changed_ranges_into(now, then, params, keys_out, out) -> count, -1 or -2
+
+    :func:`changed_byte_ranges` for a caller that keeps its ranges in an array and makes
+    no object per step: ``params`` is an int64[8] array (rows_then, num_rows, row_bytes,
+    max_ranges, max_bytes, tag >= 0, start, and the total it writes); the ranges are
+    written as (tag, start, nbytes) rows ``[start, start + count)`` of ``out`` (a
+    C-contiguous int64[k, 3] array, which keeps the row after them free: its caller's end
+    marker) and their bytes into ``params[7]``. Returns the count; -1, writing no range,
+    when more than max_ranges ranges or max_bytes bytes would travel or ``out`` has too
+    few rows; -2 (NotImplemented) when the keys, keys_out or out are not
+    arrays this reads. keys_out receives now[0, num_rows) whenever the result is not -2."""
+    cdef const int64_t *w
+    cdef const int64_t *t
+    cdef int64_t *p
+    cdef Py_ssize_t ns, ts, rows
+    cdef int64_t limit, count, total, start
+    cdef PyArrayObject *a
+    if get_keys(params, <const int64_t **>&p, P_SIZE, &ns) or ns != 1:
+        return -2
+    if not PyArray_Check(<PyObject *>out):
+        return -2
+    a = <PyArrayObject *><PyObject *>out
+    if (PyArray_NDIM(a) != 2 or PyArray_TYPE(a) != NPY_INT64 or PyArray_DIM(a, 1) != 3
+            or not PyArray_ISALIGNED(a) or not PyArray_ISNOTSWAPPED(a)
+            or not PyArray_ISWRITEABLE(a) or PyArray_STRIDE(a, 1) != 8
+            or PyArray_STRIDE(a, 0) != 24 or p[P_TAG] < 0 or p[P_START] < 0):
+        return -2
+    rows = PyArray_DIM(a, 0)
+    limit = p[P_NUM_ROWS] if p[P_NUM_ROWS] < p[P_ROWS_THEN] else p[P_ROWS_THEN]
+    if get_keys(now, &w, limit, &ns) or get_keys(then, &t, limit, &ts):
+        return -2
+    if copy_keys(now, keys_out, p[P_NUM_ROWS]):
+        return -2
+    byte_ranges(w, ns, t, ts, limit, p[P_ROWS_THEN], p[P_NUM_ROWS], p[P_ROW_BYTES],
+                p[P_TAG], NULL, &count, &total)
+    start = p[P_START]
+    if count > p[P_MAX_RANGES] or total > p[P_MAX_BYTES] or start + count >= rows:
+        return -1
+    byte_ranges(w, ns, t, ts, limit, p[P_ROWS_THEN], p[P_NUM_ROWS], p[P_ROW_BYTES],
+                p[P_TAG], <int64_t *>PyArray_DATA(a) + 3 * start, &count, &total)
+    p[P_TOTAL] = total
+    return count

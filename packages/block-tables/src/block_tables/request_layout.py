@@ -225,7 +225,7 @@ class RequestLayout:
     # planned batch's values; the sums of the planned batch (and the next plan's scratch,
     # swapped in only when the whole batch passed)
     _columns = cython.declare(tuple)
-    _values = cython.declare(tuple)
+    _values = cython.declare(object)
     # C integers, not a list: a sum above 256 stored in a list boxes an int per step
     _sums = cython.declare(cython.longlong[::1])
     _spare_sums = cython.declare(cython.longlong[::1])
@@ -517,7 +517,7 @@ class RequestLayout:
     @cython.wraparound(False)
     @cython.cdivision(True)  # non-negative operands
     def plan(self, query_lens: object, context_lens: object, padded_reqs: cython.Py_ssize_t,
-             padded_tokens: cython.Py_ssize_t, values: tuple = ()) -> cython.Py_ssize_t:
+             padded_tokens: cython.Py_ssize_t, values: Sequence[Any] = ()) -> cython.Py_ssize_t:
         """Check a batch and compute its ``required_pages``; returns its token count.
 
         ``query_lens[i]`` tokens of request ``i`` run this step at positions
@@ -878,7 +878,7 @@ def _state_columns(name: str, bound: list, groups: str | None, forks: str | None
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _write_state_slots(layout: RequestLayout, values: tuple, n: cython.Py_ssize_t,
+def _write_state_slots(layout: RequestLayout, values: Sequence[Any], n: cython.Py_ssize_t,
                        p: cython.Py_ssize_t) -> cython.void:
     """The state-slot outputs of the planned batch (see the class docstring)."""
     groups: cython.pointer[cython.int] = _ints(values[layout._group_col])
@@ -956,7 +956,8 @@ def _distinct_columns(name: str, columns: Sequence[LayoutColumn], bound: list) -
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _check_distinct(layout: RequestLayout, values: tuple, n: cython.Py_ssize_t) -> cython.void:
+def _check_distinct(layout: RequestLayout, values: Sequence[Any],
+                    n: cython.Py_ssize_t) -> cython.void:
     """Refuse a distinct column's value that an earlier request holds (the column's bounds
     were checked: every value indexes its stamp table)."""
     if n < 2:
@@ -1056,7 +1057,7 @@ def _repeat_error(name: str, col: str, x: int, i: int, first: int) -> None:
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _check_cursors(layout: RequestLayout, values: tuple, qv: cython.pointer[cython.int],
+def _check_cursors(layout: RequestLayout, values: Sequence[Any], qv: cython.pointer[cython.int],
                    n: cython.Py_ssize_t) -> cython.void:
     """Refuse a cursor below 0, or one whose query tokens run past ``cursor_limit``."""
     cur: cython.pointer[cython.int] = _ints(values[layout._cursor_col])
@@ -1078,7 +1079,7 @@ def _check_cursors(layout: RequestLayout, values: tuple, qv: cython.pointer[cyth
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _check_candidates(layout: RequestLayout, values: tuple, qv: cython.pointer[cython.int],
+def _check_candidates(layout: RequestLayout, values: Sequence[Any], qv: cython.pointer[cython.int],
                       n: cython.Py_ssize_t) -> cython.void:
     """Refuse a draft count outside ``[0, min(candidate_width - 1, q - 1)]``."""
     dv: cython.pointer[cython.int] = _ints(values[layout._cand_col])
@@ -1096,7 +1097,7 @@ def _check_candidates(layout: RequestLayout, values: tuple, qv: cython.pointer[c
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _write_candidates(layout: RequestLayout, values: tuple, own_q: cython.int[::1],
+def _write_candidates(layout: RequestLayout, values: Sequence[Any], own_q: cython.int[::1],
                       n: cython.Py_ssize_t, p: cython.Py_ssize_t) -> cython.void:
     """The candidate rows of the planned batch (see the class docstring); the checks
     keep every entry within int32."""
@@ -1136,7 +1137,7 @@ def _check_drafts(name: str, dv: cython.pointer[cython.int], qv: cython.pointer[
 
 
 @cython.cfunc
-def _check_columns(name: str, columns: tuple, values: tuple, n: cython.Py_ssize_t,
+def _check_columns(name: str, columns: tuple, values: Sequence[Any], n: cython.Py_ssize_t,
                    t: cython.Py_ssize_t, sums: cython.longlong[::1]) -> cython.longlong:
     """Check each column's values (dtype, layout, length, bounds); the uniform request
     columns; the sums of the columns without an output (into ``sums``)."""

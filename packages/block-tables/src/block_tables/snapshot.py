@@ -31,7 +31,6 @@ exactly when a prepare changed at least one storage byte.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -78,6 +77,10 @@ Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 # replaced batch and the all-versioned key diffs; required (NativeBuildError without it)
 _native = require_extension("block_tables._block_tables_native")
 _native.configure(BlockTable, LENGTH_BITS)
+
+# the fields of a snapshot's bookkeeping array (_snapshot.pyx: META_*)
+_REVISION, _NUM_ROWS, _ALL_VERSIONED, _KEYS_VALID = range(4)
+_META_SIZE = 4
 
 
 def _key(version: int, length: int) -> int:
@@ -167,11 +170,19 @@ class PageTableSnapshot:
         self._row_base: Int64Array = np.arange(rows, dtype=np.int64) * width
         self._ones = np.ones(rows, dtype=np.int64).tobytes()
         self._no_bytes = bytes(rows)
-        # packed keys of the last batch prepared by _prepare_changed (None after a
-        # compiled step): its hit test for batches the compiled step hands back
-        self._keys: list[int] | None = None
-        # every row of the last batch was a BlockTable: equal keys then mean equal bytes
-        self._all_versioned = False
+        # packed keys of the last batch prepared by _prepare_changed: its hit test for
+        # batches the compiled step hands back (valid while _meta says so)
+        self._key_list: list[int] | None = None
+        # The bookkeeping a step changes, as int64 fields the compiled step writes (no int
+        # object per step): revision, rows of the last batch, whether every row of it was
+        # a BlockTable (equal keys then mean equal bytes), whether _key_list describes it.
+        self._meta = np.zeros(_META_SIZE, dtype=np.int64)
+        # The history ring: revision r's changed rows are the first _hist_count[r % history]
+        # items of _hist_rows[r % history] (-1: every row); revisions are consecutive, so
+        # the last `history` of them are always there.
+        self._history_len = int(history)
+        self._hist_count = np.zeros(history, dtype=np.int64)
+        self._hist_rows = np.zeros((history, rows), dtype=np.int64)
         # the compiled paths, bound once to the arrays above and their own scratch
         # (changed rows, new keys)
         self._changed_out = np.empty(rows, dtype=np.int64)
@@ -179,12 +190,56 @@ class PageTableSnapshot:
         self._native = _native
         self._bound = _native.bind(
             self._row_keys, self._lengths, self._flat, self._changed_out,
-            np.empty(2 * rows, dtype=np.int64), int(width))
-        self._num_rows = 0
-        self._revision = 0
+            np.empty(2 * rows, dtype=np.int64), int(width), self._meta, self._hist_count,
+            self._hist_rows)
         self._cleared = 0  # elements tail clears changed to the fill value (diagnostic)
-        # (revision, sorted changed rows, or None for "all rows") per byte-changing step.
-        self._history: deque[tuple[int, Int64Array | None]] = deque(maxlen=history)
+
+    # -- the bookkeeping, as the Python paths read and write it -----------------------------
+
+    @property
+    def _revision(self) -> int:
+        return int(self._meta[_REVISION])
+
+    @property
+    def _num_rows(self) -> int:
+        return int(self._meta[_NUM_ROWS])
+
+    @_num_rows.setter
+    def _num_rows(self, n: int) -> None:
+        self._meta[_NUM_ROWS] = n
+
+    @property
+    def _all_versioned(self) -> bool:
+        return bool(self._meta[_ALL_VERSIONED])
+
+    @_all_versioned.setter
+    def _all_versioned(self, value: bool) -> None:
+        self._meta[_ALL_VERSIONED] = bool(value)
+
+    @property
+    def _keys(self) -> list[int] | None:
+        return self._key_list if self._meta[_KEYS_VALID] else None
+
+    @_keys.setter
+    def _keys(self, keys: list[int] | None) -> None:
+        self._key_list = keys
+        self._meta[_KEYS_VALID] = keys is not None
+
+    def _bump(self, rows: Int64Array | None) -> int:
+        """The next revision changed ``rows`` (sorted, distinct) or every row (None):
+        advance the revision and record it in the history; return it."""
+        return int(self._native.record_revision(
+            self._bound, None if rows is None else np.ascontiguousarray(rows, np.int64)))
+
+    @property
+    def _history(self) -> list[tuple[int, Int64Array | None]]:
+        """The recorded revisions, oldest first: (revision, changed rows or None)."""
+        rev, n = self._revision, self._history_len
+        out: list[tuple[int, Int64Array | None]] = []
+        for r in range(max(1, rev - n + 1), rev + 1):
+            count = int(self._hist_count[r % n])
+            out.append((r, None if count < 0 else self._hist_rows[r % n, :count].copy()))
+        return out
 
     # -- reading --------------------------------------------------------------------------
 
@@ -230,6 +285,14 @@ class PageTableSnapshot:
         the columns its previous content held that were not already the fill value.
         """
         return self._cleared
+
+    @property
+    def meta_address(self) -> int:
+        """Address of the snapshot's int64 bookkeeping fields, for compiled readers that
+        must not box them: the prepared revision at index 0, the last batch's rows at 1,
+        and at 2 whether every row of it was a :class:`BlockTable`. Valid while the
+        snapshot lives; read-only for callers."""
+        return int(self._meta.ctypes.data)
 
     @property
     def capacity(self) -> int:
@@ -292,20 +355,19 @@ class PageTableSnapshot:
         Empty when ``revision`` is the current one. ``all_rows`` when the snapshot no
         longer (or never) knew that revision, or the storage was invalidated since.
         """
-        if revision == self._revision:
+        current = self._revision
+        if revision == current:
             return ChangedRows(())
-        history = self._history
-        # Revisions are consecutive, one history entry each, so the oldest entry tells
-        # whether every step since ``revision`` is still recorded.
-        if revision > self._revision or revision < 0 or history[0][0] > revision + 1:
+        # Revisions are consecutive, one ring entry each: the last `history` are recorded.
+        n = self._history_len
+        if revision > current or revision < 0 or current - revision > n:
             return self._all_rows()
         parts: list[Int64Array] = []
-        for rev, rows in reversed(history):
-            if rev <= revision:
-                break
-            if rows is None:
+        for rev in range(revision + 1, current + 1):
+            count = int(self._hist_count[rev % n])
+            if count < 0:
                 return self._all_rows()
-            parts.append(rows)
+            parts.append(self._hist_rows[rev % n, :count])
         merged = parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
         return ChangedRows(_ranges(merged[merged < self._num_rows]))
 
@@ -347,14 +409,8 @@ class PageTableSnapshot:
             return prepare_vectors(self, rows, versions, lengths, required_pages)
         # The common decode step (hits and one-page appends of versioned rows) in one
         # compiled call; None means "not covered", and nothing was written.
-        changed = self._native.prepare_step(self._bound, rows, self._limit_arg, required_pages)
-        if changed is not None:  # an array of the rows whose bytes changed
-            self._keys = None  # the next _prepare_changed call compares keys again
-            self._all_versioned = True
-            self._num_rows = len(rows)
-            if len(changed):
-                self._revision += 1
-                self._history.append((self._revision, changed))
+        # It records the revision and the bookkeeping itself.
+        if self._native.prepare_step(self._bound, rows, self._limit_arg, required_pages) >= 0:
             return self._revision
         # Handed back: another container or row kind, an unset or odd slot, a change other
         # than a one-page append, required pages the compiled step does not read, or an
@@ -382,8 +438,7 @@ class PageTableSnapshot:
         self._keys = None
         self._all_versioned = False
         self._num_rows = 0
-        self._revision += 1
-        self._history.append((self._revision, None))
+        self._bump(None)
 
     def _prepare_changed(
         self,
@@ -544,8 +599,7 @@ class PageTableSnapshot:
                 if len(changed_arrays) == 1 and not changed
                 else np.unique(np.concatenate(changed_arrays))
             )
-            self._revision += 1
-            self._history.append((self._revision, rows_changed.astype(np.int64, copy=False)))
+            return self._bump(rows_changed)
         return self._revision
 
     def _write_single(

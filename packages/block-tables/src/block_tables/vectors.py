@@ -133,6 +133,5 @@ def prepare_vectors(
     snap._keys = None
     snap._all_versioned = True
     if changed:
-        snap._revision += 1
-        snap._history.append((snap._revision, np.array(sorted(changed), dtype=np.int64)))
+        return snap._bump(np.array(sorted(changed), dtype=np.int64))
     return snap._revision

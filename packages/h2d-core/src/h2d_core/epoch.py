@@ -69,6 +69,18 @@ def _add_all(into: set, names: tuple) -> None:
 
 
 @cython.cfunc
+def _discard_all(names_set: set, names: tuple) -> None:
+    """Empty ``names_set`` of ``names`` one by one: set.clear() frees a table grown past
+    its inline one, so the next epoch's adds would allocate it again."""
+    if not names_set:
+        return
+    for g in names:
+        names_set.discard(g)
+    if names_set:  # a name outside ``names`` (none is expected): the whole set
+        names_set.clear()
+
+
+@cython.cfunc
 def _disjoint(names_set: set, names: tuple) -> cython.bint:
     for g in names:  # noqa: SIM110 - a C loop when compiled (all() makes a generator)
         if g in names_set:
@@ -119,6 +131,7 @@ class EpochCore:
     #: publish(name) -> (record index, names it publishes, members copied directly when it
     #: is a producer group covered by a combined one, counters): one lookup per call
     _routes = cython.declare(dict, visibility="public")
+    _all_names = cython.declare(tuple, visibility="public")
     #: guard_sources (a debug mode): only the open epoch's slot has writable numpy views
     _guard = cython.declare(cython.bint, visibility="public")
     # the groups tuple enter_producer checked last (see there)
@@ -242,8 +255,8 @@ class EpochCore:
             self._stream_id = consumer.cuda_stream
         for rec in self._slot_groups[s]:
             rec.clear_counts()
-        self._published.clear()
-        self._produced.clear()
+        _discard_all(self._published, self._all_names)
+        _discard_all(self._produced, self._all_names)
         self._on_publish.clear()
         if self._stagers:  # a stage not published last epoch commits nothing now
             for stagers in self._stagers.values():
@@ -396,7 +409,7 @@ class EpochCore:
         route = self._routes.get(group)
         if route is None:
             raise UnknownGroupError(self._unknown_group(group))
-        rec_index, names, covered_members, counters = route
+        rec_index, names, covered_members, counters, name_list = route
         if self._cuda:  # _check_device and _check_stream inline: they raise on a mismatch
             if get_device() != self._device_index:
                 self._check_device()
@@ -424,11 +437,13 @@ class EpochCore:
                 f"enqueueing publication of group {group!r} failed; the owner is invalidated "
                 "and its storage retained; call reset() to recover"
             ) from exc
-        self._published |= names
+        # one by one: a set merge resizes by its fill, which counts the slots begin()
+        # emptied; an add takes the slot its name left
+        _add_all(self._published, name_list)
         if self._guard:  # debug mode: the published sources are read-only until finish()
             self._guard_published(names, False)  # type: ignore[attr-defined]
         if self._stagers:  # the block tables commit what this publication carried
-            for g in names:
+            for g in name_list:
                 stagers = self._stagers.get(g)
                 if stagers is not None:
                     for stager in stagers:
@@ -456,10 +471,10 @@ class EpochCore:
                 rec, [b.member_index for b in covered], counters))
             return
         packed = rec.packed
-        if packed is not None and (rec.active > 1 or len(rec.ranges) > 1 or rec.fused):
+        if packed is not None and (rec.active > 1 or rec.num_ranges > 1 or rec.fused):
             # True only for a graph launch that recorded the slot's event (finish skips it)
-            self._graph_recorded = packed.publish_step(rec.counts, rec.ranges,
-                                                       self._stream_id, stream) > 0
+            self._graph_recorded = packed.publish_step(rec.counts, rec.range_table_address,
+                                                       self._stream_id, stream)
             counters.count_packed(rec)
             return
         self._graph_recorded = False

@@ -46,7 +46,9 @@ class StateOwner(EpochCore):
     _plans: dict[str, GroupPlan]
     #: publish(name) -> (record index, names it publishes, members copied directly when it
     #: is a producer group covered by a combined one, counters)
-    _routes: dict[str, tuple[int, frozenset[str], tuple[H2DBuffer, ...], GroupCounters]]
+    _routes: dict[str, tuple[int, frozenset[str], tuple[H2DBuffer, ...], GroupCounters,
+                             tuple[str, ...]]]
+    _all_names: tuple[str, ...]
     #: per slot, one record per publication group (``GroupPlan.index``)
     _slot_groups: list[list[GroupRecord]]
     _counters: dict[str, GroupCounters]

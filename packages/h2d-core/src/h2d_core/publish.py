@@ -96,7 +96,7 @@ class Publication(StateOwner):
         self, buffer: H2DBuffer, triples: list[tuple[int, int, int]], total: int
     ) -> bool:
         """:meth:`try_trusted_ranges` with the ranges already as the record's
-        ``(member index, offset, bytes)`` triples (the list is kept, not copied)."""
+        ``(member index, offset, bytes)`` triples (copied into the record's range table)."""
         if not self._ready():  # owner thread, valid, in an epoch
             self._check_ready("set_ranges")
         if buffer.group in self._published or len(triples) > buffer.max_ranges:
@@ -104,7 +104,7 @@ class Publication(StateOwner):
         gi, i = buffer.homes[0]
         rec = self._slot_groups[self.current_slot][gi]
         if rec.packed is None or total + RANGE_OVERHEAD * len(triples) > (
-                self.range_room(buffer) if rec.ranges else rec.packed.range_capacity):
+                self.range_room(buffer) if rec.num_ranges else rec.packed.range_capacity):
             return False
         rec.replace_ranges(i, triples, total)
         return True

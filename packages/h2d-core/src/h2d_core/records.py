@@ -21,6 +21,9 @@ except ImportError:  # interpreted where Cython is not installed: no-op decorato
 
 
 
+# RANGE_OVERHEAD as a C integer (a Python int in C arithmetic would box every sum)
+_OVERHEAD = cython.declare(cython.longlong, RANGE_OVERHEAD)
+
 #: GroupCounters' fields, in order (its constructor's keywords, ``as_dict``'s keys)
 COUNTER_FIELDS = ("publications", "bytes", "dmas", "scatters", "direct_copies",
                   "direct_fallbacks", "second_publications")
@@ -104,14 +107,25 @@ class GroupRecord:
 
     Compiled by Cython when the package is built (required): its methods are the count
     and range rules, and :meth:`store_counts` stores a fused producer's counts in one call.
+
+    The byte ranges live in :attr:`range_table`, an int64 ``(k, 3)`` array of ``(member
+    index, destination byte offset, byte count)`` rows bound once: its first
+    :attr:`num_ranges` rows are this epoch's ranges and the row after them has member -1
+    (the end a publication reads up to, from :attr:`range_table_address`). A block
+    table's stage writes its ranges there in place (:meth:`take_ranges`), so a steady
+    step makes no tuple or int for them.
     """
 
     plan = cython.declare(object, visibility="public")
     packed = cython.declare(object, visibility="public")
     #: per member: its count this epoch (None: omitted)
     counts = cython.declare(list, visibility="public")
-    #: pending byte ranges this epoch: (member index, destination byte offset, byte count)
-    ranges = cython.declare(list, visibility="public")
+    #: the ranges' table (see the class docstring) and how many of its rows are set
+    range_table = cython.declare(object, visibility="readonly")
+    num_ranges = cython.declare(cython.Py_ssize_t, visibility="readonly")
+    #: the table's data address (an int made once: what a packed publication reads)
+    range_table_address = cython.declare(object, visibility="readonly")
+    _rt = cython.declare(cython.longlong[:, ::1])
     #: members with ranges set (they count as active)
     ranged = cython.declare(set, visibility="public")
     range_bytes = cython.declare(cython.longlong, visibility="public")
@@ -122,13 +136,29 @@ class GroupRecord:
     fused = cython.declare(cython.bint, visibility="public")
 
     def __init__(self, plan: GroupPlan, packed: PackedGroup | None) -> None:
+        import numpy as np
+
         self.plan = plan
         self.packed = packed
         self.fused = False
         self.ranged = set()
         self.counts = None
-        self.ranges = []
+        # every member's max_ranges, twice (a stage writes its new ranges after the ones
+        # it replaces before dropping those), and the end row
+        most = sum([getattr(m, "max_ranges", 0) for m in plan.members])
+        table = np.zeros((2 * most + 1, 3), dtype=np.int64)
+        self.range_table = table
+        self._rt = table
+        self.range_table_address = int(table.ctypes.data)
+        self.num_ranges = 0
         self.clear_counts()
+
+    @property
+    def ranges(self) -> list[tuple[int, int, int]]:
+        """This epoch's ranges as ``(member index, offset, bytes)`` triples (a new list: a
+        reader's view, not the per-step path)."""
+        return [(int(self._rt[k, 0]), int(self._rt[k, 1]), int(self._rt[k, 2]))
+                for k in range(self.num_ranges)]
 
     @cython.ccall
     def clear_counts(self) -> None:
@@ -140,8 +170,8 @@ class GroupRecord:
             counts = self.counts
             for k in range(len(counts)):
                 counts[k] = None
-        if self.ranges:
-            self.ranges = []
+        self.num_ranges = 0
+        self._rt[0, 0] = -1
         if self.ranged:
             self.ranged.clear()
         self.range_bytes = 0
@@ -159,8 +189,26 @@ class GroupRecord:
         if i in self.ranged:
             self.ranged.discard(i)
             self.active -= 1
-            self.ranges = [r for r in self.ranges if r[0] != i]
-            self.range_bytes = sum([n for _, _, n in self.ranges])
+            self._drop_ranges(i)
+
+    @cython.cfunc
+    def _drop_ranges(self, i: cython.Py_ssize_t) -> cython.void:
+        """Remove member ``i``'s rows from the table, keeping the others' order."""
+        rt = self._rt
+        k: cython.Py_ssize_t
+        kept: cython.Py_ssize_t = 0
+        for k in range(self.num_ranges):
+            if rt[k, 0] == i:
+                self.range_bytes -= rt[k, 2]
+                continue
+            if kept != k:
+                rt[kept, 0] = rt[k, 0]
+                rt[kept, 1] = rt[k, 1]
+                rt[kept, 2] = rt[k, 2]
+            kept += 1
+        if kept != self.num_ranges:  # (unchanged: a stage's new rows may follow them)
+            self.num_ranges = kept
+            rt[kept, 0] = -1
 
     @cython.ccall
     def store_count(self, i: cython.Py_ssize_t, n: cython.longlong,
@@ -201,29 +249,67 @@ class GroupRecord:
     def replace_ranges(self, i: int, new: list[tuple[int, int, int]],
                        nbytes: int | None = None) -> None:
         """Member ``i`` publishes exactly the ranges ``new`` (validated ``(i, offset,
-        bytes)`` triples; ``nbytes`` their total when known) instead of a count."""
+        bytes)`` triples, at most the member's ``max_ranges``; ``nbytes`` is not needed)
+        instead of a count."""
+        start: cython.Py_ssize_t = self.num_ranges
+        if start + len(new) >= self._rt.shape[0]:
+            raise ValueError(f"replace_ranges: {len(new)} ranges do not fit the record's "
+                             f"table of {self._rt.shape[0] - 1} rows")
+        k: cython.Py_ssize_t
+        total: cython.longlong = 0
+        for k in range(len(new)):
+            self._rt[start + k, 0] = new[k][0]
+            self._rt[start + k, 1] = new[k][1]
+            self._rt[start + k, 2] = new[k][2]
+            total += new[k][2]
+        self.take_ranges(i, start, len(new), total)
+
+    @cython.ccall
+    def take_ranges(self, i: cython.Py_ssize_t, start: cython.Py_ssize_t,
+                    count: cython.Py_ssize_t, total: cython.longlong) -> None:
+        """Member ``i`` publishes exactly the ``count`` ranges written at rows ``[start,
+        start + count)`` of :attr:`range_table` (``start`` was :attr:`num_ranges` when they
+        were written; ``total`` their bytes), instead of a count or its earlier ranges."""
+        rt = self._rt
+        k: cython.Py_ssize_t
         if self.counts[i] is not None or i in self.ranged:
-            self.omit(i)
+            self.omit(i)  # may move the rows below start down
+        at: cython.Py_ssize_t = self.num_ranges
+        if at != start:
+            for k in range(count):
+                rt[at + k, 0] = rt[start + k, 0]
+                rt[at + k, 1] = rt[start + k, 1]
+                rt[at + k, 2] = rt[start + k, 2]
+        self.num_ranges = at + count
+        rt[at + count, 0] = -1
         self.active += 1
         self.ranged.add(i)
-        if self.ranges:
-            self.ranges = [r for r in self.ranges if r[0] != i] + new
-            self.range_bytes = sum([n for _, _, n in self.ranges])
-        else:
-            self.ranges = new
-            self.range_bytes = sum([n for _, _, n in new]) if nbytes is None else nbytes
+        self.range_bytes += total
+
+    @cython.ccall
+    def end_ranges(self) -> None:
+        """Mark the end of the ranges again: rows a diff wrote past them and that were not
+        taken (:meth:`take_ranges`) are not published."""
+        self._rt[self.num_ranges, 0] = -1
 
     @cython.ccall
     def sent(self, i: cython.Py_ssize_t) -> cython.bint:
         """Whether member ``i`` publishes anything (a count or ranges) this epoch."""
         return self.counts[i] is not None or i in self.ranged
 
-    def range_room(self, i: int) -> int:
+    @cython.ccall
+    def range_room(self, i: cython.Py_ssize_t) -> cython.longlong:
         """Staging bytes member ``i``'s ranges may still take (0 when not packed)."""
         if self.packed is None:
             return 0
-        others = sum([n + RANGE_OVERHEAD for j, _, n in self.ranges if j != i])
-        return max(self.packed.range_capacity - others, 0)
+        rt = self._rt
+        k: cython.Py_ssize_t
+        others: cython.longlong = 0
+        for k in range(self.num_ranges):
+            if rt[k, 0] != i:
+                others += rt[k, 2] + _OVERHEAD
+        room: cython.longlong = self.packed.range_capacity - others
+        return room if room > 0 else 0
 
 
 #: what a counted member publishes (:class:`CountProgram`): real requests, padded requests,

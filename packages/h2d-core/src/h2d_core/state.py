@@ -101,6 +101,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
 
         self._plans: dict[str, GroupPlan] = {}
         self._routes = {}
+        self._all_names = ()
         self._slot_groups = []
         self._counters: dict[str, GroupCounters] = {}
         self._events: list[Any] = []
@@ -324,13 +325,18 @@ class H2DRunnerState(SlotLifecycle, Publication):
             self._counters.setdefault(g, GroupCounters())
         self._plans = plans
         # publish(name) -> (record index, names it publishes, members copied directly when
-        # it is a producer group covered by a combined one, counters): one lookup per call
-        self._routes = {name: (plan.index, plan.names, (), self._counters[name])
+        # it is a producer group covered by a combined one, counters, the names again as a
+        # sorted tuple: iterated per call without a set iterator): one lookup per call
+        self._routes = {name: (plan.index, plan.names, (), self._counters[name],
+                               tuple(sorted(plan.names)))
                         for name, plan in plans.items()}
         for g in self._producer_groups:
             if g not in plans:
                 self._routes[g] = (plans[primary[g]].index, frozenset((g,)),
-                                   tuple(self._producer_groups[g]), self._counters[g])
+                                   tuple(self._producer_groups[g]), self._counters[g], (g,))
+        # every group name begin() takes out of the epoch's sets (discarded one by one: a
+        # set cleared whole frees its table, and the next epoch's adds allocate it again)
+        self._all_names = tuple(sorted(set(plans) | set(self._producer_groups)))
         self._slot_groups = slot_groups
         for recs in slot_groups:
             for rec in recs:

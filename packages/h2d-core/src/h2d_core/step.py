@@ -185,6 +185,8 @@ class LayoutStep:
     _table = cython.declare(object)
     _stager = cython.declare(object)
     _pad_rows = cython.declare(list)
+    # the padding rows' one object when they are all the same (the usual empty table)
+    _pad_row = cython.declare(object)
     _error = cython.declare(object)
     _program = cython.declare(object)
     _values = cython.declare(object)
@@ -215,6 +217,8 @@ class LayoutStep:
         self._table = table
         self._stager = None if table is None else table._stager
         self._pad_rows = list(pad_rows)
+        self._pad_row = (self._pad_rows[0] if self._pad_rows and all(
+            r is self._pad_rows[0] for r in self._pad_rows) else None)
         self._error = error
         self._check = check
         plans = sorted({len(layout.plan_published) for layout in self._layouts})
@@ -279,7 +283,7 @@ class LayoutStep:
 
     @cython.ccall
     def run(self, query_lens: Any, context_lens: Any, rows: Any,
-            padded: cython.Py_ssize_t, tokens: cython.Py_ssize_t, values: tuple,
+            padded: cython.Py_ssize_t, tokens: cython.Py_ssize_t, values: Sequence[Any],
             stage: cython.bint = True) -> StepCounts:
         """One step: ``padded`` requests (-1: eager), ``tokens`` published tokens (-1: the
         graph grid of ``padded`` requests times the widest query, or exactly the real
@@ -308,10 +312,14 @@ class LayoutStep:
         pt: cython.Py_ssize_t = layout.padded_tokens
         table = self._table
         if table is not None:
-            if p > n:
-                rows = list(rows) + self._pad_rows[: p - n]
             # validates every row before writing the table; nothing below can fail
-            self._stager.prepare(slot, rows, layout.required_pages)
+            if p <= n:
+                self._stager.prepare(slot, rows, layout.required_pages)
+            elif self._pad_row is not None:  # one padding row: no list built for it
+                self._stager.prepare(slot, rows, layout.required_pages, self._pad_row, p - n)
+            else:
+                self._stager.prepare(slot, list(rows) + self._pad_rows[: p - n],
+                                     layout.required_pages)
         layout.write()
         uniform: cython.longlong = layout.uniform_mask
         summed: cython.longlong = (layout.column_sum(self._sum_column)

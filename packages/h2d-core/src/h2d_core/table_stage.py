@@ -38,7 +38,9 @@ PARTIAL = "partial"
 WHOLE = "whole"
 
 _prepare_step = _snap.prepare_step
-_changed_byte_ranges = _snap.changed_byte_ranges
+_changed_ranges_into = _snap.changed_ranges_into
+# RANGE_OVERHEAD as a C integer (a Python int in C arithmetic would box every sum)
+_OVERHEAD = cython.declare(cython.longlong, RANGE_OVERHEAD)
 
 
 class PublishedTable(NamedTuple):
@@ -77,6 +79,12 @@ class TableStager:
     _max_ranges = cython.declare(cython.Py_ssize_t)
     _ranged = cython.declare(cython.bint)
     _keys = cython.declare(tuple)
+    # per slot, the address of its snapshot's int64 bookkeeping (revision at 0, all
+    # versioned at 2), read in C: a revision past 256 read as an attribute boxes an int
+    _metas = cython.declare(cython.Py_ssize_t[::1])
+    # the range diff's parameters (block_tables changed_ranges_into), written in place
+    _params_obj = cython.declare(object)
+    _params = cython.declare(cython.longlong[::1])
     _limit_ranges = cython.declare(cython.longlong[::1])
     _limit_bytes = cython.declare(cython.longlong[::1])
     # the published record (valid: the GPU holds it) and the pending one of this epoch
@@ -104,6 +112,9 @@ class TableStager:
         self._snapshots = tuple(table.snapshots)
         self._bounds = tuple([s._bound for s in self._snapshots])
         self._pool_limits = tuple([s._limit_arg for s in self._snapshots])
+        self._metas = np.array([s.meta_address for s in self._snapshots], dtype=np.intp)
+        self._params_obj = np.zeros(8, dtype=np.int64)
+        self._params = self._params_obj
         self._homes = list(buffer.homes)
         self._home_group = buffer.homes[0][0]
         self._member = buffer.homes[0][1]
@@ -186,26 +197,23 @@ class TableStager:
 
     # -- one step ---------------------------------------------------------------------------
     @cython.ccall
-    def prepare(self, slot: cython.Py_ssize_t, rows: Any, required_pages: Any) -> None:
-        """Bring slot ``slot``'s snapshot to ``rows`` (validated whole before any write).
-        The common decode step runs the snapshot's compiled step here, with no Python
-        frame; everything else is :meth:`block_tables.PageTableSnapshot.prepare`'s."""
-        snap = self._snapshots[slot]
-        changed = None
+    def prepare(self, slot: cython.Py_ssize_t, rows: Any, required_pages: Any,
+                pad_row: Any = None, pad: cython.Py_ssize_t = 0) -> None:
+        """Bring slot ``slot``'s snapshot to ``rows`` followed by ``pad`` times
+        ``pad_row`` (validated whole before any write). The common decode step runs the
+        snapshot's compiled step here, with no Python frame (it keeps the snapshot's
+        revision and history itself); everything else is
+        :meth:`block_tables.PageTableSnapshot.prepare`'s."""
         if type(rows) is list or type(rows) is tuple:
-            changed = _prepare_step(self._bounds[slot], rows, self._pool_limits[slot],
-                                    required_pages)
-        if changed is None:  # another kind of batch, or an error to report: the snapshot's
-            snap.prepare(rows, required_pages=required_pages)
-            return
-        # the snapshot's own bookkeeping after its compiled step (PageTableSnapshot.prepare)
-        snap._keys = None
-        snap._all_versioned = True
-        snap._num_rows = len(rows)
-        if len(changed):
-            revision = snap._revision + 1
-            snap._revision = revision
-            snap._history.append((revision, changed))
+            changed: cython.Py_ssize_t = _prepare_step(
+                self._bounds[slot], rows, self._pool_limits[slot], required_pages, pad_row,
+                pad)
+            if changed >= 0:
+                return
+        # another kind of batch, or an error to report: the snapshot's own prepare
+        if pad:
+            rows = list(rows) + [pad_row] * pad
+        self._snapshots[slot].prepare(rows, required_pages=required_pages)
 
     @cython.ccall
     def stage(self, slot: cython.Py_ssize_t, num_rows: cython.Py_ssize_t) -> str:
@@ -220,7 +228,9 @@ class TableStager:
                 f"buffer {self._buffer.name!r}: group {self._group!r} was already published "
                 "in this epoch; a second publication needs a reason (reopen())")
         snap = self._snapshots[slot]
-        rev: cython.longlong = snap._revision
+        meta: cython.pointer[cython.longlong] = cython.cast(
+            cython.pointer[cython.longlong], self._metas[slot])
+        rev: cython.longlong = meta[0]
         records: list = st._slot_groups[slot]
         if (self._pub_valid and self._pub_slot == slot and self._pub_revision == rev
                 and self._pub_rows == num_rows):
@@ -229,33 +239,46 @@ class TableStager:
             return REUSED
         spare: cython.Py_ssize_t = self._spare
         keys = self._keys[spare]
+        # the ranges found: -1 none (send whole rows), else how many (0: nothing changed)
+        count: cython.Py_ssize_t = -1
+        total: cython.longlong = 0
         found: Any = None
         if self._ranged and self._pub_valid:
             then = self._keys[self._pub_spare]
             most_ranges: cython.longlong = self._limit_ranges[num_rows]
             most_bytes: cython.longlong = self._limit_bytes[num_rows]
-            # the member index tags each range: the record's (member, offset, bytes)
-            found = NotImplemented
-            if snap._all_versioned:  # equal keys mean equal bytes: the compiled diff
-                found = _changed_byte_ranges(snap._row_keys, then, self._pub_rows, num_rows,
-                                             self._unit_bytes, most_ranges, most_bytes, keys,
-                                             self._member)
-            if found is NotImplemented:
+            count = -2
+            if meta[2]:  # all versioned: equal keys mean equal bytes, the compiled diff
+                rec = records[self._home_group]
+                p = self._params
+                p[0] = self._pub_rows
+                p[1] = num_rows
+                p[2] = self._unit_bytes
+                p[3] = most_ranges if most_ranges < self._max_ranges else self._max_ranges
+                p[4] = most_bytes
+                p[5] = self._member  # each range tagged with the record's member index
+                p[6] = rec.num_ranges
+                count = _changed_ranges_into(snap._row_keys, then, self._params_obj, keys,
+                                             rec.range_table)
+                total = p[7]
+            if count == -2:
                 # Unversioned rows, or another slot's table on this destination: the
                 # snapshot's rule (its history when the slot is the same).
                 found = snap.changed_byte_ranges(
                     then[: self._pub_rows], num_rows, self._unit_bytes, most_ranges,
                     most_bytes, keys, self._member,
                     self._pub_revision if self._pub_slot == slot else None)
+                count = -1 if found is None else len(found[0])
         else:
             row_keys(snap, num_rows, out=keys)
         stage: str
         unchanged: cython.bint = False
-        if found is not None and not found[0]:
+        if count == 0:
             self._omit(records)
             stage = PARTIAL
             unchanged = True
-        elif found is not None and self._try_ranges(records, found[0], found[1]):
+        elif count > 0 and (self._try_take(records, count, total) if found is None
+                            else self._try_ranges(records, found[0], found[1])):
             stage = PARTIAL
         else:
             self._store(records, num_rows)
@@ -289,21 +312,38 @@ class TableStager:
             records[gi].store_count(i, n, self._unit_bytes)
 
     @cython.cfunc
-    def _try_ranges(self, records: list, triples: list,
-                    total: cython.longlong) -> cython.bint:
-        """Set ``triples`` (trusted ``(member, offset, bytes)`` ranges) as the member's
-        ranges when they fit its ``max_ranges`` and the group's staging room; False,
-        changing nothing, otherwise."""
-        count: cython.Py_ssize_t = len(triples)
+    def _room(self, rec: Any, count: cython.Py_ssize_t, total: cython.longlong) -> cython.bint:
+        """Whether ``count`` ranges of ``total`` bytes fit the member's ``max_ranges`` and
+        the group's staging room."""
         if count > self._max_ranges:
             return False
-        rec = records[self._home_group]
         packed = rec.packed
         if packed is None:
             return False
-        room: cython.longlong = (rec.range_room(self._member) if rec.ranges
+        room: cython.longlong = (rec.range_room(self._member) if rec.num_ranges
                                  else packed.range_capacity)
-        if total + RANGE_OVERHEAD * count > room:
+        return total + _OVERHEAD * count <= room
+
+    @cython.cfunc
+    def _try_take(self, records: list, count: cython.Py_ssize_t,
+                  total: cython.longlong) -> cython.bint:
+        """Take the ``count`` ranges the compiled diff wrote past the record's own as the
+        member's ranges when they fit (:meth:`_room`); False, changing nothing,
+        otherwise."""
+        rec = records[self._home_group]
+        if not self._room(rec, count, total):
+            rec.end_ranges()  # the rows written past its ranges are not taken
+            return False
+        rec.take_ranges(self._member, rec.num_ranges, count, total)
+        return True
+
+    @cython.cfunc
+    def _try_ranges(self, records: list, triples: list,
+                    total: cython.longlong) -> cython.bint:
+        """Set ``triples`` (trusted ``(member, offset, bytes)`` ranges) as the member's
+        ranges when they fit (:meth:`_room`); False, changing nothing, otherwise."""
+        rec = records[self._home_group]
+        if not self._room(rec, len(triples), total):
             return False
         rec.replace_ranges(self._member, triples, total)
         return True

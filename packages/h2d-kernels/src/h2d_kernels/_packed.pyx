@@ -45,6 +45,7 @@ from h2d_kernels.errors import DescriptorError, PackBoundsError
 # would add an incref/decref pair per item).
 cdef extern from "Python.h":
     bint PyList_CheckExact(PyObject *o)
+    bint PyLong_CheckExact(PyObject *o)
     bint PyTuple_CheckExact(PyObject *o)
     Py_ssize_t PyList_GET_SIZE(PyObject *o)
     Py_ssize_t PyTuple_GET_SIZE(PyObject *o)
@@ -241,6 +242,7 @@ ctypedef struct Publish:
     void *cpu                # its Scatter (the capsule below keeps it alive), or NULL
     PyObject *cpu_capsule
     PyObject *last_end
+    int64_t last_dma_end     # the last publish_packed_step's DMA size
     int records              # the graphs record the slot's completion event (set_records)
 
 
@@ -430,20 +432,34 @@ cdef Py_ssize_t check_packing(Publish *p, PyObject *counts, PyObject *ranges) ex
         p.staged_bytes[k] = nbytes
         if nbytes:
             off = align_up(off + nbytes)
-    cdef Py_ssize_t num_ranges = PyList_GET_SIZE(ranges)
     cdef Py_ssize_t range_rows = p.header_rows - p.first_extra
+    cdef Py_ssize_t num_ranges
+    # a list of triples, or a table's address: int64 triples up to a member of -1
+    cdef const int64_t *table = NULL
+    if PyList_CheckExact(ranges):
+        num_ranges = PyList_GET_SIZE(ranges)
+    else:
+        table = <const int64_t *><intptr_t>int_of(ranges)
+        num_ranges = 0
+        while num_ranges <= range_rows and table[3 * num_ranges] >= 0:
+            num_ranges += 1
     if num_ranges > range_rows:
         raise PackBoundsError(
             f"publish: {num_ranges} ranges, but the header has {range_rows} range rows (the "
             "members' max_ranges); nothing was written")
     cdef int64_t *fields = p.range_fields
     for k in range(num_ranges):
-        r = PyList_GET_ITEM(ranges, k)
-        if not PyTuple_CheckExact(r) or PyTuple_GET_SIZE(r) != 3:
-            raise ValueError("publish: malformed count or range")
-        member = int_of(PyTuple_GET_ITEM(r, 0))
-        dst_off = int_of(PyTuple_GET_ITEM(r, 1))
-        nbytes = int_of(PyTuple_GET_ITEM(r, 2))
+        if table != NULL:
+            member = table[3 * k]
+            dst_off = table[3 * k + 1]
+            nbytes = table[3 * k + 2]
+        else:
+            r = PyList_GET_ITEM(ranges, k)
+            if not PyTuple_CheckExact(r) or PyTuple_GET_SIZE(r) != 3:
+                raise ValueError("publish: malformed count or range")
+            member = int_of(PyTuple_GET_ITEM(r, 0))
+            dst_off = int_of(PyTuple_GET_ITEM(r, 1))
+            nbytes = int_of(PyTuple_GET_ITEM(r, 2))
         if member < 0 or member >= p.num_src or dst_off < 0 or nbytes < 0:
             raise ValueError("publish: malformed count or range")
         if nbytes > limit - off:
@@ -480,9 +496,10 @@ cdef int pack_into(Publish *p, PyObject *counts, PyObject *ranges,
     cdef const int64_t *unit_bytes = p.unit_bytes
     cdef const int64_t *inplace = p.inplace
     cdef Py_ssize_t num_members = p.num_members
-    if (not PyList_CheckExact(counts) or not PyList_CheckExact(ranges)
-            or PyList_GET_SIZE(counts) != num_members):
-        raise TypeError("publish: counts (one per member) and ranges lists")
+    if (not PyList_CheckExact(counts) or PyList_GET_SIZE(counts) != num_members
+            or not (PyList_CheckExact(ranges) or PyLong_CheckExact(ranges))):
+        raise TypeError("publish: counts (one per member), and ranges as a list or a "
+                        "range table's address")
     cdef Py_ssize_t num_ranges = check_packing(p, counts, ranges)
     cdef PyObject *c
     cdef const Staged *d
@@ -620,20 +637,30 @@ def publish_packed(capsule, counts, ranges, stream, /):
 
 
 def publish_packed_step(capsule, counts, ranges, stream, arena_stream, /):
-    """publish_packed_step(capsule, counts, ranges, stream, arena_stream) -> int
+    """publish_packed_step(capsule, counts, ranges, stream, arena_stream) -> bool
 
     :func:`publish_packed`, then the arena's own ``publish(end, arena_stream)`` when the
-    binding enqueued nothing. Returns the DMA size signed by whether the publication
-    recorded the slot's completion: positive only for a launched graph whose graphs
-    carry the record (:func:`set_records`), negative otherwise (the caller records). The
-    same int object while the value repeats: a steady step makes none.
+    binding enqueued nothing. Returns whether the publication recorded the slot's
+    completion: True only for a launched graph whose graphs carry the record
+    (:func:`set_records`; the caller records otherwise). The DMA size is
+    :func:`last_dma_end`'s (a bool and a C field: a step makes no int object).
+    ``ranges``: a list of ``(member, offset, bytes)`` triples, or the address of an int64
+    table of such triples ended by a member of -1 (a record's, bound once).
     """
     cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
     cdef int64_t end = 0
     cdef int how = publish_into(p, counts, ranges, stream, &end)
+    p.last_dma_end = end
     if how == 0:
         (<object>p.owner).publish(end, arena_stream)
-    return cached_end(p, end if how == 1 and p.records else -end)
+    return how == 1 and p.records != 0
+
+
+def last_dma_end(capsule, /):
+    """last_dma_end(capsule) -> int: the DMA size of the binding's last
+    :func:`publish_packed_step`."""
+    cdef Publish *p = <Publish *>PyCapsule_GetPointer(capsule, "h2d_publish")
+    return p.last_dma_end
 
 
 def set_records(capsule, records, /):

@@ -254,15 +254,22 @@ class PackedGroup:
     def publish_step(
         self,
         counts: list[int | None],
-        ranges: list[tuple[int, int, int]],
+        ranges: list[tuple[int, int, int]] | int,
         stream_id: int = 0,
         stream: torch.cuda.Stream | None = None,
-    ) -> int:
-        """:meth:`publish`, its DMA size signed by whether the publication recorded the
-        bound completion event: positive only when the compiled helper launched a bucket's
-        graph and the graphs carry the record (:attr:`records_completion`); negative when
-        the caller must record completion after it (an eager, captured or CPU publication
-        records nothing). The same int object while the size and sign repeat: a steady
-        step makes none."""
+    ) -> bool:
+        """:meth:`publish` for a state's step: returns whether the publication recorded
+        the bound completion event (True only when the compiled helper launched a bucket's
+        graph and the graphs carry the record, :attr:`records_completion`; False when the
+        caller must record completion after it: an eager, captured or CPU publication
+        records nothing). Its DMA size is :attr:`last_dma_bytes`. ``ranges`` may also be
+        the address of an int64 table of ``(member, offset, bytes)`` rows ended by a member
+        of -1 (a state's group record keeps one, bound once): a step then makes no object.
+        """
         return _native.publish_packed_step(
             self._binding, counts, ranges, stream_id, stream)
+
+    @property
+    def last_dma_bytes(self) -> int:
+        """The DMA size of the last :meth:`publish_step` (header and used payload)."""
+        return int(_native.last_dma_end(self._binding))

@@ -238,7 +238,7 @@ class PrefillInputs(PagedInputs):
         self,
         step: LayoutStep,
         batch: ScheduledBatch,
-        values: tuple[Any, ...],
+        values: Sequence[Any],
         publish_tables: bool,
         owns_slot: Callable[[np.ndarray], np.ndarray] | None,
         mrope_positions: Sequence[np.ndarray | None] | None,

@@ -85,22 +85,25 @@ def step_values(cols: BatchColumns) -> tuple[Any, ...]:
 
 
 class StepValues:
-    """:func:`step_values` of the last batch columns seen, kept while the same
-    :class:`BatchColumns` comes back (an engine that keeps one persistent batch, filled in
-    place): its steps build no tuple. The tuple holds the arrays themselves, so values
-    written into them in place are read as they are then."""
+    """:func:`step_values` of the batch columns, as one list per adapter refilled in place
+    for each step's :class:`BatchColumns` (a new columns object per step builds no tuple).
+    It holds the arrays themselves, so values written into them in place are read as they
+    are then; the list is valid until the next :meth:`of`."""
 
-    __slots__ = ("_cols", "_values")
+    __slots__ = ("_values",)
 
     def __init__(self) -> None:
-        self._cols: BatchColumns | None = None
-        self._values: tuple[Any, ...] = ()
+        self._values: list[Any] = [None] * 6
 
-    def of(self, cols: BatchColumns) -> tuple[Any, ...]:
-        if cols is not self._cols:
-            self._values = step_values(cols)
-            self._cols = cols
-        return self._values
+    def of(self, cols: BatchColumns) -> list[Any]:
+        v = self._values
+        v[0] = cols.temperatures
+        v[1] = cols.top_k
+        v[2] = cols.top_p
+        v[3] = cols.prev_sample_rows
+        v[4] = cols.token_ids
+        v[5] = cols.num_drafts
+        return v
 
 
 def step_counts(sampling: SamplingInputs, tokens: TokenInputs) -> tuple[CountRule, ...]:
