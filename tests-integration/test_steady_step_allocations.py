@@ -43,6 +43,8 @@ SAMPLED = 50
 #: more, for tracemalloc's own start-up), each a batch no earlier step ran: stepping an
 #: older batch again would rewind the block tables (a changed batch, not a steady step)
 ITEMS = WARM + 2 * STEPS + SAMPLED + 1
+#: net moves over a window that are not per step (see the test)
+NOISE = 4
 
 Step = Callable[[Any], None]
 
@@ -126,6 +128,41 @@ def _mha() -> tuple[Step, list[Any]]:
     def step(b: Any) -> None:
         begin()
         prepare(b)
+        publish(DECODE_STEP)
+        finish()
+
+    return step, items
+
+
+def _gdn() -> tuple[Step, list[Any]]:
+    """``mha``'s step with the GDN state indices riding in its group (the GDN hybrid's
+    decode step: ``DecodeStepInputs(..., extra_groups=[GDN_STATE])``, then
+    ``GdnStateInputs.prepare``, each request keeping its state group)."""
+    from decode_runner.scheduler import steady_decode_batches
+    from step_targets import PAGE
+
+    from h2d_runner_adapters import DECODE_STEP, GDN_STATE, DecodeStepInputs, GdnStateInputs
+
+    context, window = 131072, 2 * ITEMS
+    per_row = -(-(context + PAGE - 1 + window) // PAGE)
+    st = _state()
+    states = GdnStateInputs(st, max_reqs=BS, num_state_slots=BS)
+    step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
+                                   page_size=PAGE, extra_groups=[GDN_STATE],
+                                   fuse_kv_indices=False)
+    st.bind()
+    groups = np.arange(BS, dtype=np.int32)
+    batches = steady_decode_batches(BS, context, PAGE, window=window)
+    items = [next(batches) for _ in range(ITEMS)]
+    for b in items:
+        b.columns, b.block_tables  # noqa: B018
+    begin, finish, publish = st.begin, st.finish, st.publish
+    prepare, prepare_states = step_inputs.prepare, states.prepare
+
+    def step(b: Any) -> None:
+        begin()
+        prepare(b)
+        prepare_states(groups)
         publish(DECODE_STEP)
         finish()
 
@@ -216,6 +253,9 @@ FAMILIES = [
     pytest.param(_core, id="core"),
     pytest.param(_tokens, id="tokens"),
     pytest.param(_mha, id="mha"),
+    pytest.param(_gdn, id="gdn", marks=_left(
+        "GdnStateInputs.prepare's values tuple, its dtype check (ndarray.flags makes an "
+        "object) and its GdnPlan NamedTuple")),
     pytest.param(_mtp, id="mtp"),
     pytest.param(_v41, id="v41", marks=_left(
         "V41MetadataInputs.begin_step's Python row checks and span columns, its V41Plan "
@@ -269,9 +309,10 @@ def test_a_steady_step_allocates_nothing(build: Callable[[], tuple[Step, list[An
     base_blocks, base_count, _ = measure(_nothing, items)
     blocks, count, rises = measure(step, items)
     blocks, count = blocks - base_blocks, count - base_count
-    # (a block freed meanwhile, e.g. one the test runner left from an earlier test, reads
-    # as -1: nothing was kept)
-    assert blocks <= 0, f"{blocks} memory blocks kept over {STEPS} steady steps"
-    assert count == 0, f"{count} gc-tracked objects kept over {STEPS} steady steps"
     assert max(rises) == 0, (f"a steady step allocated up to {max(rises)} bytes transiently "
                              f"(per sampled step: {rises[:10]} ...)")
+    # A step that keeps an object keeps STEPS of them; the interpreter's own one-off moves
+    # inside a window (seen on CPython 3.12: one block or gc object either way) stay
+    # within NOISE. (A freed block, e.g. one an earlier test left, reads negative.)
+    assert blocks <= NOISE, f"{blocks} memory blocks kept over {STEPS} steady steps"
+    assert abs(count) <= NOISE, f"{count} gc-tracked objects kept over {STEPS} steady steps"
