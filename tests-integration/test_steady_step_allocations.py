@@ -253,9 +253,7 @@ FAMILIES = [
     pytest.param(_core, id="core"),
     pytest.param(_tokens, id="tokens"),
     pytest.param(_mha, id="mha"),
-    pytest.param(_gdn, id="gdn", marks=_left(
-        "GdnStateInputs.prepare's values tuple, its dtype check (ndarray.flags makes an "
-        "object) and its GdnPlan NamedTuple")),
+    pytest.param(_gdn, id="gdn"),
     pytest.param(_mtp, id="mtp"),
     pytest.param(_v41, id="v41", marks=_left(
         "V41MetadataInputs.begin_step's Python row checks and span columns, its V41Plan "

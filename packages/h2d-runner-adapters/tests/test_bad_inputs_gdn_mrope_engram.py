@@ -217,7 +217,7 @@ def _gdn_retry(w: GdnWorld, a: GdnStateInputs, kind: str) -> None:
     st = w.state
     if kind == "spec":
         plan = a.prepare(G, padded=p, num_accepted=ACC)
-        assert plan == (n, p, True)
+        assert plan.astuple() == (n, p, True)
         assert st.count(a.non_spec) is None and st.count(a.non_spec_in) is None
         st.publish(a.group)
         assert a.spec is not None and a.num_accepted is not None
@@ -226,7 +226,7 @@ def _gdn_retry(w: GdnWorld, a: GdnStateInputs, kind: str) -> None:
         assert a.num_accepted.gpu[:p].tolist() == ACC.tolist() + [1] * (p - n)
         return
     plan = a.prepare(G, padded=p, fork_sources=FORK)
-    assert plan == (n, p, False)
+    assert plan.astuple() == (n, p, False)
     st.publish(a.group)
     base = [g * k1 for g in G.tolist()]
     read = [f * k1 if f >= 0 else b for f, b in zip(FORK.tolist(), base, strict=True)]
@@ -268,7 +268,7 @@ def test_gdn_row_cache_key_includes_the_padding(device: str) -> None:
         ah.sync(device)
         n = groups.size
         p = n if padded is None else padded
-        assert plan == (n, p, True)
+        assert plan.astuple() == (n, p, True)
         want = [[2 * g, 2 * g + 1] for g in groups.tolist()] + [[-1, -1]] * (p - n)
         assert gdn.spec.gpu[:p].tolist() == want, (groups, padded)
         assert gdn.num_accepted.gpu[:p].tolist() == acc.tolist() + [1] * (p - n)

@@ -165,7 +165,7 @@ def test_verify_then_draft_loop(device: str, backend: str, k: int) -> None:
         assert t.cu_num_draft_tokens.gpu[:n].tolist() == cu
         assert t.bonus_logits_indices.gpu[:n].tolist() == bonus
         # GDN: speculative rows, padded with -1, accepted counts padded with 1
-        assert gplan == (n, p, True)
+        assert gplan.astuple() == (n, p, True)
         assert gdn.spec is not None and gdn.num_accepted is not None
         want_rows = [[g * (k + 1) + j for j in range(k + 1)] for g in pop.groups]
         want_rows += [[-1] * (k + 1)] * (p - n)

@@ -38,10 +38,28 @@ _NO = object()  # an argument the call did not pass (the exact wrapper's default
 _PLAIN = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
+# per decorator's groups, the names tuple built last (never kept on the owner: that would
+# change the adapter's observed state)
+_LAST_NAMES: dict = {}
+
+
 def _names_of(owner: object, groups: tuple) -> tuple:
-    """The group names of ``owner`` (``groups`` holding functions of it). Built per call:
-    kept on the owner it would change the adapter's observed state."""
-    return tuple(g(owner) if callable(g) else g for g in groups)
+    """The group names of ``owner`` (``groups`` holding functions of it): the tuple built
+    last for these ``groups`` while the names are the same (a steady step builds none),
+    else a new one."""
+    cache: dict = _LAST_NAMES  # typed: a C dict lookup, no bound method per call
+    last: tuple | None = cache.get(groups)
+    k: cython.Py_ssize_t
+    if last is not None:
+        for k in range(len(groups)):
+            g = groups[k]
+            if (g(owner) if callable(g) else g) != last[k]:
+                break
+        else:
+            return last
+    names = tuple([g(owner) if callable(g) else g for g in groups])
+    cache[groups] = names
+    return names
 
 
 def _enter_error(qualname: str, missing: str) -> None:

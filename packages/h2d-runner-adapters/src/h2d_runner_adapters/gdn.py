@@ -33,8 +33,6 @@ and the rule, and changes nothing (sources, counts, the per-slot row cache).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 import torch
 
@@ -46,19 +44,38 @@ from h2d_core import (
     DeclarationError,
     H2DRunnerState,
     LayoutStep,
+    StepCounts,
     h2d_producer,
 )
 
 from .checks import INT32_MAX, AdapterInputError, describe, padded_count
 from .consumers.gdn_states import gather_gdn_states
+from .plan_records import CountsPlan, slot_plans
 
 GDN_STATE = "gdn_state"
 
 
-class GdnPlan(NamedTuple):
+class GdnPlan(CountsPlan):
+    """What a GDN state step published: requests (real, padded) and whether the step was
+    speculative. A step's plan reads its record in place (valid until the slot's next
+    step; see :mod:`~h2d_runner_adapters.plan_records`)."""
+
+    __slots__ = ("speculative",)
+    FIELDS = ("num_reqs", "padded_reqs", "speculative")
     num_reqs: int
     padded_reqs: int
     speculative: bool
+
+    def __init__(self, num_reqs: int, padded_reqs: int, speculative: bool) -> None:
+        self._counts = StepCounts(num_reqs, padded_reqs)
+        self.speculative = bool(speculative)
+
+    @classmethod
+    def over_step(cls, counts: StepCounts, speculative: bool) -> GdnPlan:
+        """The plan reading a bound step's per-slot ``counts`` in place."""
+        plan: GdnPlan = cls.over(counts)
+        plan.speculative = speculative
+        return plan
 
 
 class GdnStateInputs:
@@ -101,6 +118,9 @@ class GdnStateInputs:
         self._ones = [np.ones(max_reqs, np.int32)[:i] for i in range(max_reqs + 1)]
         self._no_forks = [np.full(max_reqs, -1, np.int32)[:i] for i in range(max_reqs + 1)]
         self._steps: tuple[LayoutStep, LayoutStep | None] | None = None  # bound on first use
+        # per step (non-speculative, speculative), one plan per slot over its record
+        self._plans: tuple[tuple[GdnPlan, ...], tuple[GdnPlan, ...]] = ((), ())
+        self._values: list[np.ndarray | None] = [None, None]  # refilled per step
 
     def _bind(self) -> tuple[LayoutStep, LayoutStep | None]:
         st, g, k1 = self.h2d_state, self.group, self.num_spec + 1
@@ -138,8 +158,11 @@ class GdnStateInputs:
                                                      for b in non_spec],
                                    error=AdapterInputError)
             non_spec += [CountRule(r.buffer, OMITTED) for r in spec]
-        self._steps = (LayoutStep(g, st, layouts(False), None, (), non_spec,
-                                  error=AdapterInputError), spec_step)
+        plain = LayoutStep(g, st, layouts(False), None, (), non_spec, error=AdapterInputError)
+        self._plans = (slot_plans(st, plain, lambda c, _: GdnPlan.over_step(c, False)),
+                       () if spec_step is None else
+                       slot_plans(st, spec_step, lambda c, _: GdnPlan.over_step(c, True)))
+        self._steps = (plain, spec_step)
         return self._steps
 
     @h2d_producer(lambda self: self.group)
@@ -172,20 +195,26 @@ class GdnStateInputs:
                       else self._ints("fork_sources", fork_sources, n))
             step = steps[0]
         assert step is not None
-        values: tuple[np.ndarray, ...] = (state_groups, second)
-        if not all(v.dtype == np.int32 and v.flags.c_contiguous for v in values):
-            # another integer dtype: the checks in its own dtype first (nothing is wrapped),
-            # then the int32 copy the layout reads
-            self._check_all(state_groups, fork_sources, num_accepted, n)
-            values = tuple(np.ascontiguousarray(v, dtype=np.int32) for v in values)
+        values = self._values
+        values[0], values[1] = state_groups, second
         try:  # every value checked against its bounds, written and counted: one call
             step.run(ones, ones, None, p, -1, values)
         except AdapterInputError:
-            # the specific message (which argument, which request, which rule) comes from
-            # the checks below, in the caller's dtype; nothing was written
+            # The layout reads int32 C-contiguous arrays only and checks their bounds. The
+            # specific message (which argument, which request, which rule) comes from the
+            # checks below, in the caller's dtype; nothing was written. Values that pass
+            # them in another dtype or layout are narrowed to int32 (nothing wraps), and
+            # the step runs again.
             self._check_all(state_groups, fork_sources, num_accepted, n)
-            raise
-        return GdnPlan(n, p, num_accepted is not None)
+            if all(v.dtype == np.int32 and v.flags.c_contiguous
+                   for v in (state_groups, second)):
+                raise
+            values[0] = np.ascontiguousarray(state_groups, dtype=np.int32)
+            values[1] = np.ascontiguousarray(second, dtype=np.int32)
+            step.run(ones, ones, None, p, -1, values)
+        finally:
+            values[0] = values[1] = None  # no caller's array kept past the step
+        return self._plans[num_accepted is not None][self.h2d_state.current_slot]
 
     def _check_all(self, state_groups: np.ndarray, fork_sources: object,
                    num_accepted: object, n: int) -> None:
@@ -211,7 +240,7 @@ class GdnStateInputs:
             raise AdapterInputError(
                 f"{self.group}: state_groups has {state_groups.size} requests, more than "
                 f"max_reqs={cap}")
-        return int(state_groups.size)
+        return state_groups.size  # an int already (int() would pack an argument tuple)
 
     def _pool_bound(self, name: str, values: np.ndarray, what: str, lo: int) -> None:
         """No state group in ``values`` (``lo`` and above: its lower bound is checked by
