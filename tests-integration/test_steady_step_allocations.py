@@ -106,23 +106,31 @@ def _tokens() -> tuple[Step, list[Any]]:
     return step, [batch] * (ITEMS)
 
 
+def _decode_batches(context: int = 131072) -> tuple[list[Any], int]:
+    """``ITEMS`` steady decode batches at bs=64 (their columns and rows built now) and the
+    pages a row needs over them."""
+    from decode_runner.scheduler import steady_decode_batches
+    from step_targets import PAGE
+
+    window = 2 * ITEMS  # no row restarts within the test
+    batches = steady_decode_batches(BS, context, PAGE, window=window)
+    items = [next(batches) for _ in range(ITEMS)]
+    for b in items:
+        b.columns, b.block_tables  # noqa: B018
+    return items, -(-(context + PAGE - 1 + window) // PAGE)
+
+
 def _mha() -> tuple[Step, list[Any]]:
     """``DecodeStepInputs.prepare`` at bs=64, 128K contexts, 1/16 of rows appending."""
-    from decode_runner.scheduler import steady_decode_batches
     from step_targets import PAGE
 
     from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
 
-    context, window = 131072, 2 * ITEMS  # no row restarts within the test
-    per_row = -(-(context + PAGE - 1 + window) // PAGE)
+    items, per_row = _decode_batches()
     st = _state()
     step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
                                    page_size=PAGE, fuse_kv_indices=False)
     st.bind()
-    batches = steady_decode_batches(BS, context, PAGE, window=window)
-    items = [next(batches) for _ in range(ITEMS)]
-    for b in items:
-        b.columns, b.block_tables  # noqa: B018  (built lazily: build them now)
     begin, finish, publish, prepare = st.begin, st.finish, st.publish, step_inputs.prepare
 
     def step(b: Any) -> None:
@@ -138,13 +146,11 @@ def _gdn() -> tuple[Step, list[Any]]:
     """``mha``'s step with the GDN state indices riding in its group (the GDN hybrid's
     decode step: ``DecodeStepInputs(..., extra_groups=[GDN_STATE])``, then
     ``GdnStateInputs.prepare``, each request keeping its state group)."""
-    from decode_runner.scheduler import steady_decode_batches
     from step_targets import PAGE
 
     from h2d_runner_adapters import DECODE_STEP, GDN_STATE, DecodeStepInputs, GdnStateInputs
 
-    context, window = 131072, 2 * ITEMS
-    per_row = -(-(context + PAGE - 1 + window) // PAGE)
+    items, per_row = _decode_batches()
     st = _state()
     states = GdnStateInputs(st, max_reqs=BS, num_state_slots=BS)
     step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
@@ -152,10 +158,6 @@ def _gdn() -> tuple[Step, list[Any]]:
                                    fuse_kv_indices=False)
     st.bind()
     groups = np.arange(BS, dtype=np.int32)
-    batches = steady_decode_batches(BS, context, PAGE, window=window)
-    items = [next(batches) for _ in range(ITEMS)]
-    for b in items:
-        b.columns, b.block_tables  # noqa: B018
     begin, finish, publish = st.begin, st.finish, st.publish
     prepare, prepare_states = step_inputs.prepare, states.prepare
 
@@ -164,6 +166,35 @@ def _gdn() -> tuple[Step, list[Any]]:
         prepare(b)
         prepare_states(groups)
         publish(DECODE_STEP)
+        finish()
+
+    return step, items
+
+
+def _mrope() -> tuple[Step, list[Any]]:
+    """The MRoPE decode step (Qwen2-VL's): ``TokenStepInputs.prepare`` then
+    ``MhaDecodeInputs(mrope=True).prepare`` with each request's position delta, both
+    groups published."""
+    from step_targets import PAGE
+
+    from h2d_runner_adapters import MHA_DECODE, TOKEN_INPUTS, MhaDecodeInputs, TokenStepInputs
+
+    items, per_row = _decode_batches()
+    st = _state()
+    tokens = TokenStepInputs(st, max_reqs=BS, max_tokens=BS)
+    decode = MhaDecodeInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
+                             page_size=PAGE, mrope=True, fuse_kv_indices=False)
+    st.bind()
+    deltas = np.arange(BS, dtype=np.int32) - 7  # each request's text-vs-image shift
+    begin, finish, publish = st.begin, st.finish, st.publish
+    prepare_tokens, prepare_decode = tokens.prepare, decode.prepare
+
+    def step(b: Any) -> None:
+        begin()
+        prepare_tokens(b)
+        prepare_decode(b, mrope_deltas=deltas)
+        publish(TOKEN_INPUTS)
+        publish(MHA_DECODE)
         finish()
 
     return step, items
@@ -254,6 +285,7 @@ FAMILIES = [
     pytest.param(_tokens, id="tokens"),
     pytest.param(_mha, id="mha"),
     pytest.param(_gdn, id="gdn"),
+    pytest.param(_mrope, id="mrope"),
     pytest.param(_mtp, id="mtp"),
     pytest.param(_v41, id="v41", marks=_left(
         "V41MetadataInputs.begin_step's Python row checks and span columns, its V41Plan "

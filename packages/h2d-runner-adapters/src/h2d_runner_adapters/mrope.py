@@ -35,6 +35,7 @@ from h2d_core import H2DBuffer, H2DRunnerState
 from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe, int_array
 
 MROPE_AXES = 3
+_INT32 = np.dtype(np.int32)
 
 
 def declare_mrope(state: H2DRunnerState, name: str, max_tokens: int, group: str) -> H2DBuffer:
@@ -58,6 +59,8 @@ def check_deltas(group: str, deltas: object, n: int) -> np.ndarray:
         raise AdapterInputError(
             f"{group}: mrope_deltas must be a 1-D integer numpy array with one delta per "
             f"request ({n}), got {describe(deltas)}; pass zeros for text-only requests")
+    if deltas.dtype == _INT32:  # in range by its dtype: nothing to compare (no temporaries)
+        return np.ascontiguousarray(deltas)
     int_array(group, "mrope_deltas", deltas, lo=INT32_MIN, hi=INT32_MAX,
               rule="an MRoPE delta is the shift of a request's int32 positions")
     return np.ascontiguousarray(deltas, dtype=np.int32)  # exact: the range fits
