@@ -106,7 +106,7 @@ class Publication(StateOwner):
         if rec.packed is None or total + RANGE_OVERHEAD * len(triples) > (
                 self.range_room(buffer) if rec.num_ranges else rec.packed.range_capacity):
             return False
-        rec.replace_ranges(i, triples, total)
+        rec.replace_ranges(i, triples)
         return True
 
     def range_room(self, buffer: H2DBuffer) -> int:

@@ -246,11 +246,9 @@ class GroupRecord:
                 self.store_count(i, v, unit)
         return True
 
-    def replace_ranges(self, i: int, new: list[tuple[int, int, int]],
-                       nbytes: int | None = None) -> None:
+    def replace_ranges(self, i: int, new: list[tuple[int, int, int]]) -> None:
         """Member ``i`` publishes exactly the ranges ``new`` (validated ``(i, offset,
-        bytes)`` triples, at most the member's ``max_ranges``; ``nbytes`` is not needed)
-        instead of a count."""
+        bytes)`` triples, at most the member's ``max_ranges``) instead of a count."""
         start: cython.Py_ssize_t = self.num_ranges
         if start + len(new) >= self._rt.shape[0]:
             raise ValueError(f"replace_ranges: {len(new)} ranges do not fit the record's "

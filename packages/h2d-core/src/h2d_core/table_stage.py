@@ -345,7 +345,7 @@ class TableStager:
         rec = records[self._home_group]
         if not self._room(rec, len(triples), total):
             return False
-        rec.replace_ranges(self._member, triples, total)
+        rec.replace_ranges(self._member, triples)
         return True
 
 
