@@ -287,9 +287,7 @@ FAMILIES = [
     pytest.param(_gdn, id="gdn"),
     pytest.param(_mrope, id="mrope"),
     pytest.param(_mtp, id="mtp"),
-    pytest.param(_v41, id="v41", marks=_left(
-        "V41MetadataInputs.begin_step's Python row checks and span columns, its V41Plan "
-        "tuple")),
+    pytest.param(_v41, id="v41"),
 ]
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from block_tables import BlockTable, MissingPagesError, PageIdRangeError
+from block_tables import BlockTable, MissingPagesError, PageIdRangeError, ReservedPageError
 from h2d_core import CountError, DeclarationError, H2DRunnerState
 from h2d_runner_adapters import (
     V41_METADATA,
@@ -81,8 +81,7 @@ def _v41_seen(st: H2DRunnerState, v4: V41MetadataInputs) -> Observed:
     def extra() -> tuple[Any, ...]:
         snap = v4.tables.snapshot
         return (snap.revision, snap.num_rows, snap.storage.tobytes(),
-                _published_record(v4.tables), v4._proven_slots,
-                [list(k) for k in v4._proven_rows])
+                snap.row_lengths.tobytes(), _published_record(v4.tables))
     return Observed(st, extra=extra, groups=(V41_METADATA,))
 
 
@@ -131,23 +130,25 @@ V41_CASES: list[V41Case] = [
                                                  r, 4),
      AdapterInputError, r"request 0 has context_len 1, shorter than its 2 query tokens"),
     ("dummy_state_slot", lambda s, r: (_replace(s, 1, state_slot=DUMMY_SLOT), r, 4),
-     AdapterInputError, r"request 1 has RequestSpan\.state_slot=99, the adapter's private "
-                        r"dummy state slot"),
+     AdapterInputError, r"request 1 has state_slot_out=99, the adapter's private dummy state "
+                        r"slot .*RequestSpan\.state_slot"),
     ("dummy_fork_source", lambda s, r: (_replace(s, 2, fork_source=DUMMY_SLOT), r, 4),
-     AdapterInputError, r"request 2 has RequestSpan\.fork_source=99, the adapter's private"),
+     AdapterInputError, r"request 2 has state_slot_in=99, the adapter's private .*fork_source"),
     ("dummy_block_in_a_new_row",
      lambda s, r: (s, [r[0], r[1], BlockTable([DUMMY_BLOCK, *list(r[2])])], 4),
-     AdapterInputError, r"request 2 names the dummy block 199 in its block_tables row "
-                        r"\(column 0\)"),
+     ReservedPageError, r"row 2: page ID 199 at column 0 is the table's reserved page"),
     ("dummy_block_appended_to_a_proven_row",
      lambda s, r: (s, [_grown(r[0], DUMMY_BLOCK), r[1], r[2]], 4),
-     AdapterInputError, r"request 0 names the dummy block 199 .*\(column \d\)"),
+     ReservedPageError, r"row 0: page ID 199 at column \d+ is the table's reserved page"),
+    ("dummy_block_pages_appended_to_a_proven_row",
+     lambda s, r: (s, [r[0], _grown(_grown(r[1], 3), DUMMY_BLOCK), r[2]], 4),
+     ReservedPageError, r"row 1: page ID 199 at column \d+ is the table's reserved page"),
     ("dummy_block_in_a_list_row",
      lambda s, r: (s, [r[0], [*list(r[1]), DUMMY_BLOCK], r[2]], 4),
-     AdapterInputError, r"request 1 names the dummy block 199"),
+     ReservedPageError, r"row 1: page ID 199"),
     ("dummy_block_in_reordered_rows",
      lambda s, r: ([s[1], s[0], s[2]], [r[1], r[0], _grown(r[2], DUMMY_BLOCK)], 4),
-     AdapterInputError, r"request 2 names the dummy block 199"),
+     ReservedPageError, r"row 2: page ID 199"),
     ("span_not_a_request_span", lambda s, r: ([s[0], (1, 300, 1, -1), s[2]], r, 4),
      AdapterInputError, r"spans\[1\] is tuple, not a RequestSpan"),
     ("spans_not_a_sequence", lambda s, r: (iter(s), r, 4),
@@ -164,13 +165,16 @@ V41_CASES: list[V41Case] = [
                         r"requests"),
     ("columns_strided", lambda s, r: (_cols(s, state_slots_out=np.arange(6, dtype=np.int32)[
         ::2]), r, 4),
-     AdapterInputError, r"SpanColumns\.state_slots_out .*\(not C-contiguous and aligned\)"),
+     AdapterInputError, r"column 'state_slot_out' must be a 1-D C-contiguous aligned"),
+    ("columns_strided_query", lambda s, r: (_cols(s, query_lens=np.ones(6, np.int32)[::2]),
+                                            r, 4),
+     AdapterInputError, r"query_lens must be a 1-D C-contiguous"),
     ("columns_negative_slot_in", lambda s, r: (_cols(s, state_slots_in=np.array(
         [0, -5, 2], np.int32)), r, 4),
-     AdapterInputError, r"request 1 has SpanColumns\.state_slots_in=-5; it must be in \[0, "),
+     AdapterInputError, r"request 1 has state_slot_in=-5; state_slot_in must be >= 0"),
     ("columns_dummy_slot_out", lambda s, r: (_cols(s, state_slots_out=np.array(
         [DUMMY_SLOT, 1, 2], np.int32)), r, 4),
-     AdapterInputError, r"request 0 has SpanColumns\.state_slots_out=99, the adapter's private"),
+     AdapterInputError, r"request 0 has state_slot_out=99, the adapter's private"),
     ("rows_count", lambda s, r: (s, r[:2], 4),
      AdapterInputError, r"2 block_tables rows for 3 spans; pass one row per span"),
     ("rows_iterator", lambda s, r: (s, iter(r), 4),
@@ -225,9 +229,9 @@ PREFILL_V41_CASES: list[V41Case] = [
                                     None),
      AdapterInputError, r"request 0 has RequestSpan\.context_len=.*\(float\)"),
     ("dummy_state_slot", lambda s, r: (_replace(s, 1, state_slot=DUMMY_SLOT), r, None),
-     AdapterInputError, r"request 1 has RequestSpan\.state_slot=99"),
+     AdapterInputError, r"request 1 has state_slot_out=99, the adapter's private"),
     ("dummy_block", lambda s, r: (s, [r[0], r[1], [DUMMY_BLOCK] * len(r[2])], None),
-     AdapterInputError, r"request 2 names the dummy block 199"),
+     ReservedPageError, r"row 2: page ID 199 at column 0 is the table's reserved page"),
     ("columns_int64", lambda s, r: (_cols(s, query_lens=np.array(
         [x.num_tokens for x in s], np.int64)), r, None),
      AdapterInputError, r"SpanColumns\.query_lens must be a 1-D C-contiguous int32"),

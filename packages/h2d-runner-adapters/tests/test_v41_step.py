@@ -14,7 +14,7 @@ import torch
 
 from block_tables import BlockTable
 from h2d_core import H2DRunnerState
-from h2d_runner_adapters import V41_METADATA, RequestSpan, V41MetadataInputs
+from h2d_runner_adapters import V41_METADATA, RequestSpan, V41MetadataInputs, V41Plan
 
 sys.path.insert(0, str(Path(__file__).parent))
 import adapter_helpers as ah
@@ -42,7 +42,7 @@ def test_v41_step_counts_plan_rows_and_qo_indptr_exact_bytes(device: str) -> Non
     st, v4 = v41_state(device)
     st.begin()
     plan = v4.begin_step(SPANS, block_tables=_rows(), padded=4)
-    assert plan[:5] == (3, 4, 6, 12, 3)
+    assert plan.astuple()[:5] == (3, 4, 6, 12, 3)
     assert plan.plan_rows == PLAN_ROWS_WANT
     assert plan.table_stage == "whole"
     counts = {name: st.count(b) for name, b in st.buffers().items()}
@@ -91,7 +91,8 @@ def test_v41_qo_indptr_follows_each_shape_and_leaves_the_rest(device: str) -> No
         assert qo[: len(head)] == head
 
 
-def test_v41_plan_rows_keep_one_tuple_over_steady_steps(device: str) -> None:
+def test_v41_plans_are_per_slot_records_valid_until_the_slots_next_step(device: str
+                                                                         ) -> None:
     st, v4 = v41_state(device, num_slots=2)
     plans = []
     for _ in range(3):
@@ -99,12 +100,18 @@ def test_v41_plan_rows_keep_one_tuple_over_steady_steps(device: str) -> None:
         plans.append(v4.begin_step(SPANS, block_tables=_rows(), padded=4))
         st.publish(V41_METADATA)
         st.finish()
-    assert plans[0].plan_rows == PLAN_ROWS_WANT
-    assert plans[1].plan_rows is plans[0].plan_rows is plans[2].plan_rows
-    st.begin()
+    assert plans[0] is plans[2] is not plans[1]  # one record per slot, refreshed in place
+    assert plans[0].plan_rows == plans[1].plan_rows == PLAN_ROWS_WANT
+    kept = plans[1].astuple()  # a copy outlives the slot's next step
+    st.begin()  # slot 1 again
     one = v4.begin_step(SPANS[:1], block_tables=_rows()[:1], padded=1)
+    assert one is plans[1]
     # one token at position 299: a ratio-4 block closes; 1 * ceil(1/4), 1 * min(1, 8), ...
     assert one.plan_rows == ((1, 1, 1, 1), (0, 1, 1, 1))
+    assert one.astuple()[:5] == (1, 1, 1, 1, 1)
+    # slot 0's plan still reads slot 0's step; the copy kept slot 1's earlier one
+    assert plans[0].plan_rows == PLAN_ROWS_WANT and plans[0].num_reqs == 3
+    assert kept[5] == PLAN_ROWS_WANT and V41Plan(*kept) == V41Plan(*kept)
     st.finish()
 
 
@@ -114,7 +121,7 @@ def test_v41_eager_step_keeps_the_grid_of_its_requests(device: str) -> None:
     st, v4 = v41_state(device)
     st.begin()
     plan = v4.begin_step(SPANS[:2], block_tables=_rows()[:2])
-    assert plan[:5] == (2, 2, 4, 6, 3)
+    assert plan.astuple()[:5] == (2, 2, 4, 6, 3)
     assert st.count(v4.qo_indptr) == 7
     qo = v4.qo_indptr.source(0).numpy()  # type: ignore[union-attr]
     assert qo[:7].tolist() == [0, 1, 2, 3, 4, 4, 4]

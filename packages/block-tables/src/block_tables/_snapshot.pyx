@@ -180,6 +180,9 @@ cdef struct Bound:
     Py_ssize_t hist_len
     Py_ssize_t capacity
     Py_ssize_t width
+    # the page only padding rows may hold (-1: none): a real row appending it is handed
+    # back, so snapshot.py refuses it with the specific error
+    int64_t reserved
 
 
 cdef void bound_free(object capsule) noexcept:
@@ -191,16 +194,17 @@ cdef void bound_free(object capsule) noexcept:
 
 
 def bind(row_keys, lengths, storage, changed, scratch, width, meta, hist_count, hist_rows,
-         /):
+         reserved, /):
     """bind(row_keys, lengths, storage, changed, scratch, width, meta, hist_count,
-    hist_rows) -> capsule
+    hist_rows, reserved) -> capsule
 
     row_keys, lengths, changed: int64[capacity]; storage: int32[capacity, width];
     scratch: int64[2 * capacity]; meta: int64[4] (revision, rows, all versioned, keys
     valid); hist_count: int64[history]; hist_rows: int64[history * capacity]; each
-    writable and C-contiguous. Bound once, so per-step calls pay no buffer-protocol lookup
-    for them."""
+    writable and C-contiguous; reserved: the page only padding rows hold, or -1. Bound
+    once, so per-step calls pay no buffer-protocol lookup for them."""
     cdef Py_ssize_t w = PyLong_AsSsize_t(width)
+    cdef int64_t kept = PyLong_AsLongLong(reserved)
     cdef Py_ssize_t itemsize[8]
     cdef Py_ssize_t items[8]
     cdef void *ptr[8]
@@ -238,6 +242,7 @@ def bind(row_keys, lengths, storage, changed, scratch, width, meta, hist_count, 
     b.hist_len = items[6]
     b.capacity = capacity
     b.width = w
+    b.reserved = kept
     try:
         capsule = PyCapsule_New(b, CAPSULE, bound_free)
     except BaseException:
@@ -268,7 +273,8 @@ def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
     a list built for it).
 
     rows: list or tuple; limit: the pool limit, or -1 for none (every appended ID is
-    still checked to be >= 0: -1 is never a page); required: None or a 1-D signed or
+    still checked to be >= 0: -1 is never a page; a real row's appended ID is the bound
+    reserved page: handed back); required: None or a 1-D signed or
     unsigned 4/8-byte integer array of len(rows). Returns how many rows' bytes changed
     (0 for a hit; they are the bound ``changed`` array's first items, ascending, and the
     history's entry of the revision this advanced to), the snapshot's bookkeeping (the
@@ -348,6 +354,8 @@ def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
             if slot_int64(row, last_offset, &last):
                 return -1
             if <uint64_t><uint32_t>last >= <uint64_t>lim:  # negative reads as huge
+                return -1
+            if last == b.reserved and i < nr:  # only the padding rows may hold it
                 return -1
             lasts[i] = last
         else:

@@ -40,6 +40,11 @@ class PageIdRangeError(BlockTableError):
     """A page ID lies outside ``[0, pool_limit)``, or does not fit int32."""
 
 
+class ReservedPageError(PageIdRangeError):
+    """A real row holds the snapshot's reserved page (padding storage: only graph padding
+    rows hold it)."""
+
+
 class MissingPagesError(BlockTableError):
     """A request span needs more pages than its row holds (``required_pages[i] > len(row)``)."""
 

@@ -83,6 +83,10 @@ class LayoutColumn:
 
     ``distinct`` (an int32 per-request column with both bounds: distinct rows) refuses a
     value an earlier request of the batch already holds, naming both requests.
+
+    ``reserved`` (an integer column) is a value only padded entries hold, e.g. an
+    engine's padding state slot (``pad``): a request (or token) holding it is refused,
+    naming it, the column and ``reserved_note`` (what the value is and what to do).
     """
 
     name: str
@@ -95,6 +99,8 @@ class LayoutColumn:
     low_open: bool = False
     finite: bool = False
     distinct: bool = False
+    reserved: int | None = None
+    reserved_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -372,7 +378,7 @@ class RequestLayout:
                         f"{name}: column {col.name!r} needs a unique name; a column without "
                         "an output array takes no minimum")
                 bound.append((0, None, bool(col.per_token), None, None, col.name,
-                              _bounds(name, col, 0)))
+                              _bounds(name, col, 0), _reserved(name, col, 0)))
                 continue
             kind = _KINDS.get(getattr(out, "dtype", None), -1)
             if kind < 0 or col.name in self.arrays:
@@ -388,7 +394,7 @@ class RequestLayout:
             bound.append((kind, out, bool(col.per_token),
                           None if col.pad is None else out.dtype.type(col.pad),
                           None if col.minimum is None else float(col.minimum), col.name,
-                          _bounds(name, col, kind)))
+                          _bounds(name, col, kind), _reserved(name, col, kind)))
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
@@ -1161,6 +1167,10 @@ def _check_columns(name: str, columns: tuple, values: Sequence[Any], n: cython.P
             i = _outside(value, kind, spec[6], size)
             if i >= 0:
                 _value_error(name, spec, value, i)
+        if spec[7] is not None:
+            i = _holding(value, kind, spec[7][0], size)
+            if i >= 0:
+                _reserved_error(name, spec, i)
         if spec[1] is None:
             sums[k] = _sum_ints(value, size)
         if spec[2] or size < 2:
@@ -1210,6 +1220,26 @@ def _outside(value: object, kind: cython.int, bounds: tuple,
     for i in range(size):
         v = cython.cast(cython.longlong, si[i])
         if v < lo or v > hi:
+            return i
+    return -1
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _holding(value: object, kind: cython.int, reserved: cython.longlong,
+             size: cython.Py_ssize_t) -> cython.Py_ssize_t:
+    """The index of the first of ``size`` integer values equal to ``reserved``, or -1."""
+    i: cython.Py_ssize_t
+    if kind == 2:
+        sl: cython.pointer[cython.longlong] = _longs(value)
+        for i in range(size):
+            if sl[i] == reserved:
+                return i
+        return -1
+    si: cython.pointer[cython.int] = _ints(value)
+    for i in range(size):
+        if si[i] == reserved:
             return i
     return -1
 
@@ -1399,6 +1429,27 @@ def _value_error(name: str, spec: tuple, value: Any, i: int) -> None:
     shown = str(value[i])  # numpy's shortest form of the float32 ("1.0000001")
     raise RequestLayoutError(
         f"{name}: {what} {i} has {spec[5]}={shown}; {spec[5]} must be {spec[6][3]}")
+
+
+def _reserved_error(name: str, spec: tuple, i: int) -> None:
+    """The specific error for a request (or token) holding a column's reserved value."""
+    what = "token" if spec[2] else "request"
+    value, note = spec[7]
+    raise RequestLayoutError(
+        f"{name}: {what} {i} has {spec[5]}={value}, "
+        + (note or "a reserved value (only padded entries hold it); pass another"))
+
+
+def _reserved(name: str, col: Any, kind: int) -> tuple[int, str] | None:
+    """Column ``col``'s reserved value and its note, or None."""
+    value = getattr(col, "reserved", None)
+    if value is None:
+        return None
+    if kind == 1 or type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
+        raise RequestLayoutError(
+            f"{name}: column {col.name!r}: reserved takes an int in int64 on an integer "
+            f"column, got {value!r}")
+    return value, str(getattr(col, "reserved_note", ""))
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)

@@ -39,6 +39,7 @@ import numpy as np
 
 from .errors import (
     PageIdRangeError,
+    ReservedPageError,
     RowCountError,
     RowTypeError,
     RowWidthError,
@@ -132,7 +133,12 @@ class PageTableSnapshot:
     fill value are the snapshot's own); ``pool_limit`` (optional) makes it checked against
     ``[0, pool_limit)``;
     ``fill_value`` is what columns past a row's length hold; ``history`` is how many
-    byte-changing revisions :meth:`changed_rows_since` can look back over. ``native`` is
+    byte-changing revisions :meth:`changed_rows_since` can look back over.
+    ``reserved_page`` (optional) is a page only padding rows hold (an engine's dummy
+    block for graph padding): a real row that brings it is refused
+    (:class:`~block_tables.errors.ReservedPageError`); the last ``padding`` rows of a
+    :meth:`prepare` are the padding rows. Each row's new pages are checked as they
+    arrive, so padding rows must be private lineages that no real row grows from. ``native`` is
     kept for source compatibility: None and True both mean the compiled core (the only
     mode, :mod:`block_tables.native`); False raises
     :class:`~block_tables.native.NativeBuildError`. Not thread-safe: prepare one snapshot
@@ -147,8 +153,9 @@ class PageTableSnapshot:
         fill_value: int = 0,
         history: int = 64,
         native: bool | None = None,
+        reserved_page: int | None = None,
     ) -> None:
-        _check_arguments(storage, pool_limit, fill_value, history)
+        _check_arguments(storage, pool_limit, fill_value, history, reserved_page)
         refuse_interpreted(native, "PageTableSnapshot")
         rows, width = storage.shape
         self._storage = storage
@@ -159,6 +166,8 @@ class PageTableSnapshot:
         # the bound every ID is checked against: the pool limit, or [0, 2**31) without one
         self._check_limit = NO_POOL_LIMIT if pool_limit is None else int(pool_limit)
         self._fill = int(fill_value)
+        # -1: no reserved page (a page ID is >= 0)
+        self._reserved = -1 if reserved_page is None else int(reserved_page)
         # Byte comparisons (tobytes) beat numpy reductions several times on row slices.
         self._fill_row = np.full(width, fill_value, dtype=np.int32)
         self._unknown_key = _key(UNKNOWN, width)
@@ -191,7 +200,7 @@ class PageTableSnapshot:
         self._bound = _native.bind(
             self._row_keys, self._lengths, self._flat, self._changed_out,
             np.empty(2 * rows, dtype=np.int64), int(width), self._meta, self._hist_count,
-            self._hist_rows)
+            self._hist_rows, self._reserved)
         self._cleared = 0  # elements tail clears changed to the fill value (diagnostic)
 
     # -- the bookkeeping, as the Python paths read and write it -----------------------------
@@ -270,6 +279,11 @@ class PageTableSnapshot:
         """Exclusive upper bound of page IDs, or None when only their lower bound (0) is
         checked."""
         return self._limit
+
+    @property
+    def reserved_page(self) -> int | None:
+        """The page only padding rows may hold (None: every page is a real row's)."""
+        return None if self._reserved < 0 else self._reserved
 
     @property
     def fill_value(self) -> int:
@@ -384,6 +398,7 @@ class PageTableSnapshot:
         required_pages: Sequence[int] | np.ndarray | None = None,
         versions: Sequence[int] | np.ndarray | None = None,
         lengths: Sequence[int] | np.ndarray | None = None,
+        padding: int = 0,
     ) -> int:
         """Make storage rows ``[0, len(rows))`` hold ``rows``; return the prepared revision.
 
@@ -396,6 +411,9 @@ class PageTableSnapshot:
         own append-lineage versions and row lengths (:mod:`block_tables.vectors`): the
         batch mapping is then identified from the two vectors, and only rows whose version
         or length changed are read.
+
+        ``padding`` is how many of the last rows are graph padding: the only rows that may
+        hold :attr:`reserved_page` (checked only with a reserved page).
         """
         if type(rows) not in (list, tuple) and not isinstance(rows, (Sequence, np.ndarray)):
             # refused on every path, hits included (an iterator would be consumed by the
@@ -403,9 +421,17 @@ class PageTableSnapshot:
             raise RowTypeError(
                 f"rows must be an ordered sequence (list or tuple), got {type(rows).__name__}"
             )
+        if padding and (type(padding) is not int or not 0 <= padding <= len(rows)):
+            raise RowCountError(
+                f"padding={padding!r} must be an int in [0, {len(rows)}] (the batch's last "
+                "rows that are graph padding)")
         if versions is not None or lengths is not None:
             if versions is None or lengths is None:
                 raise RowTypeError("pass versions and lengths together (one of them is None)")
+            if self._reserved >= 0:
+                raise RowTypeError(
+                    "a snapshot with a reserved page checks each row's pages as they "
+                    "arrive; prepare it from rows, without versions and lengths")
             return prepare_vectors(self, rows, versions, lengths, required_pages)
         # The common decode step (hits and one-page appends of versioned rows) in one
         # compiled call; None means "not covered", and nothing was written.
@@ -425,7 +451,7 @@ class PageTableSnapshot:
                 n = self._num_rows
                 check_required_pages(required_pages, self._lengths[:n], self._lengths_u[:n])
             return self._revision
-        return self._prepare_changed(rows, keys, required_pages)
+        return self._prepare_changed(rows, keys, required_pages, len(rows) - padding)
 
     def invalidate(self) -> None:
         """Forget what the storage holds, after something wrote it outside ``prepare``.
@@ -445,7 +471,10 @@ class PageTableSnapshot:
         rows: Rows,
         keys: list[int] | None,
         required_pages: Sequence[int] | np.ndarray | None,
+        real: int | None = None,
     ) -> int:
+        """Prepare a batch the compiled step handed back; rows ``[0, real)`` are real
+        (None: all), the only ones checked against the reserved page."""
         if type(rows) not in (list, tuple) and not isinstance(rows, (Sequence, np.ndarray)):
             raise RowTypeError(
                 f"rows must be an ordered sequence (list or tuple), got {type(rows).__name__}"
@@ -458,6 +487,8 @@ class PageTableSnapshot:
             )
         limit = self._check_limit
         width = self._width
+        reserved = self._reserved
+        real_rows = n if real is None else real
 
         # ---- read the batch: packed (version, length) keys, unversioned IDs -------------
         unversioned: dict[int, Int32Array] | None = None
@@ -520,6 +551,8 @@ class PageTableSnapshot:
                 ids = table._lin.ids
                 checked = max(start, _proof(table, limit))
                 check_page_range(ids[checked:stop], row=i, start=checked, pool_limit=limit)
+                if i < real_rows:
+                    _check_reserved(ids[start:stop], i, start, reserved)
                 multi.append((i, start, stop, ids))
 
         single_values: Int32Array | None = None
@@ -532,6 +565,12 @@ class PageTableSnapshot:
             single_values = np.fromiter(lasts, dtype=np.int32, count=single.size)
             if int(single_values.view(np.uint32).max()) >= limit:
                 raise_scalar_range_error(single_values, single, stored_lengths[single], limit)
+            if reserved >= 0:
+                hit = np.flatnonzero((single_values == reserved) & (single < real_rows))
+                if hit.size:
+                    k = int(hit[0])
+                    _refuse_reserved(int(single[k]), int(stored_lengths[single[k]]),
+                                     reserved)
 
         # Changed mapping: new version, reordered, unversioned or unknown rows.
         rewrites: list[tuple[int, Int32Array, int]] = []
@@ -546,6 +585,8 @@ class PageTableSnapshot:
                 if unversioned is not None and i in unversioned:
                     ids = unversioned[i]
                     length = ids.shape[0]
+                    if i < real_rows:  # the same bytes may have been a padding row's
+                        _check_reserved(ids, i, 0, reserved)
                     stored_key = int(self._row_keys[i])
                     if (
                         stored_key >> LENGTH_BITS != UNKNOWN
@@ -562,6 +603,8 @@ class PageTableSnapshot:
                 table = rows[i]  # type: ignore[assignment]
                 length = length_list[i]
                 ids = table._lin.ids[:length]
+                if i < real_rows:
+                    _check_reserved(ids, i, 0, reserved)
                 proven = min(_proof(table, limit), length)
                 if proven < length:
                     unproven.append((i, proven, ids, length))
@@ -714,8 +757,25 @@ class PageTableSnapshot:
             check_page_range(ids[start:length], row=i, start=start, pool_limit=limit)
 
 
+def _check_reserved(ids: Int32Array, row: int, start: int, reserved: int) -> None:
+    """Refuse real row ``row`` when ``ids`` (its columns from ``start``) hold the
+    reserved page (``reserved`` < 0: none)."""
+    if reserved >= 0 and ids.size:
+        hit = np.flatnonzero(ids == reserved)
+        if hit.size:
+            _refuse_reserved(row, start + int(hit[0]), reserved)
+
+
+def _refuse_reserved(row: int, column: int, reserved: int) -> None:
+    raise ReservedPageError(
+        f"row {row}: page ID {reserved} at column {column} is the table's reserved page "
+        "(padding storage: only graph padding rows hold it); allocate the request's pages "
+        "elsewhere", row=row)
+
+
 def _check_arguments(
-    storage: object, pool_limit: object, fill_value: object, history: int
+    storage: object, pool_limit: object, fill_value: object, history: int,
+    reserved_page: object = None,
 ) -> None:
     if not isinstance(storage, np.ndarray):
         raise StorageError(f"storage must be a numpy int32 array, got {type(storage).__name__}")
@@ -745,6 +805,13 @@ def _check_arguments(
         raise StorageError(f"fill_value must be an int32, got {fill_value!r}")
     if history < 1:
         raise StorageError(f"history must keep at least 1 revision, got {history}")
+    if reserved_page is not None:
+        top = INT32_MAX if pool_limit is None else int(pool_limit) - 1  # type: ignore[arg-type]
+        if (isinstance(reserved_page, bool) or not isinstance(reserved_page, (int, np.integer))
+                or not 0 <= int(reserved_page) <= top):
+            raise StorageError(
+                f"reserved_page must be None or a page ID in [0, {top}], got "
+                f"{reserved_page!r}")
 
 
 def _proof(table: BlockTable, limit: int) -> int:

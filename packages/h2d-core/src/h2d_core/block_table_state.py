@@ -72,6 +72,7 @@ class BlockTableState:
         partial_max_ranges: int | None = None,
         native: bool | None = None,
         publication: PublicationArg = TablePublication.RANGES,
+        reserved_page: int | None = None,
     ) -> None:
         spec = buffer.spec
         if spec.dtype != torch.int32 or len(spec.shape) != 2 or spec.unit is not CountUnit.ROWS:
@@ -94,7 +95,8 @@ class BlockTableState:
         self.state = state
         self.snapshots = tuple(
             PageTableSnapshot(buffer.source(slot).numpy(), pool_limit=pool_limit,
-                              fill_value=fill_value, native=native)
+                              fill_value=fill_value, native=native,
+                              reserved_page=reserved_page)
             for slot in range(state.num_slots)
         )
         self._row_bytes = spec.unit_bytes
@@ -262,6 +264,7 @@ def block_table_state(
     partial_max_ranges: int | None = None,
     native: bool | None = None,
     publication: PublicationArg = TablePublication.RANGES,
+    reserved_page: int | None = None,
 ) -> BlockTableState:
     """Attach page-map state to a bound block-table buffer (one per buffer: each PP slot
     has its own snapshot inside, each TBO buffer gets its own state). ``native`` is passed
@@ -276,7 +279,11 @@ def block_table_state(
     bytes), else the published rows whole; ``TablePublication.WHOLE`` (``"whole"``) the
     published rows whole, in one piece, whenever the table changed (the spec's literal
     bulk rule; the partial knobs then have no effect). A knob of 0 allows no range. A bad
-    knob raises :class:`~h2d_core.TablePolicyError` and attaches nothing."""
+    knob raises :class:`~h2d_core.TablePolicyError` and attaches nothing.
+
+    ``reserved_page`` (an engine's dummy block) is a page only the graph padding rows a
+    step appends may hold: a real row bringing it is refused
+    (:class:`block_tables.ReservedPageError`) before anything is written."""
     existing = getattr(buffer, "_page_map", None)
     if existing is not None:
         raise DeclarationError(
@@ -285,6 +292,6 @@ def block_table_state(
     state = BlockTableState(buffer, pool_limit=pool_limit, fill_value=fill_value,
                             partial_max_share=partial_max_share,
                             partial_max_ranges=partial_max_ranges, native=native,
-                            publication=publication)
+                            publication=publication, reserved_page=reserved_page)
     buffer._page_map = state  # type: ignore[attr-defined]
     return state

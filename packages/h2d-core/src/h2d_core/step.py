@@ -170,16 +170,15 @@ class LayoutStep:
     nothing.
 
     Layouts with plans (:class:`block_tables.LayoutPlan`, the same number in every slot's
-    layout) publish their rows through ``PLAN_ROWS`` rules; after each ``run``,
-    :attr:`plan_rows` holds the written batch's rows of every plan, one tuple per
-    ``plan_group`` consecutive plans of each plan's (real rows, published rows), e.g.
-    ``((real_0, pub_0, real_1, pub_1), ...)`` for ``plan_group=2``. A run whose rows equal
-    the previous run's keeps the same tuple (a steady step builds none).
+    layout) publish their rows through ``PLAN_ROWS`` rules; :meth:`plan_rows_of` gives a
+    slot's last written batch's rows of every plan, one tuple per ``plan_group``
+    consecutive plans of each plan's (real rows, published rows), e.g.
+    ``((real_0, pub_0, real_1, pub_1), ...)`` for ``plan_group=2``; :attr:`plan_rows`
+    the last run's. A run keeps them as C integers (built into tuples when read: a
+    steady step builds none).
     """
 
     name = cython.declare(str, visibility="readonly")
-    #: the last run's plan rows (see the class docstring; () before the first run)
-    plan_rows = cython.declare(tuple, visibility="readonly")
     _state = cython.declare(object)
     _layouts = cython.declare(tuple)
     _table = cython.declare(object)
@@ -193,11 +192,13 @@ class LayoutStep:
     _sum_column = cython.declare(cython.Py_ssize_t)
     _slow = cython.declare(object)
     _check = cython.declare(object)
-    # plans per layout, plans per plan_rows entry, and the rows plan_rows was built from
-    # (real and published per plan, -1 before the first run)
+    # plans per layout, plans per plan_rows entry, and per slot the last run's rows (real
+    # and published per plan: 2 * num_plans items from slot * 2 * num_plans), the slot
+    # of the last run (-1: none yet)
     _num_plans = cython.declare(cython.Py_ssize_t)
     _plan_group = cython.declare(cython.Py_ssize_t)
     _rows_seen = cython.declare(cython.longlong[::1])
+    _last_slot = cython.declare(cython.Py_ssize_t)
     # per slot, the address of the STEP_COUNTS member's pinned source (empty: none)
     _count_addrs = cython.declare(cython.Py_ssize_t[::1])
     _has_counts = cython.declare(cython.bint)
@@ -268,13 +269,29 @@ class LayoutStep:
         self._slow = state.count_batch([r.buffer for r in counts])
         self._num_plans = num_plans
         self._plan_group = plan_group
-        self._rows_seen = np.full(2 * num_plans, -1, dtype=np.int64)
-        self.plan_rows = ()
+        self._rows_seen = np.zeros(2 * num_plans * state.num_slots, dtype=np.int64)
+        self._last_slot = -1
         self._results = tuple([StepCounts() for _ in range(state.num_slots)])
         record: StepCounts
         for slot in range(state.num_slots):
             record = self._results[slot]
             record._layout = self._layouts[slot]
+
+    @property
+    def plan_rows(self) -> tuple:
+        """The last run's plan rows (see the class docstring; () before the first run)."""
+        return () if self._last_slot < 0 else self.plan_rows_of(self._last_slot)
+
+    def plan_rows_of(self, slot: int) -> tuple:
+        """Slot ``slot``'s last written batch's plan rows (a new tuple of tuples; the
+        slot's next run changes what the next read gives)."""
+        if not 0 <= slot < self._state.num_slots:
+            raise IndexError(f"LayoutStep {self.name!r}: slot {slot} out of range")
+        g: cython.Py_ssize_t = self._plan_group
+        base: cython.Py_ssize_t = 2 * self._num_plans * slot
+        flat = [self._rows_seen[base + k] for k in range(2 * self._num_plans)]
+        return tuple([tuple(flat[2 * g * j: 2 * g * (j + 1)])
+                      for j in range(self._num_plans // g)])
 
     def counts(self, slot: int) -> StepCounts:
         """The record :meth:`run` refreshes in ``slot`` (an adapter binds its plans over
@@ -319,7 +336,7 @@ class LayoutStep:
                 self._stager.prepare(slot, rows, layout.required_pages, self._pad_row, p - n)
             else:
                 self._stager.prepare(slot, list(rows) + self._pad_rows[: p - n],
-                                     layout.required_pages)
+                                     layout.required_pages, None, 0, p - n)
         layout.write()
         uniform: cython.longlong = layout.uniform_mask
         summed: cython.longlong = (layout.column_sum(self._sum_column)
@@ -339,7 +356,8 @@ class LayoutStep:
             out[3] = cython.cast(cython.int, pt)
         staged = "" if table is None or not stage else self._stager.stage(slot, p)
         if published is not None:
-            self._note_rows(layout.plan_real, published)
+            self._note_rows(slot, layout.plan_real, published)
+        self._last_slot = slot
         q: cython.Py_ssize_t = layout.max_query_len
         out_counts: StepCounts = self._results[slot]
         out_counts.num_reqs = n
@@ -355,27 +373,15 @@ class LayoutStep:
     @cython.cfunc
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    def _note_rows(self, real: list, published: list) -> cython.void:
-        """Set :attr:`plan_rows` from the layout's real and published rows per plan,
-        building the tuples only when a count differs from the last run's."""
+    def _note_rows(self, slot: cython.Py_ssize_t, real: list,
+                   published: list) -> cython.void:
+        """Keep the layout's real and published rows per plan as slot ``slot``'s."""
         seen = self._rows_seen
+        base: cython.Py_ssize_t = 2 * self._num_plans * slot
         k: cython.Py_ssize_t
-        same: cython.bint = True
-        r: cython.longlong
-        c: cython.longlong
         for k in range(self._num_plans):
-            r = real[k]
-            c = published[k]
-            if seen[2 * k] != r or seen[2 * k + 1] != c:
-                same = False
-                seen[2 * k] = r
-                seen[2 * k + 1] = c
-        if same:
-            return
-        g: cython.Py_ssize_t = self._plan_group
-        flat = [seen[k] for k in range(2 * self._num_plans)]
-        self.plan_rows = tuple([tuple(flat[2 * g * j: 2 * g * (j + 1)])
-                                for j in range(self._num_plans // g)])
+            seen[base + 2 * k] = real[k]
+            seen[base + 2 * k + 1] = published[k]
 
 
 # This source is compiled by Cython, as ``h2d_core._step_native``, when the package is

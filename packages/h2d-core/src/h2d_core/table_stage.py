@@ -198,13 +198,16 @@ class TableStager:
     # -- one step ---------------------------------------------------------------------------
     @cython.ccall
     def prepare(self, slot: cython.Py_ssize_t, rows: Any, required_pages: Any,
-                pad_row: Any = None, pad: cython.Py_ssize_t = 0) -> None:
+                pad_row: Any = None, pad: cython.Py_ssize_t = 0,
+                padding: cython.Py_ssize_t = 0) -> None:
         """Bring slot ``slot``'s snapshot to ``rows`` followed by ``pad`` times
-        ``pad_row`` (validated whole before any write). The common decode step runs the
+        ``pad_row`` (validated whole before any write); ``padding`` says how many of
+        ``rows``' own last rows are graph padding (when the caller appended them itself:
+        ``pad`` 0). The common decode step runs the
         snapshot's compiled step here, with no Python frame (it keeps the snapshot's
         revision and history itself); everything else is
         :meth:`block_tables.PageTableSnapshot.prepare`'s."""
-        if type(rows) is list or type(rows) is tuple:
+        if (type(rows) is list or type(rows) is tuple) and not padding:
             changed: cython.Py_ssize_t = _prepare_step(
                 self._bounds[slot], rows, self._pool_limits[slot], required_pages, pad_row,
                 pad)
@@ -213,7 +216,8 @@ class TableStager:
         # another kind of batch, or an error to report: the snapshot's own prepare
         if pad:
             rows = list(rows) + [pad_row] * pad
-        self._snapshots[slot].prepare(rows, required_pages=required_pages)
+            padding = pad
+        self._snapshots[slot].prepare(rows, required_pages=required_pages, padding=padding)
 
     @cython.ccall
     def stage(self, slot: cython.Py_ssize_t, num_rows: cython.Py_ssize_t) -> str:

@@ -26,11 +26,15 @@ class PagedInputs:
         page_size: int,
         num_pages: int | None,
         max_ranges: int,
+        reserved_page: int | None = None,
     ) -> None:
         self.h2d_state = state
         self.group = group
         self.page_size = page_size
         self.pool_limit = num_pages
+        #: the page only graph padding rows hold (None: none); real rows bringing it are
+        #: refused by the table's snapshots before any write
+        self.reserved_page = reserved_page
         self.block_tables = state.buffer(table_name, (max_reqs, max_pages_per_req),
                                          torch.int32, group=group, unit="rows",
                                          max_ranges=max_ranges)
@@ -43,5 +47,6 @@ class PagedInputs:
         """The block-table state (created on first use, after ``bind()``)."""
         if self._tables is None:
             self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit,
-                                             native=self.native)
+                                             native=self.native,
+                                             reserved_page=self.reserved_page)
         return self._tables

@@ -47,7 +47,6 @@ The spans (:class:`RequestSpan`, :class:`SpanColumns`) and their checks live in
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -58,7 +57,6 @@ from block_tables import (
     LayoutPlan,
     RequestLayout,
 )
-from block_tables.lineage import LENGTH_BITS
 from block_tables.native import refuse_interpreted
 from h2d_core import (
     OMITTED,
@@ -74,6 +72,7 @@ from h2d_core import (
     H2DBuffer,
     H2DRunnerState,
     LayoutStep,
+    StepCounts,
     h2d_producer,
 )
 
@@ -82,7 +81,6 @@ from .checks import (
     INT32_MAX,
     AdapterInputError,
     describe,
-    int_array,
     padded_count,
 )
 from .consumers import (
@@ -100,6 +98,7 @@ from .consumers import (
 from .consumers._launch import consumers_fusable, interpreted
 from .consumers.v4_decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
 from .paged import PagedInputs
+from .plan_records import CountsPlan, slot_plans
 from .v41_spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
 
 __all__ = [
@@ -117,8 +116,6 @@ V4_BLOCK = 256
 #: (ratio, window K): ratio 4 pools an overlapping window of 2 * 4, ratio 128 one of 128
 V4_RATIOS: tuple[tuple[int, int], ...] = ((4, 8), (128, 128))
 
-_LENGTH_MASK = (1 << LENGTH_BITS) - 1
-
 
 def _check_dummies(group: str, dummy_state_slot: object, dummy_block: object,
                    num_blocks: int | None) -> None:
@@ -134,21 +131,64 @@ def _check_dummies(group: str, dummy_state_slot: object, dummy_block: object,
                 f"got {value!r}")
 
 
-class V41Plan(NamedTuple):
+class V41Plan(CountsPlan):
+    """What a V4.1 step published: requests and tokens (real, padded), the widest query,
+    per ratio (in ``ratios`` order) its plans' rows ``(real compress rows, published
+    compress rows, real write rows, published write rows)``, the block table's stage, and
+    (prefill) the ``v41_window_write_plan`` rows ``(real, published)`` ((0, 0) for
+    decode). A decode step's plan reads its slot's record in place: valid until the same
+    slot's next step (see :mod:`~h2d_runner_adapters.plan_records`)."""
+
+    __slots__ = ("_rows", "_slot", "_step", "window_rows")
+    FIELDS = ("num_reqs", "padded_reqs", "num_tokens", "padded_tokens", "max_query_len",
+              "plan_rows", "table_stage", "window_rows")
     num_reqs: int
     padded_reqs: int
     num_tokens: int
     padded_tokens: int
     max_query_len: int
-    #: per ratio, in ``ratios`` order: (real compress rows, published compress rows,
-    #: real write rows, published write rows)
-    plan_rows: tuple[tuple[int, int, int, int], ...]
     table_stage: str
-    #: prefill: (real, published) rows of ``v41_window_write_plan``; decode: (0, 0)
     window_rows: tuple[int, int]
+    _rows: tuple[tuple[int, int, int, int], ...]
+    _step: LayoutStep | None
+    _slot: int
+
+    def __init__(self, num_reqs: int, padded_reqs: int, num_tokens: int,
+                 padded_tokens: int, max_query_len: int,
+                 plan_rows: tuple[tuple[int, int, int, int], ...], table_stage: str,
+                 window_rows: tuple[int, int]) -> None:
+        self._counts = StepCounts(num_reqs, padded_reqs, max_query_len, num_tokens,
+                                  padded_tokens, 0, table_stage)
+        self._rows = tuple(plan_rows)
+        self._step = None
+        self._slot = 0
+        self.window_rows = tuple(window_rows)  # type: ignore[assignment]
+
+    @property
+    def plan_rows(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Per ratio: (real compress rows, published, real write rows, published)."""
+        step = self._step
+        return self._rows if step is None else step.plan_rows_of(self._slot)
+
+    @classmethod
+    def over_step(cls, counts: StepCounts, step: LayoutStep, slot: int) -> V41Plan:
+        """A decode plan reading a bound step's ``slot`` in place (its counts record and
+        plan rows)."""
+        plan: V41Plan = cls.over(counts)
+        plan._rows = ()
+        plan._step = step
+        plan._slot = slot
+        plan.window_rows = _NO_WINDOW_ROWS
+        return plan
 
 
 _NO_WINDOW_ROWS = (0, 0)  # decode publishes no window-write plan
+
+#: what a real request holding the dummy state slot is told (the layout's reserved value)
+_DUMMY_SLOT_NOTE = ("the adapter's private dummy state slot (dummy_state_slot: padding "
+                    "storage only); give the request (RequestSpan.state_slot / fork_source, "
+                    "SpanColumns.state_slots_out / state_slots_in) a slot of its own")
+
 
 class V41MetadataInputs(PagedInputs):
     """Declares the ``v41_metadata`` buffers, produces them, and runs the first consumer.
@@ -199,9 +239,12 @@ class V41MetadataInputs(PagedInputs):
                 f"{g}: window must be an int >= 1 (the sliding window: positions each "
                 f"token sees, and each prefill's window-write rows), got {window!r}")
         self.prefix = prefix
+        # the dummy block is the table's reserved page: its snapshots refuse a real row
+        # bringing it, checking each row's new pages as they arrive
         super().__init__(state, g, f"{prefix}v41_block_tables", max_reqs=max_reqs,
                          max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
-                         num_pages=num_blocks, max_ranges=max_ranges)
+                         num_pages=num_blocks, max_ranges=max_ranges,
+                         reserved_page=dummy_block)
         self.native = native
         self.ratios = tuple(ratios)
         self.window = window
@@ -275,13 +318,9 @@ class V41MetadataInputs(PagedInputs):
         self._prefill_layouts: list[RequestLayout] = []
         self._step: LayoutStep | None = None  # the decode step, bound on first use
         self._prefill_step: LayoutStep | None = None  # the prefill step, bound with it
-        # What the last accepted steps proved free of the dummy slot and block, so that a
-        # steady decode step re-checks neither (two bytes compares): the state-slot
-        # columns' bytes, and per runner slot the row keys (BlockTable._key: version <<
-        # LENGTH_BITS | length) of its real rows. A row of a proven lineage is read only
-        # past the proven length: append lineages agree on their common prefix.
-        self._proven_slots: tuple[bytes, ...] = ()
-        self._proven_rows: list[list[int]] = [[] for _ in range(state.num_slots)]
+        self._plans: tuple[V41Plan, ...] = ()  # per slot: the decode step's plan
+        # the decode layout's column values (state slots out, in), refilled each step
+        self._values: list[np.ndarray | None] = [None, None]
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> LayoutStep:
@@ -310,8 +349,12 @@ class V41MetadataInputs(PagedInputs):
                     np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
                     positions=src(self.positions), token_requests=src(self.token_batch_ids),
                     context_lens=src(self.seq_lens), token_prefix=qo,
-                    columns=[LayoutColumn("state_slot_out", src(self.state_slot_out), pad=pad),
-                             LayoutColumn("state_slot_in", src(self.state_slot_in), pad=pad),
+                    columns=[LayoutColumn("state_slot_out", src(self.state_slot_out), pad=pad,
+                                          low=0, reserved=self.dummy_state_slot,
+                                          reserved_note=_DUMMY_SLOT_NOTE),
+                             LayoutColumn("state_slot_in", src(self.state_slot_in), pad=pad,
+                                          low=0, reserved=self.dummy_state_slot,
+                                          reserved_note=_DUMMY_SLOT_NOTE),
                              *extra],
                     plans=[LayoutPlan(b.name, src(b), r, k, tail, graph)
                            for (r, k), cb, wb in zip(self.ratios, self.compress_plans,
@@ -352,6 +395,9 @@ class V41MetadataInputs(PagedInputs):
         self._prefill_step = LayoutStep(self.group, self.h2d_state, self._prefill_layouts,
                                         self.tables, (), prefill, error=AdapterInputError,
                                         plan_group=1)
+        step = self._step
+        self._plans = slot_plans(self.h2d_state, step,
+                                 lambda counts, slot: V41Plan.over_step(counts, step, slot))
         return self._step
 
     # -- the producer --------------------------------------------------------------------
@@ -367,24 +413,26 @@ class V41MetadataInputs(PagedInputs):
         requests of the widest query: the graph grid) and stage the block table from
         ``block_tables`` (one row per span, versioned or not). Everything is checked, rows
         included, before any source is written: a refusal raises
-        :class:`AdapterInputError` (or the block table's own error) and changes nothing."""
-        cols, slots_proof = self._span_columns(spans)
+        :class:`AdapterInputError` (or the block table's own error: a real row naming the
+        dummy block raises :class:`block_tables.ReservedPageError`) and changes nothing.
+        The plan is the slot's own, refreshed in place: valid until the slot's next
+        step."""
+        cols = self._span_columns(spans)
         n = cols.query_lens.size
         # eager (no padding) keeps the graph grid of n requests: n, not -1
         p = n if padded is None else padded_count(self.group, n, padded)
-        slot = self.h2d_state.current_slot
-        keys = self._check_rows(block_tables, n, slot)
+        self._check_rows(block_tables, n)
         step = self._step
         if step is None:
             step = self._bind()
-        # plan (every length checked), prepare the rows (each validated), write every
-        # member (qo_indptr included), count and stage: one call; nothing after it fails
-        n, p, q, t, pt, _, stage, _, _ = step.run(
-            cols.query_lens, cols.context_lens, block_tables, p, -1,
-            (cols.state_slots_out, cols.state_slots_in)).astuple()
-        self._remember(slot, slots_proof, keys)
-        # tuple.__new__ skips the NamedTuple's Python-level __new__
-        return _new(V41Plan, (n, p, t, pt, q, step.plan_rows, stage, _NO_WINDOW_ROWS))
+        values = self._values
+        values[0] = cols.state_slots_out
+        values[1] = cols.state_slots_in
+        # plan (every length and state slot checked), prepare the rows (each validated,
+        # the dummy block refused), write every member (qo_indptr included), count and
+        # stage: one call; nothing after it fails
+        step.run(cols.query_lens, cols.context_lens, block_tables, p, -1, values)
+        return self._plans[self.h2d_state.current_slot]
 
     @h2d_producer(lambda self: self.group)
     def begin_prefill(
@@ -397,10 +445,9 @@ class V41MetadataInputs(PagedInputs):
         chunk starts, and the eager plans (the real compression rows; the whole state-write
         array, -1 after the real rows), into the same pinned, bound buffers as decode.
         Checked whole before any write, as :meth:`begin_step`."""
-        cols, slots_proof = self._span_columns(spans)
+        cols = self._span_columns(spans)
         n = cols.query_lens.size
-        slot = self.h2d_state.current_slot
-        keys = self._check_rows(block_tables, n, slot)
+        self._check_rows(block_tables, n)
         if self._step is None:
             self._bind()
         qlens, ctx = cols.query_lens, cols.context_lens
@@ -412,133 +459,33 @@ class V41MetadataInputs(PagedInputs):
         n, _, q, t, _, _, stage, _, _ = self._prefill_step.run(  # type: ignore[union-attr]
             qlens, ctx, block_tables, -1, -1,
             (cols.state_slots_out, cols.state_slots_in, starts)).astuple()
-        self._remember(slot, slots_proof, keys)
         rows = self._prefill_step.plan_rows  # type: ignore[union-attr]
         # (real, published) per plan: the ratios' (compress, write) pairs, then the window
         ratios = tuple(rows[k] + rows[k + 1] for k in range(0, len(rows) - 1, 2))
         return V41Plan(n, n, t, t, q if n else 0, ratios, stage, rows[-1])
 
     # -- input checks (before any write) -------------------------------------------------
-    def _span_columns(self, spans: Sequence[RequestSpan] | SpanColumns
-                      ) -> tuple[SpanColumns, tuple[bytes, ...]]:
-        """``spans`` as checked int32 columns (state slots >= 0, none the dummy slot) and
-        the state-slot columns' bytes, proven once the step is accepted."""
-        g = self.group
+    def _span_columns(self, spans: Sequence[RequestSpan] | SpanColumns) -> SpanColumns:
+        """``spans`` as int32 columns of one length (the layout checks the rest: the
+        lengths, the state slots >= 0 and none the dummy slot, the arrays' layout)."""
         if isinstance(spans, SpanColumns):
-            _check_columns(g, spans)
-            cols, signed = spans, True
-            names = ("SpanColumns.state_slots_out", "SpanColumns.state_slots_in")
-        else:  # from_spans checked the signs: slots >= 0, fork sources >= -1
-            cols, signed = SpanColumns.from_spans(spans, group=g), False
-            names = ("RequestSpan.state_slot", "RequestSpan.fork_source")
-        dummy = self.dummy_state_slot
-        out, inp = cols.state_slots_out, cols.state_slots_in
-        proof = []
-        # a scheduler without forks passes one array twice: one check then
-        for name, a in zip(names, (out,) if inp is out else (out, inp), strict=False):
-            seen = a.tobytes()
-            proof.append(seen)
-            if seen in self._proven_slots or not a.size:
-                continue
-            if signed and a.min() < 0:
-                int_array(g, name, a, lo=0, rule="pass each request's physical state slot")
-            if dummy in a:
-                i = int(np.flatnonzero(a == dummy)[0])
-                raise AdapterInputError(
-                    f"{g}: request {i} has {name}={dummy}, the adapter's private dummy state "
-                    "slot (dummy_state_slot: padding storage only); give the request a slot "
-                    "of its own")
-        return cols, tuple(proof)
+            _check_columns(self.group, spans)
+            return spans
+        return SpanColumns.from_spans(spans, group=self.group)
 
-    def _remember(self, slot: int, slots_proof: tuple[bytes, ...],
-                  keys: list[int] | None) -> None:
-        """After an accepted step: what it proved free of the dummy slot and block."""
-        self._proven_slots = slots_proof
-        if keys is not None:
-            self._proven_rows[slot] = keys
-
-    def _check_rows(self, rows: object, n: int, slot: int) -> list[int] | None:
-        """``rows`` is a sequence of ``n`` rows and no real row names the dummy block (the
-        snapshot's ``prepare`` checks the rest of each row before writing). Returns the
-        rows' keys, to remember once the step is accepted, when every row is a
-        :class:`BlockTable` (None otherwise: unversioned rows are read whole each step)."""
-        g = self.group
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence | np.ndarray):
+    def _check_rows(self, rows: object, n: int) -> None:
+        """``rows`` is a sequence of ``n`` rows (the table's snapshot checks each row,
+        the dummy block included, before writing)."""
+        if type(rows) is not list and type(rows) is not tuple and (
+                isinstance(rows, (str, bytes))
+                or not isinstance(rows, (Sequence, np.ndarray))):
             raise AdapterInputError(
-                f"{g}: block_tables must be a list of rows (BlockTable, 1-D integer array or "
-                f"list of ints), one per span, got {describe(rows)}")
+                f"{self.group}: block_tables must be a list of rows (BlockTable, 1-D integer "
+                f"array or list of ints), one per span, got {describe(rows)}")
         if len(rows) != n:
             raise AdapterInputError(
-                f"{g}: {len(rows)} block_tables rows for {n} spans; pass one row per span")
-        if isinstance(rows, np.ndarray):  # one 2-D array of rows
-            if rows.ndim == 2 and rows.dtype.kind in "iu" and (rows == self.dummy_block).any():
-                i, col = (int(x[0]) for x in np.nonzero(rows == self.dummy_block))
-                self._refuse_dummy_block(i, col)
-            return None
-        try:  # the packed (version, length) of each BlockTable, as the snapshots read it
-            keys = [row._key for row in rows]
-        except AttributeError:  # an unversioned row (array or list): read every row
-            for i, row in enumerate(rows):
-                self._scan_row(i, row, 0)
-            return None
-        last = self._proven_rows[slot]
-        if keys != last:  # else: the very rows this slot last accepted
-            for i, start in self._unproven(np.array(keys, np.int64), np.array(last, np.int64)):
-                self._scan_row(i, rows[i], start)
-        return keys
-
-    def _unproven(self, keys: np.ndarray, last: np.ndarray) -> list[tuple[int, int]]:
-        """(row, first column not yet proven free of the dummy block) for each row of
-        ``keys`` that has such columns, given the keys ``last`` of proven rows."""
-        if last.size == keys.size and keys.size:
-            # Same lineages in the same order (the common decode step): a key grows by the
-            # pages appended. A proven row is at most the table's width (< 2**23) long and
-            # any row under 2**24, so a difference in [0, width] means the same version.
-            diff = keys - last
-            if int(diff.view(np.uint64).max()) <= self._width:
-                grown = np.flatnonzero(diff).tolist()
-                return [(i, int(last[i] & _LENGTH_MASK)) for i in grown]
-        lengths = keys & _LENGTH_MASK
-        if last.size == 0:
-            return [(i, 0) for i in np.flatnonzero(lengths).tolist()]
-        # reordered or new rows: the longest proven row of each key's lineage
-        proof = np.sort(last)
-        at = np.searchsorted(proof, ((keys >> LENGTH_BITS) + 1) << LENGTH_BITS) - 1
-        hit = proof[np.maximum(at, 0)]
-        same = (at >= 0) & ((hit >> LENGTH_BITS) == (keys >> LENGTH_BITS))
-        start = np.minimum(np.where(same, hit & _LENGTH_MASK, 0), lengths)
-        todo = np.flatnonzero(start < lengths).tolist()
-        return [(i, int(start[i])) for i in todo]
-
-    def _scan_row(self, i: int, row: object, start: int) -> None:
-        """Refuse row ``i`` if it holds the dummy block at a column >= ``start``; a row of
-        the wrong kind is left to the snapshot, which refuses it before writing."""
-        d = self.dummy_block
-        if isinstance(row, BlockTable):
-            ids: object = row.page_ids_view()[start:]
-        elif isinstance(row, np.ndarray):
-            if row.ndim != 1 or row.dtype.kind not in "iu":
-                return
-            ids = row
-        elif isinstance(row, list | tuple | range):
-            try:
-                found = d in row
-            except (TypeError, ValueError):  # not a list of ints: the snapshot refuses it
-                return
-            if found:
-                self._refuse_dummy_block(i, list(row).index(d))
-            return
-        else:
-            return
-        hits = np.flatnonzero(ids == d)
-        if hits.size:
-            self._refuse_dummy_block(i, start + int(hits[0]))
-
-    def _refuse_dummy_block(self, i: int, col: int) -> NoReturn:
-        raise AdapterInputError(
-            f"{self.group}: request {i} names the dummy block {self.dummy_block} in its "
-            f"block_tables row (column {col}); that block is the adapter's private padding "
-            "storage (dummy_block): allocate the request's blocks elsewhere")
+                f"{self.group}: {len(rows)} block_tables rows for {n} spans; pass one row "
+                "per span")
 
     def generate_prefill_indptrs(self, plan: V41Plan, *, pcp_rank: int = 0,
                                  pcp_size: int = 1) -> PrefillIndptrs:

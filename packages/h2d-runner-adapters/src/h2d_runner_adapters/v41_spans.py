@@ -129,24 +129,28 @@ def _refuse_field(group: str, fields: _Fields, bad: Callable[[int, int], bool]) 
 
 
 def _check_columns(group: str, cols: SpanColumns) -> None:
-    """A SpanColumns given directly: four 1-D C-contiguous aligned int32 arrays of one
-    length (the layout pass checks the lengths' values and the capacity)."""
+    """A SpanColumns given directly: four 1-D int32 arrays of one length (the layout pass
+    checks the rest before writing: C-contiguous and aligned, the lengths' values, the
+    state slots, the capacity; reading ``flags`` here would build an object per step)."""
     n = cols.query_lens.size if isinstance(cols.query_lens, np.ndarray) else -1
-    for name in _COLUMN_FIELDS:
-        a = getattr(cols, name)
-        if type(a) is not np.ndarray or a.dtype != _INT32 or a.ndim != 1 or a.size != n:
-            if isinstance(a, np.ndarray) and a.dtype == _INT32 and a.ndim == 1 and n >= 0:
-                check_size(group, f"SpanColumns.{name}", a, n, "request")
-            _refuse_column(group, name, a, "")
-        flags = a.flags
-        if not (flags.c_contiguous and flags.aligned):
-            _refuse_column(group, name, a, " (not C-contiguous and aligned)")
+    # one call per column, no loop: iterating the names would build an iterator per step
+    _check_column(group, "query_lens", cols.query_lens, n)
+    _check_column(group, "context_lens", cols.context_lens, n)
+    _check_column(group, "state_slots_out", cols.state_slots_out, n)
+    _check_column(group, "state_slots_in", cols.state_slots_in, n)
 
 
-def _refuse_column(group: str, name: str, a: object, why: str) -> NoReturn:
+def _check_column(group: str, name: str, a: object, n: int) -> None:
+    if type(a) is not np.ndarray or a.dtype != _INT32 or a.ndim != 1 or a.size != n:
+        if isinstance(a, np.ndarray) and a.dtype == _INT32 and a.ndim == 1 and n >= 0:
+            check_size(group, f"SpanColumns.{name}", a, n, "request")
+        _refuse_column(group, name, a)
+
+
+def _refuse_column(group: str, name: str, a: object) -> NoReturn:
     raise AdapterInputError(
         f"{group}: SpanColumns.{name} must be a 1-D C-contiguous int32 numpy array with one "
-        f"entry per request, got {describe(a)}{why}; build it with "
+        f"entry per request, got {describe(a)}; build it with "
         "np.ascontiguousarray(values, dtype=np.int32) or SpanColumns.from_spans")
 
 
