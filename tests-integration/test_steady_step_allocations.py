@@ -142,6 +142,30 @@ def _mha() -> tuple[Step, list[Any]]:
     return step, items
 
 
+def _mla() -> tuple[Step, list[Any]]:
+    """``MlaDecodeStepInputs.prepare`` (DeepSeek's MLA decode step, DSA's sparse KV prefix
+    included) at bs=64 over ``mha``'s batches."""
+    from step_targets import PAGE
+
+    from h2d_runner_adapters import MLA_DECODE_STEP, MlaDecodeStepInputs
+
+    items, per_row = _decode_batches()
+    st = _state()
+    step_inputs = MlaDecodeStepInputs(st, max_reqs=BS, max_tokens=BS,
+                                      max_pages_per_req=per_row, page_size=PAGE,
+                                      index_topk=2048, fuse_kv_indices=False)
+    st.bind()
+    begin, finish, publish, prepare = st.begin, st.finish, st.publish, step_inputs.prepare
+
+    def step(b: Any) -> None:
+        begin()
+        prepare(b)
+        publish(MLA_DECODE_STEP)
+        finish()
+
+    return step, items
+
+
 def _gdn() -> tuple[Step, list[Any]]:
     """``mha``'s step with the GDN state indices riding in its group (the GDN hybrid's
     decode step: ``DecodeStepInputs(..., extra_groups=[GDN_STATE])``, then
@@ -229,6 +253,37 @@ def _mtp() -> tuple[Step, list[Any]]:
     return step, items
 
 
+def _prefill() -> tuple[Step, list[Any]]:
+    """``PrefillStepInputs.prepare``: chunked prefill of 4 long prompts, 256 tokens each a
+    step (``benchmarks/instructions.py``'s prefill batches), every row appending 16 pages
+    of its lineage per step."""
+    from instructions import PrefillChunks
+
+    from h2d_runner_adapters import PREFILL_STEP, PrefillStepInputs
+
+    class Chunks(PrefillChunks):
+        MAX_STEPS = ITEMS
+
+    reqs, tokens, page = 4, 256, 16
+    batches = Chunks(reqs, tokens, page)
+    st = _state()
+    step_inputs = PrefillStepInputs(st, max_reqs=reqs, max_tokens=reqs * tokens,
+                                    max_pages_per_req=batches.max_pages, page_size=page)
+    st.bind()
+    items = [batches.step() for _ in range(ITEMS)]
+    for b in items:
+        b.columns, b.block_tables  # noqa: B018
+    begin, finish, publish, prepare = st.begin, st.finish, st.publish, step_inputs.prepare
+
+    def step(b: Any) -> None:
+        begin()
+        prepare(b)
+        publish(PREFILL_STEP)
+        finish()
+
+    return step, items
+
+
 def _v41() -> tuple[Step, list[Any]]:
     """``TokenStepInputs.prepare`` + ``V41MetadataInputs.begin_step`` at bs=64, 128K."""
     from v41_step import ENVELOPE, TOPK, WINDOW, Batches
@@ -284,10 +339,12 @@ FAMILIES = [
     pytest.param(_core, id="core"),
     pytest.param(_tokens, id="tokens"),
     pytest.param(_mha, id="mha"),
+    pytest.param(_mla, id="mla"),
     pytest.param(_gdn, id="gdn"),
     pytest.param(_mrope, id="mrope"),
     pytest.param(_mtp, id="mtp"),
     pytest.param(_v41, id="v41"),
+    pytest.param(_prefill, id="prefill"),
 ]
 
 

@@ -270,6 +270,7 @@ class MlaDecodeStepInputs(DecodeStepInputs):
         group: str = MLA_DECODE_STEP,
         extra_groups: Sequence[str] = (),
         prev_rows: int | None = None,
+        fuse_kv_indices: bool | None = None,
     ) -> None:
         self._compose(
             SamplingInputs(state, max_reqs),
@@ -278,7 +279,7 @@ class MlaDecodeStepInputs(DecodeStepInputs):
             MlaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
                             max_pages_per_req=max_pages_per_req, page_size=page_size,
                             num_pages=num_pages, index_topk=index_topk,
-                            max_ranges=max_ranges),
+                            max_ranges=max_ranges, fuse_kv_indices=fuse_kv_indices),
             group, None, tuple(extra_groups),
         )
 

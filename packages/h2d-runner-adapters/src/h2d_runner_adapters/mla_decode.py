@@ -36,7 +36,8 @@ MLA_DECODE = "mla_decode"
 class MlaDecodeInputs(MhaDecodeInputs):
     """Declares the MLA decode buffers (``mla_``-prefixed names, group ``mla_decode``),
     produces them and runs KV-index generation. ``index_topk`` adds DSA's sparse KV
-    prefix; ``prefix`` declares a TBO ubatch's own buffers and group."""
+    prefix; ``prefix`` declares a TBO ubatch's own buffers and group; ``fuse_kv_indices``
+    is :class:`MhaDecodeInputs`'s (default None: fused wherever the kernel runs)."""
 
     def __init__(
         self,
@@ -50,6 +51,7 @@ class MlaDecodeInputs(MhaDecodeInputs):
         index_topk: int | None = None,
         max_ranges: int = 64,
         prefix: str = "",
+        fuse_kv_indices: bool | None = None,
     ) -> None:
         g = f"{prefix}{MLA_DECODE}"
         # checked before any buffer is declared: a refused adapter leaves the state as it was
@@ -64,7 +66,7 @@ class MlaDecodeInputs(MhaDecodeInputs):
         super().__init__(state, max_reqs=max_reqs, max_tokens=max_tokens,
                          max_pages_per_req=max_pages_per_req, page_size=page_size,
                          num_pages=num_pages, max_ranges=max_ranges, prefix=f"{prefix}mla_",
-                         group=g)
+                         group=g, fuse_kv_indices=fuse_kv_indices)
         buf = state.buffer
         self.kv_last_page_lens = buf(f"{prefix}mla_kv_last_page_lens", (max_reqs,),
                                      torch.int32, group=g)
