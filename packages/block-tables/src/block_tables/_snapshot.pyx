@@ -6,8 +6,10 @@ A decode step's prepare reads 64-256 row keys, scatters a few appended page IDs 
 diffs row keys into byte ranges: a few hundred nanoseconds of arithmetic, tens of
 microseconds as Python and numpy calls. These are that arithmetic, compiled:
 
-* ``prepare_step`` covers the common decode step: every row a ``BlockTable`` whose key
-  equals the stored key (a hit) or exceeds it by one (the same lineage grew by one page).
+* ``prepare_step`` covers the common decode and prefill-chunk steps: every row a
+  ``BlockTable`` whose key equals the stored key (a hit) or exceeds it by at most the
+  table's width (the same lineage grew: one page from its ``_last`` slot, more from its
+  lineage's ``ids`` array).
   Any other batch, and every error, returns None before the first write: snapshot.py then
   handles the batch, so its rules and messages live in one place.
 * ``write_replaced`` is the write phase of a fully replaced batch (snapshot.py has made
@@ -99,6 +101,9 @@ cdef object configured = None
 cdef PyObject *table_type = NULL
 cdef Py_ssize_t key_offset = 0
 cdef Py_ssize_t last_offset = 0
+# BlockTable's `_lin` slot and its lineage's `ids` slot (the lineage's int32 page IDs)
+cdef Py_ssize_t lin_offset = 0
+cdef Py_ssize_t ids_offset = 0
 cdef int length_bits = 24
 cdef int64_t length_mask = (1 << 24) - 1
 
@@ -115,27 +120,32 @@ cdef object empty_rows():
 cdef object EMPTY = empty_rows()
 
 
-def configure(table, bits, /):
-    """configure(BlockTable, LENGTH_BITS): the row type and the key's length field."""
+def configure(table, bits, lineage, /):
+    """configure(BlockTable, LENGTH_BITS, lineage type): the row type, the key's length
+    field and the lineage type (its ``ids`` slot)."""
     global configured, table_type, key_offset, last_offset, length_bits, length_mask
+    global lin_offset, ids_offset
     cdef long nbits
-    cdef Py_ssize_t offsets[2]
+    cdef Py_ssize_t offsets[4]
     cdef PyMemberDef *member
     cdef int k
-    if not isinstance(table, type):
-        raise TypeError("configure(BlockTable, LENGTH_BITS)")
+    if not isinstance(table, type) or not isinstance(lineage, type):
+        raise TypeError("configure(BlockTable, LENGTH_BITS, lineage type)")
     nbits = PyLong_AsLong(bits)
-    for k, name in enumerate(("_key", "_last")):
-        descr = getattr(table, name)
+    for k, (owner, name) in enumerate(((table, "_key"), (table, "_last"), (table, "_lin"),
+                                       (lineage, "ids"))):
+        descr = getattr(owner, name)
         member = (<PyMemberDescrObject *><PyObject *>descr).d_member
         if type_of(<PyObject *>descr) != &PyMemberDescr_Type or member.type != T_OBJECT_EX:
-            raise TypeError(f"{(<RawType *><PyObject *>table).tp_name.decode()}.{name} "
+            raise TypeError(f"{(<RawType *><PyObject *>owner).tp_name.decode()}.{name} "
                             "is not a slot descriptor")
         offsets[k] = member.offset
-    configured = table
+    configured = (table, lineage)
     table_type = <PyObject *>table
     key_offset = offsets[0]
     last_offset = offsets[1]
+    lin_offset = offsets[2]
+    ids_offset = offsets[3]
     length_bits = <int>nbits
     length_mask = (<int64_t>1 << nbits) - 1
 
@@ -153,6 +163,8 @@ cdef inline int slot_int64(PyObject *row, Py_ssize_t offset, int64_t *out) excep
 # ---- the binding: the snapshot's own arrays (bind) -------------------------------------
 
 cdef const char *CAPSULE = b"block_tables_snapshot"
+# prepare_step's mark of a row grown by several pages (its IDs read from its lineage)
+cdef int64_t MULTI = INT64_MIN + 1
 
 # the snapshot's bookkeeping, int64 fields of its ``meta`` array (snapshot.py reads them
 # through properties): C integers, so a step that bumps the revision past CPython's small
@@ -199,7 +211,7 @@ def bind(row_keys, lengths, storage, changed, scratch, width, meta, hist_count, 
     hist_rows, reserved) -> capsule
 
     row_keys, lengths, changed: int64[capacity]; storage: int32[capacity, width];
-    scratch: int64[2 * capacity]; meta: int64[4] (revision, rows, all versioned, keys
+    scratch: int64[3 * capacity]; meta: int64[4] (revision, rows, all versioned, keys
     valid); hist_count: int64[history]; hist_rows: int64[history * capacity]; each
     writable and C-contiguous; reserved: the page only padding rows hold, or -1. Bound
     once, so per-step calls pay no buffer-protocol lookup for them."""
@@ -225,7 +237,7 @@ def bind(row_keys, lengths, storage, changed, scratch, width, meta, hist_count, 
             raise ValueError("internal array has the wrong item size or length")
     capacity = items[0]
     if (items[1] < capacity or items[2] < capacity * w or items[3] < capacity
-            or items[4] < 2 * capacity or items[5] < META_SIZE or items[6] < 1
+            or items[4] < 3 * capacity or items[5] < META_SIZE or items[6] < 1
             or items[7] < items[6] * capacity):
         raise ValueError("bind: arrays too small for the capacity")
     b = <Bound *>PyMem_Calloc(1, sizeof(Bound))
@@ -287,6 +299,12 @@ def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
     cdef int64_t lim, width, key, stored, length, need, last
     cdef int64_t *new_keys
     cdef int64_t *lasts
+    cdef int64_t *sources
+    cdef int64_t grown
+    cdef PyObject *lin
+    cdef PyObject *ids
+    cdef PyArrayObject *a
+    cdef const int32_t *src
     cdef int32_t *cell
     cdef const char *req = NULL
     cdef const char *at
@@ -325,7 +343,8 @@ def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
         unsigned_req = PyArray_ISUNSIGNED(r)
 
     new_keys = b.scratch
-    lasts = b.scratch + b.capacity  # the appended page ID, or INT64_MIN for a hit
+    lasts = b.scratch + b.capacity  # the appended page ID, INT64_MIN a hit, MULTI more
+    sources = b.scratch + 2 * b.capacity  # a grown row's int32 IDs (its lineage's array)
 
     # ---- check everything: no write before the batch is known to be covered ----
     for i in range(n):
@@ -358,13 +377,47 @@ def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
             if last == b.reserved and i < nr:  # only the padding rows may hold it
                 return -1
             lasts[i] = last
+        elif <uint64_t>key - <uint64_t>stored <= <uint64_t>width:
+            # The same lineage grew by several pages (a prefill chunk): with width below
+            # half the key's length field, a difference this small means the same
+            # version. Its new IDs are its lineage's ids[stored length, length).
+            grown = key - stored
+            lin = (<PyObject **>(<char *>row + lin_offset))[0]
+            if lin == NULL:
+                return -1
+            ids = (<PyObject **>(<char *>lin + ids_offset))[0]
+            if ids == NULL or not PyArray_Check(ids):
+                return -1
+            a = <PyArrayObject *>ids
+            if (PyArray_NDIM(a) != 1 or PyArray_TYPE(a) != NPY_INT32
+                    or PyArray_DIM(a, 0) < length or PyArray_STRIDE(a, 0) != 4
+                    or not PyArray_ISALIGNED(a) or not PyArray_ISNOTSWAPPED(a)):
+                return -1
+            src = (<const int32_t *>PyArray_DATA(a)) + (length - grown)
+            for c in range(grown):
+                if <uint64_t><uint32_t>src[c] >= <uint64_t>lim:
+                    return -1
+                if src[c] == b.reserved and i < nr:
+                    return -1
+            lasts[i] = MULTI
+            sources[i] = <int64_t>src
         else:
             return -1
 
-    # ---- write: one page ID per grown row, counted only when its bytes differ ----
+    # ---- write: each grown row's new IDs, counted only when its bytes differ ----
     c = 0
     for i in range(n):
-        if lasts[i] != INT64_MIN:
+        if lasts[i] == MULTI:
+            cell = b.storage + i * width + b.lengths[i]
+            grown = (new_keys[i] & length_mask) - b.lengths[i]
+            src = <const int32_t *>sources[i]
+            if memcmp(cell, src, <size_t>grown * sizeof(int32_t)):
+                memcpy(cell, src, <size_t>grown * sizeof(int32_t))
+                b.changed[c] = i
+                c += 1
+            b.row_keys[i] = new_keys[i]
+            b.lengths[i] = new_keys[i] & length_mask
+        elif lasts[i] != INT64_MIN:
             cell = b.storage + i * width + b.lengths[i]
             if cell[0] != <int32_t>lasts[i]:
                 cell[0] = <int32_t>lasts[i]

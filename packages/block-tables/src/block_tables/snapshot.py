@@ -45,7 +45,7 @@ from .errors import (
     RowWidthError,
     StorageError,
 )
-from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable
+from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable, _Lineage
 from .native import refuse_interpreted, require_extension
 from .validation import (
     INT32_MAX,
@@ -77,7 +77,7 @@ Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 # the compiled paths (_snapshot.pyx): the common decode step, the write of a fully
 # replaced batch and the all-versioned key diffs; required (NativeBuildError without it)
 _native = require_extension("block_tables._block_tables_native")
-_native.configure(BlockTable, LENGTH_BITS)
+_native.configure(BlockTable, LENGTH_BITS, _Lineage)
 
 # the fields of a snapshot's bookkeeping array (_snapshot.pyx: META_*)
 _REVISION, _NUM_ROWS, _ALL_VERSIONED, _KEYS_VALID = range(4)
@@ -199,7 +199,7 @@ class PageTableSnapshot:
         self._native = _native
         self._bound = _native.bind(
             self._row_keys, self._lengths, self._flat, self._changed_out,
-            np.empty(2 * rows, dtype=np.int64), int(width), self._meta, self._hist_count,
+            np.empty(3 * rows, dtype=np.int64), int(width), self._meta, self._hist_count,
             self._hist_rows, self._reserved)
         self._cleared = 0  # elements tail clears changed to the fill value (diagnostic)
 
@@ -433,8 +433,8 @@ class PageTableSnapshot:
                     "a snapshot with a reserved page checks each row's pages as they "
                     "arrive; prepare it from rows, without versions and lengths")
             return prepare_vectors(self, rows, versions, lengths, required_pages)
-        # The common decode step (hits and one-page appends of versioned rows) in one
-        # compiled call; None means "not covered", and nothing was written.
+        # The common decode and prefill-chunk steps (hits and appends of versioned rows)
+        # in one compiled call; None means "not covered", and nothing was written.
         # It records the revision and the bookkeeping itself.
         if self._native.prepare_step(self._bound, rows, self._limit_arg, required_pages) >= 0:
             return self._revision
