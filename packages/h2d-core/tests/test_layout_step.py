@@ -145,7 +145,10 @@ def test_plan_rows_counts_omitted_and_token_prefix_publish_exact_bytes() -> None
     _published_bytes(s.extra, [], np.int32)  # omitted: nothing sent
 
 
-def test_plan_rows_keep_their_tuple_while_the_rows_stay_and_follow_a_change() -> None:
+def test_plan_rows_follow_each_slots_last_step() -> None:
+    """Each slot keeps its last run's plan rows (C integers; a tuple built when read):
+    ``plan_rows`` is the last run's, ``plan_rows_of(slot)`` a slot's, unchanged by the
+    other slot's steps."""
     s = Setup(num_slots=2, plan_group=1)
     st = s.state
     seen = []
@@ -153,17 +156,20 @@ def test_plan_rows_keep_their_tuple_while_the_rows_stay_and_follow_a_change() ->
                            ([1], [4], 2)):
         st.begin()
         s.run(q, ctx, padded)
-        seen.append(s.step.plan_rows)
+        seen.append((s.step.plan_rows, s.step.plan_rows_of(0), s.step.plan_rows_of(1)))
         st.publish(GROUP)
         st.finish()
-    assert seen[0] == ((3, 4), (6, 12))
-    assert seen[1] is seen[0]  # the other slot's layout, the same rows: no new tuple
-    # the same real rows padded to 3 requests: only the published counts change
-    assert seen[2] == ((3, 3), (6, 9))
+    assert seen[0][0] == seen[0][1] == ((3, 4), (6, 12))
+    assert seen[1][0] == seen[1][2] == seen[1][1] == ((3, 4), (6, 12))
+    # the same real rows padded to 3 requests (slot 0): only the published counts change;
+    # slot 1 keeps its own
+    assert seen[2] == (((3, 3), (6, 9)), ((3, 3), (6, 9)), ((3, 4), (6, 12)))
     # one request at position 3 (closes a ratio-4 block), padded to 2: ceil(1/4) * 2 = 2
-    # compress rows, min(1, 3) * 2 = 2 tail rows
-    assert seen[3] == ((1, 2), (1, 2))
-    assert seen[4] is seen[3]
+    # compress rows, min(1, 3) * 2 = 2 tail rows (slot 1, then slot 0)
+    assert seen[3] == (((1, 2), (1, 2)), ((3, 3), (6, 9)), ((1, 2), (1, 2)))
+    assert seen[4] == (((1, 2), (1, 2)),) * 3
+    with pytest.raises(IndexError, match=r"slot 2 out of range"):
+        s.step.plan_rows_of(2)
 
 
 def test_each_slot_has_one_counts_record_refreshed_by_its_next_step() -> None:

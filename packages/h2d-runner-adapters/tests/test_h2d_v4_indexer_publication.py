@@ -560,8 +560,9 @@ def test_v4_indexer_delayed_source_reuse_and_untouched_tails(device: str) -> Non
                                        full_q=plan.max_query_len)
             out = [ind.n_committed_per_token.clone(), rect, rect_batch]
         st_.finish()
-        taken.append((spans, [list(r) for r in rows], plan, prefill, before, after,
-                      counted, out))
+        # a decode plan is valid until its slot's next step: keep a copy
+        taken.append((spans, [list(r) for r in rows], V41Plan(*plan.astuple()), prefill,
+                      before, after, counted, out))
     ah.sync(device)
     for index, (spans, ids, plan, prefill, before, after, counted, out) in enumerate(taken):
         p, t = plan.padded_reqs, plan.num_tokens
