@@ -507,3 +507,27 @@ def test_capture_preparation_rejects_bad_calls_and_changes_nothing(device: str,
     assert _capture(st, bts, np.int64(4)) != StageResult.REUSED  # a valid retry works
     h.sync(device)
     assert not bts.buffer.gpu[:4].cpu().any()
+
+
+def test_a_reserved_page_is_padding_only_through_the_state() -> None:
+    """``block_table_state(..., reserved_page=)``: ``prepare`` refuses a real row holding
+    it (nothing written, the revision kept) and takes it in the last ``padding`` rows."""
+    from block_tables import ReservedPageError
+
+    st = H2DRunnerState("cpu", backend="direct")
+    bt = st.buffer("block_tables", (4, 4), torch.int32, group="g", unit="rows")
+    st.bind()
+    bts = block_table_state(bt, pool_limit=16, reserved_page=15)
+    pad = BlockTable([15])
+    st.begin()
+    rev = bts.prepare([BlockTable([1])])
+    before = bt.source(0).numpy().copy()
+    with pytest.raises(ReservedPageError, match=r"row 1: page ID 15 at column 0"):
+        bts.prepare([BlockTable([1]), pad])
+    assert bts.prepared_revision == rev
+    np.testing.assert_array_equal(bt.source(0).numpy(), before)
+    with pytest.raises(CountError, match=r"padding=3 must be an int in \[0, 2\]"):
+        bts.prepare([BlockTable([1]), pad], padding=3)
+    bts.prepare([BlockTable([1]), pad], padding=1)
+    assert bt.source(0).numpy()[:2, 0].tolist() == [1, 15]
+    st.finish()

@@ -104,6 +104,7 @@ cdef Py_ssize_t last_offset = 0
 # BlockTable's `_lin` slot and its lineage's `ids` slot (the lineage's int32 page IDs)
 cdef Py_ssize_t lin_offset = 0
 cdef Py_ssize_t ids_offset = 0
+cdef PyObject *lineage_type = NULL
 cdef int length_bits = 24
 cdef int64_t length_mask = (1 << 24) - 1
 
@@ -124,7 +125,7 @@ def configure(table, bits, lineage, /):
     """configure(BlockTable, LENGTH_BITS, lineage type): the row type, the key's length
     field and the lineage type (its ``ids`` slot)."""
     global configured, table_type, key_offset, last_offset, length_bits, length_mask
-    global lin_offset, ids_offset
+    global lin_offset, ids_offset, lineage_type
     cdef long nbits
     cdef Py_ssize_t offsets[4]
     cdef PyMemberDef *member
@@ -146,6 +147,7 @@ def configure(table, bits, lineage, /):
     last_offset = offsets[1]
     lin_offset = offsets[2]
     ids_offset = offsets[3]
+    lineage_type = <PyObject *>lineage
     length_bits = <int>nbits
     length_mask = (<int64_t>1 << nbits) - 1
 
@@ -372,7 +374,7 @@ def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
         elif <uint64_t>key - <uint64_t>stored == 1:  # unsigned: no overflow
             if slot_int64(row, last_offset, &last):
                 return -1
-            if <uint64_t><uint32_t>last >= <uint64_t>lim:  # negative reads as huge
+            if <uint64_t>last >= <uint64_t>lim:  # negative (or past int32) reads as huge
                 return -1
             if last == b.reserved and i < nr:  # only the padding rows may hold it
                 return -1
@@ -383,7 +385,7 @@ def prepare_step(bound, rows, limit, required, pad_row=None, pad=0, /):
             # version. Its new IDs are its lineage's ids[stored length, length).
             grown = key - stored
             lin = (<PyObject **>(<char *>row + lin_offset))[0]
-            if lin == NULL:
+            if lin == NULL or <PyObject *>type_of(lin) != lineage_type:
                 return -1
             ids = (<PyObject **>(<char *>lin + ids_offset))[0]
             if ids == NULL or not PyArray_Check(ids):

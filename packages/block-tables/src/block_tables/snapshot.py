@@ -806,7 +806,7 @@ def _check_arguments(
     if history < 1:
         raise StorageError(f"history must keep at least 1 revision, got {history}")
     if reserved_page is not None:
-        top = INT32_MAX if pool_limit is None else int(pool_limit) - 1  # type: ignore[arg-type]
+        top = INT32_MAX if pool_limit is None else int(pool_limit) - 1
         if (isinstance(reserved_page, bool) or not isinstance(reserved_page, (int, np.integer))
                 or not 0 <= int(reserved_page) <= top):
             raise StorageError(

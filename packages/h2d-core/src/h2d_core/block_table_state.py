@@ -130,15 +130,21 @@ class BlockTableState:
         rows: Sequence[object],
         *,
         required_pages: Sequence[int] | np.ndarray | None = None,
+        padding: int = 0,
     ) -> int:
-        """Bring the current slot's CPU table to ``rows`` (padding rows included); return
-        the prepared revision. All rows are validated before any write; prefill may
-        prepare without publishing."""
+        """Bring the current slot's CPU table to ``rows`` (padding rows included: the last
+        ``padding`` of them, the only rows that may hold the table's reserved page);
+        return the prepared revision. All rows are validated before any write; prefill
+        may prepare without publishing."""
         state = self.state
         if not state._ready():  # owner thread, valid, in an epoch
             state._check_ready(f"prepare of {self.buffer.name!r}")
         slot = state.current_slot
-        self._stager.prepare(slot, rows, required_pages)
+        if type(padding) is not int or not 0 <= padding <= len(rows):
+            raise CountError(
+                f"buffer {self.buffer.name!r}: padding={padding!r} must be an int in "
+                f"[0, {len(rows)}] (the last rows that are graph padding)")
+        self._stager.prepare(slot, rows, required_pages, None, 0, padding)
         return self.snapshots[slot].revision
 
     def prepare_capture(self, num_rows: int) -> str:

@@ -249,8 +249,8 @@ class V41MetadataInputs(PagedInputs):
         self.ratios = tuple(ratios)
         self.window = window
         self.index_topk = index_topk
-        self.dummy_state_slot = dummy_state_slot
-        self.dummy_block = dummy_block
+        self.dummy_state_slot = int(dummy_state_slot)  # an int subclass: its value
+        self.dummy_block = int(dummy_block)
         self._width = max_blocks_per_req
         buf = state.buffer
         self.positions = buf(f"{prefix}v41_positions", (max_tokens,), torch.int64, group=g)
