@@ -344,9 +344,7 @@ FAMILIES = [
     pytest.param(_mrope, id="mrope"),
     pytest.param(_mtp, id="mtp"),
     pytest.param(_v41, id="v41"),
-    pytest.param(_prefill, id="prefill", marks=_left(
-        "the snapshot's multi-page appends take its Python path; PrefillInputs._produce's "
-        "checks and plan tuples")),
+    pytest.param(_prefill, id="prefill"),
 ]
 
 

@@ -41,6 +41,10 @@ if cython.compiled:
 
     cnp.import_array()
 
+#: the fields of RequestLayout.meta_address's int64 counts
+META_NUM_REQS, META_PADDED_REQS, META_NUM_TOKENS, META_PADDED_TOKENS = 0, 1, 2, 3
+META_MIN_QUERY, META_MAX_QUERY, META_UNIFORM_MASK, META_KV_PAGES = 4, 5, 6, 7
+META_SIZE = 8
 _INT32_MAX = cython.declare(cython.longlong, 2**31 - 1)  # a C constant: a comparison boxes nothing
 #: ``padded_tokens`` of :meth:`RequestLayout.plan` for an eager step: exactly the tokens
 EXACT_TOKENS = -2
@@ -258,6 +262,9 @@ class RequestLayout:
     kv_pages = cython.declare(cython.longlong, visibility="readonly")
     #: the arrays, as bound (the memoryviews above are their compiled views)
     arrays = cython.declare(dict, visibility="readonly")
+    # the planned batch's counts as int64 (see meta_address), and their compiled view
+    _meta = cython.declare(object)
+    _metav = cython.declare(cython.longlong[::1])
 
     @cython.annotation_typing(False)  # the checks below give the specific errors
     def __init__(
@@ -488,6 +495,17 @@ class RequestLayout:
         self._sort_keys = np.zeros(self._max_reqs if any(
             d[2] is None for d in self._distinct) else 0, dtype=np.int64)
         self._planned = False
+        self._meta = np.zeros(META_SIZE, dtype=np.int64)
+        self._metav = self._meta
+
+    @property
+    def meta_address(self) -> int:
+        """The address of the planned batch's counts: int64 ``[num_reqs, padded_reqs,
+        num_tokens, padded_tokens, min_query_len, max_query_len, uniform_mask,
+        kv_pages]`` (``META_*`` indices), refreshed by each successful :meth:`plan`. A
+        compiled caller reads them there: a count above 256 read as an attribute makes
+        an int object."""
+        return int(self._meta.ctypes.data)
 
     @property
     def max_reqs(self) -> int:
@@ -696,8 +714,26 @@ class RequestLayout:
         self.uniform_mask = mask
         self.min_query_len = lo
         self.max_query_len = hi
+        meta: cython.longlong[::1] = self._metav
+        meta[0] = n
+        meta[1] = padded_reqs
+        meta[2] = t
+        meta[3] = padded_tokens
+        meta[4] = lo
+        meta[5] = hi
+        meta[6] = mask
+        meta[7] = total
         self._planned = True
         return t
+
+    @cython.ccall
+    def plan_step(self, query_lens: object, context_lens: object,
+                  padded_reqs: cython.Py_ssize_t, padded_tokens: cython.Py_ssize_t,
+                  values: Sequence[Any]) -> None:
+        """:meth:`plan` for a compiled caller: returns nothing (a token count above 256
+        returned to Python would make an int object); the counts are at
+        :attr:`meta_address`."""
+        self.plan(query_lens, context_lens, padded_reqs, padded_tokens, values)
 
     @cython.ccall
     @cython.boundscheck(False)

@@ -10,6 +10,8 @@ same way.
 
 from __future__ import annotations
 
+from typing import Any
+
 from h2d_kernels import RANGE_OVERHEAD, PackedGroup
 
 from .group import GroupPlan
@@ -120,6 +122,9 @@ class GroupRecord:
     packed = cython.declare(object, visibility="public")
     #: per member: its count this epoch (None: omitted)
     counts = cython.declare(list, visibility="public")
+    # per member, the last count stored, kept across epochs: the same count next epoch
+    # stores this object again (a count above 256 would be a new int each epoch)
+    _kept = cython.declare(list)
     #: the ranges' table (see the class docstring) and how many of its rows are set
     range_table = cython.declare(object, visibility="readonly")
     num_ranges = cython.declare(cython.Py_ssize_t, visibility="readonly")
@@ -166,6 +171,7 @@ class GroupRecord:
         k: cython.Py_ssize_t
         if self.counts is None:
             self.counts = [None] * len(self.plan.members)
+            self._kept = [-1] * len(self.plan.members)
         elif self.count_bytes or self.active:  # in place: no new list per epoch
             counts = self.counts
             for k in range(len(counts)):
@@ -215,12 +221,23 @@ class GroupRecord:
                     unit_bytes: cython.longlong) -> None:
         """Member ``i`` publishes its first ``n`` units (validated by the caller)."""
         old = self.counts[i]
+        was: cython.longlong
         if old is None:
             self.active += 1
             self.count_bytes += n * unit_bytes
         else:
-            self.count_bytes += (n - old) * unit_bytes
-        self.counts[i] = n
+            was = old
+            if was == n:  # the same count again: keep its int (one above 256 is an object)
+                return
+            self.count_bytes += (n - was) * unit_bytes
+        kept = self._kept[i]
+        was = kept
+        if was == n:  # the count an earlier epoch stored: store that int object again
+            self.counts[i] = kept
+        else:
+            box = n  # the one int made for a new count
+            self._kept[i] = box
+            self.counts[i] = box
 
     @cython.ccall
     def store_counts(self, entries: tuple, values: tuple) -> cython.bint:
@@ -348,6 +365,8 @@ class CountProgram:
 
     _rules = cython.declare(cython.longlong[:, ::1])
     _size = cython.declare(cython.Py_ssize_t)
+    # bind_counts' int64 [n, p, t, pt, uniform, drafts], read by store_bound
+    _bound = cython.declare(cython.longlong[::1])
 
     def __init__(self, rules: object) -> None:
         import numpy as np
@@ -361,6 +380,20 @@ class CountProgram:
         array = np.ascontiguousarray(array.reshape(-1, 9))
         self._rules = array
         self._size = array.shape[0]
+
+    def bind_counts(self, counts: Any) -> None:
+        """Bind an int64 array ``[n, p, t, pt, uniform, drafts]`` (at least 6 items) that
+        :meth:`store_bound` reads: a compiled caller passes its counts through it, so a
+        count above 256 never becomes an int object on the way."""
+        self._bound = counts
+
+    @cython.ccall
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def store_bound(self, records: list, plans: list | None = None) -> cython.bint:
+        """:meth:`store_homes` with the counts of the array :meth:`bind_counts` bound."""
+        c = self._bound
+        return self.store_homes(records, c[0], c[1], c[2], c[3], c[4], plans, c[5])
 
     @cython.ccall
     @cython.boundscheck(False)

@@ -204,6 +204,11 @@ class LayoutStep:
     _has_counts = cython.declare(cython.bint)
     # per slot, the record run() refreshes and returns
     _results = cython.declare(tuple)
+    # per slot, the address of its layout's int64 counts (RequestLayout.meta_address), and
+    # the counts handed to the count program ([n, p, t, pt, uniform, drafts]): C reads and
+    # writes, so a count above 256 never becomes an int object
+    _metas = cython.declare(cython.Py_ssize_t[::1])
+    _args = cython.declare(cython.longlong[::1])
 
     def __init__(self, name: str, state: Any, layouts: Sequence[Any], table: Any,
                  pad_rows: Sequence[Any], counts: Sequence[CountRule], *,
@@ -272,6 +277,11 @@ class LayoutStep:
         self._rows_seen = np.zeros(2 * num_plans * state.num_slots, dtype=np.int64)
         self._last_slot = -1
         self._results = tuple([StepCounts() for _ in range(state.num_slots)])
+        self._metas = np.array([layout.meta_address for layout in self._layouts],
+                               dtype=np.intp)
+        args = np.zeros(6, dtype=np.int64)
+        self._args = args
+        self._program.bind_counts(args)
         record: StepCounts
         for slot in range(state.num_slots):
             record = self._results[slot]
@@ -317,16 +327,18 @@ class LayoutStep:
         layout = self._layouts[slot]
         try:
             # -1 tokens: the graph grid of the padded requests; eager: exactly the tokens
-            layout.plan(query_lens, context_lens, padded,
-                        EXACT_TOKENS if tokens < 0 and padded < 0 else tokens, values)
+            layout.plan_step(query_lens, context_lens, padded,
+                             EXACT_TOKENS if tokens < 0 and padded < 0 else tokens, values)
         except RequestLayoutError as exc:
             raise self._error(str(exc)) from exc
         if self._check is not None:
             self._check(layout)
-        n: cython.Py_ssize_t = layout.num_reqs
-        p: cython.Py_ssize_t = layout.padded_reqs
-        t: cython.Py_ssize_t = layout.num_tokens
-        pt: cython.Py_ssize_t = layout.padded_tokens
+        meta: cython.pointer[cython.longlong] = cython.cast(
+            cython.pointer[cython.longlong], self._metas[slot])
+        n: cython.Py_ssize_t = meta[0]
+        p: cython.Py_ssize_t = meta[1]
+        t: cython.Py_ssize_t = meta[2]
+        pt: cython.Py_ssize_t = meta[3]
         table = self._table
         if table is not None:
             # validates every row before writing the table; nothing below can fail
@@ -338,13 +350,20 @@ class LayoutStep:
                 self._stager.prepare(slot, list(rows) + self._pad_rows[: p - n],
                                      layout.required_pages, None, 0, p - n)
         layout.write()
-        uniform: cython.longlong = layout.uniform_mask
+        uniform: cython.longlong = meta[6]
         summed: cython.longlong = (layout.column_sum(self._sum_column)
                                    if self._sum_column >= 0 else 0)
         # the written batch's published rows per plan: the layout's own list, read in place
         published: list | None = layout.plan_published if self._num_plans else None
         records: list = st._slot_groups[slot]
-        if not self._program.store_homes(records, n, p, t, pt, uniform, published, summed):
+        args = self._args
+        args[0] = n
+        args[1] = p
+        args[2] = t
+        args[3] = pt
+        args[4] = uniform
+        args[5] = summed
+        if not self._program.store_bound(records, published):
             # a count out of range: the count batch raises the specific error
             self._slow.set(*self._values.values(n, p, t, pt, uniform, published, summed))
         if self._has_counts:  # the counts fused consumers read on the device
@@ -358,7 +377,7 @@ class LayoutStep:
         if published is not None:
             self._note_rows(slot, layout.plan_real, published)
         self._last_slot = slot
-        q: cython.Py_ssize_t = layout.max_query_len
+        q: cython.Py_ssize_t = meta[5]
         out_counts: StepCounts = self._results[slot]
         out_counts.num_reqs = n
         out_counts.padded_reqs = p

@@ -131,7 +131,7 @@ def _check_columns(group: str, i: int, src: np.ndarray, lo: int, hi: int) -> Non
 
 
 def write_prefill_planes(flat: np.ndarray, positions: np.ndarray, query_lens: np.ndarray,
-                         context_lens: np.ndarray, sources: list[np.ndarray | None],
+                         context_lens: np.ndarray, sources: Sequence[np.ndarray | None],
                          width: int, deltas: np.ndarray | None = None) -> None:
     """Planes at stride ``width`` (the chunk's token count): each request's chunk columns
     of its prompt positions (columns past a shorter prompt: the ordinary position plus

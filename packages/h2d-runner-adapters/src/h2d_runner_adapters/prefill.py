@@ -45,7 +45,6 @@ same layout pass.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -62,6 +61,7 @@ from h2d_core import (
     H2DBuffer,
     H2DRunnerState,
     LayoutStep,
+    StepCounts,
     h2d_producer,
 )
 
@@ -76,20 +76,36 @@ from .mrope import (
     write_prefill_planes,
 )
 from .paged import PagedInputs
+from .plan_records import CountsPlan, slot_plans
 
 PREFILL_INPUTS = "prefill_inputs"
 
 
-@dataclass(frozen=True)
-class PrefillPlan:
+class PrefillPlan(CountsPlan):
     """What a prefill chunk published: requests, tokens, the block table's stage ("" when
     the chunk left the table out: ``publish_tables=False``) and the chunk's KV pages (the
-    page prefix's total, from the CPU lengths)."""
+    page prefix's total, from the CPU lengths). A chunk's plan is its slot's record, read
+    in place: valid until the slot's next step (see
+    :mod:`~h2d_runner_adapters.plan_records`)."""
 
+    __slots__ = ()
+    FIELDS = ("num_reqs", "num_tokens", "table_stage", "num_pages")
+    COUNTS = (("num_pages", "kv_pages"),)
     num_reqs: int
     num_tokens: int
     table_stage: str
     num_pages: int
+
+    def __init__(self, num_reqs: int, num_tokens: int, table_stage: str,
+                 num_pages: int) -> None:
+        self._counts = StepCounts(num_reqs, num_reqs, 1, num_tokens, num_tokens, num_pages,
+                                  table_stage)
+
+
+#: isinstance's class tuples, built once (a ``A | B`` union is an object per call)
+_BOOLS = (bool, np.bool_)
+_TEXT = (str, bytes)
+_ROWS = (Sequence, np.ndarray)
 
 
 class PrefillInputs(PagedInputs):
@@ -148,9 +164,14 @@ class PrefillInputs(PagedInputs):
         self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
                                       device=state.device)
         self._step: LayoutStep | None = None  # the compiled step, bound on first use
-        # the call's inputs the planned-chunk checks read (set by prepare, per call)
-        self._call: tuple[Any, ...] = ()
-        self._checked: tuple[np.ndarray | None, list[np.ndarray | None]] = (None, [])
+        self._plans: tuple[PrefillPlan, ...] = ()  # per slot, over the step's records
+        # the call's inputs the planned-chunk checks read (set by _produce, per call):
+        # group, token ids, rows, query and context lengths, owns_slot, MRoPE positions
+        # and deltas, whether the ids are this adapter's to check (no fused layout column)
+        self._call: list[Any] = [None] * 9
+        # what those checks found, for after the write: owns_slot's mask, MRoPE sources
+        self._mask: np.ndarray | None = None
+        self._sources: Sequence[np.ndarray | None] = ()
         # owns_slot's input, computed before any write: a private table the rows are
         # prepared into, and a layout writing only KV slots from it (made on first use)
         self._scratch: tuple[PageTableSnapshot, RequestLayout, np.ndarray] | None = None
@@ -200,10 +221,12 @@ class PrefillInputs(PagedInputs):
         return rules
 
     def _bind(self) -> LayoutStep:
-        self._step = LayoutStep(self.group, self.h2d_state, self.request_layouts(self.group),
-                                self.tables, (), self._count_rules(), error=AdapterInputError,
-                                check=self._check_planned)
-        return self._step
+        step = LayoutStep(self.group, self.h2d_state, self.request_layouts(self.group),
+                          self.tables, (), self._count_rules(), error=AdapterInputError,
+                          check=self._check_planned)
+        self._plans = slot_plans(self.h2d_state, step, lambda c, slot: PrefillPlan.over(c))
+        self._step = step
+        return step
 
     @h2d_producer(PREFILL_INPUTS)
     def prepare(
@@ -231,8 +254,9 @@ class PrefillInputs(PagedInputs):
         step = self._step
         if step is None:
             step = self._bind()
-        return self._produce(step, batch, (), publish_tables, owns_slot, mrope_positions,
-                             mrope_deltas, self.group)[1]
+        self._produce(step, batch, (), publish_tables, owns_slot, mrope_positions,
+                      mrope_deltas, self.group)
+        return self._plans[self.h2d_state.current_slot]
 
     def _produce(
         self,
@@ -244,17 +268,18 @@ class PrefillInputs(PagedInputs):
         mrope_positions: Sequence[np.ndarray | None] | None,
         mrope_deltas: np.ndarray | None,
         g: str,
-    ) -> tuple[tuple[Any, ...], PrefillPlan]:
+    ) -> None:
         """Check the arguments, run ``step`` (this adapter's layout pass, or a fused
-        step's over the same sources with its ``values`` columns), then write what the
-        pass does not (MRoPE planes, ``owns_slot``'s -1 slots, an omitted table). Returns
-        the pass's tuple and the plan; a refusal raises naming group ``g`` (the step's
-        publication group) and changes nothing."""
+        step's over the same sources with its ``values`` columns, ``token_ids`` among
+        them), then write what the pass does not (MRoPE planes, ``owns_slot``'s -1 slots,
+        an omitted table); the caller returns its slot's plan over the step's record. A
+        refusal raises naming group ``g`` (the step's publication group) and changes
+        nothing."""
         if not isinstance(batch, ScheduledBatch):
             raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
         if batch.page_size != self.page_size:
             refuse_page_size(g, batch.page_size, self.page_size)
-        if not isinstance(publish_tables, bool | np.bool_):
+        if type(publish_tables) is not bool and not isinstance(publish_tables, _BOOLS):
             raise AdapterInputError(
                 f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
         if owns_slot is not None and not callable(owns_slot):
@@ -262,14 +287,23 @@ class PrefillInputs(PagedInputs):
                 f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
                 f"(or None), got {describe(owns_slot)}")
         cols = batch.columns
-        qlens, ctx = _lengths(g, cols)
+        qlens = _length_column(g, cols, "query_lens")
+        ctx = _length_column(g, cols, "context_lens")
+        if qlens.size != ctx.size:
+            raise AdapterInputError(
+                f"{g}: batch.columns.context_lens has {ctx.size} entries but query_lens "
+                f"{qlens.size}; pass one of each per request")
         n = qlens.size
         rows = batch.block_tables
-        if isinstance(rows, str | bytes) or not isinstance(rows, Sequence | np.ndarray) \
-                or len(rows) != n:
-            got = len(rows) if isinstance(rows, Sequence | np.ndarray) else describe(rows)
+        if type(rows) is not list and type(rows) is not tuple and (
+                isinstance(rows, _TEXT) or not isinstance(rows, _ROWS)):
             raise AdapterInputError(
-                f"{g}: batch.block_tables must hold one row per request ({n}), got {got}")
+                f"{g}: batch.block_tables must hold one row per request ({n}), got "
+                f"{describe(rows)}")
+        if len(rows) != n:
+            raise AdapterInputError(
+                f"{g}: batch.block_tables must hold one row per request ({n}), got "
+                f"{len(rows)}")
         mrope = self.mrope_positions
         if mrope is None and (mrope_positions is not None or mrope_deltas is not None):
             given = "mrope_positions" if mrope_positions is not None else "mrope_deltas"
@@ -277,45 +311,57 @@ class PrefillInputs(PagedInputs):
                 f"{g}: {given} given but the adapter has no MRoPE planes; construct it with "
                 "mrope=True")
         deltas = None if mrope_deltas is None else check_deltas(g, mrope_deltas, n)
-        self._call = (g, cols.token_ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas)
+        call = self._call
+        call[0] = g
+        call[1] = cols.token_ids
+        call[2] = rows
+        call[3] = qlens
+        call[4] = ctx
+        call[5] = owns_slot
+        call[6] = mrope_positions
+        call[7] = deltas
+        call[8] = not values  # a fused step's layout checks the ids as a column
         try:
             # plan (every length and column checked; eager: exactly the real tokens), the
             # checks of the planned chunk (_check_planned), prepare the rows, write, count,
             # stage
             out = step.run(qlens, ctx, rows, -1, -1, values, bool(publish_tables))
         finally:
-            self._call = ()
-        t, total, stage = out.num_tokens, out.kv_pages, out.table_stage
-        mask, sources = self._checked
-        self._checked = (None, [])
+            # keep no caller object past the call
+            call[1] = call[2] = call[3] = call[4] = call[5] = call[6] = call[7] = None
+        mask, sources = self._mask, self._sources
+        self._mask, self._sources = None, ()
         st = self.h2d_state
         if mrope is not None:  # the planes replace the 1-D positions (omitted above)
+            t = out.num_tokens
             write_prefill_planes(mrope.np, self.positions.np, qlens, ctx, sources, t,
                                  deltas)
             st.set_count(mrope, 3 * t)
         if mask is not None:
-            self.slot_mapping.np[:t][~mask] = -1
+            self.slot_mapping.np[: out.num_tokens][~mask] = -1
         if not publish_tables:
             st.set_count(self.block_tables, None)
-        return out, PrefillPlan(n, t, stage, total)
 
     def _check_planned(self, layout: RequestLayout) -> None:
         """The checks that need the planned chunk (its token count), before any write:
-        one token id per token (the layout refused a key prefix past int32), MRoPE prompt
-        positions, ``owns_slot``'s mask (kept in ``_checked`` for after the write)."""
-        g, ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas = self._call
-        n, t = layout.num_reqs, layout.num_tokens
-        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
-            raise AdapterInputError(
-                f"{g}: batch.columns.token_ids must be a 1-D array of the chunk's {t} query "
-                f"tokens (one id per token), got {describe(ids)}")
-        sources: list[np.ndarray | None] = []
+        one token id per token (the layout refused a key prefix past int32; a fused step's
+        layout checked the ids as a column already), MRoPE prompt positions,
+        ``owns_slot``'s mask (kept for after the write). A steady chunk without them reads
+        no count here (a count above 256 read from Python makes an int object)."""
+        g, ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas, own_ids = self._call
+        if own_ids:
+            t = layout.num_tokens
+            if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
+                raise AdapterInputError(
+                    f"{g}: batch.columns.token_ids must be a 1-D array of the chunk's {t} "
+                    f"query tokens (one id per token), got {describe(ids)}")
         if self.mrope_positions is not None:
-            sources = check_prompt_positions(
+            n = layout.num_reqs
+            self._sources = check_prompt_positions(
                 g, [None] * n if mrope_positions is None else mrope_positions, ctx, qlens,
                 deltas)
-        mask = None if owns_slot is None else self._owned(g, owns_slot, rows, qlens, ctx, t)
-        self._checked = (mask, sources)
+        if owns_slot is not None:
+            self._mask = self._owned(g, owns_slot, rows, qlens, ctx, layout.num_tokens)
 
     def _owned(self, g: str, owns_slot: Callable[[np.ndarray], np.ndarray],
                rows: Sequence[PageRow], qlens: np.ndarray, ctx: np.ndarray, t: int
@@ -375,22 +421,17 @@ class PrefillInputs(PagedInputs):
         return self.kv_indices
 
 
-def _lengths(group: str, cols: BatchColumns) -> tuple[np.ndarray, np.ndarray]:
-    """The batch's query and context lengths: 1-D C-contiguous int32 arrays of one length
-    (the layout pass checks their values)."""
-    out = []
-    for name in ("query_lens", "context_lens"):
-        a = getattr(cols, name, None)
-        if (not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.int32
-                or not a.flags.c_contiguous or not a.flags.aligned):
-            raise AdapterInputError(
-                f"{group}: batch.columns.{name} must be a 1-D C-contiguous int32 numpy array "
-                f"with one entry per request, got {describe(a)}; build it with "
-                "np.ascontiguousarray(values, dtype=np.int32)")
-        out.append(a)
-    q, c = out
-    if q.size != c.size:
+def _length_column(group: str, cols: BatchColumns, name: str) -> np.ndarray:
+    """The batch's ``name`` lengths: a 1-D int32 numpy array (the layout pass checks the
+    values and that it is C-contiguous and aligned; reading ``flags`` here would build an
+    object per step)."""
+    a = getattr(cols, name, None)
+    if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != _INT32:
         raise AdapterInputError(
-            f"{group}: batch.columns.context_lens has {c.size} entries but query_lens "
-            f"{q.size}; pass one of each per request")
-    return q, c
+            f"{group}: batch.columns.{name} must be a 1-D C-contiguous int32 numpy array "
+            f"with one entry per request, got {describe(a)}; build it with "
+            "np.ascontiguousarray(values, dtype=np.int32)")
+    return a
+
+
+_INT32 = np.dtype(np.int32)

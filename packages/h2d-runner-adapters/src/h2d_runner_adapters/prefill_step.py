@@ -31,7 +31,6 @@ prev)``, :meth:`PrefillStepInputs.prepare_attention` (KV-index generation) and
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -40,19 +39,20 @@ from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep, h2d_producer
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError
-from .plan_records import slot_plans
+from .plan_records import CompositePlan, slot_plans
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
 from .token_step import FusedStep, sampling_plan, step_columns, step_counts
 
 PREFILL_STEP = "prefill_step"
-_new = tuple.__new__
 
 
-class PrefillStepPlan(NamedTuple):
-    """The three adapters' plans for one prefill chunk."""
+class PrefillStepPlan(CompositePlan):
+    """The three adapters' plans for one prefill chunk (valid until the slot's next
+    step)."""
 
+    __slots__ = FIELDS = ("sampling", "tokens", "prefill")
     sampling: SamplingPlan
     tokens: TokenPlan
     prefill: PrefillPlan
@@ -128,7 +128,7 @@ class PrefillStepInputs(FusedStep):
         self._combine(sampling, tokens, prefill, "prefill", group,
                       [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS, *extra_groups])
         self.prefill = prefill
-        self._plans: tuple[tuple[SamplingPlan, TokenPlan], ...] = ()  # per slot, at bind
+        self._plans: tuple[PrefillStepPlan, ...] = ()  # per slot, at bind
         #: the published KV page prefix and token owners (the prefill adapter's members)
         self.kv_indptr: H2DBuffer = prefill.kv_indptr
         self.token_request: H2DBuffer = prefill.token_request
@@ -155,10 +155,9 @@ class PrefillStepInputs(FusedStep):
         cols = batch.columns if isinstance(batch, ScheduledBatch) else None
         # not a batch: the prefill adapter refuses it
         values = () if cols is None else self._values.of(cols)
-        _, pplan = self.prefill._produce(step, batch, values, publish_tables, owns_slot,
-                                         mrope_positions, mrope_deltas, self.group)
-        sampling, tokens = self._plans[self.h2d_state.current_slot]
-        return _new(PrefillStepPlan, (sampling, tokens, pplan))
+        self.prefill._produce(step, batch, values, publish_tables, owns_slot,
+                              mrope_positions, mrope_deltas, self.group)
+        return self._plans[self.h2d_state.current_slot]
 
     def _bind(self) -> LayoutStep:
         s, t, pf = self.sampling, self.tokens, self.prefill
@@ -170,8 +169,8 @@ class PrefillStepInputs(FusedStep):
                           [*step_counts(s, t), *pf._count_rules()], sum_column=5,
                           error=AdapterInputError, check=pf._check_planned)
         # per slot, the sampling and token plans over the step's records
-        self._plans = slot_plans(self.h2d_state, step, lambda c, slot: (
-            sampling_plan(s, c, slot), TokenPlan.over(c)))
+        self._plans = slot_plans(self.h2d_state, step, lambda c, slot: PrefillStepPlan(
+            sampling_plan(s, c, slot), TokenPlan.over(c), PrefillPlan.over(c)))
         return step
 
     def prepare_attention(self, plan: PrefillStepPlan) -> torch.Tensor:
