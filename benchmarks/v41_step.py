@@ -74,6 +74,8 @@ from h2d_runner_adapters import (  # noqa: E402
 
 WINDOW, TOPK, ENVELOPE = 128, 1024, 66  # SWA window, index top-k, compressed rows per block
 TARGET_US = {64: 20.0}
+#: the one-publication way's combined group (token inputs + the V4.1 metadata)
+V41_STEP = "v41_step"
 
 
 class Batches:
@@ -104,18 +106,22 @@ class Batches:
 
 
 class Library:
-    """token_inputs + v41_metadata on one backend."""
+    """token_inputs + v41_metadata on one backend; ``one``: both in one publication
+    (``TokenStepInputs(group="v41_step", extra_groups=[V41_METADATA])``)."""
 
     def __init__(self, backend: str, bs: int, context: int, device: str,
-                 fuse: bool = False) -> None:
+                 fuse: bool = False, one: bool = False) -> None:
         blocks = -(-(context + 8192) // V4_BLOCK)  # room for the steps run
         self.state = st = H2DRunnerState(device, backend=backend, num_slots=2)
-        self.tokens = TokenStepInputs(st, max_reqs=bs, max_tokens=bs)
         self.consumers = device == "cuda"  # interpreted on CPU: left out there
         self.v4 = V41MetadataInputs(st, max_reqs=bs, max_tokens=bs, max_blocks_per_req=blocks,
                                     dummy_state_slot=bs, dummy_block=0, window=WINDOW,
                                     index_topk=TOPK, fp8=True, envelope_rows=ENVELOPE,
                                     fuse_step_indptrs=fuse and self.consumers)
+        self.groups: tuple[str, ...] = ((V41_STEP,) if one else (TOKEN_INPUTS, V41_METADATA))
+        self.tokens = (TokenStepInputs(st, max_reqs=bs, max_tokens=bs, group=V41_STEP,
+                                       extra_groups=[V41_METADATA]) if one
+                       else TokenStepInputs(st, max_reqs=bs, max_tokens=bs))
         st.bind()
         self.batches = Batches(bs, context)
         n = bs
@@ -135,13 +141,15 @@ class Library:
         pc = time.perf_counter_ns
         times = []
         consumers = self.consumers
+        publish = st.publish
+        groups = self.groups
         for spans, rows in work:
             t0 = pc()
             st.begin()
             tokens.prepare(batch)
             plan = v4.begin_step(spans, block_tables=rows)
-            st.publish(TOKEN_INPUTS)
-            st.publish(V41_METADATA)
+            for group in groups:
+                publish(group)
             if consumers:
                 v4.generate_step_indptrs(plan)
             st.finish()
@@ -164,8 +172,8 @@ class Library:
             st.begin()
             tokens.prepare(batch)
             plan = v4.begin_step(spans, block_tables=rows)
-            st.publish(TOKEN_INPUTS)
-            st.publish(V41_METADATA)
+            for group in self.groups:
+                st.publish(group)
             v4.generate_step_indptrs(plan)
             st.finish()
             e1.record()
@@ -175,7 +183,7 @@ class Library:
 
     def per_step(self) -> dict[str, float]:
         out = {}
-        for group in (TOKEN_INPUTS, V41_METADATA):
+        for group in self.groups:
             c = self.state.counters(group)
             n = max(c.publications, 1)
             out[group] = {"dmas": c.dmas / n, "scatters": c.scatters / n,
@@ -229,6 +237,7 @@ class AtomStyle(V4DecodeStep):
 def measure(bs: int, args: argparse.Namespace) -> dict[str, Any]:
     ways: dict[str, Any] = {
         "packed": Library("packed", bs, args.context, args.device, fuse=True),
+        "one": Library("packed", bs, args.context, args.device, fuse=True, one=True),
         "launched": Library("packed", bs, args.context, args.device),
         "direct": Library("direct", bs, args.context, args.device),
         "atom": AtomStyle(bs, args.context, args.device),
@@ -245,6 +254,7 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, Any]:
         out[f"{name}_us"] = float(np.median(values))
         out[f"{name}_us_chunks"] = values
     out["packed_per_step"] = ways["packed"].per_step()
+    out["one_per_step"] = ways["one"].per_step()
     out["consumers_timed"] = ways["packed"].consumers
     for name, way in ways.items():
         out[f"{name}_us_p90"] = float(np.percentile(way.host_us, 90))
@@ -273,23 +283,29 @@ def main() -> None:
     print(f"{gpu}, torch {torch.__version__}; V4.1 decode step (q=1, {args.context}-token "
           f"contexts): host µs {timed}, median of {args.rounds} interleaved chunks "
           "[packed's lowest-highest chunk]; ratio = way / packed; lower is better")
-    print("| bs | target | packed (fused) | launched | direct | atom | DMAs+scatters/step "
-          "(packed) | GPU span µs packed / launched / direct / atom |")
-    print("|---:|---:|---:|---:|---:|---:|---|---|")
+    print("| bs | target | packed (fused) | one publication | launched | direct | atom | "
+          "DMAs+scatters/step (packed; one) | GPU span µs packed / one / launched / direct / "
+          "atom |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         p = r["packed_us"]
         per = r["packed_per_step"]
         dmas = sum(g["dmas"] for g in per.values())
         scatters = sum(g["scatters"] for g in per.values())
         copies = sum(g["direct_copies"] for g in per.values())
+        one = r["one_per_step"]
+        one_ops = (f"{sum(g['dmas'] for g in one.values()):.0f} + "
+                   f"{sum(g['scatters'] for g in one.values()):.0f}")
         target = "-" if r["target_us"] is None else f"≤ {r['target_us']:.0f}"
         span = " / ".join(f"{r[k + '_gpu_span_us']:.1f}" if k + "_gpu_span_us" in r else "-"
-                          for k in ("packed", "launched", "direct", "atom"))
+                          for k in ("packed", "one", "launched", "direct", "atom"))
         lo, hi = min(r["packed_us_chunks"]), max(r["packed_us_chunks"])
-        print(f"| {r['bs']} | {target} | **{p:.1f}** [{lo:.1f}-{hi:.1f}] | {r['launched_us']:.1f} "
+        lo1, hi1 = min(r["one_us_chunks"]), max(r["one_us_chunks"])
+        print(f"| {r['bs']} | {target} | **{p:.1f}** [{lo:.1f}-{hi:.1f}] | **{r['one_us']:.1f}** "
+              f"[{lo1:.1f}-{hi1:.1f}] ({r['one_us'] / p:.2f}x) | {r['launched_us']:.1f} "
               f"({r['launched_us'] / p:.1f}x) | {r['direct_us']:.1f} "
               f"({r['direct_us'] / p:.1f}x) | {r['atom_us']:.1f} ({r['atom_us'] / p:.1f}x) | "
-              f"{dmas:.0f} + {scatters:.0f} (direct copies {copies:.0f}) | {span} |")
+              f"{dmas:.0f} + {scatters:.0f} (direct copies {copies:.0f}); {one_ops} | {span} |")
 
 
 if __name__ == "__main__":

@@ -168,7 +168,10 @@ class TokenStepPlan(CompositePlan):
 class TokenStepInputs:
     """Declares sampling and token inputs on ``state`` (``.sampling``, ``.tokens``) and
     combines them into ``group``; construct before ``state.bind()``. ``native`` as for
-    :class:`DecodeStepInputs` (compiled only; False is refused)."""
+    :class:`DecodeStepInputs` (compiled only; False is refused). ``extra_groups`` (producer
+    groups declared before this) ride in the same publication: e.g. ``V41_METADATA``, so a
+    V4.1 decode step is one DMA, one scatter and one launch (``state.publish(group)``),
+    its fused first consumers included."""
 
     def __init__(
         self,
@@ -180,6 +183,7 @@ class TokenStepInputs:
         max_drafts: int = 0,
         native: bool | None = None,
         prev_rows: int | None = None,
+        extra_groups: Sequence[str] = (),
     ) -> None:
         self.h2d_state = state
         self.group = group
@@ -189,7 +193,7 @@ class TokenStepInputs:
         # with drafts, the verification indices ride in the same DMA
         # (tokens.prepare_spec_indices produces them)
         spec = (SPEC_INDICES,) if max_drafts else ()
-        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec])
+        state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, *extra_groups])
         refuse_interpreted(native, "TokenStepInputs")
         self._step: LayoutStep | None = None  # bound on first use (after bind)
         self._plans: tuple[TokenStepPlan, ...] = ()  # per slot, over the step's records
