@@ -326,6 +326,9 @@ class PrefillInputs(PagedInputs):
             # checks of the planned chunk (_check_planned), prepare the rows, write, count,
             # stage
             out = step.run(qlens, ctx, rows, -1, -1, values, bool(publish_tables))
+        except BaseException:
+            self._mask, self._sources = None, ()  # a refused call leaves no findings
+            raise
         finally:
             # keep no caller object past the call
             call[1] = call[2] = call[3] = call[4] = call[5] = call[6] = call[7] = None
@@ -349,6 +352,8 @@ class PrefillInputs(PagedInputs):
         ``owns_slot``'s mask (kept for after the write). A steady chunk without them reads
         no count here (a count above 256 read from Python makes an int object)."""
         g, ids, rows, qlens, ctx, owns_slot, mrope_positions, deltas, own_ids = self._call
+        # this call's findings only: a refused earlier call may have left its own
+        self._mask, self._sources = None, ()
         if own_ids:
             t = layout.num_tokens
             if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
