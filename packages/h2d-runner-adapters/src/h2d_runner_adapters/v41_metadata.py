@@ -251,7 +251,6 @@ class V41MetadataInputs(PagedInputs):
         self.index_topk = index_topk
         self.dummy_state_slot = int(dummy_state_slot)  # an int subclass: its value
         self.dummy_block = int(dummy_block)
-        self._width = max_blocks_per_req
         buf = state.buffer
         self.positions = buf(f"{prefix}v41_positions", (max_tokens,), torch.int64, group=g)
         self.token_batch_ids = buf(f"{prefix}v41_token_batch_ids", (max_tokens,),

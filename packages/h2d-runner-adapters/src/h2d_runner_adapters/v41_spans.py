@@ -48,8 +48,6 @@ _SPAN_LOWS = (
     (0, "pass the request's physical state slot"),
     (-1, "pass a physical state slot, or -1 for no fork"),
 )
-#: the per-request column names of a SpanColumns, in the order of RequestSpan's fields
-_COLUMN_FIELDS = ("query_lens", "context_lens", "state_slots_out", "state_slots_in")
 
 
 @dataclass(frozen=True)
