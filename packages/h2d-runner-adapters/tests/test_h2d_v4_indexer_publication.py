@@ -14,7 +14,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -25,9 +24,7 @@ from h2d_runner_adapters import (
     TOKEN_INPUTS,
     V4_BLOCK,
     V41_METADATA,
-    BatchColumns,
     RequestSpan,
-    ScheduledBatch,
     TokenInputs,
     V41MetadataInputs,
     V41Plan,
@@ -65,6 +62,7 @@ from v4_helpers import (
     WINDOW,
     Population,
     check_published,
+    token_batch,
     v41_reference,
 )
 
@@ -84,18 +82,6 @@ def v41_token_state(device: str, num_slots: int = 1
     for b in st_.buffers().values():
         b.gpu.view(-1).view(torch.uint8).fill_(V4_POISON)
     return st_, tokens, v4
-
-
-def token_batch(spans: list[RequestSpan], prefill: bool) -> ScheduledBatch:
-    """The token inputs' view of the same step: one request per span."""
-    n = len(spans)
-    q = np.array([s.num_tokens for s in spans], np.int32)
-    cols = BatchColumns(
-        query_lens=q, context_lens=np.array([s.context_len for s in spans], np.int32),
-        temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
-        top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
-        token_ids=np.arange(int(q.sum()), dtype=np.int32), num_drafts=np.zeros(n, np.int32))
-    return ScheduledBatch((), prefill, V4_BLOCK, given_columns=cols)
 
 
 def spans_of_widths(rng: random.Random, widths: list[int]

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -18,8 +17,6 @@ from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     TOKEN_INPUTS,
     V41_METADATA,
-    BatchColumns,
-    ScheduledBatch,
     TokenStepInputs,
     V41MetadataInputs,
 )
@@ -37,6 +34,7 @@ from v4_helpers import (
     TOPK,
     WINDOW,
     Population,
+    token_batch,
     v41_reference,
 )
 
@@ -59,23 +57,11 @@ def _state(device: str, one: bool) -> tuple[H2DRunnerState, TokenStepInputs, V41
     return st, tokens, v4
 
 
-def _batch(spans: list[Any]) -> ScheduledBatch:
-    n = len(spans)
-    q = np.array([s.num_tokens for s in spans], np.int32)
-    cols = BatchColumns(
-        query_lens=q, context_lens=np.array([s.context_len for s in spans], np.int32),
-        temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
-        top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
-        token_ids=np.arange(int(q.sum()), dtype=np.int32) + 3,
-        num_drafts=np.zeros(n, np.int32))
-    return ScheduledBatch((), False, 256, given_columns=cols)
-
-
 def _step(st: H2DRunnerState, tokens: TokenStepInputs, v4: V41MetadataInputs,
           spans: list[Any], rows: list[Any], padded: int, one: bool,
           keep: bool = True) -> Any:
     st.begin()
-    tokens.prepare(_batch(spans), padded)
+    tokens.prepare(token_batch(spans, False), padded)
     plan = v4.begin_step(spans, block_tables=rows, padded=padded)
     if one:
         st.publish(V41_STEP)

@@ -9,11 +9,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from block_tables import BlockTable
 from h2d_core import H2DRunnerState
-from h2d_runner_adapters import V4_BLOCK, RequestSpan, V41MetadataInputs
+from h2d_runner_adapters import (
+    V4_BLOCK,
+    BatchColumns,
+    RequestSpan,
+    ScheduledBatch,
+    V41MetadataInputs,
+)
 from h2d_runner_adapters.consumers.v4_step_indptrs import WindowGeometry
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
 
@@ -133,3 +140,15 @@ def check_published(st_: H2DRunnerState, want: dict[str, list[Any]],
         assert gpu[:count].tolist() == values, name
         tail = gpu[count:].numpy().tobytes()
         assert tail == before[name][len(before[name]) - len(tail):], f"{name}: tail moved"
+
+
+def token_batch(spans: list[RequestSpan], prefill: bool) -> ScheduledBatch:
+    """The token inputs' view of the same step: one request per span."""
+    n = len(spans)
+    q = np.array([s.num_tokens for s in spans], np.int32)
+    cols = BatchColumns(
+        query_lens=q, context_lens=np.array([s.context_len for s in spans], np.int32),
+        temperatures=np.ones(n, np.float32), top_k=np.full(n, -1, np.int32),
+        top_p=np.ones(n, np.float32), prev_sample_rows=np.full(n, -1, np.int32),
+        token_ids=np.arange(int(q.sum()), dtype=np.int32), num_drafts=np.zeros(n, np.int32))
+    return ScheduledBatch((), prefill, V4_BLOCK, given_columns=cols)
