@@ -50,9 +50,9 @@ def _install_local(session: nox.Session, packages: list[Path]) -> None:
 
 def _test_dirs() -> list[str]:
     dirs = [str(p / "tests") for p in PACKAGES if (p / "tests").is_dir()]
-    integration = ROOT / "tests-integration"
-    if any(integration.glob("test_*.py")):
-        dirs.append(str(integration))
+    for extra in (ROOT / "tests-integration", ROOT / "benchmarks" / "tests"):
+        if any(extra.glob("test_*.py")):
+            dirs.append(str(extra))
     return dirs
 
 
@@ -92,7 +92,7 @@ NEWEST_NUMPY = os.environ.get("H2D_NEWEST_NUMPY", "numpy")
 #: step benchmarks, the UVA peer), ~2 min on 2 cores after the install; the adapters'
 #: and the other integration suites run once, in `tests`: `nox -s newest -- ci`
 NEWEST_CI = ["packages/block-tables/tests", "packages/h2d-core/tests",
-             "packages/h2d-kernels/tests", "tests-integration/test_main_job.py",
+             "packages/h2d-kernels/tests", "benchmarks/tests/test_main_job.py",
              "tests-integration/test_mrv2_style_peer.py"]
 
 

@@ -93,8 +93,6 @@ if not _CUDA:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from repo_paths import use_sources  # noqa: E402
 
 use_sources()

@@ -56,7 +56,7 @@ check names both environments when a family fails.
 
 ``--check`` compares each measured family with ``benchmarks/instruction_budgets.json`` and
 exits 1 naming every family more than the file's tolerance (2%) over its budget: tight
-enough that a few percent of added work fails (``tests-integration/
+enough that a few percent of added work fails (``benchmarks/tests/
 test_instruction_budgets.py`` injects ~3%), loose enough for the layouts' spread (<1%).
 ``--write-budgets`` measures and writes the figures there (other families' entries stay):
 after an intended change of the counted path, ``python benchmarks/instructions.py

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from repo_paths import use_sources  # noqa: E402
 
 use_sources()

@@ -12,14 +12,10 @@ and padded.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from decode_runner.runner import DecodeRunner, RunnerConfig
 from decode_runner.scheduler import steady_decode_batches, steady_decode_num_pages
 from kernel_mode import needs_kernels

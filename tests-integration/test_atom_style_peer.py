@@ -1,4 +1,4 @@
-"""The one ATOM-style re-creation (``benchmarks/peers``) builds and copies what the ATOM
+"""The one ATOM-style re-creation (``tests-integration/peers``) builds and copies what the ATOM
 catalog says each family's step uploads.
 
 Each family's step runs on CPU at small sizes; every destination it copies is compared with
@@ -10,20 +10,15 @@ full width would show its old pages.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from peers.atom_families import MtpVerifyStep, V4DecodeStep
+from peers.atom_style import MHA_FIELDS, AtomStyleError, MhaDecodeStep
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from peers.atom_families import MtpVerifyStep, V4DecodeStep  # noqa: E402
-from peers.atom_style import MHA_FIELDS, AtomStyleError, MhaDecodeStep  # noqa: E402
-
-from h2d_runner_adapters import BatchColumns, ScheduledBatch, SpanColumns  # noqa: E402
+from h2d_runner_adapters import BatchColumns, ScheduledBatch, SpanColumns
 
 PS = 4  # tokens per page
 

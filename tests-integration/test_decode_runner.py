@@ -10,7 +10,6 @@ plain host-side oracle.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -18,8 +17,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from decode_runner.host_inputs import build_host_inputs
 from decode_runner.runner import DecodeRunner, RunnerConfig
 from decode_runner.scheduler import (

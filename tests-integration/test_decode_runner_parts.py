@@ -7,17 +7,12 @@ RUN_H2D_GPU_TESTS=1.
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from decode_runner.host_inputs import HostInputError, build_host_inputs
 from decode_runner.model import (
     DecoderInputError,

@@ -1,4 +1,4 @@
-"""The MRV2-style peer (``benchmarks/peers/mrv2_style.py``) computes the step it times.
+"""The MRV2-style peer (``tests-integration/peers/mrv2_style.py``) computes the step it times.
 
 A benchmark peer that launched kernels computing the wrong thing would time the wrong
 work, so each step's outputs are checked against a plain numpy model of the same workload:
@@ -11,18 +11,12 @@ interpreter quick on CPU.
 from __future__ import annotations
 
 import ctypes
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(Path(__file__).parent))
-from kernel_mode import needs_kernels  # noqa: E402
-from peers.mrv2_style import PAD_SLOT, Mrv2StyleStep, time_steps  # noqa: E402
+from kernel_mode import needs_kernels
+from peers.mrv2_style import PAD_SLOT, Mrv2StyleStep, time_steps
 
 BS, MAX_BLOCKS, PAGE, MAX_REQS, CONTEXT = 3, 8, 4, 8, 5
 #: every request crosses at least two page boundaries

@@ -10,12 +10,8 @@ pools through the plans, so a wrong byte changes later logits too.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from decode_runner.v41 import V41Config, V41Population, V41Runner
 from kernel_mode import needs_kernels
 

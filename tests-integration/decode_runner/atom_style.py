@@ -1,6 +1,6 @@
 """The ATOM-style way to publish a decode step, for the main job's same-process baseline.
 
-A thin binding of the one ATOM-style re-creation (``benchmarks/peers/atom_style.py``:
+A thin binding of the one ATOM-style re-creation (``tests-integration/peers/atom_style.py``:
 :class:`~peers.atom_style.MhaDecodeStep`, the catalogue's plain-MHA path, ten copies) to
 the library's destinations: a :class:`DecodeRunner`'s, or any owner of ``sampling`` /
 ``tokens`` / ``decode`` adapters (``DecodeStepInputs``). The same first consumers (token
@@ -14,27 +14,18 @@ runs outside the timed step. The wait for a free source set is reported apart
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-
-from h2d_runner_adapters import DecodePlan, SamplingPlan, ScheduledBatch, TokenPlan
-from h2d_runner_adapters.sampling import GREEDY_TEMPERATURE
-
-# the re-creation lives with the benchmarks (every benchmark shares it); appended, so no
-# benchmark module shadows anything already importable
-_BENCHMARKS = str(Path(__file__).resolve().parents[2] / "benchmarks")
-if _BENCHMARKS not in sys.path:
-    sys.path.append(_BENCHMARKS)
-
-from peers.atom_style import (  # noqa: E402
+from peers.atom_style import (
     AtomStyleError,
     MhaDecodeStep,
     MhaStaged,
     PageLists,
 )
+
+from h2d_runner_adapters import DecodePlan, SamplingPlan, ScheduledBatch, TokenPlan
+from h2d_runner_adapters.sampling import GREEDY_TEMPERATURE
 
 __all__ = ["AtomStyleDecode", "AtomStyleError", "destinations"]
 

@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from oracle_snapshot import OracleRow, OracleSnapshot
 
 import block_tables.snapshot as snapshot_module
 from block_tables import (
@@ -43,9 +44,6 @@ from block_tables import (
 )
 from block_tables.native import FIX, NativeBuildError, refuse_interpreted, require_extension
 from block_tables.spans import ChangedSpans, changed_byte_ranges, changed_spans, row_keys
-
-sys.path.insert(0, str(Path(__file__).parent))
-from oracle_snapshot import OracleRow, OracleSnapshot
 
 ROWS = 6
 WIDTH = 20

@@ -14,18 +14,14 @@ revisions and history tests/oracle_snapshot.py gives.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from oracle_snapshot import OracleRow, OracleSnapshot
 
 from block_tables import BlockTable, PageTableSnapshot, draw_version
-
-sys.path.insert(0, str(Path(__file__).parent))
-from oracle_snapshot import OracleRow, OracleSnapshot
 
 WIDTH = 16
 FILL = -1  # no page ID: every write of it is a clear

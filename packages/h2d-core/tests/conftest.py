@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import ModuleType
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 import core_helpers
+import pytest
 
 
 @pytest.fixture

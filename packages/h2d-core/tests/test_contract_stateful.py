@@ -9,10 +9,9 @@ change nothing (destinations, sources, counts, epoch, invalidation).
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 from typing import Any
 
+import core_helpers as helpers
 import numpy as np
 import pytest
 import torch
@@ -21,9 +20,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from h2d_core import H2DError, h2d_producer
-
-sys.path.insert(0, str(Path(__file__).parent))
-import core_helpers as helpers
 
 GROUPS = ("token_inputs", "mha_decode")
 PUBLISHABLE = ("decode", "token_inputs", "mha_decode")

@@ -9,10 +9,8 @@ before storing anything.
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracle_packed import expected_arena  # the h2d-kernels packing oracle
 
 from block_tables.native import NativeBuildError
 from h2d_core import (
@@ -38,9 +37,6 @@ from h2d_core import (
 )
 from h2d_core.records import GroupRecord
 from h2d_kernels.native import helper as kernels_native
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "h2d-kernels" / "tests"))
-from oracle_packed import expected_arena  # the h2d-kernels packing oracle
 
 # (name, dtype, shape, producer group, unit). Small members live in the arena (in place);
 # ids/pos/flags (> 32 KiB, elements/bytes) are staged; "wide" (> 32 KiB rows) is a tail.

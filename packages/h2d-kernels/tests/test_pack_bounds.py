@@ -10,18 +10,14 @@ child process first when the check is missing (see ``_crashes``)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from oracle_packed import expected_arena
 
 from h2d_kernels import GroupMember, PackBoundsError, PackedGroup
-
-sys.path.insert(0, str(Path(__file__).parent))
-from oracle_packed import expected_arena
 
 TABLE = 4  # member index of the ranged table
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import ctypes
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from oracle_packed import expected_arena, source_bytes
 
 from h2d_kernels import (
     INPLACE_LIMIT,
@@ -30,9 +30,6 @@ from h2d_kernels import (
 )
 from h2d_kernels.graphs import bucket_index, bucket_sizes
 from h2d_kernels.native import helper
-
-sys.path.insert(0, str(Path(__file__).parent))
-from oracle_packed import expected_arena, source_bytes
 
 POISON = 0x5A
 ROW = 256 * 4  # bytes per row of the table member

@@ -16,17 +16,13 @@ sources hold that step's bytes, which a refused call must leave as they are.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from bad_inputs import Observed, refuse
 
 from block_tables import BlockTable, MissingPagesError

@@ -9,14 +9,26 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
+from bad_inputs import Observed, refuse
+from v4_helpers import (
+    DUMMY_BLOCK,
+    DUMMY_SLOT,
+    MAX_BLOCKS,
+    MAX_REQS,
+    MAX_TOKENS,
+    NUM_BLOCKS,
+    V4_POISON,
+    Population,
+    check_published,
+    v41_reference,
+)
 
 from block_tables import BlockTable, MissingPagesError, PageIdRangeError, ReservedPageError
 from h2d_core import CountError, DeclarationError, H2DRunnerState
@@ -31,22 +43,6 @@ from h2d_runner_adapters import (
     V41MetadataInputs,
 )
 from h2d_runner_adapters.checks import AdapterInputError
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-from bad_inputs import Observed, refuse
-from v4_helpers import (
-    DUMMY_BLOCK,
-    DUMMY_SLOT,
-    MAX_BLOCKS,
-    MAX_REQS,
-    MAX_TOKENS,
-    NUM_BLOCKS,
-    V4_POISON,
-    Population,
-    check_published,
-    v41_reference,
-)
 
 Call = Callable[[], object]
 

@@ -15,11 +15,10 @@
 from __future__ import annotations
 
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
@@ -36,10 +35,6 @@ from h2d_core import (
     ReentryError,
     StageResult,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-
 from h2d_runner_adapters import (
     DECODE_STEP,
     GREEDY_TEMPERATURE,

@@ -4,14 +4,10 @@ destinations, counts, revisions, published sets), and the corrected call publish
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from adapter_helpers import need_kernels
 from bad_inputs import Observed, refuse
 

@@ -22,19 +22,13 @@ padded requests owning none), not the eager launch of the same kernel.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
 
 from block_tables import BlockTable
 from h2d_core import DeclarationError, H2DRunnerState, MembershipError
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-
 from h2d_runner_adapters import MHA_DECODE, BatchColumns, DecodeStepInputs, ScheduledBatch
 
 MAX_REQS = 8

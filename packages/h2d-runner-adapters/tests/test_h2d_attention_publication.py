@@ -4,21 +4,16 @@ generation and attention preparation."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
-
-from h2d_core import CountError, H2DRunnerState, StageResult
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
 from publication_checks import check_tails, dest_copies, published_counts
 
 from block_tables import BlockTable
+from h2d_core import CountError, H2DRunnerState, StageResult
 from h2d_runner_adapters import (
     BatchColumns,
     MhaDecodeInputs,

@@ -14,9 +14,7 @@ packed == direct, bad inputs refused with nothing changed, delayed source reuse 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
@@ -24,10 +22,6 @@ import torch
 from block_tables import BlockTable
 from h2d_core import CountError, H2DRunnerState
 from h2d_kernels import copy_counts, is_copy
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-
 from h2d_runner_adapters import (
     DECODE_STEP,
     GDN_STATE,

@@ -4,16 +4,12 @@ changing batch sizes, delayed source reuse and packed == direct."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
 
 from h2d_runner_adapters import GREEDY_TEMPERATURE
 from h2d_runner_adapters.consumers.reference import sample_tokens_reference

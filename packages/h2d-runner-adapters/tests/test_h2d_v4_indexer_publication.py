@@ -8,15 +8,33 @@ buffers. CPU cases run the kernels in Triton's interpreter.
 from __future__ import annotations
 
 import random
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import pytest
 import torch
+from publication_checks import check_tails, dest_copies, published_counts
 from torch.overrides import TorchFunctionMode
+from v4_helpers import (
+    DUMMY_BLOCK,
+    DUMMY_SLOT,
+    ENVELOPE,
+    GEOMETRY,
+    MAX_BLOCKS,
+    MAX_REQS,
+    MAX_TOKENS,
+    NUM_BLOCKS,
+    POISON,
+    TOPK,
+    V4_POISON,
+    WINDOW,
+    Population,
+    check_published,
+    token_batch,
+    v41_reference,
+)
 
 from block_tables import BlockTable
 from h2d_core import H2DRunnerState
@@ -43,28 +61,6 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     write_v4_prefill_indices_reference,
 )
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-from publication_checks import check_tails, dest_copies, published_counts
-from v4_helpers import (
-    DUMMY_BLOCK,
-    DUMMY_SLOT,
-    ENVELOPE,
-    GEOMETRY,
-    MAX_BLOCKS,
-    MAX_REQS,
-    MAX_TOKENS,
-    NUM_BLOCKS,
-    POISON,
-    TOPK,
-    V4_POISON,
-    WINDOW,
-    Population,
-    check_published,
-    token_batch,
-    v41_reference,
-)
 
 
 def v41_token_state(device: str, num_slots: int = 1

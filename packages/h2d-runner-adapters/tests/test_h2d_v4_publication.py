@@ -9,13 +9,29 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import sys
 from collections import Counter
-from pathlib import Path
 
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
+from v4_helpers import (
+    DUMMY_BLOCK,
+    DUMMY_SLOT,
+    ENVELOPE,
+    GEOMETRY,
+    MAX_BLOCKS,
+    MAX_REQS,
+    MAX_TOKENS,
+    NUM_BLOCKS,
+    POISON,
+    TOPK,
+    WINDOW,
+    Population,
+    check_published,
+    v41_reference,
+    v41_state,
+)
 
 from block_tables import BlockTable, MissingPagesError, ReservedPageError
 from h2d_core import CountError, H2DRunnerState
@@ -42,26 +58,6 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     generate_v4_step_indptrs,
     generate_v4_step_indptrs_reference,
     write_v4_decode_window_indices_reference,
-)
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-from v4_helpers import (
-    DUMMY_BLOCK,
-    DUMMY_SLOT,
-    ENVELOPE,
-    GEOMETRY,
-    MAX_BLOCKS,
-    MAX_REQS,
-    MAX_TOKENS,
-    NUM_BLOCKS,
-    POISON,
-    TOPK,
-    WINDOW,
-    Population,
-    check_published,
-    v41_reference,
-    v41_state,
 )
 
 

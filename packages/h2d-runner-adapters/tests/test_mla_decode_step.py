@@ -7,12 +7,10 @@ prefill's last-page lengths (``PrefillInputs(last_page_lens=True)``)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from adapter_helpers import scatter_for, sync
 
 from block_tables import BlockTable
 from h2d_core import DeclarationError, H2DRunnerState
@@ -25,9 +23,6 @@ from h2d_runner_adapters import (
     ScheduledBatch,
     TokenInputs,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-from adapter_helpers import scatter_for, sync
 
 PAGE, TOPK, MAX_REQS, MAX_PAGES = 4, 6, 4, 8
 

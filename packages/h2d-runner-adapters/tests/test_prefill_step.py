@@ -21,23 +21,18 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
+from bad_inputs import Observed, refuse
 
 from block_tables import BlockTable, MissingPagesError, PageIdRangeError
 from h2d_core import CountError, DeclarationError, H2DRunnerState
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-from bad_inputs import Observed, refuse
-
 from h2d_runner_adapters import (
     DECODE_STEP,
     GDN_STATE,

@@ -20,11 +20,8 @@ well-behaved runner, so no other suite notices the decorator going missing; thes
 from __future__ import annotations
 
 import inspect
-import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parent))
 from producer_families import FAMILIES, bound, state
 from test_token_producers_rules import ENTRIES as TOKEN_ENTRIES
 

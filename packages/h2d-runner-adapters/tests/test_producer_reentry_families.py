@@ -17,14 +17,10 @@ all): the byte comparisons and the exact messages below notice. The token produc
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from bad_inputs import Observed, refuse
 from producer_families import FAMILIES, Family
 

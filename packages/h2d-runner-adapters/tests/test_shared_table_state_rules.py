@@ -8,15 +8,15 @@ table against the rows and that nothing past the staged rows moved."""
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
+from publication_checks import check_tails, dest_copies, published_counts
 
 from block_tables import BlockTable
 from h2d_core import (
@@ -37,10 +37,6 @@ from h2d_runner_adapters import (
     ScheduledBatch,
     V41MetadataInputs,
 )
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-from publication_checks import check_tails, dest_copies, published_counts
 
 PAGE = 4
 #: narrow rows (4 pages) so that replacing every real row changes most of the table's

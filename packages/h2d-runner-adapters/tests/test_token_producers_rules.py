@@ -17,18 +17,14 @@ CPU, the reference scatter; destinations are checked against hand-written values
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 from bad_inputs import Observed, refuse
 
 from block_tables import BlockTable

@@ -6,23 +6,11 @@ scatters), step after step, graph padding and block-table ranges included."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import pytest
 import torch
-
-from h2d_core import H2DRunnerState
-from h2d_runner_adapters import (
-    TOKEN_INPUTS,
-    V41_METADATA,
-    TokenStepInputs,
-    V41MetadataInputs,
-)
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
 from v4_helpers import (
     DUMMY_BLOCK,
     DUMMY_SLOT,
@@ -36,6 +24,14 @@ from v4_helpers import (
     Population,
     token_batch,
     v41_reference,
+)
+
+from h2d_core import H2DRunnerState
+from h2d_runner_adapters import (
+    TOKEN_INPUTS,
+    V41_METADATA,
+    TokenStepInputs,
+    V41MetadataInputs,
 )
 
 V41_STEP = "v41_step"

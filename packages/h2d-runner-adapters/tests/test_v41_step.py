@@ -5,20 +5,15 @@ grid, byte for byte on the destinations with untouched tails."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import adapter_helpers as ah
 import numpy as np
 import pytest
 import torch
+from v4_helpers import TOPK, V4_POISON, v41_state
 
 from block_tables import BlockTable
 from h2d_core import H2DRunnerState
 from h2d_runner_adapters import V41_METADATA, RequestSpan, V41MetadataInputs, V41Plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
-from v4_helpers import TOPK, V4_POISON, v41_state
 
 # three requests of 1, 3 and 2 tokens padded to 4: the graph grid is 4 * 3 = 12 tokens
 SPANS = [RequestSpan(1, 300, 0), RequestSpan(3, 260, 1), RequestSpan(2, 10, 2)]

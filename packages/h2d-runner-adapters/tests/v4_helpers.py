@@ -5,10 +5,9 @@ context document (model-family-metadata §1)."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
+import adapter_helpers as ah
 import numpy as np
 import torch
 
@@ -23,9 +22,6 @@ from h2d_runner_adapters import (
 )
 from h2d_runner_adapters.consumers.v4_step_indptrs import WindowGeometry
 from h2d_runner_adapters.v41_metadata import V4_RATIOS
-
-sys.path.insert(0, str(Path(__file__).parent))
-import adapter_helpers as ah
 
 POISON = -7
 WINDOW, TOPK = 128, 1024

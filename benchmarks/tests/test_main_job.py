@@ -14,9 +14,7 @@ import pytest
 
 from h2d_kernels import copy_kind
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tests-integration"))  # main_job_output imports the runners
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(("name", "kind"), [

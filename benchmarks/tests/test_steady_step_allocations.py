@@ -33,8 +33,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests-integration")]
+ROOT = Path(__file__).resolve().parents[2]
 BS = 64
 WARM = 60
 STEPS = 1000

@@ -15,19 +15,15 @@ to its GPU activity with an ``ac2g`` flow pair whose id is the correlation id. T
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from trace_counts import count_per_step, per_step
 
 from h2d_kernels import classify_trace, copy_kind, hip_copy_kind
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from trace_counts import count_per_step, per_step  # noqa: E402
 
 Event = dict[str, Any]
 

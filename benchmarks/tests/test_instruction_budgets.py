@@ -21,12 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import instructions
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "instructions.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import instructions  # noqa: E402
 
 #: one measurement of every family (three heap layouts each), two callgrind runs at once
 EVERY = ("--families", ",".join(instructions.FAMILIES), "--layouts", "3", "--jobs", "2",
