@@ -133,7 +133,6 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                 st = H2DRunnerState("cuda", backend="direct" if backend in (
                     "direct", "atom", "separate-direct") else "packed")
                 fused = backend in ("packed", "direct")
-                # (the interpreted producers are gone: native=False is refused)
                 step_inputs = DecodeStepInputs(
                     st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=page,
                     fuse_kv_indices=False)

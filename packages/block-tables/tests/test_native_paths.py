@@ -42,7 +42,7 @@ from block_tables import (
     RowTypeError,
     RowWidthError,
 )
-from block_tables.native import FIX, NativeBuildError, refuse_interpreted, require_extension
+from block_tables.native import FIX, NativeBuildError, require_extension
 from block_tables.spans import ChangedSpans, changed_byte_ranges, changed_spans, row_keys
 
 ROWS = 6
@@ -1139,27 +1139,21 @@ def test_require_extension_names_the_module_and_the_fix() -> None:
     assert require_extension(NATIVE_NAME) is snapshot_module._native
 
 
-def test_native_false_is_refused_and_true_is_the_compiled_core() -> None:
-    """``native=`` stays in the signature: None and True are the compiled core (the only
-    mode), False asked for the removed interpreted mode and raises before anything."""
+def test_the_snapshot_runs_the_compiled_core_and_takes_no_mode() -> None:
+    """The compiled core is the only mode: a snapshot binds the built extension, and the
+    removed ``native=`` argument is not accepted."""
     storage = np.arange(12, dtype=np.int32).reshape(3, 4)
-    with pytest.raises(NativeBuildError, match=r"^PageTableSnapshot: native=False asked for "
-                                               r"the interpreted mode, which was removed"):
-        PageTableSnapshot(storage, native=False)
+    with pytest.raises(TypeError, match="native"):
+        PageTableSnapshot(storage, native=True)  # type: ignore[call-arg]
     np.testing.assert_array_equal(storage, np.arange(12).reshape(3, 4))
-    with pytest.raises(NativeBuildError, match=r"^X: native=False"):
-        refuse_interpreted(False, "X")
-    refuse_interpreted(None, "X")
-    refuse_interpreted(True, "X")
-    for choice in (None, True):
-        snap = PageTableSnapshot(storage, native=choice)
-        assert snap._native is snapshot_module._native
-        assert snap._native.__file__.endswith(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
-        rows = [BlockTable([5, 6]), BlockTable([7])]
-        first = snap.prepare(rows)
-        rows[0].append_one(8)
-        assert snap.prepare(rows) == first + 1
-        np.testing.assert_array_equal(storage[:2], naive([[5, 6, 8], [7]], 4, 0))
+    snap = PageTableSnapshot(storage)
+    assert snap._native is snapshot_module._native
+    assert snap._native.__file__.endswith(sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+    rows = [BlockTable([5, 6]), BlockTable([7])]
+    first = snap.prepare(rows)
+    rows[0].append_one(8)
+    assert snap.prepare(rows) == first + 1
+    np.testing.assert_array_equal(storage[:2], naive([[5, 6, 8], [7]], 4, 0))
 
 
 def test_import_runs_no_compiler_and_writes_nothing(tmp_path: Path) -> None:

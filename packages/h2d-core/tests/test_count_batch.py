@@ -20,7 +20,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle_packed import expected_arena  # the h2d-kernels packing oracle
 
-from block_tables.native import NativeBuildError
 from h2d_core import (
     CountBatch,
     CountError,
@@ -603,10 +602,9 @@ def test_construction_errors(device: str, h: Any) -> None:
         (["temps"], MembershipError, "'temps' is not a buffer of this state"),
     ]
     for buffers, exc, match in cases:
-        for native in (True, False):
-            with pytest.raises(exc, match=match):
-                CountBatch(s, buffers, native=native)
-            _assert_unchanged(setup, h, before)
+        with pytest.raises(exc, match=match):
+            CountBatch(s, buffers)
+        _assert_unchanged(setup, h, before)
     assert s.count(b["temps"]) == 3
 
     ranged = H2DRunnerState(device, scatter=h.scatter_mode(device))
@@ -629,7 +627,7 @@ def test_construction_errors(device: str, h: Any) -> None:
     assert _record_state(rec) == snap
 
 
-def test_native_choice(device: str, h: Any) -> None:
+def test_fused_and_per_member_stores(device: str, h: Any) -> None:
     setup = _build(device, h, "single")
     s, bufs = setup.state, setup.buffers
     members = [bufs[n] for n in NON_BYTES]
@@ -640,17 +638,12 @@ def test_native_choice(device: str, h: Any) -> None:
     assert rec.store_counts(fused._fused, (2,) * 6) is True  # the record's fused store
     assert [s.count(b) for b in members] == [2] * 6
     # a byte-unit member's count is handed back to the Python check and store
-    with_bytes = s.count_batch([bufs["temps"], bufs["mask"]], native=None)
+    with_bytes = s.count_batch([bufs["temps"], bufs["mask"]])
     assert rec.store_counts(with_bytes._fused, (4, 12)) is False
     assert [s.count(b) for b in members] == [2] * 6  # nothing stored
     with_bytes.set(4, 12)
     assert (s.count(bufs["temps"]), s.count(bufs["mask"])) == (4, 12)
-    s.count_batch(members, native=True).set(*[3] * 6)
-    assert [s.count(b) for b in members] == [3] * 6
-    # the interpreted mode is gone: asking for it is refused by name
-    with pytest.raises(NativeBuildError, match="CountBatch: native=False asked for the "
-                                               "interpreted mode, which was removed"):
-        s.count_batch(members, native=False)
+    s.count_batch(members).set(*[3] * 6)
     assert [s.count(b) for b in members] == [3] * 6
 
 

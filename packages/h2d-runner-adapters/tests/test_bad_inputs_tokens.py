@@ -214,7 +214,6 @@ def decode_family() -> Family:
     d = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                          max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=64,
                          max_drafts=MAX_DRAFTS)
-    assert d.native
     st.bind()
 
     def produce(b: ScheduledBatch, padded: int | None) -> None:

@@ -124,7 +124,6 @@ def build_side(kind: str, device: str, *, backend: str = "packed", page: int = 1
         fused = DecodeStepInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                                  max_pages_per_req=MAX_PAGES, page_size=page,
                                  num_pages=num_pages)
-        assert fused.native
         sampling, tokens, decode = fused.sampling, fused.tokens, fused.decode
     st_.bind()
     for b in st_.buffers().values():
@@ -700,10 +699,9 @@ def test_from_adapters_composes_caller_declared_adapters(device: str) -> None:
     tokens = TokenInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_drafts=2)
     decode = MhaDecodeInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
                              max_pages_per_req=MAX_PAGES, page_size=page, num_pages=NUM_PAGES)
-    fused = DecodeStepInputs.from_adapters(sampling, tokens, decode, group="plain_decode",
-                                           native=True)
+    fused = DecodeStepInputs.from_adapters(sampling, tokens, decode, group="plain_decode")
     st_.bind()
-    assert fused.native and fused.group == "plain_decode"
+    assert fused.group == "plain_decode"
     assert st_.plan("plain_decode").producer_groups == (SAMPLING, TOKEN_IDS, QUERY_PREFIX,
                                                         SPEC_INDICES, MHA_DECODE)
     side = Side("native", st_, sampling, tokens, decode, fused)

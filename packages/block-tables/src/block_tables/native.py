@@ -19,7 +19,7 @@ from types import ModuleType
 
 from .errors import BlockTableError
 
-__all__ = ["FIX", "NativeBuildError", "refuse_interpreted", "require_extension"]
+__all__ = ["FIX", "NativeBuildError", "require_extension"]
 
 #: how to get the compiled core, quoted by every error about it
 FIX = ("install the packages with pip (`pip install packages/block-tables packages/h2d-kernels "
@@ -42,12 +42,3 @@ def require_extension(name: str) -> ModuleType:
             f"the compiled core {name} is not built ({type(exc).__name__}: {exc}); {FIX}"
         ) from exc
 
-
-def refuse_interpreted(native: bool | None, what: str) -> None:
-    """Check a ``native=`` argument kept for source compatibility: None and True mean the
-    compiled core (the only mode); False asked for the removed interpreted mode."""
-    if native is False:
-        raise NativeBuildError(
-            f"{what}: native=False asked for the interpreted mode, which was removed (every "
-            "rule runs compiled); drop the argument"
-        )

@@ -46,7 +46,7 @@ from .errors import (
     StorageError,
 )
 from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable, _Lineage
-from .native import refuse_interpreted, require_extension
+from .native import require_extension
 from .validation import (
     INT32_MAX,
     INT32_MIN,
@@ -138,11 +138,9 @@ class PageTableSnapshot:
     block for graph padding): a real row that brings it is refused
     (:class:`~block_tables.errors.ReservedPageError`); the last ``padding`` rows of a
     :meth:`prepare` are the padding rows. Each row's new pages are checked as they
-    arrive, so padding rows must be private lineages that no real row grows from. ``native`` is
-    kept for source compatibility: None and True both mean the compiled core (the only
-    mode, :mod:`block_tables.native`); False raises
-    :class:`~block_tables.native.NativeBuildError`. Not thread-safe: prepare one snapshot
-    from one thread, and do not mutate rows while they are being prepared.
+    arrive, so padding rows must be private lineages that no real row grows from. Not
+    thread-safe: prepare one snapshot from one thread, and do not mutate rows while they
+    are being prepared.
     """
 
     def __init__(
@@ -152,11 +150,9 @@ class PageTableSnapshot:
         pool_limit: int | None = None,
         fill_value: int = 0,
         history: int = 64,
-        native: bool | None = None,
         reserved_page: int | None = None,
     ) -> None:
         _check_arguments(storage, pool_limit, fill_value, history, reserved_page)
-        refuse_interpreted(native, "PageTableSnapshot")
         rows, width = storage.shape
         self._storage = storage
         self._flat = storage.reshape(-1)  # fixed flat view for single-page scatters

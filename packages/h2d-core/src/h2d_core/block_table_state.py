@@ -70,7 +70,6 @@ class BlockTableState:
         fill_value: int = 0,
         partial_max_share: float = PARTIAL_MAX_SHARE,
         partial_max_ranges: int | None = None,
-        native: bool | None = None,
         publication: PublicationArg = TablePublication.RANGES,
         reserved_page: int | None = None,
     ) -> None:
@@ -95,7 +94,7 @@ class BlockTableState:
         self.state = state
         self.snapshots = tuple(
             PageTableSnapshot(buffer.source(slot).numpy(), pool_limit=pool_limit,
-                              fill_value=fill_value, native=native,
+                              fill_value=fill_value,
                               reserved_page=reserved_page)
             for slot in range(state.num_slots)
         )
@@ -268,14 +267,11 @@ def block_table_state(
     fill_value: int = 0,
     partial_max_share: float = PARTIAL_MAX_SHARE,
     partial_max_ranges: int | None = None,
-    native: bool | None = None,
     publication: PublicationArg = TablePublication.RANGES,
     reserved_page: int | None = None,
 ) -> BlockTableState:
     """Attach page-map state to a bound block-table buffer (one per buffer: each PP slot
-    has its own snapshot inside, each TBO buffer gets its own state). ``native`` is passed
-    to the snapshots (:class:`block_tables.PageTableSnapshot`: compiled only, False is
-    refused).
+    has its own snapshot inside, each TBO buffer gets its own state).
 
     ``publication`` is what a table the GPU does not hold sends:
     ``TablePublication.RANGES`` (``"ranges"``, the default) its changed byte ranges inside
@@ -297,7 +293,7 @@ def block_table_state(
         )
     state = BlockTableState(buffer, pool_limit=pool_limit, fill_value=fill_value,
                             partial_max_share=partial_max_share,
-                            partial_max_ranges=partial_max_ranges, native=native,
+                            partial_max_ranges=partial_max_ranges,
                             publication=publication, reserved_page=reserved_page)
     buffer._page_map = state  # type: ignore[attr-defined]
     return state

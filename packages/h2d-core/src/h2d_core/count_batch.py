@@ -11,8 +11,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from block_tables.native import refuse_interpreted
-
 from .buffer import H2DBuffer
 from .errors import CountError, DeclarationError, DuplicatePublicationError
 
@@ -28,13 +26,10 @@ class CountBatch:
     ``set_count``/``set_ranges``). ``None`` omits a member, as in ``set_count``.
     When one group record carries every member, the record stores them all in one compiled
     call; otherwise (or for byte-unit members) each member is checked and stored in turn,
-    with the same state and errors. ``native`` is kept for source compatibility (False,
-    the removed interpreted mode, is refused).
+    with the same state and errors.
     """
 
-    def __init__(
-        self, state: StateOwner, buffers: Sequence[H2DBuffer], *, native: bool | None = None
-    ) -> None:
+    def __init__(self, state: StateOwner, buffers: Sequence[H2DBuffer]) -> None:
         state._check_thread()
         state._check_bound()
         seen: set[str] = set()
@@ -55,7 +50,6 @@ class CountBatch:
         self._entries = tuple((b, b.homes, b._unit_bytes, b._fast_capacity) for b in buffers)
         # One record carries every member (the usual case: one fused producer, one group):
         # the record stores all counts in one call (compiled with records.py).
-        refuse_interpreted(native, "CountBatch")
         gis = {gi for b in buffers for gi, _ in b.homes}
         single = len(gis) == 1 and all(len(b.homes) == 1
                                                                for b in buffers)

@@ -181,12 +181,10 @@ class Publication(StateOwner):
             )
         rec.replace_ranges(i, new)
 
-    def count_batch(
-        self, buffers: Sequence[H2DBuffer], *, native: bool | None = None
-    ) -> CountBatch:
+    def count_batch(self, buffers: Sequence[H2DBuffer]) -> CountBatch:
         """A :class:`CountBatch` for ``buffers``: a producer that sets the same members'
         counts every step validates them all and stores them in one call."""
-        return CountBatch(self, buffers, native=native)
+        return CountBatch(self, buffers)
 
     def set_counts(
         self,

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 
 import torch
 
-from block_tables.native import refuse_interpreted
 from h2d_core import (
     DRAFTS,
     REQS,
@@ -73,14 +72,13 @@ class DecodeStepInputs(FusedStep):
     Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
     ``.decode``) and combines their producer groups into ``DECODE_STEP``; construct before
     ``state.bind()``. :meth:`from_adapters` composes adapters the caller declared (e.g.
-    shared with a prefill path). ``native`` is kept for source compatibility: every rule
-    runs compiled (None and True), and False, the removed interpreted mode, is refused.
-    ``fuse_kv_indices`` (default None: wherever :func:`consumers_fusable` says the kernel
-    runs there) puts KV-index generation inside the step's publication (its CUDA
-    graphs, counts read on the device): ``decode.generate_kv_indices(plan)`` then launches
-    nothing (see :class:`MhaDecodeInputs`). ``fuse_token_assembly`` (the engine's
-    persistent int32 ``[rows, W]`` buffer of the previous step's sampled tokens) puts token
-    assembly there too: ``tokens.assemble(plan, that_buffer)`` then launches nothing (see
+    shared with a prefill path). ``fuse_kv_indices`` (default None: wherever
+    :func:`consumers_fusable` says the kernel runs there) puts KV-index generation inside
+    the step's publication (its CUDA graphs, counts read on the device):
+    ``decode.generate_kv_indices(plan)`` then launches nothing (see
+    :class:`MhaDecodeInputs`). ``fuse_token_assembly`` (the engine's persistent int32
+    ``[rows, W]`` buffer of the previous step's sampled tokens) puts token assembly there
+    too: ``tokens.assemble(plan, that_buffer)`` then launches nothing (see
     :meth:`TokenInputs.fuse_assembly`). ``prev_rows`` is :class:`TokenInputs`' (the rows of
     the previous step's sampled tokens a deferred request may name; default ``max_reqs``).
     """
@@ -101,7 +99,6 @@ class DecodeStepInputs(FusedStep):
         max_ranges: int = 64,
         max_drafts: int = 0,
         extra_groups: Sequence[str] = (),
-        native: bool | None = None,
         fuse_kv_indices: bool | None = None,
         fuse_token_assembly: torch.Tensor | None = None,
         prev_rows: int | None = None,
@@ -114,7 +111,7 @@ class DecodeStepInputs(FusedStep):
                             max_pages_per_req=max_pages_per_req, page_size=page_size,
                             num_pages=num_pages, max_ranges=max_ranges,
                             fuse_kv_indices=fuse_kv_indices),
-            DECODE_STEP, native, tuple(extra_groups),
+            DECODE_STEP, tuple(extra_groups),
         )
         if fuse_token_assembly is not None:
             self.tokens.fuse_assembly(fuse_token_assembly)
@@ -128,16 +125,15 @@ class DecodeStepInputs(FusedStep):
         *,
         group: str = DECODE_STEP,
         extra_groups: Sequence[str] = (),
-        native: bool | None = None,
     ) -> DecodeStepInputs:
         """Compose adapters declared on one state and combine their groups into ``group``
         (before ``bind()``). The decode adapter must be the plain (unprefixed) one."""
         self = cls.__new__(cls)
-        self._compose(sampling, tokens, decode, group, native, tuple(extra_groups))
+        self._compose(sampling, tokens, decode, group, tuple(extra_groups))
         return self
 
     def _compose(self, sampling: SamplingInputs, tokens: TokenInputs, decode: MhaDecodeInputs,
-                 group: str, native: bool | None, extra_groups: tuple[str, ...]) -> None:
+                 group: str, extra_groups: tuple[str, ...]) -> None:
         if decode.mrope_positions is not None:
             raise DeclarationError(
                 "DecodeStepInputs: the decode adapter carries MRoPE planes; the fused step "
@@ -158,15 +154,8 @@ class DecodeStepInputs(FusedStep):
         self._combine(sampling, tokens, decode, "decode", group,
                       [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, want, *extra_groups])
         self.decode = decode
-        refuse_interpreted(native, "DecodeStepInputs")
-        decode.native = native  # the block-table snapshots follow the same choice
         self._verify: LayoutStep | None = None  # prepare_verify's, bound on first use
         self._plans_of: dict[LayoutStep, tuple[DecodeStepPlan, ...]] = {}
-
-    @property
-    def native(self) -> bool:
-        """Always True: every rule runs compiled (kept for source compatibility)."""
-        return True
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE)
     def prepare(self, batch: ScheduledBatch, padded: int | None = None) -> DecodeStepPlan:
@@ -280,7 +269,7 @@ class MlaDecodeStepInputs(DecodeStepInputs):
                             max_pages_per_req=max_pages_per_req, page_size=page_size,
                             num_pages=num_pages, index_topk=index_topk,
                             max_ranges=max_ranges, fuse_kv_indices=fuse_kv_indices),
-            group, None, tuple(extra_groups),
+            group, tuple(extra_groups),
         )
 
     @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, MLA_DECODE)

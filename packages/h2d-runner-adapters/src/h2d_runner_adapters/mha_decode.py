@@ -43,7 +43,6 @@ import numpy as np
 import torch
 
 from block_tables import BlockTable, LayoutColumn, RequestLayout
-from block_tables.native import refuse_interpreted
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
@@ -163,16 +162,13 @@ class MhaDecodeInputs(PagedInputs):
         cu_query: tuple[H2DBuffer, ...] = (),
         columns: Callable[[int], Sequence[LayoutColumn]] | None = None,
         outputs: Callable[[int], dict[str, Any]] | None = None,
-        native: bool | None = None,
     ) -> list[RequestLayout]:
         """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
         (positions, KV slots, context lengths, KV prefix), reading the slot's prepared
         table; plus the query prefix into each ``cu_query`` buffer, the columns
         ``columns(slot)`` gives over that slot's sources (a fused step's sampling and
         token columns) and the further outputs ``outputs(slot)`` names (a verify step's
-        draft indices). After ``bind()``; ``native`` as for the snapshots (compiled only;
-        False is refused)."""
-        refuse_interpreted(native, name)
+        draft indices). After ``bind()``."""
         snapshots = self.tables.snapshots
         out = []
         for slot in range(self.h2d_state.num_slots):
@@ -218,8 +214,7 @@ class MhaDecodeInputs(PagedInputs):
     def _bind(self) -> LayoutStep:
         own = self._layout_columns()
         self._step = LayoutStep(self.group, self.h2d_state,
-                                self.request_layouts(self.group, native=self.native,
-                                                     columns=lambda slot: own),
+                                self.request_layouts(self.group, columns=lambda slot: own),
                                 self.tables, self._pad_rows, self._count_rules(),
                                 error=CountError)
         return self._step

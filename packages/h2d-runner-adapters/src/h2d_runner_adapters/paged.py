@@ -39,14 +39,11 @@ class PagedInputs:
                                          torch.int32, group=group, unit="rows",
                                          max_ranges=max_ranges)
         self._tables: BlockTableState | None = None
-        #: the compiled helpers (snapshots, request layout): None = when built, False = never
-        self.native: bool | None = None
 
     @property
     def tables(self) -> BlockTableState:
         """The block-table state (created on first use, after ``bind()``)."""
         if self._tables is None:
             self._tables = block_table_state(self.block_tables, pool_limit=self.pool_limit,
-                                             native=self.native,
                                              reserved_page=self.reserved_page)
         return self._tables

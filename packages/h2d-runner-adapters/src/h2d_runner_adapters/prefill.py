@@ -51,7 +51,6 @@ import numpy as np
 import torch
 
 from block_tables import LayoutColumn, PageTableSnapshot, RequestLayout
-from block_tables.native import refuse_interpreted
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
@@ -189,7 +188,6 @@ class PrefillInputs(PagedInputs):
         the query prefix into each ``cu_query`` buffer and the columns ``columns(slot)``
         gives over that slot's sources (a fused step's sampling and token columns). After
         ``bind()``."""
-        refuse_interpreted(self.native, name)
         last = self.kv_last_page_lens
         layouts = []
         for slot, snap in enumerate(self.tables.snapshots):
@@ -381,7 +379,7 @@ class PrefillInputs(PagedInputs):
             layout = RequestLayout(
                 self.group, self.page_size, storage,
                 np.zeros(self.context_lens.spec.capacity, dtype=np.int32), slot_mapping=slots)
-            snap = PageTableSnapshot(storage, pool_limit=self.pool_limit, native=self.native)
+            snap = PageTableSnapshot(storage, pool_limit=self.pool_limit)
             self._scratch = (snap, layout, slots)
         snap, layout, slots = self._scratch
         layout.plan(qlens, ctx, qlens.size, t)  # the batch passed the same plan already

@@ -23,7 +23,6 @@ from typing import Any
 import numpy as np
 
 from block_tables import LayoutColumn, RequestLayout
-from block_tables.native import refuse_interpreted
 from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
@@ -167,8 +166,7 @@ class TokenStepPlan(CompositePlan):
 
 class TokenStepInputs:
     """Declares sampling and token inputs on ``state`` (``.sampling``, ``.tokens``) and
-    combines them into ``group``; construct before ``state.bind()``. ``native`` as for
-    :class:`DecodeStepInputs` (compiled only; False is refused). ``extra_groups`` (producer
+    combines them into ``group``; construct before ``state.bind()``. ``extra_groups`` (producer
     groups declared before this) ride in the same publication: e.g. ``V41_METADATA``, so a
     V4.1 decode step is one DMA, one scatter and one launch (``state.publish(group)``),
     its fused first consumers included."""
@@ -181,7 +179,6 @@ class TokenStepInputs:
         max_tokens: int,
         group: str = TOKEN_INPUTS,
         max_drafts: int = 0,
-        native: bool | None = None,
         prev_rows: int | None = None,
         extra_groups: Sequence[str] = (),
     ) -> None:
@@ -194,7 +191,6 @@ class TokenStepInputs:
         # (tokens.prepare_spec_indices produces them)
         spec = (SPEC_INDICES,) if max_drafts else ()
         state.combine(group, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, *spec, *extra_groups])
-        refuse_interpreted(native, "TokenStepInputs")
         self._step: LayoutStep | None = None  # bound on first use (after bind)
         self._plans: tuple[TokenStepPlan, ...] = ()  # per slot, over the step's records
         self._values = StepValues()

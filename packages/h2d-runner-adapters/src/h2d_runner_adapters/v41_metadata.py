@@ -57,7 +57,6 @@ from block_tables import (
     LayoutPlan,
     RequestLayout,
 )
-from block_tables.native import refuse_interpreted
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
@@ -227,12 +226,10 @@ class V41MetadataInputs(PagedInputs):
         fp8: bool = False,
         envelope_rows: int | None = None,
         max_ranges: int = 64,
-        native: bool | None = None,
         prefix: str = "",
         fuse_step_indptrs: bool | None = None,
     ) -> None:
         g = f"{prefix}{V41_METADATA}"
-        refuse_interpreted(native, g)
         _check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise DeclarationError(
@@ -245,7 +242,6 @@ class V41MetadataInputs(PagedInputs):
                          max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
                          num_pages=num_blocks, max_ranges=max_ranges,
                          reserved_page=dummy_block)
-        self.native = native
         self.ratios = tuple(ratios)
         self.window = window
         self.index_topk = index_topk
@@ -323,7 +319,7 @@ class V41MetadataInputs(PagedInputs):
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> LayoutStep:
-        cls = RequestLayout  # (native=False was refused at construction)
+        cls = RequestLayout
         snapshots = self.tables.snapshots
         for slot in range(self.h2d_state.num_slots):
             def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
