@@ -18,6 +18,7 @@ from block_tables import (
     LayoutPlan,
     RequestLayout,
     RequestLayoutError,
+    TokenPlanes,
     request_layout,
 )
 
@@ -683,13 +684,27 @@ def test_state_slot_outputs_and_mrope_planes_from_their_definitions() -> None:
                                         np.array([-1, -2], np.int32)))
     planes = np.full(3 * 6, 99, np.int64)
     mrope = RequestLayout("vl", 16, np.zeros((2, 4), np.int32), np.zeros(2, np.int32),
-                          columns=[LayoutColumn("deltas")], mrope="deltas",
-                          mrope_planes=planes)
+                          columns=[LayoutColumn("deltas")],
+                          outputs=[TokenPlanes("planes", planes, "deltas", planes=3)])
     # request 0: 2 tokens at positions 8, 9 (delta -3); request 1: 1 token at 4 (delta 7)
     mrope.plan(np.array([2, 1], np.int32), np.array([10, 5], np.int32), 2, 5,
                (np.array([-3, 7], np.int32),))
     mrope.write()
     plane = [5, 6, 11, 0, 0]
     assert planes.tolist() == plane * 3 + [99] * 3
-    with pytest.raises(RequestLayoutError, match=r"mrope names a bound int32 per-request"):
-        RequestLayout("vl", 16, None, None, mrope="deltas", mrope_planes=planes)
+    for columns, output, rule in [
+        ([], TokenPlanes("planes", planes, "deltas", 3), "reads column 'deltas', which must"),
+        ([LayoutColumn("deltas", per_token=True, out=np.zeros(6, np.int32))],
+         TokenPlanes("planes", planes, "deltas", 3), "reads column 'deltas', which must"),
+        ([LayoutColumn("deltas")], TokenPlanes("planes", planes, "deltas", 0),
+         "planes must be an int >= 1"),
+        ([LayoutColumn("deltas")], TokenPlanes("planes", planes.astype(np.int32), "deltas"),
+         "output 'planes' must be a writeable C-contiguous 1-D int64"),
+        ([LayoutColumn("deltas")], TokenPlanes("deltas", planes, "deltas"),
+         "output 'deltas' needs a unique name"),
+    ]:
+        with pytest.raises(RequestLayoutError, match=rule):
+            RequestLayout("vl", 16, None, None, columns=columns, outputs=[output])
+    # a layout's token capacity counts each output's planes: 18 entries, 3 planes, 6 tokens
+    assert RequestLayout("vl", 16, None, None, columns=[LayoutColumn("deltas")],
+                         outputs=[TokenPlanes("p", planes, "deltas", 3)]).max_tokens == 6

@@ -18,7 +18,7 @@ from .errors import (
     VersionExhaustedError,
 )
 from .lineage import MAX_ROW_LENGTH, BlockTable, draw_version
-from .request_layout import LayoutColumn, LayoutPlan, RequestLayout
+from .request_layout import LayoutColumn, LayoutOutput, LayoutPlan, RequestLayout, TokenPlanes
 from .snapshot import ChangedRows, PageTableSnapshot
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "BlockTableError",
     "ChangedRows",
     "LayoutColumn",
+    "LayoutOutput",
     "LayoutPlan",
     "MissingPagesError",
     "PageIdRangeError",
@@ -38,6 +39,7 @@ __all__ = [
     "RowTypeError",
     "RowWidthError",
     "StorageError",
+    "TokenPlanes",
     "VersionExhaustedError",
     "draw_version",
 ]

@@ -130,6 +130,28 @@ class LayoutPlan:
     graph: bool = True
 
 
+@dataclass(frozen=True)
+class TokenPlanes:
+    """A per-token int64 output a family registers: each real token's position plus its
+    request's value of ``column`` (a bound int32 per-request :class:`LayoutColumn`),
+    written on ``planes`` planes at the running width (plane ``a`` is the flat range
+    ``[a * padded_tokens, (a + 1) * padded_tokens)``); padding tokens hold 0 on every
+    plane. ``out`` is a writeable C-contiguous int64 ``[planes * tokens]`` array.
+
+    MRoPE's planes are one (``planes=3``, the column its per-request position deltas):
+    declared beside the family's adapter (:mod:`h2d_runner_adapters.mrope`), written by
+    :meth:`RequestLayout.write` in the same pass as the core outputs.
+    """
+
+    name: str
+    out: np.ndarray
+    column: str
+    planes: int = 1
+
+
+#: the outputs a family registers with a layout (``RequestLayout(..., outputs=[...])``)
+LayoutOutput = TokenPlanes
+
 _KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 
 
@@ -158,10 +180,8 @@ class RequestLayout:
     :meth:`write` fills ``draft_targets`` int64 (request ``r``'s target rows
     ``cu[r] .. cu[r] + d_r - 1``, the drafts back to back), ``draft_prefix`` int32 (the
     inclusive prefix of ``d``) and ``draft_bonus`` int64 (``cu[r] + d_r``), real requests
-    only; ``cu`` is the query prefix. ``mrope`` names a bound int32 per-request column
-    of MRoPE position deltas: :meth:`write` fills ``mrope_planes`` int64 (three planes at
-    the running width as their stride, ``3 * padded_tokens`` entries: every plane of a
-    token holds its position plus its request's delta, 0 for padding tokens).
+    only; ``cu`` is the query prefix. ``outputs`` are the outputs a family registers
+    (:class:`TokenPlanes`: e.g. MRoPE's three planes), written in the same pass.
     ``state_groups`` names a bound int32 per-request column of state groups ``g`` (a
     recurrent model's state pool, ``slots_per_group`` consecutive slots per group; the
     column's bounds keep every slot in the pool): :meth:`write` fills ``state_base``
@@ -201,14 +221,14 @@ class RequestLayout:
     _targets = cython.declare(cython.longlong[::1])
     _draft_prefix = cython.declare(cython.int[::1])
     _bonus = cython.declare(cython.longlong[::1])
-    _mrope_col = cython.declare(cython.Py_ssize_t)
+    # per registered TokenPlanes: (out, column index, planes)
+    _token_planes = cython.declare(tuple)
     _group_col = cython.declare(cython.Py_ssize_t)
     _fork_col = cython.declare(cython.Py_ssize_t)
     _per_group = cython.declare(cython.int)
     _state_base = cython.declare(cython.int[::1])
     _state_read = cython.declare(cython.int[::1])
     _state_rows = cython.declare(cython.int[::1])
-    _planes = cython.declare(cython.longlong[::1])
     _cursor_col = cython.declare(cython.Py_ssize_t)
     _cursor_limit = cython.declare(cython.longlong)
     _cand_col = cython.declare(cython.Py_ssize_t)
@@ -288,8 +308,6 @@ class RequestLayout:
         draft_targets: np.ndarray | None = None,
         draft_prefix: np.ndarray | None = None,
         draft_bonus: np.ndarray | None = None,
-        mrope: str | None = None,
-        mrope_planes: np.ndarray | None = None,
         state_groups: str | None = None,
         state_forks: str | None = None,
         slots_per_group: int = 1,
@@ -303,6 +321,7 @@ class RequestLayout:
         candidate_width: int = 1,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
+        outputs: Sequence[LayoutOutput] = (),
     ) -> None:
         copies: tuple = ()
         if isinstance(cu_query, tuple):
@@ -331,7 +350,6 @@ class RequestLayout:
             "draft_targets": _array(name, "draft_targets", draft_targets, np.int64, 1),
             "draft_prefix": _array(name, "draft_prefix", draft_prefix, np.int32, 1),
             "draft_bonus": _array(name, "draft_bonus", draft_bonus, np.int64, 1),
-            "mrope_planes": _array(name, "mrope_planes", mrope_planes, np.int64, 1),
             "state_base": _array(name, "state_base", state_base, np.int32, 1),
             "state_read": _array(name, "state_read", state_read, np.int32, 1),
             "state_rows": _array(name, "state_rows", state_rows, np.int32, 1),
@@ -374,8 +392,6 @@ class RequestLayout:
                 tok_caps.append(self.arrays[key].size)
         if token_prefix is not None:
             tok_caps.append(token_prefix.size - 1)
-        if mrope_planes is not None:
-            tok_caps.append(mrope_planes.size // 3)
         bound: list[tuple[Any, ...]] = []
         for col in columns:
             out = col.out
@@ -415,16 +431,7 @@ class RequestLayout:
                     f"{name}: drafts names a bound int32 per-request column and needs "
                     "draft_targets, draft_prefix and draft_bonus; pass all four, or none")
             self._draft_col = names.index(drafts)
-        self._mrope_col = -1
-        if mrope is not None or mrope_planes is not None:
-            names = [spec[5] for spec in bound]
-            if (mrope not in names or mrope_planes is None
-                    or bound[names.index(mrope)][0] != 0 or bound[names.index(mrope)][2]):
-                raise RequestLayoutError(
-                    f"{name}: mrope names a bound int32 per-request column of position "
-                    "deltas and needs mrope_planes; pass both, or neither")
-            self._mrope_col = names.index(mrope)
-        self._planes = mrope_planes
+        self._token_planes = _bind_token_planes(name, bound, outputs, self.arrays, tok_caps)
         self._group_col, self._fork_col = _state_columns(
             name, bound, state_groups, state_forks, slots_per_group,
             (state_base, state_read, state_rows))
@@ -847,21 +854,8 @@ class RequestLayout:
                 prefix[i] = cython.cast(cython.int, t)
         values = self._values
         self._values = ()
-        if self._mrope_col >= 0:  # three planes at stride pt: position + the request's delta
-            deltas: cython.pointer[cython.int] = _ints(values[self._mrope_col])
-            planes: cython.longlong[::1] = self._planes
-            k = 0
-            for i in range(n):
-                q = cython.cast(cython.longlong, own_q[i])
-                c = cython.cast(cython.longlong, own_c[i])
-                for j in range(q):
-                    planes[k] = c - q + j + deltas[i]
-                    k += 1
-            for k in range(t, pt):
-                planes[k] = 0
-            for k in range(pt):
-                planes[pt + k] = planes[k]
-                planes[2 * pt + k] = planes[k]
+        for registered in self._token_planes:
+            _write_token_planes(registered, values, own_q, own_c, n, t, pt)
         if self._group_col >= 0:
             _write_state_slots(self, values, n, p)
         if self._candidates is not None:
@@ -894,6 +888,63 @@ class RequestLayout:
                                            self.plan_published[k])
             if self.plan_published[k] < 0:
                 self.plan_published[k] = self.plan_real[k]
+
+
+def _bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                       tok_caps: list) -> tuple:
+    """Each registered :class:`TokenPlanes` checked and bound: (out, column, planes)."""
+    names = [spec[5] for spec in bound]
+    specs = []
+    for out in outputs:
+        if not isinstance(out, TokenPlanes):
+            raise RequestLayoutError(
+                f"{name}: outputs takes TokenPlanes records, got {type(out).__name__}")
+        if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
+            raise RequestLayoutError(
+                f"{name}: output {out.name!r}: planes must be an int >= 1, got "
+                f"{out.planes!r}")
+        if out.name in arrays or out.name in names:
+            raise RequestLayoutError(f"{name}: output {out.name!r} needs a unique name")
+        _array(name, f"output {out.name!r}", out.out, np.int64, 1)
+        k = names.index(out.column) if out.column in names else -1
+        if k < 0 or bound[k][0] != 0 or bound[k][2]:
+            raise RequestLayoutError(
+                f"{name}: output {out.name!r} reads column {out.column!r}, which must be a "
+                "bound int32 per-request LayoutColumn; declare it in columns")
+        arrays[out.name] = out.out
+        tok_caps.append(out.out.size // out.planes)
+        specs.append((out.out, k, out.planes))
+    return tuple(specs)
+
+
+@cython.cfunc
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def _write_token_planes(spec: tuple, values: Sequence[Any], own_q: cython.int[::1],
+                        own_c: cython.int[::1], n: cython.Py_ssize_t, t: cython.Py_ssize_t,
+                        pt: cython.Py_ssize_t) -> None:
+    """One :class:`TokenPlanes`: position + the request's column value, 0 for padding
+    tokens, on every plane at stride ``pt``."""
+    out: cython.pointer[cython.longlong] = _longs(spec[0])
+    col: cython.pointer[cython.int] = _ints(values[cython.cast(cython.Py_ssize_t, spec[1])])
+    planes: cython.Py_ssize_t = spec[2]
+    i: cython.Py_ssize_t
+    j: cython.Py_ssize_t
+    a: cython.Py_ssize_t
+    k: cython.Py_ssize_t = 0
+    q: cython.longlong
+    c: cython.longlong
+    for i in range(n):
+        q = cython.cast(cython.longlong, own_q[i])
+        c = cython.cast(cython.longlong, own_c[i])
+        for j in range(q):
+            out[k] = c - q + j + col[i]
+            k += 1
+    for k in range(t, pt):
+        out[k] = 0
+    for a in range(1, planes):
+        for k in range(pt):
+            out[a * pt + k] = out[k]
 
 
 def _state_columns(name: str, bound: list, groups: str | None, forks: str | None,
@@ -1555,5 +1606,8 @@ def _input(name: str, what: str, value: object) -> None:
 if not cython.compiled:
     from .native import require_extension
 
-    RequestLayout = require_extension(  # type: ignore[misc]
-        "block_tables._request_layout").RequestLayout
+    # the records too: the compiled class checks what it is given against its own
+    _compiled = require_extension("block_tables._request_layout")
+    RequestLayout = _compiled.RequestLayout  # type: ignore[misc]
+    TokenPlanes = _compiled.TokenPlanes  # type: ignore[misc]
+    LayoutOutput = TokenPlanes  # type: ignore[misc]

@@ -65,6 +65,8 @@ from .consumers._launch import consumers_fusable, interpreted
 from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_header
 from .consumers.mrope import select_mrope_positions
 from .mrope import check_deltas, declare_mrope, mrope_planes
+from .mrope import layout_columns as mrope_layout_columns
+from .mrope import layout_outputs as mrope_layout_outputs
 from .paged import PagedInputs
 from .plan_records import CountsPlan, slot_plans
 
@@ -186,17 +188,16 @@ class MhaDecodeInputs(PagedInputs):
 
     def _layout_outputs(self, slot: int) -> dict[str, Any]:
         """Further :class:`block_tables.RequestLayout` outputs over ``slot``'s sources
-        (a subclass's own members, e.g. MLA's last-page lengths): here the MRoPE planes,
-        from the deltas column of :meth:`_layout_columns`."""
+        (a subclass's own members, e.g. MLA's last-page lengths): here the outputs MRoPE
+        registers (:func:`~h2d_runner_adapters.mrope.layout_outputs`)."""
         if self.mrope_positions is None:
             return {}
-        return {"mrope": "mrope_deltas",
-                "mrope_planes": self.mrope_positions.source(slot).numpy()}
+        return {"outputs": mrope_layout_outputs(self.mrope_positions, slot)}
 
     def _layout_columns(self) -> list[LayoutColumn]:
-        """The adapter's own request columns (values passed to each step): MRoPE's
-        per-request position deltas, checked and read by the planes' output."""
-        return [LayoutColumn("mrope_deltas")] if self.mrope_positions is not None else []
+        """The adapter's own request columns (values passed to each step): the one MRoPE
+        registers, its per-request position deltas."""
+        return mrope_layout_columns() if self.mrope_positions is not None else []
 
     def _count_rules(self) -> list[CountRule]:
         """What the step publishes of each member: the graph grid of tokens, padded

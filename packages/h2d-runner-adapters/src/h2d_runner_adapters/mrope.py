@@ -11,8 +11,9 @@ another step's stride. Padding tokens hold 0 on every plane.
 
 Decode: every plane of request ``i``'s tokens holds ``position + delta_i`` (the request's
 MRoPE position delta; text after an image continues from the image's largest position),
-written by the decode step's layout pass (:class:`block_tables.RequestLayout`'s ``mrope``
-output).
+written by the decode step's layout pass: the family registers its deltas column and a
+:class:`block_tables.TokenPlanes` output with the layout (:func:`layout_columns`,
+:func:`layout_outputs`).
 Prefill: a request's planes come from its precomputed ``[3, L]`` prompt positions (the
 chunk's columns ``[ctx - q, ctx)``), or its ordinary positions on every plane when it has
 none.
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from block_tables import LayoutColumn, TokenPlanes
 from h2d_core import H2DBuffer, H2DRunnerState
 
 from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe, int_array
@@ -41,6 +43,23 @@ _INT32 = np.dtype(np.int32)
 def declare_mrope(state: H2DRunnerState, name: str, max_tokens: int, group: str) -> H2DBuffer:
     """The flat ``[3 * max_tokens]`` int64 planes buffer of ``group``."""
     return state.buffer(name, (MROPE_AXES * max_tokens,), torch.int64, group=group)
+
+
+#: the request column the decode step's values carry MRoPE's position deltas in
+DELTAS_COLUMN = "mrope_deltas"
+
+
+def layout_columns() -> list[LayoutColumn]:
+    """The request column MRoPE adds to a decode layout: each request's position delta
+    (checked by :func:`check_deltas` before it reaches the layout)."""
+    return [LayoutColumn(DELTAS_COLUMN)]
+
+
+def layout_outputs(buffer: H2DBuffer, slot: int) -> list[TokenPlanes]:
+    """MRoPE's output registered with ``slot``'s decode layout: the three planes of
+    ``buffer``'s source, each token's position plus its request's delta."""
+    return [TokenPlanes(buffer.name, buffer.source(slot).numpy(), DELTAS_COLUMN,
+                        planes=MROPE_AXES)]
 
 
 def mrope_planes(buffer: H2DBuffer, width: int) -> torch.Tensor:
