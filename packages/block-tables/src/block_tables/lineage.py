@@ -60,6 +60,7 @@ MAX_VERSION = (1 << (63 - LENGTH_BITS)) - 1
 """Largest version the packed int64 key can encode (about 5.5e11 versions per process)."""
 
 LENGTH_MASK = MAX_ROW_LENGTH
+UNVERSIONED = 0  # a row's version when written from an array or list (below any drawn)
 
 _MIN_CAPACITY = 16
 

@@ -45,8 +45,9 @@ from .errors import (
     RowWidthError,
     StorageError,
 )
-from .lineage import LENGTH_BITS, LENGTH_MASK, BlockTable, _Lineage
+from .lineage import LENGTH_BITS, LENGTH_MASK, UNVERSIONED, BlockTable, _Lineage
 from .native import require_extension
+from .spans import changed_byte_ranges
 from .validation import (
     INT32_MAX,
     INT32_MIN,
@@ -58,7 +59,7 @@ from .validation import (
     coerce_page_ids,
     raise_scalar_range_error,
 )
-from .vectors import prepare_vectors
+from .vectors import plan_vector_rows
 
 MAX_WIDTH = (1 << (LENGTH_BITS - 1)) - 1
 """Widest storage a snapshot accepts. Keeping widths below half the key's length field
@@ -66,9 +67,6 @@ means two row keys differ by at most ``width`` exactly when their versions are e
 
 UNKNOWN = -1
 """Stored version of a row whose bytes the snapshot does not know."""
-
-UNVERSIONED = 0
-"""Stored version of a row last written from an unversioned (array or list) source."""
 
 _INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows always compare
 
@@ -198,6 +196,23 @@ class PageTableSnapshot:
             np.empty(3 * rows, dtype=np.int64), int(width), self._meta, self._hist_count,
             self._hist_rows, self._reserved)
         self._cleared = 0  # elements tail clears changed to the fill value (diagnostic)
+        self._keys_read_only = self._row_keys.view()
+        self._keys_read_only.flags.writeable = False
+
+    # -- what the key diffs (spans.py) and a table's stager read -----------------------------
+
+    @property
+    def stored_keys(self) -> Int64Array:
+        """The packed (version, length) key of every storage row, as a read-only view of
+        the snapshot's own array (the same object each time): what a publisher remembers
+        at upload (:func:`block_tables.spans.row_keys`) and diffs later."""
+        return self._keys_read_only
+
+    @property
+    def all_versioned(self) -> bool:
+        """Whether every row of the last prepared batch came from a BlockTable: equal keys
+        then mean equal bytes, and a key diff needs no history."""
+        return bool(self._meta[_ALL_VERSIONED])
 
     # -- the bookkeeping, as the Python paths read and write it -----------------------------
 
@@ -347,9 +362,6 @@ class PageTableSnapshot:
                 return [(a, b - a) for a, b in found[0]], found[1]
         # Not all versioned (the history or the unversioned rows decide), or keys the
         # compiled diff hands back (not native int64, or a read-only keys_out): spans.py.
-        # spans builds on this module: imported here, on the path that is not per step
-        from .spans import changed_byte_ranges
-
         pairs = changed_byte_ranges(self, keys_then, num_rows, row_bytes, revision=revision,
                                     max_ranges=max_ranges, max_bytes=max_bytes,
                                     keys_out=keys_out)
@@ -428,7 +440,7 @@ class PageTableSnapshot:
                 raise RowTypeError(
                     "a snapshot with a reserved page checks each row's pages as they "
                     "arrive; prepare it from rows, without versions and lengths")
-            return prepare_vectors(self, rows, versions, lengths, required_pages)
+            return self._prepare_vectors(rows, versions, lengths, required_pages)
         # The common decode and prefill-chunk steps (hits and appends of versioned rows)
         # in one compiled call; None means "not covered", and nothing was written.
         # It records the revision and the bookkeeping itself.
@@ -653,6 +665,29 @@ class PageTableSnapshot:
         differs = ~equal
         self._flat[flat_index[differs]] = values[differs]
         return rows[differs]
+
+    def _prepare_vectors(self, rows: Sequence[object], versions: object, lengths: object,
+                         required_pages: Sequence[int] | np.ndarray | None) -> int:
+        """``prepare(rows, versions=, lengths=)``: the batch checked whole and planned
+        (:func:`~block_tables.vectors.plan_vector_rows`), then written (compared first:
+        only changed bytes count as changes)."""
+        plan = plan_vector_rows(rows, versions, lengths, required_pages,
+                                capacity=self._rows, width=self._width,
+                                pool_limit=self._check_limit, stored_keys=self._row_keys,
+                                stored_lengths=self._lengths)
+        n = len(rows)
+        changed: Any = ()
+        if plan.touched:
+            changed = self._write_rows(plan.appends, plan.shrunk, self._lengths, plan.lengths,
+                                       plan.rewrites)
+            self._row_keys[:n] = plan.keys
+            self._lengths[:n] = plan.lengths
+        self._num_rows = n
+        self._keys = None
+        self._all_versioned = True
+        if changed:
+            return self._bump(np.array(sorted(changed), dtype=np.int64))
+        return self._revision
 
     def _write_rows(
         self,

@@ -11,12 +11,18 @@ at the fill value.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .lineage import LENGTH_BITS, LENGTH_MASK
-from .snapshot import UNVERSIONED, PageTableSnapshot
+from .lineage import LENGTH_BITS, LENGTH_MASK, UNVERSIONED
+from .native import require_extension
 from .validation import Int64Array
+
+if TYPE_CHECKING:  # the snapshot calls into this module; this one reads its public state
+    from .snapshot import PageTableSnapshot
+
+_native = require_extension("block_tables._block_tables_native")
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,9 @@ def row_keys(
     reused across uploads) the keys are written to ``out[:n]`` and that view returned."""
     n = snapshot.num_rows if rows is None else min(rows, snapshot.num_rows)
     if out is None:
-        return snapshot._row_keys[:n].copy()
+        return snapshot.stored_keys[:n].copy()
     view = out[:n]
-    view[...] = snapshot._row_keys[:n]
+    view[...] = snapshot.stored_keys[:n]
     return view
 
 
@@ -68,11 +74,11 @@ def changed_spans(
     caller then re-sends whole rows. Rows at or past ``len(keys_then)`` are not covered.
     """
     limit = min(num_rows, keys_then.size)
-    now_all = snapshot._row_keys[:limit]
-    if snapshot._all_versioned:
+    now_all = snapshot.stored_keys[:limit]
+    if snapshot.all_versioned:
         # The last batch was all versioned: equal keys mean equal bytes, so comparing the
         # keys finds every changed row without the history (compiled: key_spans).
-        found = snapshot._native.key_spans(now_all, keys_then, limit)
+        found = _native.key_spans(now_all, keys_then, limit)
         if found is not NotImplemented:
             return ChangedSpans(*found)
         # keys it does not read (not native int64: unsigned, byte-swapped): the same rule
@@ -132,9 +138,9 @@ def changed_byte_ranges(
     snapshot's ``num_rows`` then.
     """
     rows_then = keys_then.size
-    if snapshot._all_versioned:
-        found = snapshot._native.changed_byte_ranges(
-            snapshot._row_keys, keys_then, rows_then, num_rows, row_bytes, max_ranges,
+    if snapshot.all_versioned:
+        found = _native.changed_byte_ranges(
+            snapshot.stored_keys, keys_then, rows_then, num_rows, row_bytes, max_ranges,
             max_bytes, keys_out)
         if found is not NotImplemented:
             return found
@@ -142,7 +148,7 @@ def changed_byte_ranges(
     # changed), or keys the compiled diff hands back (not native int64, or a read-only
     # keys_out): the same ranges from changed_spans.
     if keys_out is not None:
-        keys_out[:num_rows] = snapshot._row_keys[:num_rows]
+        keys_out[:num_rows] = snapshot.stored_keys[:num_rows]
     spans = changed_spans(snapshot, keys_then, num_rows, revision)
     if spans is None:
         return None

@@ -23,7 +23,7 @@ process's version space with :class:`~block_tables.BlockTable` (draw them with
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,8 +37,18 @@ from .validation import (
     coerce_page_ids,
 )
 
-if TYPE_CHECKING:
-    from .snapshot import PageTableSnapshot
+
+class VectorRows(NamedTuple):
+    """What a batch given by version and length vectors changes, checked whole and not yet
+    written: the snapshot applies it (``PageTableSnapshot.prepare(rows, versions=...,
+    lengths=...)``). No touched row is a hit."""
+
+    keys: Int64Array  # the batch's packed (version, length) keys
+    lengths: Int64Array
+    touched: int  # rows whose key differs from the stored one
+    appends: list[tuple[int, int, int, Int32Array]]  # (row, start, stop, row IDs)
+    shrunk: list[int]  # same lineage, shorter: clear the tail
+    rewrites: list[tuple[int, Int32Array, int]]  # (row, IDs, length it replaces)
 
 
 def _vector(name: str, value: object, n: int) -> Int64Array:
@@ -62,18 +72,26 @@ def _row_ids(row: object, i: int, length: int) -> Int32Array:
     return ids
 
 
-def prepare_vectors(
-    snap: PageTableSnapshot,
+def plan_vector_rows(
     rows: Sequence[object],
     versions: object,
     lengths: object,
     required_pages: Sequence[int] | np.ndarray | None,
-) -> int:
-    """``snap.prepare(rows, versions=versions, lengths=lengths)`` (module docstring)."""
+    *,
+    capacity: int,
+    width: int,
+    pool_limit: int,
+    stored_keys: Int64Array,
+    stored_lengths: Int64Array,
+) -> VectorRows:
+    """Check a batch given by version and length vectors (module docstring) against a
+    table of ``capacity`` rows of ``width`` IDs holding ``stored_keys`` /
+    ``stored_lengths``, and say what it changes; reads only the touched rows, writes
+    nothing."""
     n = len(rows)
-    if n > snap._rows:
+    if n > capacity:
         raise RowCountError(
-            f"the batch has {n} rows but the storage holds {snap._rows}; split the batch or "
+            f"the batch has {n} rows but the storage holds {capacity}; split the batch or "
             "allocate a larger block table"
         )
     vers = _vector("versions", versions, n)
@@ -86,52 +104,32 @@ def prepare_vectors(
                 "versions with block_tables.draw_version()",
                 row=bad,
             )
-        if int(lens.view(np.uint64).max()) > snap._width:
-            bad = int(np.flatnonzero(lens.view(np.uint64) > snap._width)[0])
+        if int(lens.view(np.uint64).max()) > width:
+            bad = int(np.flatnonzero(lens.view(np.uint64) > width)[0])
             raise RowWidthError(
-                f"row {bad}: length {int(lens[bad])} is outside [0, {snap._width}] (the table "
+                f"row {bad}: length {int(lens[bad])} is outside [0, {width}] (the table "
                 "width); allocate a wider block table",
                 row=bad,
             )
     if required_pages is not None:
         check_required_pages(required_pages, lens, lens.view(np.uint64))
     keys = (vers << LENGTH_BITS) | lens
-    stored = snap._row_keys[:n]
-    delta = keys - stored
+    delta = keys - stored_keys[:n]
     touched = np.flatnonzero(delta)
-    if touched.size == 0:  # a hit: no row is read
-        snap._num_rows = n
-        snap._keys = None
-        snap._all_versioned = True
-        return snap._revision
-
-    # ---- check every touched row before the first write: the snapshot's write lists -----
-    width, limit = snap._width, snap._check_limit  # no pool limit: IDs still >= 0
-    appends: list[tuple[int, int, int, Int32Array]] = []  # (row, start, stop, row IDs)
+    appends: list[tuple[int, int, int, Int32Array]] = []
     shrunk: list[int] = []
-    rewrites: list[tuple[int, Int32Array, int]] = []  # (row, IDs, length it replaces)
-    stored_lengths = snap._lengths
+    rewrites: list[tuple[int, Int32Array, int]] = []
     for i, d in zip(touched.tolist(), delta[touched].tolist(), strict=True):
         old = int(stored_lengths[i])
         new = int(lens[i])
         if abs(d) <= width and d < 0:
-            shrunk.append(i)  # same lineage, shorter: clear the tail
+            shrunk.append(i)
             continue
         ids = _row_ids(rows[i], i, new)
         start = old if abs(d) <= width else 0  # same lineage, grown: only the added IDs
-        check_page_range(ids[start:new], row=i, start=start, pool_limit=limit)
+        check_page_range(ids[start:new], row=i, start=start, pool_limit=pool_limit)
         if start:
             appends.append((i, start, new, ids))
         else:
             rewrites.append((i, ids, old))
-
-    # ---- write (compare first: only changed bytes count as changes) -----------------------
-    changed = snap._write_rows(appends, shrunk, stored_lengths, lens, rewrites)
-    stored[...] = keys
-    stored_lengths[:n] = lens
-    snap._num_rows = n
-    snap._keys = None
-    snap._all_versioned = True
-    if changed:
-        return snap._bump(np.array(sorted(changed), dtype=np.int64))
-    return snap._revision
+    return VectorRows(keys, lens, int(touched.size), appends, shrunk, rewrites)

@@ -71,6 +71,7 @@ class TableStager:
     _snapshots = cython.declare(tuple)
     _bounds = cython.declare(tuple)
     _pool_limits = cython.declare(tuple)
+    _stored_keys = cython.declare(tuple)  # per slot: the snapshot's read-only row keys
     _homes = cython.declare(list)
     _home_group = cython.declare(cython.Py_ssize_t)
     _member = cython.declare(cython.Py_ssize_t)
@@ -112,6 +113,7 @@ class TableStager:
         self._snapshots = tuple(table.snapshots)
         self._bounds = tuple([s._bound for s in self._snapshots])
         self._pool_limits = tuple([s._limit_arg for s in self._snapshots])
+        self._stored_keys = tuple([s.stored_keys for s in self._snapshots])
         self._metas = np.array([s.meta_address for s in self._snapshots], dtype=np.intp)
         self._params_obj = np.zeros(8, dtype=np.int64)
         self._params = self._params_obj
@@ -262,7 +264,7 @@ class TableStager:
                 p[4] = most_bytes
                 p[5] = self._member  # each range tagged with the record's member index
                 p[6] = rec.num_ranges
-                count = _changed_ranges_into(snap._row_keys, then, self._params_obj, keys,
+                count = _changed_ranges_into(self._stored_keys[slot], then, self._params_obj, keys,
                                              rec.range_table)
                 total = p[7]
             if count == -2:

@@ -10,6 +10,7 @@ ignore them): Triton reads parameter annotations as type specializations.
 from __future__ import annotations
 
 import torch
+import triton
 
 from h2d_runner_adapters.consumers.errors import ConsumerArgumentError, ConsumerDeviceError
 
@@ -24,14 +25,19 @@ def interpreted(kernel: object) -> bool:
     return type(kernel).__name__ == "InterpretedFunction"
 
 
+@triton.jit
+def _mode_probe(x):  # type: ignore[no-untyped-def]
+    """Never launched: decorated beside every consumer kernel (they all import this
+    module), its type says which mode Triton gave them."""
+    pass
+
+
 def consumers_fusable(device: str | torch.device) -> bool:
     """Whether first consumers can run inside publications on ``device`` (the adapters'
     ``fuse_*`` options): on CUDA, always; on CPU, only under Triton's interpreter
     (``TRITON_INTERPRET=1`` set before triton is imported), where the CPU arena runs the
     real kernels. Elsewhere a ``fuse_*`` option is refused with a DeclarationError."""
-    from h2d_runner_adapters.consumers.token_assembly import _assemble_kernel
-
-    return torch.device(device).type != "cpu" or interpreted(_assemble_kernel)
+    return torch.device(device).type != "cpu" or interpreted(_mode_probe)
 
 
 def next_power_of_two(n: int) -> int:
