@@ -291,7 +291,7 @@ SAMPLING_CASES: dict[str, Case] = {
     "request temperature past float32": (
         lambda a: lambda: a["s"].prepare(requests(sampling={"temperature": 1e39})),
         AdapterInputError, r"request 1 has sampling.temperature=1e\+39; it must be finite "
-                           r"in float32"),
+                           r"as a float32"),
     "request top_p rounding to 0": (
         lambda a: lambda: a["s"].prepare(requests(sampling={"top_p": 1e-50})),
         AdapterInputError, r"request 1 has sampling.top_p=1e-50; it must be in \(0, 1\] as "

@@ -8,7 +8,6 @@ lists (unversioned: compared against the snapshot).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,6 +17,7 @@ import numpy as np
 from block_tables import BlockTable
 
 from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe
+from .sampling_rules import TEMPERATURE, TOP_K, TOP_P, SamplingRule
 
 #: what a request's page list may be
 PageRow = BlockTable | np.ndarray | Sequence[int]
@@ -182,7 +182,6 @@ _COLUMN_DTYPES = (
 )
 _DTYPES = tuple(dtype for _, dtype in _COLUMN_DTYPES)
 _FROM_REQUESTS = "BatchColumns.from_requests"
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 #: one request's checked values: (num_tokens, context_len, temperature, top_k, top_p,
 #: prev_sample_row, staged ids, draft count)
@@ -203,19 +202,21 @@ def _request_row(i: int, r: ScheduledRequest) -> _Row:
             "query tokens; stage at most one id per query token")
     drafts = _ids(i, "draft_token_ids", r.draft_token_ids).size
     s = r.sampling
-    temp = _real_field(i, "sampling.temperature", s.temperature)
-    if not (math.isfinite(temp) and abs(temp) <= _FLOAT32_MAX):
-        raise AdapterInputError(
-            f"{_FROM_REQUESTS}: request {i} has sampling.temperature={temp!r}; it must be "
-            "finite in float32 (<= 0 means greedy)")
-    top_k = _int_field(i, "sampling.top_k", s.top_k, -1, "-1 or 0 turns top-k off")
-    top_p = _real_field(i, "sampling.top_p", s.top_p)
-    # compared as the float32 the column holds: a tiny positive top_p rounds to 0
-    if not (0.0 < top_p <= 1.0 and np.float32(top_p) > 0):
-        raise AdapterInputError(
-            f"{_FROM_REQUESTS}: request {i} has sampling.top_p={top_p!r}; it must be in "
-            "(0, 1] as a float32 (1.0 turns top-p off)")
+    temp = _sampling_field(i, TEMPERATURE, s.temperature)
+    top_k = _int_field(i, f"sampling.{TOP_K.field}", s.top_k, int(TOP_K.low or 0), TOP_K.note)
+    top_p = _sampling_field(i, TOP_P, s.top_p)
     return q, c, temp, top_k, top_p, prev, staged, drafts
+
+
+def _sampling_field(i: int, rule: SamplingRule, value: object) -> float:
+    """Request ``i``'s float sampling field under ``rule``, as given and as the float32
+    its column holds."""
+    x = _real_field(i, f"sampling.{rule.field}", value)
+    if not rule.accepts_value(x):
+        raise AdapterInputError(
+            f"{_FROM_REQUESTS}: request {i} has sampling.{rule.field}={x!r}; it must be "
+            f"{rule.text} as a float32 ({rule.note})")
+    return x
 
 
 def _int_field(i: int, field: str, value: object, lo: int, rule: str) -> int:

@@ -135,3 +135,12 @@ def padded_count(group: str, n: int, padded: object, capacity: int | None = None
     if capacity is not None and padded > capacity:
         raise AdapterInputError(f"{group}: padded={padded} exceeds max_reqs={capacity}")
     return padded
+
+
+def refuse_column(group: str, name: str, values: np.ndarray, bad: np.ndarray, rule: str,
+                  what: str = "request") -> None:
+    """Raise the refusal of column ``name``'s first ``bad`` entry (a mask), worded as the
+    compiled request layout words it."""
+    i = int(np.flatnonzero(bad)[0])
+    shown = str(values[i])  # numpy's shortest form of a float32 ("1.0000001")
+    raise AdapterInputError(f"{group}: {what} {i} has {name}={shown}; {name} must be {rule}")

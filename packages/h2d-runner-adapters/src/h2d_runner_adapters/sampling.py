@@ -16,8 +16,6 @@ temperatures finite, ``top_k >= -1`` (-1 and 0 both mean "off"), ``top_p`` in (0
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -27,6 +25,7 @@ from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, sub_plan
 from .consumers import GREEDY_TEMPERATURE, sample_tokens
 from .plan_records import CountsPlan
+from .sampling_rules import check_columns
 
 SAMPLING = "sampling"
 
@@ -88,31 +87,6 @@ class SamplingPlan(CountsPlan):
         return float(p[0])
 
 
-def refuse_column(group: str, name: str, values: np.ndarray, bad: np.ndarray, rule: str,
-                  what: str = "request") -> None:
-    """Raise the refusal of column ``name``'s first ``bad`` entry (a mask), worded as the
-    compiled request layout words it."""
-    i = int(np.flatnonzero(bad)[0])
-    shown = str(values[i])  # numpy's shortest form of a float32 ("1.0000001")
-    raise AdapterInputError(f"{group}: {what} {i} has {name}={shown}; {name} must be {rule}")
-
-
-def check_sampling(group: str, cols: BatchColumns) -> None:
-    """The sampling columns' values: finite temperatures, ``top_k >= -1``, ``top_p`` in
-    (0, 1]. A few reductions (min and max propagate NaN); the search only on a refusal."""
-    if not cols.temperatures.size:
-        return
-    t = cols.temperatures
-    if not (math.isfinite(t.min()) and math.isfinite(t.max())):
-        refuse_column(group, "temperatures", t, ~np.isfinite(t), "finite")
-    k = cols.top_k
-    if k.min() < -1:
-        refuse_column(group, "top_k", k, k < -1, ">= -1")
-    p = cols.top_p
-    if not (p.min() > 0 and p.max() <= 1):
-        refuse_column(group, "top_p", p, ~((p > 0) & (p <= 1)), "in (0, 1]")
-
-
 def _uniform(values: np.ndarray) -> bool:
     # a byte comparison: several times cheaper than an elementwise compare + all()
     return values.tobytes() == values[:1].tobytes() * values.size
@@ -153,7 +127,7 @@ class SamplingInputs:
             raise AdapterInputError(
                 f"{SAMPLING}: {n} requests exceed the sampling buffers' max_reqs={cap}; "
                 "split the batch or declare SamplingInputs with a larger max_reqs")
-        check_sampling(SAMPLING, cols)
+        check_columns(SAMPLING, cols)
         np.maximum(cols.temperatures, GREEDY_TEMPERATURE, out=self.temperatures.np[:n])
         top_k: int | None = None
         top_p: float | None = None

@@ -38,12 +38,12 @@ import torch
 from h2d_core import DeclarationError, FusedConsumer, H2DRunnerState, StepCounts, h2d_producer
 
 from .batch import BatchColumns, ScheduledBatch
-from .checks import AdapterInputError, padded_count, sub_plan
+from .checks import AdapterInputError, padded_count, refuse_column, sub_plan
 from .consumers import assemble_token_ids, gather_draft_ids
 from .consumers._launch import check_tensor, interpreted
 from .consumers.token_assembly import _assemble_kernel, launch_assembly_from_header
 from .plan_records import CountsPlan
-from .sampling import SAMPLING, refuse_column
+from .sampling import SAMPLING
 
 TOKEN_IDS = "token_ids"
 QUERY_PREFIX = "query_prefix"

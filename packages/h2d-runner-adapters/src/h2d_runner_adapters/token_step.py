@@ -41,6 +41,7 @@ from .checks import AdapterInputError, padded_count
 from .consumers import GREEDY_TEMPERATURE
 from .plan_records import CompositePlan, slot_plans
 from .sampling import SAMPLING, TOP_K_UNIFORM, TOP_P_UNIFORM, SamplingInputs, SamplingPlan
+from .sampling_rules import TEMPERATURE, TOP_K, TOP_P, layout_column
 from .token_inputs import (
     QUERY_PREFIX,
     SPEC_INDICES,
@@ -62,10 +63,9 @@ def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int, *,
         return b.source(slot).numpy()
     return [
         # sampling runs eagerly on real rows: no graph padding
-        LayoutColumn("temperatures", src(sampling.temperatures), pad=None,
-                     minimum=GREEDY_TEMPERATURE, finite=True),
-        LayoutColumn("top_k", src(sampling.top_ks), pad=None, low=-1),  # -1, 0: off
-        LayoutColumn("top_p", src(sampling.top_ps), pad=None, low=0, low_open=True, high=1),
+        layout_column(TEMPERATURE, src(sampling.temperatures), minimum=GREEDY_TEMPERATURE),
+        layout_column(TOP_K, src(sampling.top_ks)),
+        layout_column(TOP_P, src(sampling.top_ps)),
         # -1: staged from the host; else a row of the previous step's sampled tokens
         LayoutColumn("prev_sample_rows", src(tokens.decode_src), pad=-1, low=-1,
                      high=tokens.prev_rows - 1),
