@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _hook_module():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location(
-        "_h2d_hatch_build", ROOT / "packages" / "block-tables" / "hatch_build.py")
+        "_h2d_hatch_build", ROOT / "tools" / "hatch_native.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1111,7 +1111,7 @@ def test_snapshot_method_gives_the_module_function_s_ranges(keys_kind: str) -> N
 # at import
 # --------------------------------------------------------------------------------------
 
-NATIVE_NAME = "block_tables._block_tables_native"
+NATIVE_NAME = "block_tables._snapshot_native"
 
 # A finder that refuses the compiled snapshot core: the package as installed without it.
 BLOCK_NATIVE = (

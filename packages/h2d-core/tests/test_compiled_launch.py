@@ -6,7 +6,7 @@ own CPU publication of the launched bucket's size, as the captured graph would o
 GPU, so destinations show whether the compiled path packed the right bytes and chose the
 right graph. The GPU suites run the same state through the real driver.
 
-The slot events (``h2d_core._h2d_core_native``, ``_events.pyx``) are checked on the CPU
+The slot events (``h2d_core._events_native``, ``_events.pyx``) are checked on the CPU
 through ctypes callbacks too; addresses that are not functions are only ever given to
 ``bind_events`` calls that must refuse them before calling anything. On CUDA
 (``RUN_H2D_GPU_TESTS=1``) the ``gpu`` tests record and wait on real driver events.
@@ -392,7 +392,7 @@ BAD_BINDS: dict[str, tuple[tuple[Any, ...], dict[str, Any], type[BaseException],
     "four arguments": (((0x11,), F, F, F), {}, TypeError, TUPLE_MESSAGE),
     "six arguments": (((0x11,), F, F, F, None, None), {}, TypeError, TUPLE_MESSAGE),
     "owner by keyword": (((0x11,), F, F, F), {"owner": None}, TypeError,
-                         r"^h2d_core\._h2d_core_native\.bind_events\(\) takes no keyword "),
+                         r"^h2d_core\._events_native\.bind_events\(\) takes no keyword "),
 }
 
 
@@ -598,14 +598,14 @@ def test_the_event_calls_are_positional_builtins_of_the_extension() -> None:
     for name in ("bind_events", "event_record", "event_wait"):
         fn = getattr(core_native, name)
         assert type(fn).__name__ == "builtin_function_or_method"
-        assert fn.__module__ == "h2d_core._h2d_core_native" and fn.__name__ == name
-    assert core_native.__name__ == "h2d_core._h2d_core_native"
+        assert fn.__module__ == "h2d_core._events_native" and fn.__name__ == name
+    assert core_native.__name__ == "h2d_core._events_native"
 
 
 def test_import_without_the_event_extension_fails_naming_the_fix() -> None:
-    """No interpreted events: h2d_core does not import without h2d_core._h2d_core_native
+    """No interpreted events: h2d_core does not import without h2d_core._events_native
     and says how to build it."""
-    name = "h2d_core._h2d_core_native"
+    name = "h2d_core._events_native"
     script = (
         "import importlib.abc, sys\n"
         "class Refuse(importlib.abc.MetaPathFinder):\n"

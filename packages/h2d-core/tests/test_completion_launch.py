@@ -28,7 +28,7 @@ from test_contract_rules import RECORDS, SimulatedGpu
 
 from h2d_core import H2DRunnerState
 from h2d_kernels import GraphLaunchTable, PackedGroup
-from h2d_kernels import _h2d_kernels_native as _native
+from h2d_kernels import _packed_native as _native
 from h2d_kernels.graphs import bucket_sizes
 
 LAUNCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)

@@ -397,7 +397,7 @@ def test_importing_without_the_compiled_core_fails_naming_the_fix() -> None:
         "import importlib.abc, sys\n"
         "class Refuse(importlib.abc.MetaPathFinder):\n"
         "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'h2d_kernels._h2d_kernels_native':\n"
+        "        if name == 'h2d_kernels._packed_native':\n"
         "            raise ImportError(f'no module named {name!r} (hidden by the test)')\n"
         "sys.meta_path.insert(0, Refuse())\n"
         "try:\n"
@@ -411,6 +411,6 @@ def test_importing_without_the_compiled_core_fails_naming_the_fix() -> None:
                           check=False, timeout=300)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert out.startswith("NativeRequiredError True "), out
-    assert "h2d_kernels._h2d_kernels_native is not built" in out
+    assert out.startswith("NativeBuildError True "), out
+    assert "h2d_kernels._packed_native is not built" in out
     assert "tools/build_native.py" in out and "pip install" in out

@@ -1,6 +1,6 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 # cython: binding=False, embedsignature=False
-"""Compiled paths of PageTableSnapshot (``block_tables._block_tables_native``).
+"""Compiled paths of PageTableSnapshot (``block_tables._snapshot_native``).
 
 A decode step's prepare reads 64-256 row keys, scatters a few appended page IDs and
 diffs row keys into byte ranges: a few hundred nanoseconds of arithmetic, tens of

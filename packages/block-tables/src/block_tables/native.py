@@ -33,7 +33,7 @@ class NativeBuildError(BlockTableError, ImportError):
 
 
 def require_extension(name: str) -> ModuleType:
-    """The compiled extension module ``name`` (e.g. ``"block_tables._block_tables_native"``);
+    """The compiled extension module ``name`` (e.g. ``"block_tables._snapshot_native"``);
     raises :class:`NativeBuildError` naming it and :data:`FIX` when it cannot be imported."""
     try:
         return importlib.import_module(name)

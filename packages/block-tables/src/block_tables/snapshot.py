@@ -74,7 +74,7 @@ Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 
 # the compiled paths (_snapshot.pyx): the common decode step, the write of a fully
 # replaced batch and the all-versioned key diffs; required (NativeBuildError without it)
-_native = require_extension("block_tables._block_tables_native")
+_native = require_extension("block_tables._snapshot_native")
 _native.configure(BlockTable, LENGTH_BITS, _Lineage)
 
 # the fields of a snapshot's bookkeeping array (_snapshot.pyx: META_*)

@@ -22,7 +22,7 @@ from .validation import Int64Array
 if TYPE_CHECKING:  # the snapshot calls into this module; this one reads its public state
     from .snapshot import PageTableSnapshot
 
-_native = require_extension("block_tables._block_tables_native")
+_native = require_extension("block_tables._snapshot_native")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
-"""The slots' completion events through the GPU driver (``h2d_core._h2d_core_native``).
+"""The slots' completion events through the GPU driver (``h2d_core._events_native``).
 
 ``bind_events`` fixes one event handle per slot and the driver's record / query /
 synchronize entry points (addresses from :meth:`h2d_kernels.DeviceDriver.address`, so
@@ -203,7 +203,7 @@ cdef object c_event_wait(PyObject *module, PyObject **args, Py_ssize_t nargs):
 
 # ---------------------------------------------------------------- the module's functions
 # Builtins with this module as __module__ and no self (NULL: errors are worded as for the
-# C module's functions, "h2d_core._h2d_core_native.event_wait() takes no keyword
+# C module's functions, "h2d_core._events_native.event_wait() takes no keyword
 # arguments"; only __self__ differs, None instead of the module). The table is static.
 cdef PyMethodDef METHODS[3]
 METHODS[0] = PyMethodDef(

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from block_tables import _block_tables_native as _snap  # type: ignore[attr-defined]
+from block_tables import _snapshot_native as _snap  # type: ignore[attr-defined]
 from block_tables.spans import row_keys
 from h2d_kernels import RANGE_OVERHEAD
 

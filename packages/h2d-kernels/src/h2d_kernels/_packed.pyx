@@ -1,6 +1,6 @@
 # cython: boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
 # cython: binding=False
-"""The compiled publication of a packed group (``h2d_kernels._h2d_kernels_native``).
+"""The compiled publication of a packed group (``h2d_kernels._packed_native``).
 
 :meth:`h2d_kernels.PackedGroup.publish` runs once per step and per slot on the engine's
 hot path, so its header writes, packing and graph launch live here, as one call that

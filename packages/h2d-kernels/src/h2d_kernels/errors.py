@@ -7,6 +7,8 @@ allocation or write.
 
 from __future__ import annotations
 
+from block_tables.native import NativeBuildError
+
 
 class H2DKernelsError(Exception):
     """Base class of every error raised by h2d_kernels."""
@@ -63,5 +65,7 @@ class ScatterBackendError(H2DKernelsError, RuntimeError):
     """The requested scatter or launch path is unavailable for this device or process."""
 
 
-class NativeRequiredError(H2DKernelsError, ImportError):
-    """The compiled publication core is not built (the package cannot run without it)."""
+#: the workspace's one error for a compiled core that is not built (every package loads
+#: its extensions through :func:`block_tables.native.require_extension`); the name
+#: h2d_kernels exported before
+NativeRequiredError = NativeBuildError
