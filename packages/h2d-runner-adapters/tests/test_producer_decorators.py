@@ -34,7 +34,6 @@ from h2d_runner_adapters import MhaDecodeInputs, TokenInputs
 NOT_PRODUCERS: dict[str, str] = {
     "DecodeStepInputs.from_adapters": "composes adapters the caller declared; before bind",
     "PrefillStepInputs.from_adapters": "composes adapters the caller declared; before bind",
-    "DecodeStepInputs.native": "property: whether the step runs compiled",
     "PagedInputs.tables": "property: the block-table state, created on first use",
     "TokenInputs.producer_groups": "property: the names of the token producer groups",
     "TokenInputs.fuse_assembly": "declares a fused consumer before bind; writes no source",
