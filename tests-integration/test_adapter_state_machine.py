@@ -85,7 +85,7 @@ from h2d_runner_adapters import (
     V41MetadataInputs,
     V41Plan,
 )
-from h2d_runner_adapters.v41_metadata import V4_RATIOS
+from h2d_runner_adapters.v4.metadata import V4_RATIOS
 
 PAGE, REQS, TOKENS, PAGES_PER_REQ = 4, 4, 12, 8
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -21,8 +21,7 @@ OVERSIZED = {
     "packages/h2d-core/src/h2d_core/state.py": 402,
     "packages/h2d-kernels/src/h2d_kernels/arena.py": 482,
     "packages/h2d-runner-adapters/src/h2d_runner_adapters/prefill.py": 442,
-    "packages/h2d-runner-adapters/src/h2d_runner_adapters/v41_metadata.py": 565,
-    "packages/h2d-runner-adapters/src/h2d_runner_adapters/consumers/v4_step_indptrs.py": 500,
+    "packages/h2d-runner-adapters/src/h2d_runner_adapters/v4/metadata.py": 561,
 }
 
 

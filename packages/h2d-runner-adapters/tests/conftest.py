@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h2d_runner_adapters.consumers._launch import interpreted
-from h2d_runner_adapters.consumers.v4_step_indptrs import _step_indptrs_kernel
+from h2d_runner_adapters.v4.step_indptrs import _step_indptrs_kernel
 
 
 @pytest.fixture

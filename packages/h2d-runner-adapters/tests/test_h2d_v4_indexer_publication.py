@@ -47,7 +47,8 @@ from h2d_runner_adapters import (
     V41MetadataInputs,
     V41Plan,
 )
-from h2d_runner_adapters.consumers.v4_step_indptrs import (
+from h2d_runner_adapters.v4.metadata import V4_RATIOS
+from h2d_runner_adapters.v4.step_indptrs import (
     DecodeWindowIndices,
     PrefillIndices,
     PrefillIndptrs,
@@ -60,7 +61,6 @@ from h2d_runner_adapters.consumers.v4_step_indptrs import (
     write_v4_indexer_rectangle_reference,
     write_v4_prefill_indices_reference,
 )
-from h2d_runner_adapters.v41_metadata import V4_RATIOS
 
 
 def v41_token_state(device: str, num_slots: int = 1

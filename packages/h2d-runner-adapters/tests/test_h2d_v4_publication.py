@@ -51,7 +51,7 @@ from h2d_runner_adapters import (
     V41MetadataInputs,
 )
 from h2d_runner_adapters.consumers import ConsumerArgumentError
-from h2d_runner_adapters.consumers.v4_step_indptrs import (
+from h2d_runner_adapters.v4.step_indptrs import (
     DecodeWindowIndices,
     StepIndptrs,
     expand_v4_token_tables_reference,

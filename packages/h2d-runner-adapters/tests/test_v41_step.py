@@ -146,7 +146,7 @@ def test_step_indptrs_are_fused_by_default_where_they_can_run(
     """``fuse_step_indptrs=None`` (the default) fuses wherever ``consumers_fusable`` says
     the kernels run at publication (CUDA, or CPU under the interpreter); elsewhere no
     consumer and no ``v41_step_counts`` member are declared."""
-    import h2d_runner_adapters.v41_metadata as module
+    import h2d_runner_adapters.v4.metadata as module
     from h2d_runner_adapters import consumers_fusable
 
     def declare(st_: H2DRunnerState) -> V41MetadataInputs:
@@ -176,7 +176,7 @@ def test_fused_step_indptrs_launch_nothing_and_a_prefill_leaves_them(
     ah.need_kernels(device)
     st, v4 = v41_state(device, fuse=True)
     assert v4.step_indptrs_consumer is not None and v4.step_indptrs_consumer.fused
-    import h2d_runner_adapters.v41_metadata as module
+    import h2d_runner_adapters.v4.metadata as module
 
     def refuse(*_: object, **__: object) -> None:
         raise AssertionError("a fused first consumer was launched by the caller")

@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from h2d_runner_adapters.consumers.v4_step_indptrs import (
+from h2d_runner_adapters.v4.step_indptrs import (
     StepIndptrs,
     expand_v4_token_tables,
     expand_v4_token_tables_reference,

@@ -20,8 +20,8 @@ from h2d_runner_adapters import (
     ScheduledBatch,
     V41MetadataInputs,
 )
-from h2d_runner_adapters.consumers.v4_step_indptrs import WindowGeometry
-from h2d_runner_adapters.v41_metadata import V4_RATIOS
+from h2d_runner_adapters.v4.metadata import V4_RATIOS
+from h2d_runner_adapters.v4.step_indptrs import WindowGeometry
 
 POISON = -7
 WINDOW, TOPK = 128, 1024

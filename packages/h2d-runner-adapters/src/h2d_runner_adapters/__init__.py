@@ -84,7 +84,7 @@ from h2d_runner_adapters.token_inputs import (
     TokenPlan,
 )
 from h2d_runner_adapters.token_step import TokenStepInputs, TokenStepPlan
-from h2d_runner_adapters.v41_metadata import (
+from h2d_runner_adapters.v4.metadata import (
     V4_BLOCK,
     V41_METADATA,
     RequestSpan,

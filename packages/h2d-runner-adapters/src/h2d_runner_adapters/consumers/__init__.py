@@ -17,7 +17,7 @@ from h2d_runner_adapters.consumers.sampler import (
     sample_tokens,
 )
 from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
-from h2d_runner_adapters.consumers.v4_step_indptrs import (
+from h2d_runner_adapters.v4.step_indptrs import (
     DecodeWindowIndices,
     PrefillIndices,
     PrefillIndptrs,

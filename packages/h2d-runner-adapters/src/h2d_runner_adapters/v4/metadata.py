@@ -41,7 +41,7 @@ Further consumers: the decode window tails
 parallelism (:meth:`~V41MetadataInputs.generate_prefill_indptrs`), the sparse (Opus)
 prefill indices and the FP8 DSpark indexer rectangle; ``prefix=`` declares a TBO ubatch.
 The spans (:class:`RequestSpan`, :class:`SpanColumns`) and their checks live in
-:mod:`~h2d_runner_adapters.v41_spans`.
+:mod:`~h2d_runner_adapters.v4.spans`.
 """
 
 from __future__ import annotations
@@ -75,14 +75,14 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .batch import PageRow
-from .checks import (
+from ..batch import PageRow
+from ..checks import (
     INT32_MAX,
     AdapterInputError,
     describe,
     padded_count,
 )
-from .consumers import (
+from ..consumers import (
     DecodeWindowIndices,
     PrefillIndices,
     PrefillIndptrs,
@@ -94,11 +94,11 @@ from .consumers import (
     write_v4_decode_window_indices,
     write_v4_prefill_indices,
 )
-from .consumers._launch import consumers_fusable, interpreted
-from .consumers.v4_decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
-from .paged import PagedInputs
-from .plan_records import CountsPlan, slot_plans
-from .v41_spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
+from ..consumers._launch import consumers_fusable, interpreted
+from ..paged import PagedInputs
+from ..plan_records import CountsPlan, slot_plans
+from .decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
+from .spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
 
 __all__ = [
     "V4_BLOCK",

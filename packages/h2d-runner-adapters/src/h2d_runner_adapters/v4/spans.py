@@ -11,7 +11,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from .checks import INT32_MAX, INT32_MIN, AdapterInputError, check_size, describe
+from ..checks import INT32_MAX, INT32_MIN, AdapterInputError, check_size, describe
 
 V41_METADATA = "v41_metadata"
 

@@ -20,7 +20,7 @@ from h2d_runner_adapters.consumers._launch import (
     check_tensor,
     next_power_of_two,
 )
-from h2d_runner_adapters.consumers.v4_decode_steps import BLOCK_COLUMNS, StepIndptrs
+from h2d_runner_adapters.v4.decode_steps import BLOCK_COLUMNS, StepIndptrs
 
 
 @dataclass(frozen=True)
