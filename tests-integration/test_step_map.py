@@ -35,6 +35,7 @@ def test_the_step_map_names_each_compiled_module_of_the_step() -> None:
         "packages/h2d-core/src/h2d_core/producer.py",
         "packages/block-tables/src/block_tables/request_layout.py",
         "packages/block-tables/src/block_tables/_snapshot.pyx",
+        "packages/block-tables/src/block_tables/staging.py",
         "packages/h2d-kernels/src/h2d_kernels/_packed.pyx",
     }
     assert step_path <= named, sorted(step_path - named)

@@ -79,7 +79,7 @@ def build_extensions(root: Path, out_dir: Path) -> dict[str, Path]:
         with tempfile.TemporaryDirectory() as temp:
             c_source = source
             if source.suffix in (".py", ".pyx"):
-                c_source = _cythonize(name, source, Path(temp))
+                c_source = _cythonize(name, source, Path(temp), root)
             ext = Extension(name, [str(c_source)], include_dirs=include,
                             extra_compile_args=["-O2", "-fno-strict-aliasing"]
                             if os.name != "nt" else [])
@@ -104,15 +104,28 @@ def install_in_place(built: Path, target: Path) -> None:
     os.replace(partial, target)
 
 
-def _cythonize(name: str, source: Path, temp: Path) -> Path:
+def _include_path(root: Path) -> list[str]:
+    """Where Cython finds the ``.pxd`` declarations a module cimports (e.g. h2d-core's
+    ``cimport`` of ``block_tables._staging_native``): the package's own ``src``, the
+    workspace's other packages' in a checkout, then every import path (an installed
+    dependency)."""
+    here = Path(__file__).resolve().parent
+    workspace = sorted((here.parent / "packages").glob("*/src")) if here.name == "tools" else []
+    paths = [str(root / "src"), *(str(p) for p in workspace)]
+    return paths + [p for p in sys.path if p and Path(p).is_dir() and p not in paths]
+
+
+def _cythonize(name: str, source: Path, temp: Path, root: Path) -> Path:
     """C translation of a Cython module (``.pyx``, or ``.py`` in pure-Python mode), written
-    under ``temp``."""
+    under ``temp``; its augmenting ``.pxd``, when there is one, is ``<module>.pxd`` beside
+    the source (e.g. ``_staging_native.pxd`` for ``staging.py``)."""
     try:
         from Cython.Compiler.Main import CompilationOptions, compile_single
     except ImportError as exc:
         raise NativeBuildFailed(f"building {name} from {source} needs Cython: {exc}") from exc
     target = temp / f"{name.rpartition('.')[2]}.c"
-    options = CompilationOptions(language_level=3, output_file=str(target))
+    options = CompilationOptions(language_level=3, output_file=str(target),
+                                 include_path=_include_path(root))
     result = compile_single(str(source), options, full_module_name=name)
     if result.num_errors:
         raise NativeBuildFailed(f"Cython could not translate {source} ({name})")

@@ -20,6 +20,7 @@ from .errors import (
 from .lineage import MAX_ROW_LENGTH, BlockTable, draw_version
 from .request_layout import LayoutColumn, LayoutOutput, LayoutPlan, RequestLayout, TokenPlanes
 from .snapshot import ChangedRows, PageTableSnapshot
+from .staging import PublishedTable, TableStaging
 
 __all__ = [
     "MAX_ROW_LENGTH",
@@ -32,6 +33,7 @@ __all__ = [
     "MissingPagesError",
     "PageIdRangeError",
     "PageTableSnapshot",
+    "PublishedTable",
     "RequestLayout",
     "RequestLayoutError",
     "ReservedPageError",
@@ -39,6 +41,7 @@ __all__ = [
     "RowTypeError",
     "RowWidthError",
     "StorageError",
+    "TableStaging",
     "TokenPlanes",
     "VersionExhaustedError",
     "draw_version",

@@ -32,7 +32,6 @@ exactly when a prepare changed at least one storage byte.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -47,7 +46,7 @@ from .errors import (
 )
 from .lineage import LENGTH_BITS, LENGTH_MASK, UNVERSIONED, BlockTable, _Lineage
 from .native import require_extension
-from .spans import changed_byte_ranges
+from .spans import ChangedRows, changed_byte_ranges
 from .validation import (
     INT32_MAX,
     INT32_MIN,
@@ -84,33 +83,6 @@ _META_SIZE = 4
 
 def _key(version: int, length: int) -> int:
     return (version << LENGTH_BITS) + length
-
-
-@dataclass(frozen=True)
-class ChangedRows:
-    """Rows whose bytes changed since a revision, as sorted, merged half-open ranges.
-
-    ``all_rows`` is True when the snapshot cannot tell (the revision is too old, unknown,
-    or the storage was invalidated since); ``ranges`` is then ``((0, num_rows),)``.
-    Ranges never reach past the current ``num_rows``.
-    """
-
-    ranges: tuple[tuple[int, int], ...]
-    all_rows: bool = False
-
-    def __bool__(self) -> bool:
-        return bool(self.ranges)
-
-    @property
-    def count(self) -> int:
-        """Number of rows covered."""
-        return sum(stop - start for start, stop in self.ranges)
-
-    def rows(self) -> Int64Array:
-        """The covered row indices, ascending."""
-        if not self.ranges:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.ranges])
 
 
 def _ranges(rows: Int64Array) -> tuple[tuple[int, int], ...]:
@@ -207,6 +179,18 @@ class PageTableSnapshot:
         the snapshot's own array (the same object each time): what a publisher remembers
         at upload (:func:`block_tables.spans.row_keys`) and diffs later."""
         return self._keys_read_only
+
+    @property
+    def step_binding(self) -> object:
+        """The snapshot's binding for the compiled step (``_snapshot.pyx``'s
+        ``prepare_step``), made once: what :class:`~block_tables.staging.TableStaging`
+        hands it."""
+        return self._bound
+
+    @property
+    def step_pool_limit(self) -> int:
+        """The pool limit as the compiled step takes it (no limit: a sentinel)."""
+        return self._limit_arg
 
     @property
     def all_versioned(self) -> bool:

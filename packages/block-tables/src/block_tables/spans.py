@@ -26,6 +26,33 @@ _native = require_extension("block_tables._snapshot_native")
 
 
 @dataclass(frozen=True)
+class ChangedRows:
+    """Rows whose bytes changed since a revision, as sorted, merged half-open ranges.
+
+    ``all_rows`` is True when the snapshot cannot tell (the revision is too old, unknown,
+    or the storage was invalidated since); ``ranges`` is then ``((0, num_rows),)``.
+    Ranges never reach past the current ``num_rows``.
+    """
+
+    ranges: tuple[tuple[int, int], ...]
+    all_rows: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.ranges)
+
+    @property
+    def count(self) -> int:
+        """Number of rows covered."""
+        return sum(stop - start for start, stop in self.ranges)
+
+    def rows(self) -> Int64Array:
+        """The covered row indices, ascending."""
+        if not self.ranges:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([np.arange(a, b, dtype=np.int64) for a, b in self.ranges])
+
+
+@dataclass(frozen=True)
 class ChangedSpans:
     """``rows[k]`` changed in columns ``[starts[k], stops[k])``; rows ascending."""
 

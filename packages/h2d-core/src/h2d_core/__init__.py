@@ -25,6 +25,7 @@ from .block_table_state import BlockTableState, PublishedTable, StageResult, blo
 from .buffer import BufferSpec, CountUnit, H2DBuffer
 from .config import ENV_VAR, Backend, resolve_backend
 from .count_batch import CountBatch
+from .count_rules import CountRule
 from .default_device import device_context_active, restore_implicit_cpu_default
 from .errors import (
     BackendError,
@@ -62,7 +63,6 @@ from .step import (
     REQS,
     STEP_COUNTS,
     TOKENS,
-    CountRule,
     LayoutStep,
     StepCounts,
 )

@@ -8,10 +8,8 @@ slot, bound once after ``state.bind()``, and runs the sequence in one call, so a
 pays for no interpreter frames between the pieces. Adapters configure it (which members
 count what) and keep their public API; nothing here knows a model family.
 
-:class:`~h2d_core.table_stage.TableStager` holds the one rule that decides what a block
-table publishes this epoch (reused, changed spans as ranges, or whole rows);
-:meth:`BlockTableState.stage <h2d_core.BlockTableState.stage>` and :class:`LayoutStep`
-both call it.
+What a block table publishes (reused, changed ranges, whole rows) is its own decision
+(:class:`block_tables.TableStaging`); :class:`~h2d_core.table_stage.TableStager` applies it.
 
 Compiled by Cython as ``h2d_core._step_native`` when the package is built (required).
 """
@@ -20,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import index as _index
-from typing import Any, NamedTuple, SupportsIndex
+from typing import Any, SupportsIndex
 
 import numpy as np
-import torch
 
 from block_tables import RequestLayoutError
 from block_tables.request_layout import EXACT_TOKENS
 
+from .count_rules import CountRule, count_addresses
 from .errors import CountError, DeclarationError
 from .records import (
     DRAFTS,
@@ -46,42 +44,10 @@ try:
 except ImportError:  # interpreted where Cython is not installed: no-op decorators
     from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
-
-class CountRule(NamedTuple):
-    """How a :class:`LayoutStep` counts one member: ``what`` (``REQS``, ``PADDED_REQS``,
-    ``TOKENS``, ``PADDED_TOKENS``, ``PLAN_ROWS``: the published rows of the layout's
-    plan ``plan``, or ``STEP_COUNTS``: an int32 member of at least 4 elements into which
-    the step writes its counts ``(num_reqs, padded_reqs, num_tokens, padded_tokens)``, for
-    first consumers that read them on the device; or ``DRAFTS``: the sum of the layout's
-    summed column, the step's draft tokens) plus ``plus``; omitted (None) when
-    ``what`` is ``OMITTED`` (a member of the group this step leaves out) or the layout's
-    ``uniform_mask`` has a bit of
-    ``omit_if_uniform`` set (a per-request filter whose values are all equal travels as a
-    scalar instead)."""
-
-    buffer: Any
-    what: int
-    plus: int = 0
-    omit_if_uniform: int = 0
-    plan: int = 0
-    #: the count is ``times * what + plus`` (e.g. 3 planes of the padded tokens)
-    times: int = 1
-
-
-def _count_addresses(name: str, state: Any, rules: Sequence[CountRule]) -> Any:
-    """Per slot, the pinned source address of the one ``STEP_COUNTS`` member (an int32
-    buffer of at least 4 elements), or an empty array without one."""
-    members = [r.buffer for r in rules if r.what == STEP_COUNTS]
-    if not members:
-        return np.zeros(0, dtype=np.intp)
-    buffer = members[0]
-    if (len(members) > 1 or buffer.spec.dtype != torch.int32 or buffer.spec.capacity < 4
-            or not buffer.source(0).is_contiguous()):
-        raise DeclarationError(
-            f"LayoutStep {name!r}: STEP_COUNTS names {[b.name for b in members]}; name one "
-            "contiguous int32 buffer of at least 4 elements")
-    return np.array([buffer.source(slot).data_ptr() for slot in range(state.num_slots)],
-                    dtype=np.intp)
+if cython.compiled:  # the table's state through C (block_tables/_staging_native.pxd)
+    from cython.cimports.block_tables._staging_native import TableStaging
+else:
+    from block_tables import TableStaging
 
 
 @cython.cclass
@@ -183,6 +149,7 @@ class LayoutStep:
     _layouts = cython.declare(tuple)
     _table = cython.declare(object)
     _stager = cython.declare(object)
+    _staging = cython.declare(TableStaging)  # the table's own state: prepare, through C
     _pad_rows = cython.declare(list)
     # the padding rows' one object when they are all the same (the usual empty table)
     _pad_row = cython.declare(object)
@@ -222,6 +189,7 @@ class LayoutStep:
         self._layouts = tuple(layouts)
         self._table = table
         self._stager = None if table is None else table._stager
+        self._staging = None if table is None else table._stager.staging
         self._pad_rows = list(pad_rows)
         self._pad_row = (self._pad_rows[0] if self._pad_rows and all(
             r is self._pad_rows[0] for r in self._pad_rows) else None)
@@ -255,7 +223,7 @@ class LayoutStep:
                 raise DeclarationError(
                     f"LayoutStep {name!r}: buffer {r.buffer.name!r} counts the rows of plan "
                     f"{r.plan!r}; the layouts bind {num_plans} plans")
-        self._count_addrs = _count_addresses(name, state, counts)
+        self._count_addrs = count_addresses(name, state, counts)
         self._has_counts = self._count_addrs.shape[0] > 0
         # One row per (member, record that carries it): a buffer shared by two combined
         # groups (a decode and a prefill step's token inputs) is counted in both records
@@ -343,11 +311,11 @@ class LayoutStep:
         if table is not None:
             # validates every row before writing the table; nothing below can fail
             if p <= n:
-                self._stager.prepare(slot, rows, layout.required_pages)
+                self._staging.prepare(slot, rows, layout.required_pages)
             elif self._pad_row is not None:  # one padding row: no list built for it
-                self._stager.prepare(slot, rows, layout.required_pages, self._pad_row, p - n)
+                self._staging.prepare(slot, rows, layout.required_pages, self._pad_row, p - n)
             else:
-                self._stager.prepare(slot, list(rows) + self._pad_rows[: p - n],
+                self._staging.prepare(slot, list(rows) + self._pad_rows[: p - n],
                                      layout.required_pages, None, 0, p - n)
         layout.write()
         uniform: cython.longlong = meta[6]
