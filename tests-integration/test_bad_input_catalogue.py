@@ -20,8 +20,6 @@ from block_tables import (
     MissingPagesError,
     PageIdRangeError,
     PageTableSnapshot,
-    RequestLayout,
-    RequestLayoutError,
     RowCountError,
     RowTypeError,
     RowWidthError,
@@ -39,6 +37,8 @@ from h2d_core import (
     OwnerThreadError,
     ProducerOwnerError,
     ReentryError,
+    RequestLayout,
+    RequestLayoutError,
     UnknownGroupError,
     h2d_producer,
 )

@@ -23,7 +23,7 @@ NATIVE = (
     "h2d_core._epoch_native",  # epoch.py
     "h2d_core._producer_native",  # producer.py
     "h2d_core._table_stage_native",  # table_stage.py
-    "block_tables._request_layout_native",  # request_layout.py, compiled by Cython
+    "h2d_core._request_layout_native",  # request_layout.py, compiled by Cython
     "block_tables._staging_native",  # staging.py
 )
 KERNELS_NATIVE = "h2d_kernels._packed_native"  # loaded by h2d_kernels.native
@@ -83,7 +83,7 @@ def test_helpers_load_with_no_compiler_and_write_nothing(tmp_path: Path) -> None
 # the package whose import needs each compiled module
 NEEDED_BY = {
     "block_tables._snapshot_native": "block_tables",
-    "block_tables._request_layout_native": "block_tables",
+    "h2d_core._request_layout_native": "h2d_core",
     "block_tables._staging_native": "block_tables",
     "h2d_core._epoch_native": "h2d_core",
     "h2d_core._events_native": "h2d_core",

@@ -33,7 +33,7 @@ def test_the_step_map_names_each_compiled_module_of_the_step() -> None:
         "packages/h2d-core/src/h2d_core/records.py",
         "packages/h2d-core/src/h2d_core/table_stage.py",
         "packages/h2d-core/src/h2d_core/producer.py",
-        "packages/block-tables/src/block_tables/request_layout.py",
+        "packages/h2d-core/src/h2d_core/request_layout.py",
         "packages/block-tables/src/block_tables/_snapshot.pyx",
         "packages/block-tables/src/block_tables/staging.py",
         "packages/h2d-kernels/src/h2d_kernels/_packed.pyx",

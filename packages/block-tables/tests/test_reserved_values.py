@@ -1,10 +1,10 @@
-"""Reserved values: a snapshot's ``reserved_page`` and a layout column's ``reserved``.
+"""Reserved values: a snapshot's ``reserved_page``.
 
-An engine pads a CUDA-graph batch with a private dummy block and a dummy state slot; a real
-request naming either would share padding storage. The snapshot refuses a real row bringing
-its reserved page, on the compiled step and on every Python path, before any write; the
-last ``padding`` rows may hold it. A layout column refuses its reserved value in a real
-request's entry; its padded entries hold it.
+An engine pads a CUDA-graph batch with a private dummy block; a real request naming it
+would share padding storage. The snapshot refuses a real row bringing its reserved page,
+on the compiled step and on every Python path, before any write; the last ``padding`` rows
+may hold it. (A layout column's ``reserved`` value: h2d-core's
+``test_layout_reserved_values.py``.)
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ import pytest
 
 from block_tables import (
     BlockTable,
-    LayoutColumn,
     PageIdRangeError,
     PageTableSnapshot,
-    RequestLayout,
-    RequestLayoutError,
     ReservedPageError,
     RowCountError,
     RowTypeError,
@@ -109,27 +106,3 @@ def test_the_reserved_page_is_checked_and_its_paths_refused() -> None:
         snap.prepare([[1]], versions=[1], lengths=[1])
     with pytest.raises(RowCountError, match=r"padding=3 must be an int in \[0, 1\]"):
         snap.prepare([[1]], padding=3)
-
-
-def _slots_layout(out: np.ndarray) -> RequestLayout:
-    column = LayoutColumn("slot", out, pad=DUMMY, low=0, reserved=DUMMY,
-                          reserved_note="the dummy slot (padding only); give it another")
-    return RequestLayout("lay", 4, np.zeros((4, 2), np.int32), np.zeros(4, np.int32),
-                         columns=[column])
-
-
-def test_a_reserved_column_value_is_refused_in_real_entries_and_pads_the_rest() -> None:
-    out = np.full(4, -9, np.int32)
-    layout = _slots_layout(out)
-    q, c = np.ones(2, np.int32), np.array([3, 4], np.int32)
-    layout.plan(q, c, 4, -1, [np.array([1, 2], np.int32)])
-    layout.write()
-    assert out.tolist() == [1, 2, DUMMY, DUMMY]
-    with pytest.raises(RequestLayoutError,
-                       match=r"lay: request 1 has slot=7, the dummy slot \(padding only\)"):
-        layout.plan(q, c, 4, -1, [np.array([1, DUMMY], np.int32)])
-    assert out.tolist() == [1, 2, DUMMY, DUMMY]
-    with pytest.raises(RequestLayoutError, match=r"reserved takes an int in int64 on an "
-                                                 r"integer column, got 1.5"):
-        RequestLayout("lay", 4, np.zeros((4, 2), np.int32), np.zeros(4, np.int32),
-                      columns=[LayoutColumn("x", np.zeros(4, np.float32), reserved=1.5)])

@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 import torch
 
-from block_tables import LayoutPlan, RequestLayout
 from h2d_core import (
     DRAFTS,
     PADDED_REQS,
@@ -31,7 +30,9 @@ from h2d_core import (
     CountRule,
     DeclarationError,
     H2DRunnerState,
+    LayoutPlan,
     LayoutStep,
+    RequestLayout,
     StepCounts,
 )
 from h2d_core.records import CountProgram

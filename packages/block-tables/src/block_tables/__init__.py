@@ -9,7 +9,6 @@ from .errors import (
     BlockTableError,
     MissingPagesError,
     PageIdRangeError,
-    RequestLayoutError,
     ReservedPageError,
     RowCountError,
     RowTypeError,
@@ -18,7 +17,6 @@ from .errors import (
     VersionExhaustedError,
 )
 from .lineage import MAX_ROW_LENGTH, BlockTable, draw_version
-from .request_layout import LayoutColumn, LayoutOutput, LayoutPlan, RequestLayout, TokenPlanes
 from .snapshot import ChangedRows, PageTableSnapshot
 from .staging import PublishedTable, TableStaging
 
@@ -27,22 +25,16 @@ __all__ = [
     "BlockTable",
     "BlockTableError",
     "ChangedRows",
-    "LayoutColumn",
-    "LayoutOutput",
-    "LayoutPlan",
     "MissingPagesError",
     "PageIdRangeError",
     "PageTableSnapshot",
     "PublishedTable",
-    "RequestLayout",
-    "RequestLayoutError",
     "ReservedPageError",
     "RowCountError",
     "RowTypeError",
     "RowWidthError",
     "StorageError",
     "TableStaging",
-    "TokenPlanes",
     "VersionExhaustedError",
     "draw_version",
 ]

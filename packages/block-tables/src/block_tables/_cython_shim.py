@@ -1,6 +1,6 @@
 """No-op stand-ins for the Cython pure-Python-mode names the compiled modules use.
 
-``block_tables.request_layout`` and ``h2d_core.records`` are compiled by Cython when their
+``h2d_core.request_layout`` and ``h2d_core.records`` are compiled by Cython when their
 wheels are built (``hatch_build.py``); where they run interpreted and Cython is not
 installed, they import this instead of ``cython``.
 """

@@ -49,10 +49,6 @@ class MissingPagesError(BlockTableError):
     """A request span needs more pages than its row holds (``required_pages[i] > len(row)``)."""
 
 
-class RequestLayoutError(BlockTableError):
-    """A batch's query or context lengths break a :class:`RequestLayout` rule (lengths,
-    padding, capacity, a context shorter than its query), or a bound array is unusable."""
-
 
 class VersionExhaustedError(BlockTableError, RuntimeError):
     """The process-wide version source ran past the largest encodable version."""

@@ -45,6 +45,7 @@ from .errors import (
     ProducerOwnerError,
     PublicationEnqueueError,
     ReentryError,
+    RequestLayoutError,
     StreamMismatchError,
     TablePolicyError,
     UnknownGroupError,
@@ -53,6 +54,7 @@ from .fused import ConsumerFn, FusedConsumer
 from .group import GroupPlan
 from .producer import h2d_producer
 from .records import GroupCounters
+from .request_layout import LayoutColumn, LayoutOutput, LayoutPlan, RequestLayout, TokenPlanes
 from .state import H2DRunnerState
 from .step import (
     DRAFTS,
@@ -100,6 +102,9 @@ __all__ = [
     "H2DBuffer",
     "H2DError",
     "H2DRunnerState",
+    "LayoutColumn",
+    "LayoutOutput",
+    "LayoutPlan",
     "LayoutStep",
     "MembershipError",
     "NotBoundError",
@@ -109,11 +114,14 @@ __all__ = [
     "PublicationEnqueueError",
     "PublishedTable",
     "ReentryError",
+    "RequestLayout",
+    "RequestLayoutError",
     "StageResult",
     "StepCounts",
     "StreamMismatchError",
     "TablePolicyError",
     "TablePublication",
+    "TokenPlanes",
     "UnknownGroupError",
     "block_table_state",
     "device_context_active",

@@ -87,3 +87,9 @@ class PublicationEnqueueError(H2DError):
 
 class BackendError(H2DError, ValueError):
     """An unknown ``ATOM_H2D_BACKEND`` value or backend argument."""
+
+
+class RequestLayoutError(H2DError, ValueError):
+    """A batch's query or context lengths break a :class:`~h2d_core.RequestLayout` rule
+    (lengths, padding, capacity, a context shorter than its query, a column's bound), or a
+    bound array is unusable."""

@@ -1,7 +1,7 @@
 """The compiled step: one call per producer plans, prepares, writes, counts and stages.
 
 A fused producer's step is always the same sequence over the same bound objects: plan a
-:class:`block_tables.RequestLayout` over the batch's columns (which checks every value),
+:class:`h2d_core.RequestLayout` over the batch's columns (which checks every value),
 prepare the block table's rows (which checks every row), write every member, store every
 count, and stage the table for its group. :class:`LayoutStep` holds those objects per
 slot, bound once after ``state.bind()``, and runs the sequence in one call, so a step
@@ -22,11 +22,8 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
-from block_tables import RequestLayoutError
-from block_tables.request_layout import EXACT_TOKENS
-
 from .count_rules import CountRule, count_addresses
-from .errors import CountError, DeclarationError
+from .errors import CountError, DeclarationError, RequestLayoutError
 from .records import (
     DRAFTS,
     OMITTED,
@@ -38,6 +35,7 @@ from .records import (
     TOKENS,
     CountProgram,
 )
+from .request_layout import EXACT_TOKENS
 
 try:
     import cython
@@ -122,7 +120,7 @@ class LayoutStep:
     columns, prepares the block table's rows (padding rows appended), writes every bound
     member, stores every count and stages the table, in one call.
 
-    ``layouts`` holds one :class:`block_tables.RequestLayout` per slot, over that slot's
+    ``layouts`` holds one :class:`h2d_core.RequestLayout` per slot, over that slot's
     sources and prepared table; ``table`` is the :class:`~h2d_core.BlockTableState` those
     layouts read (None: a layout without a table, whose ``run`` ignores ``rows``);
     ``pad_rows`` the empty rows padded requests take; ``counts`` one
@@ -135,7 +133,7 @@ class LayoutStep:
     planned batch (e.g. per-token inputs against its token count) raise there and change
     nothing.
 
-    Layouts with plans (:class:`block_tables.LayoutPlan`, the same number in every slot's
+    Layouts with plans (:class:`h2d_core.LayoutPlan`, the same number in every slot's
     layout) publish their rows through ``PLAN_ROWS`` rules; :meth:`plan_rows_of` gives a
     slot's last written batch's rows of every plan, one tuple per ``plan_group``
     consecutive plans of each plan's (real rows, published rows), e.g.

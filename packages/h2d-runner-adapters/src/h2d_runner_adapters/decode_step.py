@@ -8,7 +8,7 @@ lengths, KV prefix and block tables), combines their groups into one publication
 ``@h2d_producer`` call.
 
 The adapter is plain Python on the public API. The per-token work (positions, KV slots,
-context lengths, the KV and query prefixes) is one :class:`block_tables.RequestLayout`
+context lengths, the KV and query prefixes) is one :class:`h2d_core.RequestLayout`
 pass over the prepared table, compiled when the block-tables wheel is built; the
 sampling and token columns are copied by the same pass, which checks their values
 first (see :func:`~h2d_runner_adapters.token_step.step_columns`); every count goes in one

@@ -27,7 +27,7 @@ any write: ``rows`` distinct and inside the history table, ``cursors`` in
 ``[0, history_len]`` with ``cursor + q <= history_len``, the batch's ``query_lens`` >= 1
 and ``num_drafts`` in ``[0, min(max_drafts, q - 1)]``, all of one length ``<= max_reqs``.
 A step is one compiled :class:`h2d_core.LayoutStep` call over a
-:class:`block_tables.RequestLayout` whose vocabulary states these rules (a distinct rows
+:class:`h2d_core.RequestLayout` whose vocabulary states these rules (a distinct rows
 column, a cursor + query-length bound, the candidate rows); an input the layout cannot
 read in place (another integer dtype, a list) is checked here first, in its own dtype.
 """
@@ -39,8 +39,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from block_tables import LayoutColumn, RequestLayout
-from h2d_core import REQS, CountRule, DeclarationError, H2DRunnerState, LayoutStep, h2d_producer
+from h2d_core import (
+    REQS,
+    CountRule,
+    DeclarationError,
+    H2DRunnerState,
+    LayoutColumn,
+    LayoutStep,
+    RequestLayout,
+    h2d_producer,
+)
 
 from .batch import ScheduledBatch
 from .checks import INT32_MAX, AdapterInputError, describe, int_array

@@ -17,7 +17,7 @@ for padded rows):
 
 Only the members of the step's kind are published (the others are omitted). A step is one
 compiled :class:`h2d_core.LayoutStep` call over the state-slot outputs of
-:class:`block_tables.RequestLayout` (the columns' bounds keep every slot in the pool).
+:class:`h2d_core.RequestLayout` (the columns' bounds keep every slot in the pool).
 First consumer: the state readers (:func:`gather_gdn_states` stands in for them).
 
 Inputs are checked whole before any write, each in its own dtype (an int64 of ``2**32``
@@ -36,14 +36,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from block_tables import LayoutColumn, RequestLayout
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
     CountRule,
     DeclarationError,
     H2DRunnerState,
+    LayoutColumn,
     LayoutStep,
+    RequestLayout,
     StepCounts,
     h2d_producer,
 )

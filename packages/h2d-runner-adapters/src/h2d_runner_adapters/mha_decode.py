@@ -1,7 +1,7 @@
 """MHA decode metadata: slots, context lengths, block tables, KV prefix and positions.
 
 The ``mha_decode`` producer group. Positions, KV slots, context lengths and the KV prefix
-come from one :class:`block_tables.RequestLayout` pass over the prepared table; the step
+come from one :class:`h2d_core.RequestLayout` pass over the prepared table; the step
 (plan, table rows, writes, counts, the table's stage) is one compiled
 :class:`h2d_core.LayoutStep` call. First
 consumer: KV-index generation (:func:`generate_kv_indices` builds ``kv_indices`` from the
@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from block_tables import BlockTable, LayoutColumn, RequestLayout
+from block_tables import BlockTable
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
@@ -53,7 +53,9 @@ from h2d_core import (
     FusedConsumer,
     H2DBuffer,
     H2DRunnerState,
+    LayoutColumn,
     LayoutStep,
+    RequestLayout,
     StepCounts,
     h2d_producer,
 )
@@ -165,7 +167,7 @@ class MhaDecodeInputs(PagedInputs):
         columns: Callable[[int], Sequence[LayoutColumn]] | None = None,
         outputs: Callable[[int], dict[str, Any]] | None = None,
     ) -> list[RequestLayout]:
-        """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
+        """One :class:`h2d_core.RequestLayout` per slot over this adapter's sources
         (positions, KV slots, context lengths, KV prefix), reading the slot's prepared
         table; plus the query prefix into each ``cu_query`` buffer, the columns
         ``columns(slot)`` gives over that slot's sources (a fused step's sampling and
@@ -187,7 +189,7 @@ class MhaDecodeInputs(PagedInputs):
         return out
 
     def _layout_outputs(self, slot: int) -> dict[str, Any]:
-        """Further :class:`block_tables.RequestLayout` outputs over ``slot``'s sources
+        """Further :class:`h2d_core.RequestLayout` outputs over ``slot``'s sources
         (a subclass's own members, e.g. MLA's last-page lengths): here the outputs MRoPE
         registers (:func:`~h2d_runner_adapters.mrope.layout_outputs`)."""
         if self.mrope_positions is None:

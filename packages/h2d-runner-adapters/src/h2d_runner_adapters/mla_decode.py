@@ -10,7 +10,7 @@ page size, plus:
   ``index_topk`` is given): the prefix of ``min(ctx, index_topk)``; the tail repeats the
   total.
 
-Both come from the same compiled :class:`block_tables.RequestLayout` pass as the MHA
+Both come from the same compiled :class:`h2d_core.RequestLayout` pass as the MHA
 members (its ``last_page_lens`` and capped ``context_prefix`` outputs), inside the one
 :class:`h2d_core.LayoutStep` call. One group, one DMA and one scatter (with
 ``token_inputs``: two). First consumer: KV-index generation at MLA's page size

@@ -12,7 +12,7 @@ another step's stride. Padding tokens hold 0 on every plane.
 Decode: every plane of request ``i``'s tokens holds ``position + delta_i`` (the request's
 MRoPE position delta; text after an image continues from the image's largest position),
 written by the decode step's layout pass: the family registers its deltas column and a
-:class:`block_tables.TokenPlanes` output with the layout (:func:`layout_columns`,
+:class:`h2d_core.TokenPlanes` output with the layout (:func:`layout_columns`,
 :func:`layout_outputs`).
 Prefill: a request's planes come from its precomputed ``[3, L]`` prompt positions (the
 chunk's columns ``[ctx - q, ctx)``), or its ordinary positions on every plane when it has
@@ -31,8 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from block_tables import LayoutColumn, TokenPlanes
-from h2d_core import H2DBuffer, H2DRunnerState
+from h2d_core import H2DBuffer, H2DRunnerState, LayoutColumn, TokenPlanes
 
 from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe, int_array
 

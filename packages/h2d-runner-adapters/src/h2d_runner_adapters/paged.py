@@ -1,5 +1,5 @@
 """What the attention adapters share: a block table published through its page-map state
-(token positions and KV slots come from :class:`block_tables.RequestLayout` over it)."""
+(token positions and KV slots come from :class:`h2d_core.RequestLayout` over it)."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from block_tables import LayoutColumn, PageTableSnapshot, RequestLayout
+from block_tables import PageTableSnapshot
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
@@ -59,7 +59,9 @@ from h2d_core import (
     CountRule,
     H2DBuffer,
     H2DRunnerState,
+    LayoutColumn,
     LayoutStep,
+    RequestLayout,
     StepCounts,
     h2d_producer,
 )
@@ -182,7 +184,7 @@ class PrefillInputs(PagedInputs):
         cu_query: tuple[H2DBuffer, ...] = (),
         columns: Callable[[int], Sequence[LayoutColumn]] | None = None,
     ) -> list[RequestLayout]:
-        """One :class:`block_tables.RequestLayout` per slot over this adapter's sources
+        """One :class:`h2d_core.RequestLayout` per slot over this adapter's sources
         (positions, KV slots, context lengths, the key and KV page prefixes, the token
         owners and last-page lengths when declared), reading the slot's prepared table; plus
         the query prefix into each ``cu_query`` buffer and the columns ``columns(slot)``

@@ -10,7 +10,7 @@ all of them with one ``@h2d_producer`` call.
 
 The per-token work (positions, KV slots, token owners, context lengths, the query, key
 and KV page prefixes) and the sampling and token columns are one compiled
-:class:`block_tables.RequestLayout` pass over the prepared table, which checks every
+:class:`h2d_core.RequestLayout` pass over the prepared table, which checks every
 column first (see :func:`~h2d_runner_adapters.token_step.step_columns`; a prefill chunk
 verifies no drafts, so ``num_drafts`` must be 0); the prefill adapter's own checks (token
 ids per token, ``owns_slot``'s mask, MRoPE prompt positions) run on the planned chunk

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from block_tables import LayoutColumn
+from h2d_core import LayoutColumn
 
 from .checks import refuse_column
 

@@ -2,7 +2,7 @@
 
 :class:`TokenStepInputs` composes :class:`SamplingInputs` and :class:`TokenInputs` (their
 buffers, padding and first consumers) into the spec's ``token_inputs`` group and produces
-all of it with one ``@h2d_producer`` call: one :class:`block_tables.RequestLayout` pass
+all of it with one ``@h2d_producer`` call: one :class:`h2d_core.RequestLayout` pass
 without pages (query prefixes, ids, deferred sources, sampling columns) and one count
 store. It is the token half of a two-group step, e.g. V4.1 decode (``token_inputs`` +
 ``v41_metadata``). Ragged query widths are accepted; with ``padded`` the tokens are padded
@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from block_tables import LayoutColumn, RequestLayout
 from h2d_core import (
     PADDED_REQS,
     PADDED_TOKENS,
@@ -31,7 +30,9 @@ from h2d_core import (
     DeclarationError,
     H2DBuffer,
     H2DRunnerState,
+    LayoutColumn,
     LayoutStep,
+    RequestLayout,
     StepCounts,
     h2d_producer,
 )

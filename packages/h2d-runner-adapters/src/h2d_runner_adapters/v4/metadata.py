@@ -28,7 +28,7 @@ and two scatters" of an ordinary V4.1 DSpark decode), graph padding included:
   get a private row holding the dummy block;
 * ``v41_qo_indptr`` (fp8 KV only, int32 ``[T + 1]``): ``arange(t + 1)``, then ``t`` repeated.
 
-Rows, per token and per request, come from one :class:`block_tables.RequestLayout` pass
+Rows, per token and per request, come from one :class:`h2d_core.RequestLayout` pass
 over the prepared table; a decode step (plan, table rows, writes, ``qo_indptr``, counts
 and the table's stage) is one compiled :class:`h2d_core.LayoutStep` call after the
 adapter's own input checks. First consumer: step indptr generation
@@ -51,12 +51,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from block_tables import (
-    BlockTable,
-    LayoutColumn,
-    LayoutPlan,
-    RequestLayout,
-)
+from block_tables import BlockTable
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
@@ -70,7 +65,10 @@ from h2d_core import (
     FusedConsumer,
     H2DBuffer,
     H2DRunnerState,
+    LayoutColumn,
+    LayoutPlan,
     LayoutStep,
+    RequestLayout,
     StepCounts,
     h2d_producer,
 )

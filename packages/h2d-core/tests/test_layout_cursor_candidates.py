@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_tables import LayoutColumn, RequestLayout, RequestLayoutError
+from h2d_core import LayoutColumn, RequestLayout, RequestLayoutError
 
 MAX_REQS, MAX_DRAFTS, LENGTH = 6, 3, 30
 WIDTH = MAX_DRAFTS + 1

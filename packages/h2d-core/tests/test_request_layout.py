@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from block_tables import (
+from h2d_core import (
     LayoutColumn,
     LayoutPlan,
     RequestLayout,
@@ -212,7 +212,7 @@ def test_bad_bindings(cls: Any, kwargs: dict[str, Any], match: str) -> None:
 
 def test_the_compiled_class_replaces_the_interpreted_one() -> None:
     assert RequestLayout is request_layout.RequestLayout
-    assert RequestLayout.__module__ == "block_tables._request_layout_native"
+    assert RequestLayout.__module__ == "h2d_core._request_layout_native"
 
 
 def with_columns(cls: Any) -> tuple[Any, dict[str, np.ndarray]]:

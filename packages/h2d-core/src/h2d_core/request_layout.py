@@ -17,7 +17,7 @@ repeat their total (padded requests own no tokens and no pages; padded tokens ar
 queries of no tokens).
 
 This source is written in Cython's pure-Python mode and compiled when the package is built
-(``block_tables._request_layout_native``, required); importing it interpreted hands over to that
+(``h2d_core._request_layout_native``, required); importing it interpreted hands over to that
 build.
 """
 
@@ -34,7 +34,7 @@ from .errors import RequestLayoutError
 try:
     import cython
 except ImportError:  # interpreted where Cython is not installed: no-op stand-ins
-    from . import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
+    from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
 if cython.compiled:
     from cython.cimports import numpy as cnp
@@ -1601,13 +1601,13 @@ def _input(name: str, what: str, value: object) -> None:
         f"per request), got {_describe(value)}")
 
 
-# This source is compiled by Cython, as ``block_tables._request_layout_native``, when the package
+# This source is compiled by Cython, as ``h2d_core._request_layout_native``, when the package
 # is built; run interpreted, it only hands over to that build (required).
 if not cython.compiled:
-    from .native import require_extension
+    from block_tables.native import require_extension
 
     # the records too: the compiled class checks what it is given against its own
-    _compiled = require_extension("block_tables._request_layout_native")
+    _compiled = require_extension("h2d_core._request_layout_native")
     RequestLayout = _compiled.RequestLayout  # type: ignore[misc]
     TokenPlanes = _compiled.TokenPlanes  # type: ignore[misc]
     LayoutOutput = TokenPlanes  # type: ignore[misc]
