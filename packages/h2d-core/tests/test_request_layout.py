@@ -18,6 +18,7 @@ from h2d_core import (
     LayoutPlan,
     RequestLayout,
     RequestLayoutError,
+    StateSlots,
     TokenPlanes,
     request_layout,
 )
@@ -672,13 +673,19 @@ def test_state_slot_outputs_and_mrope_planes_from_their_definitions() -> None:
     layout = RequestLayout(
         "gdn", 1, None, None,
         columns=[LayoutColumn("groups", low=0, high=9), LayoutColumn("forks", low=-1, high=9)],
-        state_groups="groups", state_forks="forks", slots_per_group=2, state_base=base,
-        state_read=read, state_rows=rows)
+        outputs=[StateSlots("groups", 2, base=base, read=read, forks="forks", rows=rows)])
     ones = np.ones(2, np.int32)
     layout.plan(ones, ones, 3, -1, (np.array([3, 0], np.int32), np.array([-1, 5], np.int32)))
     layout.write()
     assert base.tolist() == [6, 0, -1, 99] and read.tolist() == [6, 10, -1, 99]
     assert rows.tolist() == [6, 7, 0, 1, -1, -1, 99, 99]
+    for bad in [StateSlots("nope", 2, base=base), StateSlots("groups", 0, base=base),
+                StateSlots("groups", 2), StateSlots("groups", 2, read=read),
+                StateSlots("groups", 2, base=base, forks="forks")]:
+        with pytest.raises(RequestLayoutError, match=r"gdn: StateSlots needs groups naming"):
+            RequestLayout("gdn", 1, None, None, columns=[LayoutColumn("groups", low=0, high=9),
+                                                         LayoutColumn("forks", low=-1, high=9)],
+                          outputs=[bad])
     with pytest.raises(RequestLayoutError, match=r"gdn: request 1 has forks=-2; forks must"):
         layout.plan(ones, ones, 3, -1, (np.array([3, 0], np.int32),
                                         np.array([-1, -2], np.int32)))

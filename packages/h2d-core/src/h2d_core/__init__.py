@@ -52,9 +52,10 @@ from .errors import (
 )
 from .fused import ConsumerFn, FusedConsumer
 from .group import GroupPlan
+from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan, StateSlots, TokenPlanes
 from .producer import h2d_producer
 from .records import GroupCounters
-from .request_layout import LayoutColumn, LayoutOutput, LayoutPlan, RequestLayout, TokenPlanes
+from .request_layout import RequestLayout
 from .state import H2DRunnerState
 from .step import (
     DRAFTS,
@@ -117,6 +118,7 @@ __all__ = [
     "RequestLayout",
     "RequestLayoutError",
     "StageResult",
+    "StateSlots",
     "StepCounts",
     "StreamMismatchError",
     "TablePolicyError",

@@ -24,12 +24,12 @@ build.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .errors import RequestLayoutError
+from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan, StateSlots, TokenPlanes
 
 try:
     import cython
@@ -69,89 +69,6 @@ def _describe(value: Any) -> str:
     return type(value).__name__
 
 
-@dataclass(frozen=True)
-class LayoutColumn:
-    """A per-request (or per-token) column :meth:`RequestLayout.write` copies into ``out``.
-
-    ``out`` is int32, float32 or int64, 1-D C-contiguous; the batch's values fill its first
-    n (or t) entries and ``pad`` its padded ones (``None``: a column without graph
-    padding; its padded entries are left as they are). Without ``out`` the column is int32,
-    checked and summed (:meth:`RequestLayout.column_sum`) but copied nowhere. ``minimum``
-    (float32 only) clamps from below as ``np.maximum`` does (NaN is kept).
-
-    ``low`` / ``high`` bound the values :meth:`RequestLayout.plan` accepts (``None``:
-    unbounded; ``low_open`` excludes ``low`` itself); ``finite`` (float32 only) refuses
-    infinities. A float32 column with any bound or ``finite`` refuses NaN too. A value
-    outside is refused naming the request (or token), the column and the rule. Integer
-    columns take int bounds.
-
-    ``distinct`` (an int32 per-request column with both bounds: distinct rows) refuses a
-    value an earlier request of the batch already holds, naming both requests.
-
-    ``reserved`` (an integer column) is a value only padded entries hold, e.g. an
-    engine's padding state slot (``pad``): a request (or token) holding it is refused,
-    naming it, the column and ``reserved_note`` (what the value is and what to do).
-    """
-
-    name: str
-    out: np.ndarray | None = None
-    per_token: bool = False
-    pad: float | None = 0
-    minimum: float | None = None
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    finite: bool = False
-    distinct: bool = False
-    reserved: int | None = None
-    reserved_note: str = ""
-
-
-@dataclass(frozen=True)
-class LayoutPlan:
-    """Token rows for a compressed KV cache, written by :meth:`RequestLayout.write`.
-
-    Each selected real token ``t`` (request ``i``, ``j``-th token of its query, position
-    ``p``) gives one int32 row ``[t, i, p, window - min(j + 1, window)]`` in ``out``
-    (``[capacity, 4]``), in token order. ``tail=False`` selects the tokens that close a
-    block of ``ratio`` positions (``(p + 1) % ratio == 0``: the compression rows);
-    ``tail=True`` the tokens among the last ``window`` positions of their context (the
-    state-write rows). The published row count is the graph form, ``padded_reqs *
-    ceil(q / ratio)`` or ``padded_reqs * min(q, window)`` for the widest query ``q``; the
-    rows after the real ones hold -1. ``graph=False`` is the eager (prefill) form: exactly
-    the real rows for a selection by ratio, the whole array for a tail selection.
-    """
-
-    name: str
-    out: np.ndarray
-    ratio: int
-    window: int
-    tail: bool = False
-    graph: bool = True
-
-
-@dataclass(frozen=True)
-class TokenPlanes:
-    """A per-token int64 output a family registers: each real token's position plus its
-    request's value of ``column`` (a bound int32 per-request :class:`LayoutColumn`),
-    written on ``planes`` planes at the running width (plane ``a`` is the flat range
-    ``[a * padded_tokens, (a + 1) * padded_tokens)``); padding tokens hold 0 on every
-    plane. ``out`` is a writeable C-contiguous int64 ``[planes * tokens]`` array.
-
-    MRoPE's planes are one (``planes=3``, the column its per-request position deltas):
-    declared beside the family's adapter (:mod:`h2d_runner_adapters.mrope`), written by
-    :meth:`RequestLayout.write` in the same pass as the core outputs.
-    """
-
-    name: str
-    out: np.ndarray
-    column: str
-    planes: int = 1
-
-
-#: the outputs a family registers with a layout (``RequestLayout(..., outputs=[...])``)
-LayoutOutput = TokenPlanes
-
 _KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 
 
@@ -182,13 +99,7 @@ class RequestLayout:
     inclusive prefix of ``d``) and ``draft_bonus`` int64 (``cu[r] + d_r``), real requests
     only; ``cu`` is the query prefix. ``outputs`` are the outputs a family registers
     (:class:`TokenPlanes`: e.g. MRoPE's three planes), written in the same pass.
-    ``state_groups`` names a bound int32 per-request column of state groups ``g`` (a
-    recurrent model's state pool, ``slots_per_group`` consecutive slots per group; the
-    column's bounds keep every slot in the pool): :meth:`write` fills ``state_base``
-    (``g * slots_per_group``), ``state_read`` (the same, or ``f * slots_per_group`` where
-    the ``state_forks`` column names a fork source ``f >= 0``) and ``state_rows``
-    (``[requests, slots_per_group]``: ``g * slots_per_group + j``), each -1 for padded
-    requests. ``cursors`` names a bound int32 per-request column of cursors into rows of
+    ``cursors`` names a bound int32 per-request column of cursors into rows of
     ``cursor_limit`` entries (a cursor + query-length bound): :meth:`plan` refuses a
     cursor below 0 or one whose ``q`` tokens run past ``cursor_limit``. ``candidate_drafts``
     names a bound int32 per-request column of draft counts ``d`` (it needs ``cursors``):
@@ -223,12 +134,8 @@ class RequestLayout:
     _bonus = cython.declare(cython.longlong[::1])
     # per registered TokenPlanes: (out, column index, planes)
     _token_planes = cython.declare(tuple)
-    _group_col = cython.declare(cython.Py_ssize_t)
-    _fork_col = cython.declare(cython.Py_ssize_t)
-    _per_group = cython.declare(cython.int)
-    _state_base = cython.declare(cython.int[::1])
-    _state_read = cython.declare(cython.int[::1])
-    _state_rows = cython.declare(cython.int[::1])
+    # per registered StateSlots: (groups column, forks column or -1, k, base, read, rows)
+    _state_slots = cython.declare(tuple)
     _cursor_col = cython.declare(cython.Py_ssize_t)
     _cursor_limit = cython.declare(cython.longlong)
     _cand_col = cython.declare(cython.Py_ssize_t)
@@ -308,12 +215,6 @@ class RequestLayout:
         draft_targets: np.ndarray | None = None,
         draft_prefix: np.ndarray | None = None,
         draft_bonus: np.ndarray | None = None,
-        state_groups: str | None = None,
-        state_forks: str | None = None,
-        slots_per_group: int = 1,
-        state_base: np.ndarray | None = None,
-        state_read: np.ndarray | None = None,
-        state_rows: np.ndarray | None = None,
         cursors: str | None = None,
         cursor_limit: int | None = None,
         candidate_drafts: str | None = None,
@@ -350,9 +251,6 @@ class RequestLayout:
             "draft_targets": _array(name, "draft_targets", draft_targets, np.int64, 1),
             "draft_prefix": _array(name, "draft_prefix", draft_prefix, np.int32, 1),
             "draft_bonus": _array(name, "draft_bonus", draft_bonus, np.int64, 1),
-            "state_base": _array(name, "state_base", state_base, np.int32, 1),
-            "state_read": _array(name, "state_read", state_read, np.int32, 1),
-            "state_rows": _array(name, "state_rows", state_rows, np.int32, 1),
             "candidates": _array(name, "candidates", candidates, np.int32, 1),
         }
         if context_cap is not None and (type(context_cap) is not int
@@ -383,8 +281,7 @@ class RequestLayout:
         for k, a in enumerate(copies, 1):
             self.arrays[f"cu_query[{k}]"] = a
             req_caps.append(a.size - 1)
-        for key in ("context_lens", "last_page_lens", "draft_prefix", "draft_bonus",
-                    "state_base", "state_read"):
+        for key in ("context_lens", "last_page_lens", "draft_prefix", "draft_bonus"):
             if key in self.arrays:
                 req_caps.append(self.arrays[key].size)
         for key in ("positions", "slot_mapping", "token_requests"):
@@ -432,12 +329,7 @@ class RequestLayout:
                     "draft_targets, draft_prefix and draft_bonus; pass all four, or none")
             self._draft_col = names.index(drafts)
         self._token_planes = _bind_token_planes(name, bound, outputs, self.arrays, tok_caps)
-        self._group_col, self._fork_col = _state_columns(
-            name, bound, state_groups, state_forks, slots_per_group,
-            (state_base, state_read, state_rows))
-        self._per_group = slots_per_group
-        if state_rows is not None:
-            req_caps.append(state_rows.size // slots_per_group)
+        self._state_slots = _bind_state_slots(name, bound, outputs, self.arrays, req_caps)
         self._cursor_col, self._cand_col = _cursor_columns(
             name, bound, cursors, cursor_limit, candidate_drafts, candidates, candidate_width)
         self._cursor_limit = 0 if cursor_limit is None else cursor_limit
@@ -447,9 +339,6 @@ class RequestLayout:
             req_caps.append(candidates.size // candidate_width)
         self._distinct = _distinct_columns(name, columns, bound)
         self._stamp = 0
-        self._state_base = state_base
-        self._state_read = state_read
-        self._state_rows = state_rows
         self._targets = draft_targets
         self._draft_prefix = draft_prefix
         self._bonus = draft_bonus
@@ -856,8 +745,8 @@ class RequestLayout:
         self._values = ()
         for registered in self._token_planes:
             _write_token_planes(registered, values, own_q, own_c, n, t, pt)
-        if self._group_col >= 0:
-            _write_state_slots(self, values, n, p)
+        for registered in self._state_slots:
+            _write_state_slots(registered, values, n, p)
         if self._candidates is not None:
             _write_candidates(self, values, own_q, n, p)
         if self._draft_col >= 0:  # verification rows: the drafts, then the bonus row
@@ -896,9 +785,12 @@ def _bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: d
     names = [spec[5] for spec in bound]
     specs = []
     for out in outputs:
+        if isinstance(out, StateSlots):
+            continue
         if not isinstance(out, TokenPlanes):
             raise RequestLayoutError(
-                f"{name}: outputs takes TokenPlanes records, got {type(out).__name__}")
+                f"{name}: outputs takes TokenPlanes and StateSlots records, got "
+                f"{type(out).__name__}")
         if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
             raise RequestLayoutError(
                 f"{name}: output {out.name!r}: planes must be an int >= 1, got "
@@ -947,57 +839,73 @@ def _write_token_planes(spec: tuple, values: Sequence[Any], own_q: cython.int[::
             out[a * pt + k] = out[k]
 
 
-def _state_columns(name: str, bound: list, groups: str | None, forks: str | None,
-                   per_group: int, outputs: tuple) -> tuple[int, int]:
-    """The column indices of the state groups and fork sources (-1: none), checked."""
+def _bind_state_slots(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                      req_caps: list) -> tuple:
+    """Each registered :class:`StateSlots` checked and bound: (groups column, forks column
+    or -1, slots per group, base, read, rows)."""
     names = [spec[5] for spec in bound]
-    if groups is None and forks is None and all(a is None for a in outputs):
-        return -1, -1
 
-    def int_column(col: str | None) -> bool:
-        return col in names and bound[names.index(col)][0] == 0 and not bound[
-            names.index(col)][2]
+    def int_column(col: object) -> int:
+        k = names.index(col) if col in names else -1
+        return k if k >= 0 and bound[k][0] == 0 and not bound[k][2] else -1
 
-    if (not int_column(groups) or (forks is not None and not int_column(forks))
-            or all(a is None for a in outputs) or (outputs[1] is not None) != (forks is not None)
-            or type(per_group) is not int or per_group < 1):
-        raise RequestLayoutError(
-            f"{name}: state_groups names a bound int32 per-request column, state_forks "
-            "another (with state_read, and only with it), slots_per_group is an int >= 1, "
-            "and at least one of state_base, state_read, state_rows is bound")
-    return names.index(groups), -1 if forks is None else names.index(forks)
+    specs: list[tuple[Any, ...]] = []
+    for out in outputs:
+        if not isinstance(out, StateSlots):
+            continue
+        k1 = out.slots_per_group
+        groups = int_column(out.groups)
+        forks = -1 if out.forks is None else int_column(out.forks)
+        given = [a is not None for a in (out.base, out.read, out.rows)]
+        if (groups < 0 or (out.forks is not None and forks < 0) or not any(given)
+                or (out.read is not None) != (out.forks is not None)
+                or type(k1) is not int or k1 < 1):
+            raise RequestLayoutError(
+                f"{name}: StateSlots needs groups naming a bound int32 per-request column, "
+                "forks another (with read, and only with it), slots_per_group an int >= 1, "
+                "and at least one of base, read, rows")
+        for key, arr in (("base", out.base), ("read", out.read), ("rows", out.rows)):
+            if arr is not None:
+                _array(name, f"StateSlots {key}", arr, np.int32, 1)
+                arrays[f"state_{key}" if f"state_{key}" not in arrays
+                       else f"state_{key}[{len(specs)}]"] = arr
+                req_caps.append(arr.size // (k1 if key == "rows" else 1))
+        specs.append((groups, forks, k1, out.base, out.read, out.rows))
+    return tuple(specs)
 
 
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def _write_state_slots(layout: RequestLayout, values: Sequence[Any], n: cython.Py_ssize_t,
+def _write_state_slots(spec: tuple, values: Sequence[Any], n: cython.Py_ssize_t,
                        p: cython.Py_ssize_t) -> cython.void:
-    """The state-slot outputs of the planned batch (see the class docstring)."""
-    groups: cython.pointer[cython.int] = _ints(values[layout._group_col])
-    k1: cython.int = layout._per_group
+    """One :class:`StateSlots` output of the planned batch (see its docstring)."""
+    groups: cython.pointer[cython.int] = _ints(values[cython.cast(cython.Py_ssize_t, spec[0])])
+    k1: cython.int = spec[2]
     i: cython.Py_ssize_t
     j: cython.Py_ssize_t
-    if layout._state_base is not None:
-        base: cython.int[::1] = layout._state_base
+    out: cython.pointer[cython.int]
+    if spec[3] is not None:
+        out = _ints(spec[3])
         for i in range(n):
-            base[i] = groups[i] * k1
+            out[i] = groups[i] * k1
         for i in range(n, p):
-            base[i] = -1
-    if layout._state_read is not None:
-        forks: cython.pointer[cython.int] = _ints(values[layout._fork_col])
-        read: cython.int[::1] = layout._state_read
+            out[i] = -1
+    if spec[4] is not None:
+        forks: cython.pointer[cython.int] = _ints(
+            values[cython.cast(cython.Py_ssize_t, spec[1])])
+        out = _ints(spec[4])
         for i in range(n):
-            read[i] = (forks[i] if forks[i] >= 0 else groups[i]) * k1
+            out[i] = (forks[i] if forks[i] >= 0 else groups[i]) * k1
         for i in range(n, p):
-            read[i] = -1
-    if layout._state_rows is not None:
-        rows: cython.int[::1] = layout._state_rows
+            out[i] = -1
+    if spec[5] is not None:
+        out = _ints(spec[5])
         for i in range(n):
             for j in range(k1):
-                rows[i * k1 + j] = groups[i] * k1 + cython.cast(cython.int, j)
+                out[i * k1 + j] = groups[i] * k1 + cython.cast(cython.int, j)
         for i in range(n * k1, p * k1):
-            rows[i] = -1
+            out[i] = -1
 
 
 def _cursor_columns(name: str, bound: list, cursors: str | None, limit: int | None,
@@ -1606,8 +1514,6 @@ def _input(name: str, what: str, value: object) -> None:
 if not cython.compiled:
     from block_tables.native import require_extension
 
-    # the records too: the compiled class checks what it is given against its own
-    _compiled = require_extension("h2d_core._request_layout_native")
-    RequestLayout = _compiled.RequestLayout  # type: ignore[misc]
-    TokenPlanes = _compiled.TokenPlanes  # type: ignore[misc]
-    LayoutOutput = TokenPlanes  # type: ignore[misc]
+    RequestLayout = require_extension(  # type: ignore[misc]
+        "h2d_core._request_layout_native").RequestLayout
+

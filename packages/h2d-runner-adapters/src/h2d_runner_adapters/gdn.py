@@ -45,6 +45,7 @@ from h2d_core import (
     LayoutColumn,
     LayoutStep,
     RequestLayout,
+    StateSlots,
     StepCounts,
     h2d_producer,
 )
@@ -136,17 +137,16 @@ class GdnStateInputs:
                     acc = LayoutColumn("num_accepted", self.num_accepted.source(slot).numpy(),
                                        pad=1, low=1, high=k1)
                     out.append(RequestLayout(
-                        g, 1, None, None, columns=[groups, acc], state_groups="state_groups",
-                        slots_per_group=k1,
-                        state_rows=self.spec.source(slot).numpy().reshape(-1)))
+                        g, 1, None, None, columns=[groups, acc], outputs=[StateSlots(
+                            "state_groups", k1,
+                            rows=self.spec.source(slot).numpy().reshape(-1))]))
                 else:
                     forks = LayoutColumn("fork_sources", low=-1, high=top)
                     out.append(RequestLayout(
-                        g, 1, None, None, columns=[groups, forks],
-                        state_groups="state_groups", state_forks="fork_sources",
-                        slots_per_group=k1,
-                        state_base=self.non_spec.source(slot).numpy(),
-                        state_read=self.non_spec_in.source(slot).numpy()))
+                        g, 1, None, None, columns=[groups, forks], outputs=[StateSlots(
+                            "state_groups", k1, base=self.non_spec.source(slot).numpy(),
+                            read=self.non_spec_in.source(slot).numpy(),
+                            forks="fork_sources")]))
             return out
 
         non_spec = [CountRule(self.non_spec, PADDED_REQS),

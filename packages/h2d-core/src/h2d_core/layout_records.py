@@ -1,0 +1,119 @@
+"""What a :class:`~h2d_core.RequestLayout` is told to write: the request and token columns
+it checks and copies, the compressed-KV plans, and the outputs a family registers.
+
+Plain records, made once at bind: the layout (``request_layout.py``, compiled) turns them
+into C state, so nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class LayoutColumn:
+    """A per-request (or per-token) column :meth:`RequestLayout.write` copies into ``out``.
+
+    ``out`` is int32, float32 or int64, 1-D C-contiguous; the batch's values fill its first
+    n (or t) entries and ``pad`` its padded ones (``None``: a column without graph
+    padding; its padded entries are left as they are). Without ``out`` the column is int32,
+    checked and summed (:meth:`RequestLayout.column_sum`) but copied nowhere. ``minimum``
+    (float32 only) clamps from below as ``np.maximum`` does (NaN is kept).
+
+    ``low`` / ``high`` bound the values :meth:`RequestLayout.plan` accepts (``None``:
+    unbounded; ``low_open`` excludes ``low`` itself); ``finite`` (float32 only) refuses
+    infinities. A float32 column with any bound or ``finite`` refuses NaN too. A value
+    outside is refused naming the request (or token), the column and the rule. Integer
+    columns take int bounds.
+
+    ``distinct`` (an int32 per-request column with both bounds: distinct rows) refuses a
+    value an earlier request of the batch already holds, naming both requests.
+
+    ``reserved`` (an integer column) is a value only padded entries hold, e.g. an
+    engine's padding state slot (``pad``): a request (or token) holding it is refused,
+    naming it, the column and ``reserved_note`` (what the value is and what to do).
+    """
+
+    name: str
+    out: np.ndarray | None = None
+    per_token: bool = False
+    pad: float | None = 0
+    minimum: float | None = None
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    finite: bool = False
+    distinct: bool = False
+    reserved: int | None = None
+    reserved_note: str = ""
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """Token rows for a compressed KV cache, written by :meth:`RequestLayout.write`.
+
+    Each selected real token ``t`` (request ``i``, ``j``-th token of its query, position
+    ``p``) gives one int32 row ``[t, i, p, window - min(j + 1, window)]`` in ``out``
+    (``[capacity, 4]``), in token order. ``tail=False`` selects the tokens that close a
+    block of ``ratio`` positions (``(p + 1) % ratio == 0``: the compression rows);
+    ``tail=True`` the tokens among the last ``window`` positions of their context (the
+    state-write rows). The published row count is the graph form, ``padded_reqs *
+    ceil(q / ratio)`` or ``padded_reqs * min(q, window)`` for the widest query ``q``; the
+    rows after the real ones hold -1. ``graph=False`` is the eager (prefill) form: exactly
+    the real rows for a selection by ratio, the whole array for a tail selection.
+    """
+
+    name: str
+    out: np.ndarray
+    ratio: int
+    window: int
+    tail: bool = False
+    graph: bool = True
+
+
+@dataclass(frozen=True)
+class TokenPlanes:
+    """A per-token int64 output a family registers: each real token's position plus its
+    request's value of ``column`` (a bound int32 per-request :class:`LayoutColumn`),
+    written on ``planes`` planes at the running width (plane ``a`` is the flat range
+    ``[a * padded_tokens, (a + 1) * padded_tokens)``); padding tokens hold 0 on every
+    plane. ``out`` is a writeable C-contiguous int64 ``[planes * tokens]`` array.
+
+    MRoPE's planes are one (``planes=3``, the column its per-request position deltas):
+    declared beside the family's adapter (:mod:`h2d_runner_adapters.mrope`), written by
+    :meth:`RequestLayout.write` in the same pass as the core outputs.
+    """
+
+    name: str
+    out: np.ndarray
+    column: str
+    planes: int = 1
+
+
+@dataclass(frozen=True)
+class StateSlots:
+    """A recurrent family's per-request state slots, registered as a layout output: request
+    ``i``'s state group ``g`` (its value of the int32 request column ``groups``, whose
+    bounds keep every slot in the pool) owns slots ``g * k .. g * k + k - 1``
+    (``k = slots_per_group``). :meth:`RequestLayout.write` fills, each -1 for padded
+    requests and each optional (None: not written): ``base`` (``g * k``), ``read`` (``f *
+    k`` where the int32 request column ``forks`` names a fork source ``f >= 0``, else ``g *
+    k``; needs ``forks``) and ``rows`` (``[requests, k]`` flat: ``g * k + j``). Each is a
+    writeable C-contiguous int32 array.
+
+    GDN's spec and non-spec state indices are two (declared in
+    :mod:`h2d_runner_adapters.gdn`).
+    """
+
+    groups: str
+    slots_per_group: int = 1
+    base: np.ndarray | None = None
+    read: np.ndarray | None = None
+    forks: str | None = None
+    rows: np.ndarray | None = None
+
+
+#: the outputs a family registers with a layout (``RequestLayout(..., outputs=[...])``)
+LayoutOutput = TokenPlanes | StateSlots
