@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from h2d_core import LayoutColumn, RequestLayout, RequestLayoutError
+from h2d_core import Cursors, LayoutColumn, RequestLayout, RequestLayoutError
 
 MAX_REQS, MAX_DRAFTS, LENGTH = 6, 3, 30
 WIDTH = MAX_DRAFTS + 1
@@ -36,10 +36,9 @@ def layout(limit: int) -> tuple[RequestLayout, dict[str, np.ndarray]]:
     cols = [LayoutColumn("rows", out["rows"], pad=None, low=0, high=limit - 1, distinct=True),
             LayoutColumn("cursors", out["cursors"], pad=None),
             LayoutColumn("num_drafts")]
-    lay = RequestLayout("eng", 1, None, None, columns=cols, cursors="cursors",
-                        cursor_limit=LENGTH, candidate_drafts="num_drafts",
-                        candidates=out["candidates"][: MAX_REQS * WIDTH],
-                        candidate_width=WIDTH)
+    lay = RequestLayout("eng", 1, None, None, columns=cols, outputs=[Cursors(
+        "cursors", LENGTH, drafts="num_drafts",
+        candidates=out["candidates"][: MAX_REQS * WIDTH], width=WIDTH)])
     return lay, out
 
 
@@ -182,7 +181,7 @@ def test_the_extremes_of_the_cursor_bound_and_the_candidates() -> None:
 
 def test_the_vocabulary_refuses_its_declaration_errors() -> None:
     cand = np.zeros(8, np.int32)
-    base: dict[str, Any] = {"cursors": "c", "cursor_limit": 10}
+    base: dict[str, Any] = {"column": "c", "limit": 10}
     with pytest.raises(RequestLayoutError, match=r"column 'r': distinct applies to int32 "
                                                  r"per-request columns with both bounds"):
         RequestLayout("x", 1, None, None, columns=[LayoutColumn("r", low=0, distinct=True)])
@@ -192,17 +191,19 @@ def test_the_vocabulary_refuses_its_declaration_errors() -> None:
     with pytest.raises(RequestLayoutError, match=r"distinct applies"):
         RequestLayout("x", 1, None, None, columns=[
             LayoutColumn("r", low=0, high=3, per_token=True, distinct=True)])
-    bad = [dict(base, cursor_limit=None), dict(base, cursor_limit=2**31),
-           dict(base, cursors="missing"), dict(base, candidate_drafts="d"),
-           dict(base, candidates=cand), dict(base, candidate_drafts="d", candidates=cand,
-                                             candidate_width=0),
-           {"candidate_drafts": "d", "candidates": cand}]
+    bad = [dict(base, limit=None), dict(base, limit=2**31),
+           dict(base, column="missing"), dict(base, drafts="d"),
+           dict(base, candidates=cand), dict(base, drafts="d", candidates=cand, width=0),
+           {"column": "d", "limit": 10, "drafts": "missing", "candidates": cand}]
     for kwargs in bad:
-        with pytest.raises(RequestLayoutError, match=r"cursors names a bound int32 "
-                                                     r"per-request column"):
+        with pytest.raises(RequestLayoutError, match=r"Cursors needs column naming a bound "
+                                                     r"int32 per-request column"):
             RequestLayout("x", 1, None, None, columns=[LayoutColumn("c"), LayoutColumn("d")],
-                          **kwargs)
+                          outputs=[Cursors(**kwargs)])
+    with pytest.raises(RequestLayoutError, match=r"one Cursors per layout"):
+        RequestLayout("x", 1, None, None, columns=[LayoutColumn("c"), LayoutColumn("d")],
+                      outputs=[Cursors(**base), Cursors(**base)])
     # the candidates bound the requests a batch may hold: 8 entries of 4, two requests
     lay = RequestLayout("x", 1, None, None, columns=[LayoutColumn("c"), LayoutColumn("d")],
-                        candidate_drafts="d", candidates=cand, candidate_width=4, **base)
+                        outputs=[Cursors(drafts="d", candidates=cand, width=4, **base)])
     assert lay.max_reqs == 2

@@ -52,7 +52,14 @@ from .errors import (
 )
 from .fused import ConsumerFn, FusedConsumer
 from .group import GroupPlan
-from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan, StateSlots, TokenPlanes
+from .layout_records import (
+    Cursors,
+    LayoutColumn,
+    LayoutOutput,
+    LayoutPlan,
+    StateSlots,
+    TokenPlanes,
+)
 from .producer import h2d_producer
 from .records import GroupCounters
 from .request_layout import RequestLayout
@@ -91,6 +98,7 @@ __all__ = [
     "CountError",
     "CountRule",
     "CountUnit",
+    "Cursors",
     "DeclarationError",
     "DeviceContextError",
     "DeviceMismatchError",

@@ -115,5 +115,27 @@ class StateSlots:
     rows: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class Cursors:
+    """Per-request cursors into rows of ``limit`` entries (an Engram history, say),
+    registered as a layout output: ``column`` names a bound int32 request column of
+    cursors, and :meth:`RequestLayout.plan` refuses a cursor below 0 or one whose ``q``
+    tokens run past ``limit``. With ``drafts`` (a bound int32 request column of draft
+    counts ``d``) and ``candidates`` (int32 ``[requests, width]``, flat), :meth:`plan`
+    also refuses ``d < 0`` and ``d > min(width - 1, q - 1)``, and :meth:`write` fills
+    request ``i``'s entry ``a`` with the cursor it reaches if ``a`` of its ``d`` drafts
+    are accepted, ``cursor + q - d + a`` for ``a <= d``, then -1; -1 for padded requests.
+    One per layout.
+
+    Engram's history cursors are one (declared in :mod:`h2d_runner_adapters.engram`).
+    """
+
+    column: str
+    limit: int
+    drafts: str | None = None
+    candidates: np.ndarray | None = None
+    width: int = 1
+
+
 #: the outputs a family registers with a layout (``RequestLayout(..., outputs=[...])``)
-LayoutOutput = TokenPlanes | StateSlots
+LayoutOutput = TokenPlanes | StateSlots | Cursors

@@ -29,7 +29,14 @@ from typing import Any
 import numpy as np
 
 from .errors import RequestLayoutError
-from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan, StateSlots, TokenPlanes
+from .layout_records import (
+    Cursors,
+    LayoutColumn,
+    LayoutOutput,
+    LayoutPlan,
+    StateSlots,
+    TokenPlanes,
+)
 
 try:
     import cython
@@ -98,15 +105,8 @@ class RequestLayout:
     ``cu[r] .. cu[r] + d_r - 1``, the drafts back to back), ``draft_prefix`` int32 (the
     inclusive prefix of ``d``) and ``draft_bonus`` int64 (``cu[r] + d_r``), real requests
     only; ``cu`` is the query prefix. ``outputs`` are the outputs a family registers
-    (:class:`TokenPlanes`: e.g. MRoPE's three planes), written in the same pass.
-    ``cursors`` names a bound int32 per-request column of cursors into rows of
-    ``cursor_limit`` entries (a cursor + query-length bound): :meth:`plan` refuses a
-    cursor below 0 or one whose ``q`` tokens run past ``cursor_limit``. ``candidate_drafts``
-    names a bound int32 per-request column of draft counts ``d`` (it needs ``cursors``):
-    :meth:`plan` refuses ``d < 0`` and ``d > min(candidate_width - 1, q - 1)``, and
-    :meth:`write` fills ``candidates`` int32 (``[requests, candidate_width]``, flat):
-    request ``i``'s entry ``a`` is the cursor it reaches if ``a`` of its ``d`` drafts are
-    accepted, ``cursor + q - d + a`` for ``a <= d``, then -1; -1 for padded requests.
+    (:class:`TokenPlanes`: e.g. MRoPE's three planes; :class:`StateSlots`: GDN's;
+    :class:`Cursors`: Engram's), checked and written in the same pass.
     ``name`` prefixes every error message.
     """
 
@@ -215,11 +215,6 @@ class RequestLayout:
         draft_targets: np.ndarray | None = None,
         draft_prefix: np.ndarray | None = None,
         draft_bonus: np.ndarray | None = None,
-        cursors: str | None = None,
-        cursor_limit: int | None = None,
-        candidate_drafts: str | None = None,
-        candidates: np.ndarray | None = None,
-        candidate_width: int = 1,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
         outputs: Sequence[LayoutOutput] = (),
@@ -251,7 +246,6 @@ class RequestLayout:
             "draft_targets": _array(name, "draft_targets", draft_targets, np.int64, 1),
             "draft_prefix": _array(name, "draft_prefix", draft_prefix, np.int32, 1),
             "draft_bonus": _array(name, "draft_bonus", draft_bonus, np.int64, 1),
-            "candidates": _array(name, "candidates", candidates, np.int32, 1),
         }
         if context_cap is not None and (type(context_cap) is not int
                                         or not 1 <= context_cap <= _INT32_MAX):
@@ -330,13 +324,8 @@ class RequestLayout:
             self._draft_col = names.index(drafts)
         self._token_planes = _bind_token_planes(name, bound, outputs, self.arrays, tok_caps)
         self._state_slots = _bind_state_slots(name, bound, outputs, self.arrays, req_caps)
-        self._cursor_col, self._cand_col = _cursor_columns(
-            name, bound, cursors, cursor_limit, candidate_drafts, candidates, candidate_width)
-        self._cursor_limit = 0 if cursor_limit is None else cursor_limit
-        self._cand_width = candidate_width
-        self._candidates = candidates
-        if candidates is not None:
-            req_caps.append(candidates.size // candidate_width)
+        (self._cursor_col, self._cursor_limit, self._cand_col, self._cand_width,
+         self._candidates) = _bind_cursors(name, bound, outputs, self.arrays, req_caps)
         self._distinct = _distinct_columns(name, columns, bound)
         self._stamp = 0
         self._targets = draft_targets
@@ -785,11 +774,11 @@ def _bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: d
     names = [spec[5] for spec in bound]
     specs = []
     for out in outputs:
-        if isinstance(out, StateSlots):
+        if isinstance(out, StateSlots | Cursors):
             continue
         if not isinstance(out, TokenPlanes):
             raise RequestLayoutError(
-                f"{name}: outputs takes TokenPlanes and StateSlots records, got "
+                f"{name}: outputs takes TokenPlanes, StateSlots and Cursors records, got "
                 f"{type(out).__name__}")
         if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
             raise RequestLayoutError(
@@ -908,28 +897,35 @@ def _write_state_slots(spec: tuple, values: Sequence[Any], n: cython.Py_ssize_t,
             out[i] = -1
 
 
-def _cursor_columns(name: str, bound: list, cursors: str | None, limit: int | None,
-                    drafts: str | None, candidates: np.ndarray | None,
-                    width: int) -> tuple[int, int]:
-    """The column indices of the cursors and of the candidates' draft counts (-1: none),
-    checked."""
-    if cursors is None and limit is None and drafts is None and candidates is None:
-        return -1, -1
+def _bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                  req_caps: list) -> tuple[int, int, int, int, Any]:
+    """The registered :class:`Cursors` (at most one) checked and bound: (cursor column,
+    limit, draft column, width, candidates); (-1, 0, -1, 1, None) without one."""
+    found = [out for out in outputs if isinstance(out, Cursors)]
+    if not found:
+        return -1, 0, -1, 1, None
     names = [spec[5] for spec in bound]
-    cols = [-1, -1]
-    for k, col in enumerate((cursors, drafts)):
-        if col in names and bound[names.index(col)][0] == 0 \
-                and not bound[names.index(col)][2]:
-            cols[k] = names.index(col)
-    if (cols[0] < 0 or type(limit) is not int or not 0 <= limit <= _INT32_MAX
-            or (drafts is None) != (candidates is None) or (drafts is not None and cols[1] < 0)
+
+    def int_column(col: object) -> int:
+        k = names.index(col) if col in names else -1
+        return k if k >= 0 and bound[k][0] == 0 and not bound[k][2] else -1
+
+    out = found[0]
+    cursor, drafts = int_column(out.column), int_column(out.drafts)
+    limit, width = out.limit, out.width
+    if (len(found) > 1 or cursor < 0 or type(limit) is not int
+            or not 0 <= limit <= _INT32_MAX or (out.drafts is None) != (out.candidates is None)
+            or (out.drafts is not None and drafts < 0)
             or type(width) is not int or not 1 <= width <= _INT32_MAX):
         raise RequestLayoutError(
-            f"{name}: cursors names a bound int32 per-request column and needs cursor_limit "
-            "(an int in [0, 2**31)); candidate_drafts names another and goes with "
-            "candidates (candidate_width: an int >= 1); pass cursors and cursor_limit, with "
-            "or without candidate_drafts and candidates")
-    return cols[0], cols[1]
+            f"{name}: Cursors needs column naming a bound int32 per-request column and limit "
+            "an int in [0, 2**31); drafts names another and goes with candidates (width: an "
+            "int >= 1); one Cursors per layout")
+    if out.candidates is not None:
+        _array(name, "Cursors candidates", out.candidates, np.int32, 1)
+        arrays["candidates"] = out.candidates
+        req_caps.append(out.candidates.size // width)
+    return cursor, limit, drafts, width, out.candidates
 
 
 #: the widest value range a distinct column checks with a stamp table (64K entries of 8

@@ -42,6 +42,7 @@ import torch
 from h2d_core import (
     REQS,
     CountRule,
+    Cursors,
     DeclarationError,
     H2DRunnerState,
     LayoutColumn,
@@ -110,10 +111,10 @@ class EngramInputs:
                 LayoutColumn("num_drafts"),  # checked against the candidates' width
             ]
             layouts.append(RequestLayout(
-                g, 1, None, None, columns=columns, cursors="cursors",
-                cursor_limit=self.history_len, candidate_drafts="num_drafts",
-                candidates=self.candidates.source(slot).numpy().reshape(-1),
-                candidate_width=self.max_drafts + 1))
+                g, 1, None, None, columns=columns, outputs=[Cursors(
+                    "cursors", self.history_len, drafts="num_drafts",
+                    candidates=self.candidates.source(slot).numpy().reshape(-1),
+                    width=self.max_drafts + 1)]))
         rules = [CountRule(b, REQS) for b in (self.rows, self.snapshot, self.candidates)]
         self._step = LayoutStep(g, st, layouts, None, (), rules, error=AdapterInputError)
         return self._step
