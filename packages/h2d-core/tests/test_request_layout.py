@@ -20,6 +20,7 @@ from h2d_core import (
     RequestLayoutError,
     StateSlots,
     TokenPlanes,
+    VerifyRows,
     request_layout,
 )
 
@@ -715,3 +716,32 @@ def test_state_slot_outputs_and_mrope_planes_from_their_definitions() -> None:
     # a layout's token capacity counts each output's planes: 18 entries, 3 planes, 6 tokens
     assert RequestLayout("vl", 16, None, None, columns=[LayoutColumn("deltas")],
                          outputs=[TokenPlanes("p", planes, "deltas", 3)]).max_tokens == 6
+
+
+def test_verify_rows_from_their_definition() -> None:
+    """A registered VerifyRows: each request's draft target rows back to back, the
+    inclusive draft prefix and the bonus row, hand-computed; refusals name the rule."""
+    targets, prefix = np.full(6, 99, np.int64), np.full(4, 99, np.int32)
+    bonus = np.full(4, 99, np.int64)
+    cu = np.zeros(5, np.int32)
+    columns = [LayoutColumn("d", low=0)]
+    layout = RequestLayout("mtp", 1, None, None, cu_query=cu, columns=columns,
+                           outputs=[VerifyRows("d", targets, prefix, bonus)])
+    # request 0: 3 tokens (2 drafts, the bonus last), request 1: 1 token (no draft),
+    # request 2: 2 tokens (1 draft)
+    q = np.array([3, 1, 2], np.int32)
+    layout.plan(q, q + 4, 3, -1, (np.array([2, 0, 1], np.int32),))
+    layout.write()
+    assert cu[:4].tolist() == [0, 3, 4, 6]
+    assert targets[:3].tolist() == [0, 1, 4] and targets[3:].tolist() == [99] * 3
+    assert prefix[:3].tolist() == [2, 2, 3] and bonus[:3].tolist() == [2, 3, 5]
+    with pytest.raises(RequestLayoutError, match=r"mtp: request 0 verifies 3 drafts with 3 query"):
+        layout.plan(q, q + 4, 3, -1, (np.array([3, 0, 1], np.int32),))  # d == q
+    for outputs in ([VerifyRows("missing", targets, prefix, bonus)],
+                    [VerifyRows("d", targets, prefix, bonus)] * 2):
+        with pytest.raises(RequestLayoutError, match=r"mtp: VerifyRows needs drafts naming"):
+            RequestLayout("mtp", 1, None, None, columns=columns, outputs=outputs)
+    with pytest.raises(RequestLayoutError, match=r"VerifyRows draft_targets must be a "
+                                                 r"writeable C-contiguous 1-D int64"):
+        RequestLayout("mtp", 1, None, None, columns=columns,
+                      outputs=[VerifyRows("d", targets.astype(np.int32), prefix, bonus)])

@@ -59,6 +59,7 @@ from .layout_records import (
     LayoutPlan,
     StateSlots,
     TokenPlanes,
+    VerifyRows,
 )
 from .producer import h2d_producer
 from .records import GroupCounters
@@ -133,6 +134,7 @@ __all__ = [
     "TablePublication",
     "TokenPlanes",
     "UnknownGroupError",
+    "VerifyRows",
     "block_table_state",
     "device_context_active",
     "h2d_producer",

@@ -137,5 +137,24 @@ class Cursors:
     width: int = 1
 
 
+@dataclass(frozen=True)
+class VerifyRows:
+    """Speculative verification's rows, registered as a layout output: ``drafts`` names a
+    bound int32 request column of draft counts ``d``. :meth:`RequestLayout.plan` refuses
+    ``d < 0``, ``d >= q`` (a request's last token is its bonus row) and more drafts in all
+    than ``targets`` holds; :meth:`RequestLayout.write` fills ``targets`` int64 (request
+    ``r``'s target rows ``cu[r] .. cu[r] + d_r - 1``, the drafts back to back), ``prefix``
+    int32 (the inclusive prefix of ``d``) and ``bonus`` int64 (``cu[r] + d_r``), real
+    requests only (``cu``: the query prefix). One per layout.
+
+    The fused decode step's verify path declares it (:mod:`h2d_runner_adapters.decode_step`).
+    """
+
+    drafts: str
+    targets: np.ndarray
+    prefix: np.ndarray
+    bonus: np.ndarray
+
+
 #: the outputs a family registers with a layout (``RequestLayout(..., outputs=[...])``)
-LayoutOutput = TokenPlanes | StateSlots | Cursors
+LayoutOutput = TokenPlanes | StateSlots | Cursors | VerifyRows

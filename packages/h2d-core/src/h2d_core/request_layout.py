@@ -36,6 +36,7 @@ from .layout_records import (
     LayoutPlan,
     StateSlots,
     TokenPlanes,
+    VerifyRows,
 )
 
 try:
@@ -98,13 +99,7 @@ class RequestLayout:
     ``(context_len - 1) % page_size + 1`` (0 for padded requests), and ``context_prefix``
     int32 ``[requests + 1]``: the prefix of ``min(context_len, context_cap)`` (no cap:
     ``context_len``; the tail repeats the total), which :meth:`plan` refuses past int32.
-    ``drafts`` names a bound int32 per-request column of draft counts ``d`` (speculative
-    verification): :meth:`plan` refuses ``d < 0`` or ``d >= q`` (the last token of a
-    request is its bonus row) and more drafts in all than ``draft_targets`` holds, and
-    :meth:`write` fills ``draft_targets`` int64 (request ``r``'s target rows
-    ``cu[r] .. cu[r] + d_r - 1``, the drafts back to back), ``draft_prefix`` int32 (the
-    inclusive prefix of ``d``) and ``draft_bonus`` int64 (``cu[r] + d_r``), real requests
-    only; ``cu`` is the query prefix. ``outputs`` are the outputs a family registers
+    ``outputs`` are the outputs a family registers
     (:class:`TokenPlanes`: e.g. MRoPE's three planes; :class:`StateSlots`: GDN's;
     :class:`Cursors`: Engram's), checked and written in the same pass.
     ``name`` prefixes every error message.
@@ -211,10 +206,6 @@ class RequestLayout:
         last_page_lens: np.ndarray | None = None,
         context_prefix: np.ndarray | None = None,
         context_cap: int | None = None,
-        drafts: str | None = None,
-        draft_targets: np.ndarray | None = None,
-        draft_prefix: np.ndarray | None = None,
-        draft_bonus: np.ndarray | None = None,
         columns: Sequence[LayoutColumn] = (),
         plans: Sequence[LayoutPlan] = (),
         outputs: Sequence[LayoutOutput] = (),
@@ -243,9 +234,6 @@ class RequestLayout:
             "token_prefix": _array(name, "token_prefix", token_prefix, np.int32, 1),
             "last_page_lens": _array(name, "last_page_lens", last_page_lens, np.int32, 1),
             "context_prefix": _array(name, "context_prefix", context_prefix, np.int32, 1),
-            "draft_targets": _array(name, "draft_targets", draft_targets, np.int64, 1),
-            "draft_prefix": _array(name, "draft_prefix", draft_prefix, np.int32, 1),
-            "draft_bonus": _array(name, "draft_bonus", draft_bonus, np.int64, 1),
         }
         if context_cap is not None and (type(context_cap) is not int
                                         or not 1 <= context_cap <= _INT32_MAX):
@@ -275,7 +263,7 @@ class RequestLayout:
         for k, a in enumerate(copies, 1):
             self.arrays[f"cu_query[{k}]"] = a
             req_caps.append(a.size - 1)
-        for key in ("context_lens", "last_page_lens", "draft_prefix", "draft_bonus"):
+        for key in ("context_lens", "last_page_lens"):
             if key in self.arrays:
                 req_caps.append(self.arrays[key].size)
         for key in ("positions", "slot_mapping", "token_requests"):
@@ -312,25 +300,14 @@ class RequestLayout:
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
-        self._draft_col = -1
-        given = [a is not None for a in (draft_targets, draft_prefix, draft_bonus)]
-        if drafts is not None or any(given):
-            names = [spec[5] for spec in bound]
-            if (drafts not in names or not all(given)
-                    or bound[names.index(drafts)][0] != 0 or bound[names.index(drafts)][2]):
-                raise RequestLayoutError(
-                    f"{name}: drafts names a bound int32 per-request column and needs "
-                    "draft_targets, draft_prefix and draft_bonus; pass all four, or none")
-            self._draft_col = names.index(drafts)
+        (self._draft_col, self._targets, self._draft_prefix,
+         self._bonus) = _bind_verify_rows(name, bound, outputs, self.arrays, req_caps)
         self._token_planes = _bind_token_planes(name, bound, outputs, self.arrays, tok_caps)
         self._state_slots = _bind_state_slots(name, bound, outputs, self.arrays, req_caps)
         (self._cursor_col, self._cursor_limit, self._cand_col, self._cand_width,
          self._candidates) = _bind_cursors(name, bound, outputs, self.arrays, req_caps)
         self._distinct = _distinct_columns(name, columns, bound)
         self._stamp = 0
-        self._targets = draft_targets
-        self._draft_prefix = draft_prefix
-        self._bonus = draft_bonus
         self._sums = np.zeros(len(bound), np.int64)
         self._spare_sums = np.zeros(len(bound), np.int64)
         bound_plans = []
@@ -774,12 +751,12 @@ def _bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: d
     names = [spec[5] for spec in bound]
     specs = []
     for out in outputs:
-        if isinstance(out, StateSlots | Cursors):
+        if isinstance(out, StateSlots | Cursors | VerifyRows):
             continue
         if not isinstance(out, TokenPlanes):
             raise RequestLayoutError(
-                f"{name}: outputs takes TokenPlanes, StateSlots and Cursors records, got "
-                f"{type(out).__name__}")
+                f"{name}: outputs takes TokenPlanes, StateSlots, Cursors and VerifyRows "
+                f"records, got {type(out).__name__}")
         if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
             raise RequestLayoutError(
                 f"{name}: output {out.name!r}: planes must be an int >= 1, got "
@@ -895,6 +872,29 @@ def _write_state_slots(spec: tuple, values: Sequence[Any], n: cython.Py_ssize_t,
                 out[i * k1 + j] = groups[i] * k1 + cython.cast(cython.int, j)
         for i in range(n * k1, p * k1):
             out[i] = -1
+
+
+def _bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                      req_caps: list) -> tuple[int, Any, Any, Any]:
+    """The registered :class:`VerifyRows` (at most one) checked and bound: (drafts
+    column, targets, prefix, bonus); (-1, None, None, None) without one."""
+    found = [out for out in outputs if isinstance(out, VerifyRows)]
+    if not found:
+        return -1, None, None, None
+    names = [spec[5] for spec in bound]
+    out = found[0]
+    k = names.index(out.drafts) if out.drafts in names else -1
+    if len(found) > 1 or k < 0 or bound[k][0] != 0 or bound[k][2]:
+        raise RequestLayoutError(
+            f"{name}: VerifyRows needs drafts naming a bound int32 per-request column; one "
+            "VerifyRows per layout")
+    for key, arr, dtype in (("draft_targets", out.targets, np.int64),
+                            ("draft_prefix", out.prefix, np.int32),
+                            ("draft_bonus", out.bonus, np.int64)):
+        _array(name, f"VerifyRows {key}", arr, dtype, 1)
+        arrays[key] = arr
+    req_caps.extend((out.prefix.size, out.bonus.size))
+    return k, out.targets, out.prefix, out.bonus
 
 
 def _bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,

@@ -35,6 +35,7 @@ from h2d_core import (
     DeclarationError,
     H2DRunnerState,
     LayoutStep,
+    VerifyRows,
     h2d_producer,
 )
 
@@ -209,10 +210,10 @@ class DecodeStepInputs(FusedStep):
         s, t, d = self.sampling, self.tokens, self.decode
 
         def drafts(slot: int) -> dict[str, object]:
-            return {"drafts": "num_drafts",
-                    "draft_targets": t.target_logits_indices.source(slot).numpy(),
-                    "draft_prefix": t.cu_num_draft_tokens.source(slot).numpy(),
-                    "draft_bonus": t.bonus_logits_indices.source(slot).numpy()}
+            return {"outputs": [VerifyRows(
+                "num_drafts", t.target_logits_indices.source(slot).numpy(),
+                t.cu_num_draft_tokens.source(slot).numpy(),
+                t.bonus_logits_indices.source(slot).numpy())]}
 
         layouts = d.request_layouts(
             self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),

@@ -100,6 +100,16 @@ class DecodePlan(CountsPlan):
                                   padded_tokens, num_pages, table_stage)
 
 
+def _joined(own: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The adapter's layout arguments and its caller's, their registered outputs joined."""
+    if not extra:
+        return own
+    joined = {**own, **extra}
+    if "outputs" in own and "outputs" in extra:
+        joined["outputs"] = [*own["outputs"], *extra["outputs"]]
+    return joined
+
+
 class MhaDecodeInputs(PagedInputs):
     """Declares the decode buffers, produces them, and runs KV-index generation."""
 
@@ -185,7 +195,7 @@ class MhaDecodeInputs(PagedInputs):
                 kv_page_indptr=src[3],
                 cu_query=tuple(b.source(slot).numpy() for b in cu_query),
                 columns=() if columns is None else columns(slot),
-                **self._layout_outputs(slot), **({} if outputs is None else outputs(slot))))
+                **_joined(self._layout_outputs(slot), None if outputs is None else outputs(slot))))
         return out
 
     def _layout_outputs(self, slot: int) -> dict[str, Any]:
