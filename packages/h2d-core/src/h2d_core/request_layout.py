@@ -745,10 +745,19 @@ class RequestLayout:
                 self.plan_published[k] = self.plan_real[k]
 
 
+def _request_column(bound: list, col: object) -> int:
+    """The index of ``col`` when it names a bound int32 per-request column, else -1 (what
+    every registered output reads its request values from)."""
+    for k, spec in enumerate(bound):
+        if spec[5] == col:
+            return k if spec[0] == 0 and not spec[2] else -1
+    return -1
+
+
 def _bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
                        tok_caps: list) -> tuple:
     """Each registered :class:`TokenPlanes` checked and bound: (out, column, planes)."""
-    names = [spec[5] for spec in bound]
+    names = [spec[5] for spec in bound]  # no output may take a column's name
     specs = []
     for out in outputs:
         if isinstance(out, StateSlots | Cursors | VerifyRows):
@@ -764,8 +773,8 @@ def _bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: d
         if out.name in arrays or out.name in names:
             raise RequestLayoutError(f"{name}: output {out.name!r} needs a unique name")
         _array(name, f"output {out.name!r}", out.out, np.int64, 1)
-        k = names.index(out.column) if out.column in names else -1
-        if k < 0 or bound[k][0] != 0 or bound[k][2]:
+        k = _request_column(bound, out.column)
+        if k < 0:
             raise RequestLayoutError(
                 f"{name}: output {out.name!r} reads column {out.column!r}, which must be a "
                 "bound int32 per-request LayoutColumn; declare it in columns")
@@ -809,19 +818,13 @@ def _bind_state_slots(name: str, bound: list, outputs: Sequence[Any], arrays: di
                       req_caps: list) -> tuple:
     """Each registered :class:`StateSlots` checked and bound: (groups column, forks column
     or -1, slots per group, base, read, rows)."""
-    names = [spec[5] for spec in bound]
-
-    def int_column(col: object) -> int:
-        k = names.index(col) if col in names else -1
-        return k if k >= 0 and bound[k][0] == 0 and not bound[k][2] else -1
-
     specs: list[tuple[Any, ...]] = []
     for out in outputs:
         if not isinstance(out, StateSlots):
             continue
         k1 = out.slots_per_group
-        groups = int_column(out.groups)
-        forks = -1 if out.forks is None else int_column(out.forks)
+        groups = _request_column(bound, out.groups)
+        forks = -1 if out.forks is None else _request_column(bound, out.forks)
         given = [a is not None for a in (out.base, out.read, out.rows)]
         if (groups < 0 or (out.forks is not None and forks < 0) or not any(given)
                 or (out.read is not None) != (out.forks is not None)
@@ -881,10 +884,9 @@ def _bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: di
     found = [out for out in outputs if isinstance(out, VerifyRows)]
     if not found:
         return -1, None, None, None
-    names = [spec[5] for spec in bound]
     out = found[0]
-    k = names.index(out.drafts) if out.drafts in names else -1
-    if len(found) > 1 or k < 0 or bound[k][0] != 0 or bound[k][2]:
+    k = _request_column(bound, out.drafts)
+    if len(found) > 1 or k < 0:
         raise RequestLayoutError(
             f"{name}: VerifyRows needs drafts naming a bound int32 per-request column; one "
             "VerifyRows per layout")
@@ -904,14 +906,8 @@ def _bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
     found = [out for out in outputs if isinstance(out, Cursors)]
     if not found:
         return -1, 0, -1, 1, None
-    names = [spec[5] for spec in bound]
-
-    def int_column(col: object) -> int:
-        k = names.index(col) if col in names else -1
-        return k if k >= 0 and bound[k][0] == 0 and not bound[k][2] else -1
-
     out = found[0]
-    cursor, drafts = int_column(out.column), int_column(out.drafts)
+    cursor, drafts = _request_column(bound, out.column), _request_column(bound, out.drafts)
     limit, width = out.limit, out.width
     if (len(found) > 1 or cursor < 0 or type(limit) is not int
             or not 0 <= limit <= _INT32_MAX or (out.drafts is None) != (out.candidates is None)
