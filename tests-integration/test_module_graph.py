@@ -13,12 +13,11 @@ MAX_LINES = 400
 #: library modules past MAX_LINES today, with their size: a ratchet, each entry may only
 #: shrink (and leaves the list once under the limit)
 OVERSIZED = {
-    "packages/h2d-core/src/h2d_core/request_layout.py": 1511,
-    "packages/block-tables/src/block_tables/snapshot.py": 843,
+    "packages/h2d-core/src/h2d_core/request_layout.py": 1199,
+    "packages/block-tables/src/block_tables/snapshot.py": 471,
     "packages/h2d-core/src/h2d_core/epoch.py": 545,
     "packages/h2d-core/src/h2d_core/records.py": 509,
     "packages/h2d-core/src/h2d_core/state.py": 402,
-    "packages/h2d-kernels/src/h2d_kernels/arena.py": 482,
     "packages/h2d-runner-adapters/src/h2d_runner_adapters/prefill.py": 442,
     "packages/h2d-runner-adapters/src/h2d_runner_adapters/v4/metadata.py": 561,
 }

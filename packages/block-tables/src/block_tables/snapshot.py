@@ -36,40 +36,24 @@ from typing import Any
 
 import numpy as np
 
-from .errors import (
-    PageIdRangeError,
-    ReservedPageError,
-    RowCountError,
-    RowTypeError,
-    RowWidthError,
-    StorageError,
-)
-from .lineage import LENGTH_BITS, LENGTH_MASK, UNVERSIONED, BlockTable, _Lineage
+from .errors import RowCountError, RowTypeError
+from .lineage import LENGTH_BITS, BlockTable, _Lineage
 from .native import require_extension
+from .revisions import RevisionHistory
+from .row_plan import UNKNOWN, Rows, StoredRows, plan_changed_rows, record_proof, row_key
+from .row_writes import RowWriter
 from .spans import ChangedRows, changed_byte_ranges
 from .validation import (
-    INT32_MAX,
-    INT32_MIN,
     NO_POOL_LIMIT,
-    Int32Array,
     Int64Array,
-    check_page_range,
     check_required_pages,
-    coerce_page_ids,
-    raise_scalar_range_error,
+    check_snapshot_arguments,
 )
 from .vectors import plan_vector_rows
 
 MAX_WIDTH = (1 << (LENGTH_BITS - 1)) - 1
 """Widest storage a snapshot accepts. Keeping widths below half the key's length field
 means two row keys differ by at most ``width`` exactly when their versions are equal."""
-
-UNKNOWN = -1
-"""Stored version of a row whose bytes the snapshot does not know."""
-
-_INCOMING_UNVERSIONED = -2  # never equal to a stored version, so such rows always compare
-
-Rows = Sequence[BlockTable | np.ndarray | Sequence[int]]
 
 # the compiled paths (_snapshot.pyx): the common decode step, the write of a fully
 # replaced batch and the all-versioned key diffs; required (NativeBuildError without it)
@@ -79,20 +63,6 @@ _native.configure(BlockTable, LENGTH_BITS, _Lineage)
 # the fields of a snapshot's bookkeeping array (_snapshot.pyx: META_*)
 _REVISION, _NUM_ROWS, _ALL_VERSIONED, _KEYS_VALID = range(4)
 _META_SIZE = 4
-
-
-def _key(version: int, length: int) -> int:
-    return (version << LENGTH_BITS) + length
-
-
-def _ranges(rows: Int64Array) -> tuple[tuple[int, int], ...]:
-    """Merge sorted unique row indices into half-open ranges."""
-    if rows.size == 0:
-        return ()
-    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
-    starts = np.concatenate(([rows[0]], rows[breaks])).tolist()
-    stops = (np.concatenate((rows[breaks - 1], [rows[-1]])) + 1).tolist()
-    return tuple(zip(starts, stops, strict=True))
 
 
 class PageTableSnapshot:
@@ -122,10 +92,10 @@ class PageTableSnapshot:
         history: int = 64,
         reserved_page: int | None = None,
     ) -> None:
-        _check_arguments(storage, pool_limit, fill_value, history, reserved_page)
+        check_snapshot_arguments(storage, pool_limit, fill_value, history, reserved_page,
+                                 MAX_WIDTH)
         rows, width = storage.shape
         self._storage = storage
-        self._flat = storage.reshape(-1)  # fixed flat view for single-page scatters
         self._rows = int(rows)
         self._width = int(width)
         self._limit = None if pool_limit is None else int(pool_limit)
@@ -134,17 +104,12 @@ class PageTableSnapshot:
         self._fill = int(fill_value)
         # -1: no reserved page (a page ID is >= 0)
         self._reserved = -1 if reserved_page is None else int(reserved_page)
-        # Byte comparisons (tobytes) beat numpy reductions several times on row slices.
-        self._fill_row = np.full(width, fill_value, dtype=np.int32)
-        self._unknown_key = _key(UNKNOWN, width)
+        self._unknown_key = row_key(UNKNOWN, width)
         # Per storage row: packed (version, length) of the content it holds, and the
         # length alone. Unknown rows count as dirty over the full width.
         self._row_keys: Int64Array = np.full(rows, self._unknown_key, dtype=np.int64)
         self._lengths: Int64Array = np.full(rows, width, dtype=np.int64)
         self._lengths_u = self._lengths.view(np.uint64)
-        self._row_base: Int64Array = np.arange(rows, dtype=np.int64) * width
-        self._ones = np.ones(rows, dtype=np.int64).tobytes()
-        self._no_bytes = bytes(rows)
         # packed keys of the last batch prepared by _prepare_changed: its hit test for
         # batches the compiled step hands back (valid while _meta says so)
         self._key_list: list[int] | None = None
@@ -152,22 +117,22 @@ class PageTableSnapshot:
         # object per step): revision, rows of the last batch, whether every row of it was
         # a BlockTable (equal keys then mean equal bytes), whether _key_list describes it.
         self._meta = np.zeros(_META_SIZE, dtype=np.int64)
-        # The history ring: revision r's changed rows are the first _hist_count[r % history]
-        # items of _hist_rows[r % history] (-1: every row); revisions are consecutive, so
-        # the last `history` of them are always there.
-        self._history_len = int(history)
-        self._hist_count = np.zeros(history, dtype=np.int64)
-        self._hist_rows = np.zeros((history, rows), dtype=np.int64)
+        # which rows each byte-changing revision changed (the compiled step records them)
+        self._revisions = RevisionHistory(history, rows)
         # the compiled paths, bound once to the arrays above and their own scratch
         # (changed rows, new keys)
         self._changed_out = np.empty(rows, dtype=np.int64)
         self._limit_arg = self._check_limit
         self._native = _native
         self._bound = _native.bind(
-            self._row_keys, self._lengths, self._flat, self._changed_out,
-            np.empty(3 * rows, dtype=np.int64), int(width), self._meta, self._hist_count,
-            self._hist_rows, self._reserved)
-        self._cleared = 0  # elements tail clears changed to the fill value (diagnostic)
+            self._row_keys, self._lengths, storage.reshape(-1), self._changed_out,
+            np.empty(3 * rows, dtype=np.int64), int(width), self._meta,
+            self._revisions.counts, self._revisions.rows, self._reserved)
+        self._writer = RowWriter(storage, fill_value, _native, self._bound)
+        # what a plan of a handed-back batch reads (the arrays above, never copied)
+        self._stored = StoredRows(storage, self._row_keys, self._lengths, int(width),
+                                  self._check_limit, self._reserved,
+                                  np.ones(rows, dtype=np.int64).tobytes())
         self._keys_read_only = self._row_keys.view()
         self._keys_read_only.flags.writeable = False
 
@@ -238,12 +203,7 @@ class PageTableSnapshot:
     @property
     def _history(self) -> list[tuple[int, Int64Array | None]]:
         """The recorded revisions, oldest first: (revision, changed rows or None)."""
-        rev, n = self._revision, self._history_len
-        out: list[tuple[int, Int64Array | None]] = []
-        for r in range(max(1, rev - n + 1), rev + 1):
-            count = int(self._hist_count[r % n])
-            out.append((r, None if count < 0 else self._hist_rows[r % n, :count].copy()))
-        return out
+        return self._revisions.recorded(self._revision)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -293,7 +253,7 @@ class PageTableSnapshot:
         to it (it is copied without clearing), a row replaced by a shorter one adds only
         the columns its previous content held that were not already the fill value.
         """
-        return self._cleared
+        return self._writer.cleared
 
     @property
     def meta_address(self) -> int:
@@ -361,25 +321,7 @@ class PageTableSnapshot:
         Empty when ``revision`` is the current one. ``all_rows`` when the snapshot no
         longer (or never) knew that revision, or the storage was invalidated since.
         """
-        current = self._revision
-        if revision == current:
-            return ChangedRows(())
-        # Revisions are consecutive, one ring entry each: the last `history` are recorded.
-        n = self._history_len
-        if revision > current or revision < 0 or current - revision > n:
-            return self._all_rows()
-        parts: list[Int64Array] = []
-        for rev in range(revision + 1, current + 1):
-            count = int(self._hist_count[rev % n])
-            if count < 0:
-                return self._all_rows()
-            parts.append(self._hist_rows[rev % n, :count])
-        merged = parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
-        return ChangedRows(_ranges(merged[merged < self._num_rows]))
-
-    def _all_rows(self) -> ChangedRows:
-        n = self._num_rows
-        return ChangedRows(((0, n),) if n else (), all_rows=True)
+        return self._revisions.rows_since(revision, self._revision, self._num_rows)
 
     # -- preparing ------------------------------------------------------------------------
 
@@ -465,164 +407,32 @@ class PageTableSnapshot:
         required_pages: Sequence[int] | np.ndarray | None,
         real: int | None = None,
     ) -> int:
-        """Prepare a batch the compiled step handed back; rows ``[0, real)`` are real
-        (None: all), the only ones checked against the reserved page."""
-        if type(rows) not in (list, tuple) and not isinstance(rows, (Sequence, np.ndarray)):
-            raise RowTypeError(
-                f"rows must be an ordered sequence (list or tuple), got {type(rows).__name__}"
-            )
+        """Prepare a batch the compiled step handed back: planned whole (every check) by
+        :func:`~block_tables.row_plan.plan_changed_rows`, then written and recorded; rows
+        ``[0, real)`` are real (None: all), the only ones checked against the reserved
+        page."""
         n = len(rows)
-        if n > self._rows:
-            raise RowCountError(
-                f"the batch has {n} rows but the storage holds {self._rows}; split the "
-                "batch or allocate a larger block table"
-            )
-        limit = self._check_limit
-        width = self._width
-        reserved = self._reserved
-        real_rows = n if real is None else real
-
-        # ---- read the batch: packed (version, length) keys, unversioned IDs -------------
-        unversioned: dict[int, Int32Array] | None = None
-        deferred: PageIdRangeError | None = None
-        if keys is None:
-            unversioned = {}
-            keys_read: list[int] = []
-            for i, row in enumerate(rows):
-                if isinstance(row, BlockTable):
-                    keys_read.append(row._key)
-                else:
-                    try:
-                        ids = coerce_page_ids(row, row=i)
-                    except PageIdRangeError as exc:
-                        # an ID error: reported after every row's type and width checks
-                        deferred = deferred or exc
-                        ids = np.zeros(len(row), dtype=np.int32)
-                    unversioned[i] = ids
-                    keys_read.append(_key(_INCOMING_UNVERSIONED, ids.shape[0]))
-            packed = np.array(keys_read, dtype=np.int64)
-        else:
-            packed = np.fromiter(keys, dtype=np.int64, count=n)
-        lengths = packed & LENGTH_MASK
-        if n and int(lengths.max()) > width:
-            row_index = int(np.flatnonzero(lengths > width)[0])
-            raise RowWidthError(
-                f"row {row_index}: {int(lengths[row_index])} page IDs exceed the table width "
-                f"of {width} columns; allocate a wider block table",
-                row=row_index,
-            )
-        if required_pages is not None:
-            check_required_pages(required_pages, lengths, lengths.view(np.uint64))
-        if deferred is not None:
-            raise deferred
-
-        # ---- classify against the stored rows --------------------------------------------
-        # With width < 2**23, a key difference within [-width, width] means the same
-        # version, and the difference is the length change.
-        stored_lengths = self._lengths[:n]
-        delta = packed - self._row_keys[:n]
-        touched = np.flatnonzero(delta)
-        touched_delta = delta[touched]
-        single: Int64Array
-        moved: list[int] = []
-        shrunk: list[int] = []
-        multi: list[tuple[int, int, int, Int32Array]] = []
-        if touched_delta.tobytes() == self._ones[: 8 * touched.size]:
-            # The common step: every changed row grew by exactly one page.
-            single = touched
-        else:
-            same = np.abs(touched_delta) <= width
-            moved = touched[~same].tolist()
-            grown = same & (touched_delta > 0)
-            single = touched[grown & (touched_delta == 1)]
-            shrunk = touched[same & (touched_delta < 0)].tolist()
-            for i in touched[grown & (touched_delta > 1)].tolist():
-                table: BlockTable = rows[i]
-                start = int(stored_lengths[i])
-                stop = int(lengths[i])
-                ids = table._lin.ids
-                checked = max(start, _proof(table, limit))
-                check_page_range(ids[checked:stop], row=i, start=checked, pool_limit=limit)
-                if i < real_rows:
-                    _check_reserved(ids[start:stop], i, start, reserved)
-                multi.append((i, start, stop, ids))
-
-        single_values: Int32Array | None = None
-        if single.size:
-            # Single-page suffixes: one scalar per row, checked and scattered at once.
-            if single.size == n:
-                lasts = [table._last for table in rows]  # type: ignore[union-attr]
-            else:
-                lasts = [rows[i]._last for i in single.tolist()]
-            single_values = np.fromiter(lasts, dtype=np.int32, count=single.size)
-            if int(single_values.view(np.uint32).max()) >= limit:
-                raise_scalar_range_error(single_values, single, stored_lengths[single], limit)
-            if reserved >= 0:
-                hit = np.flatnonzero((single_values == reserved) & (single < real_rows))
-                if hit.size:
-                    k = int(hit[0])
-                    _refuse_reserved(int(single[k]), int(stored_lengths[single[k]]),
-                                     reserved)
-
-        # Changed mapping: new version, reordered, unversioned or unknown rows.
-        rewrites: list[tuple[int, Int32Array, int]] = []
-        key_fixes: list[tuple[int, int]] = []
-        proofs: list[tuple[BlockTable, int]] = []
-        if moved:
-            unproven: list[tuple[int, int, Int32Array, int]] = []
-            stored_length_list = stored_lengths.tolist()
-            length_list = lengths.tolist()
-            for i in moved:
-                old_length = stored_length_list[i]
-                if unversioned is not None and i in unversioned:
-                    ids = unversioned[i]
-                    length = ids.shape[0]
-                    if i < real_rows:  # the same bytes may have been a padding row's
-                        _check_reserved(ids, i, 0, reserved)
-                    stored_key = int(self._row_keys[i])
-                    if (
-                        stored_key >> LENGTH_BITS != UNKNOWN
-                        and old_length == length
-                        and self._storage[i, :length].tobytes() == ids.tobytes()
-                    ):
-                        # Same bytes: the stored key still describes them; keep it.
-                        key_fixes.append((i, stored_key))
-                        continue
-                    check_page_range(ids, row=i, start=0, pool_limit=limit)
-                    rewrites.append((i, ids, old_length))
-                    key_fixes.append((i, _key(UNVERSIONED, length)))
-                    continue
-                table = rows[i]  # type: ignore[assignment]
-                length = length_list[i]
-                ids = table._lin.ids[:length]
-                if i < real_rows:
-                    _check_reserved(ids, i, 0, reserved)
-                proven = min(_proof(table, limit), length)
-                if proven < length:
-                    unproven.append((i, proven, ids, length))
-                proofs.append((table, length))
-                rewrites.append((i, ids, old_length))
-            if unproven:
-                self._check_unproven(unproven, packed, limit)
-
-        # ---- write: every check has passed ----------------------------------------------
+        plan = plan_changed_rows(rows, keys, required_pages, n if real is None else real,
+                                 self._stored)
+        writer = self._writer
         changed_arrays: list[Int64Array] = []
-        if single_values is not None:
-            written = self._write_single(single, stored_lengths[single], single_values)
+        if plan.single_values is not None:
+            written = writer.write_single(plan.single, self._lengths[:n][plan.single],
+                                          plan.single_values)
             if written.size:
                 changed_arrays.append(written)
-        changed = self._write_rows(multi, shrunk, stored_lengths, lengths, rewrites)
-
-        # ---- record ----------------------------------------------------------------------
-        if touched.size:
-            self._row_keys[:n] = packed
-            self._lengths[:n] = lengths
-            for i, key in key_fixes:
+        changed = writer.write_rows(plan.appends, plan.shrunk, self._lengths[:n],
+                                    plan.lengths, plan.rewrites)
+        if plan.touched:
+            self._row_keys[:n] = plan.keys
+            self._lengths[:n] = plan.lengths
+            for i, key in plan.key_fixes:
                 self._row_keys[i] = key
-        for table, length in proofs:
-            _record_proof(table, length, limit)
-        for i, _start, stop, _ids in multi:
-            _record_proof(rows[i], stop, limit)  # type: ignore[arg-type]
+        limit = self._check_limit
+        for table, length in plan.proofs:
+            record_proof(table, length, limit)
+        for i, _start, stop, _ids in plan.appends:
+            record_proof(rows[i], stop, limit)  # type: ignore[arg-type]
         self._keys = keys
         self._all_versioned = keys is not None
         self._num_rows = n
@@ -637,19 +447,6 @@ class PageTableSnapshot:
             return self._bump(rows_changed)
         return self._revision
 
-    def _write_single(
-        self, rows: Int64Array, columns: Int64Array, values: Int32Array
-    ) -> Int64Array:
-        """Scatter one page ID per row; return the rows whose byte changed."""
-        flat_index = self._row_base[rows] + columns
-        equal = self._flat[flat_index] == values
-        if equal.tobytes() == self._no_bytes[: rows.size]:
-            self._flat[flat_index] = values
-            return rows
-        differs = ~equal
-        self._flat[flat_index[differs]] = values[differs]
-        return rows[differs]
-
     def _prepare_vectors(self, rows: Sequence[object], versions: object, lengths: object,
                          required_pages: Sequence[int] | np.ndarray | None) -> int:
         """``prepare(rows, versions=, lengths=)``: the batch checked whole and planned
@@ -662,8 +459,8 @@ class PageTableSnapshot:
         n = len(rows)
         changed: Any = ()
         if plan.touched:
-            changed = self._write_rows(plan.appends, plan.shrunk, self._lengths, plan.lengths,
-                                       plan.rewrites)
+            changed = self._writer.write_rows(plan.appends, plan.shrunk, self._lengths,
+                                              plan.lengths, plan.rewrites)
             self._row_keys[:n] = plan.keys
             self._lengths[:n] = plan.lengths
         self._num_rows = n
@@ -672,172 +469,3 @@ class PageTableSnapshot:
         if changed:
             return self._bump(np.array(sorted(changed), dtype=np.int64))
         return self._revision
-
-    def _write_rows(
-        self,
-        multi: list[tuple[int, int, int, Int32Array]],
-        shrunk: list[int],
-        stored_lengths: Int64Array,
-        lengths: Int64Array,
-        rewrites: list[tuple[int, Int32Array, int]],
-    ) -> list[int]:
-        """Row-wise writes; each compares first so only changed bytes count as changes.
-
-        ``rewrites`` lists rows in ascending order, each once; when it holds every row of
-        the batch (``len(lengths)``), the batch is fully replaced: :meth:`_write_replaced`.
-        """
-        if rewrites and len(rewrites) == lengths.shape[0] and not multi and not shrunk:
-            return self._write_replaced(rewrites)
-        storage = self._storage
-        changed: list[int] = []
-        for i, start, stop, ids in multi:
-            target = storage[i, start:stop]
-            source = ids[start:stop]
-            if target.tobytes() != source.tobytes():
-                target[...] = source
-                changed.append(i)
-        for i in shrunk:
-            if self._clear_tail(i, int(lengths[i]), int(stored_lengths[i])):
-                changed.append(i)
-        for i, ids, old_length in rewrites:
-            # Copy without clearing first; then clear only what the old content occupied.
-            length = ids.shape[0]
-            row_changed = False
-            target = storage[i, :length]
-            if target.tobytes() != ids.tobytes():
-                target[...] = ids
-                row_changed = True
-            if old_length > length and self._clear_tail(i, length, old_length):
-                row_changed = True
-            if row_changed:
-                changed.append(i)
-        return changed
-
-    def _clear_tail(self, row: int, start: int, stop: int) -> bool:
-        """Set columns ``[start, stop)`` of ``row`` to the fill value; False when they
-        already held it (nothing written)."""
-        tail = self._storage[row, start:stop]
-        if tail.tobytes() == self._fill_row[: stop - start].tobytes():
-            return False
-        self._cleared += int(np.count_nonzero(tail != self._fill))
-        tail.fill(self._fill)
-        return True
-
-    def _write_replaced(self, rewrites: list[tuple[int, Int32Array, int]]) -> list[int]:
-        """Write a fully replaced batch: ``rewrites`` holds rows ``0..n-1`` in order.
-
-        One compiled call (``write_replaced``): each row's IDs are copied without clearing
-        first (compared first); then every exposed tail (columns ``[new length, stored
-        length)``, the part of the old content the new one no longer covers) is cleared in
-        one sweep over the storage. Only elements that differ from the fill value are
-        written and counted.
-        """
-        ids = [r[1] for r in rewrites]
-        done = self._native.write_replaced(self._bound, ids, self._fill)
-        if done is None:
-            # An ID array the sweep does not read in place: a strided or misaligned view
-            # of the caller's array (coerce_page_ids keeps int32 arrays as they are). The
-            # same sweep over contiguous copies, made before any write.
-            done = self._native.write_replaced(self._bound, [a.copy() for a in ids],
-                                               self._fill)
-        rows, cleared = done
-        self._cleared += cleared
-        return rows.tolist()
-
-    def _check_unproven(
-        self,
-        unproven: list[tuple[int, int, Int32Array, int]],
-        packed: Int64Array,
-        limit: int,
-    ) -> None:
-        """Range-check moved rows past what their lineage proof covers.
-
-        A prefix of the same lineage already held by any storage row was validated when it
-        was written (under this snapshot's pool limit), so checking resumes after the
-        longest such prefix: this is how the proof follows a lineage across reordering.
-        """
-        stored_versions = self._row_keys >> LENGTH_BITS
-        order = np.lexsort((self._lengths, stored_versions))
-        sorted_versions = stored_versions[order]
-        sorted_lengths = self._lengths[order]
-        index = np.array([item[0] for item in unproven], dtype=np.int64)
-        query = packed[index] >> LENGTH_BITS
-        position = np.searchsorted(sorted_versions, query, side="right") - 1
-        safe = np.maximum(position, 0)
-        held = np.where(
-            (position >= 0) & (sorted_versions[safe] == query), sorted_lengths[safe], 0
-        ).tolist()
-        for (i, proven, ids, length), known in zip(unproven, held, strict=True):
-            start = max(proven, min(known, length))
-            check_page_range(ids[start:length], row=i, start=start, pool_limit=limit)
-
-
-def _check_reserved(ids: Int32Array, row: int, start: int, reserved: int) -> None:
-    """Refuse real row ``row`` when ``ids`` (its columns from ``start``) hold the
-    reserved page (``reserved`` < 0: none)."""
-    if reserved >= 0 and ids.size:
-        hit = np.flatnonzero(ids == reserved)
-        if hit.size:
-            _refuse_reserved(row, start + int(hit[0]), reserved)
-
-
-def _refuse_reserved(row: int, column: int, reserved: int) -> None:
-    raise ReservedPageError(
-        f"row {row}: page ID {reserved} at column {column} is the table's reserved page "
-        "(padding storage: only graph padding rows hold it); allocate the request's pages "
-        "elsewhere", row=row)
-
-
-def _check_arguments(
-    storage: object, pool_limit: object, fill_value: object, history: int,
-    reserved_page: object = None,
-) -> None:
-    if not isinstance(storage, np.ndarray):
-        raise StorageError(f"storage must be a numpy int32 array, got {type(storage).__name__}")
-    if storage.dtype != np.int32 or storage.ndim != 2:
-        raise StorageError(
-            f"storage must be 2-D int32, got {storage.ndim}-D {storage.dtype}; pass the CPU "
-            "half of the block-table buffer as a [rows, width] int32 array"
-        )
-    if not storage.flags.c_contiguous or not storage.flags.writeable:
-        raise StorageError(
-            "storage must be C-contiguous and writeable: pass the buffer itself, not a "
-            "transposed, strided or read-only view"
-        )
-    if storage.shape[1] > MAX_WIDTH:
-        raise StorageError(f"storage width {storage.shape[1]} exceeds {MAX_WIDTH} columns")
-    if pool_limit is not None and (
-        isinstance(pool_limit, bool)
-        or not isinstance(pool_limit, (int, np.integer))
-        or not 1 <= int(pool_limit) <= INT32_MAX + 1
-    ):
-        raise StorageError(f"pool_limit must be None or an int in [1, 2**31], got {pool_limit!r}")
-    if (
-        isinstance(fill_value, bool)
-        or not isinstance(fill_value, (int, np.integer))
-        or not INT32_MIN <= int(fill_value) <= INT32_MAX
-    ):
-        raise StorageError(f"fill_value must be an int32, got {fill_value!r}")
-    if history < 1:
-        raise StorageError(f"history must keep at least 1 revision, got {history}")
-    if reserved_page is not None:
-        top = INT32_MAX if pool_limit is None else int(pool_limit) - 1
-        if (isinstance(reserved_page, bool) or not isinstance(reserved_page, (int, np.integer))
-                or not 0 <= int(reserved_page) <= top):
-            raise StorageError(
-                f"reserved_page must be None or a page ID in [0, {top}], got "
-                f"{reserved_page!r}")
-
-
-def _proof(table: BlockTable, limit: int) -> int:
-    """Length of the prefix of ``table``'s lineage known to lie in ``[0, limit)``."""
-    lin = table._lin
-    return lin.proof_len if 0 < lin.proof_limit <= limit else 0
-
-
-def _record_proof(table: BlockTable, length: int, limit: int) -> None:
-    lin = table._lin
-    if 0 < lin.proof_limit <= limit and lin.proof_len >= length:
-        return  # the existing proof is at least as strong
-    lin.proof_len = length
-    lin.proof_limit = limit

@@ -12,7 +12,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .errors import MissingPagesError, PageIdRangeError, RowCountError, RowTypeError
+from .errors import (
+    MissingPagesError,
+    PageIdRangeError,
+    RowCountError,
+    RowTypeError,
+    StorageError,
+)
 
 INT32_MIN = -(2**31)
 INT32_MAX = 2**31 - 1
@@ -182,3 +188,45 @@ def check_required_pages(
         f"{int(lengths[row])}; allocate the missing pages before preparing this step",
         row=row,
     )
+
+
+def check_snapshot_arguments(
+    storage: object, pool_limit: object, fill_value: object, history: int,
+    reserved_page: object, max_width: int,
+) -> None:
+    """Refuse a :class:`~block_tables.PageTableSnapshot`'s bad constructor arguments."""
+    if not isinstance(storage, np.ndarray):
+        raise StorageError(f"storage must be a numpy int32 array, got {type(storage).__name__}")
+    if storage.dtype != np.int32 or storage.ndim != 2:
+        raise StorageError(
+            f"storage must be 2-D int32, got {storage.ndim}-D {storage.dtype}; pass the CPU "
+            "half of the block-table buffer as a [rows, width] int32 array"
+        )
+    if not storage.flags.c_contiguous or not storage.flags.writeable:
+        raise StorageError(
+            "storage must be C-contiguous and writeable: pass the buffer itself, not a "
+            "transposed, strided or read-only view"
+        )
+    if storage.shape[1] > max_width:
+        raise StorageError(f"storage width {storage.shape[1]} exceeds {max_width} columns")
+    if pool_limit is not None and (
+        isinstance(pool_limit, bool)
+        or not isinstance(pool_limit, (int, np.integer))
+        or not 1 <= int(pool_limit) <= INT32_MAX + 1
+    ):
+        raise StorageError(f"pool_limit must be None or an int in [1, 2**31], got {pool_limit!r}")
+    if (
+        isinstance(fill_value, bool)
+        or not isinstance(fill_value, (int, np.integer))
+        or not INT32_MIN <= int(fill_value) <= INT32_MAX
+    ):
+        raise StorageError(f"fill_value must be an int32, got {fill_value!r}")
+    if history < 1:
+        raise StorageError(f"history must keep at least 1 revision, got {history}")
+    if reserved_page is not None:
+        top = INT32_MAX if pool_limit is None else int(pool_limit) - 1
+        if (isinstance(reserved_page, bool) or not isinstance(reserved_page, (int, np.integer))
+                or not 0 <= int(reserved_page) <= top):
+            raise StorageError(
+                f"reserved_page must be None or a page ID in [0, {top}], got "
+                f"{reserved_page!r}")

@@ -198,7 +198,7 @@ class BlockTableState:
             if isinstance(num_rows, bool) or not isinstance(num_rows, np.integer):
                 raise CountError(f"buffer {self.buffer.name!r}: num_rows must be an int")
             num_rows = int(num_rows)
-        if not 0 <= num_rows <= snap._num_rows:
+        if not 0 <= num_rows <= snap.num_rows:
             raise CountError(
                 f"buffer {self.buffer.name!r}: {num_rows} rows requested but slot {slot}'s "
                 f"snapshot prepared {snap.num_rows}; prepare() the rows (padding included) first"

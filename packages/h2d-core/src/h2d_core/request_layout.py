@@ -29,14 +29,25 @@ from typing import Any
 import numpy as np
 
 from .errors import RequestLayoutError
-from .layout_records import (
-    Cursors,
-    LayoutColumn,
-    LayoutOutput,
-    LayoutPlan,
-    StateSlots,
-    TokenPlanes,
-    VerifyRows,
+from .layout_binding import (
+    bind_columns,
+    bind_cursors,
+    bind_plans,
+    bind_state_slots,
+    bind_token_planes,
+    bind_verify_rows,
+    checked_array,
+    describe,
+    distinct_columns,
+)
+from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan
+from .layout_refusals import (
+    column_input_error,
+    distinct_error,
+    lengths_input_error,
+    repeat_error,
+    reserved_error,
+    value_error,
 )
 
 try:
@@ -56,28 +67,6 @@ META_SIZE = 8
 _INT32_MAX = cython.declare(cython.longlong, 2**31 - 1)  # a C constant: a comparison boxes nothing
 #: ``padded_tokens`` of :meth:`RequestLayout.plan` for an eager step: exactly the tokens
 EXACT_TOKENS = -2
-
-
-def _array(name: str, what: str, value: Any, dtype: Any, ndim: int) -> Any:
-    """``value`` if it is a C-contiguous writeable array of ``dtype`` and ``ndim``."""
-    if value is None:
-        return None
-    if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != ndim
-            or not value.flags.c_contiguous or not value.flags.writeable):
-        raise RequestLayoutError(
-            f"{name}: {what} must be a writeable C-contiguous {ndim}-D "
-            f"{np.dtype(dtype).name} array, got {_describe(value)}"
-        )
-    return value
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"{value.dtype} array of shape {value.shape}"
-    return type(value).__name__
-
-
-_KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 
 
 @cython.cclass
@@ -215,26 +204,26 @@ class RequestLayout:
             if not cu_query:
                 cu_query = None
             else:
-                copies = tuple(_array(name, f"cu_query[{k}]", a, np.int32, 1)
+                copies = tuple(checked_array(name, f"cu_query[{k}]", a, np.int32, 1)
                                for k, a in enumerate(cu_query))
                 cu_query = copies[0]
                 copies = copies[1:]
         if type(page_size) is not int or not 1 <= page_size <= _INT32_MAX:
             raise RequestLayoutError(
                 f"{name}: page_size must be an int in [1, 2**31), got {page_size!r}")
-        arrays = {
-            "table": _array(name, "table", table, np.int32, 2),
-            "required_pages": _array(name, "required_pages", required_pages, np.int32, 1),
-            "positions": _array(name, "positions", positions, np.int64, 1),
-            "slot_mapping": _array(name, "slot_mapping", slot_mapping, np.int64, 1),
-            "token_requests": _array(name, "token_requests", token_requests, np.int32, 1),
-            "cu_query": _array(name, "cu_query", cu_query, np.int32, 1),
-            "kv_page_indptr": _array(name, "kv_page_indptr", kv_page_indptr, np.int32, 1),
-            "context_lens": _array(name, "context_lens", context_lens, np.int32, 1),
-            "token_prefix": _array(name, "token_prefix", token_prefix, np.int32, 1),
-            "last_page_lens": _array(name, "last_page_lens", last_page_lens, np.int32, 1),
-            "context_prefix": _array(name, "context_prefix", context_prefix, np.int32, 1),
-        }
+        arrays = {key: checked_array(name, key, value, dtype, ndim)
+                  for key, value, dtype, ndim in (
+                      ("table", table, np.int32, 2),
+                      ("required_pages", required_pages, np.int32, 1),
+                      ("positions", positions, np.int64, 1),
+                      ("slot_mapping", slot_mapping, np.int64, 1),
+                      ("token_requests", token_requests, np.int32, 1),
+                      ("cu_query", cu_query, np.int32, 1),
+                      ("kv_page_indptr", kv_page_indptr, np.int32, 1),
+                      ("context_lens", context_lens, np.int32, 1),
+                      ("token_prefix", token_prefix, np.int32, 1),
+                      ("last_page_lens", last_page_lens, np.int32, 1),
+                      ("context_prefix", context_prefix, np.int32, 1))}
         if context_cap is not None and (type(context_cap) is not int
                                         or not 1 <= context_cap <= _INT32_MAX):
             raise RequestLayoutError(
@@ -243,7 +232,7 @@ class RequestLayout:
         if token_prefix is not None and token_prefix.size < 1:
             raise RequestLayoutError(
                 f"{name}: token_prefix needs at least 1 entry (tokens + 1), got "
-                f"{_describe(token_prefix)}")
+                f"{describe(token_prefix)}")
         if (table is None) != (required_pages is None) or (
                 table is None and (slot_mapping is not None or kv_page_indptr is not None)):
             raise RequestLayoutError(
@@ -271,62 +260,21 @@ class RequestLayout:
                 tok_caps.append(self.arrays[key].size)
         if token_prefix is not None:
             tok_caps.append(token_prefix.size - 1)
-        bound: list[tuple[Any, ...]] = []
-        for col in columns:
-            out = col.out
-            if out is None:  # checked and summed only
-                if col.minimum is not None or col.name in self.arrays:
-                    raise RequestLayoutError(
-                        f"{name}: column {col.name!r} needs a unique name; a column without "
-                        "an output array takes no minimum")
-                bound.append((0, None, bool(col.per_token), None, None, col.name,
-                              _bounds(name, col, 0), _reserved(name, col, 0)))
-                continue
-            kind = _KINDS.get(getattr(out, "dtype", None), -1)
-            if kind < 0 or col.name in self.arrays:
-                raise RequestLayoutError(
-                    f"{name}: column {col.name!r} needs a unique name and an int32, float32 "
-                    f"or int64 array, got {_describe(out)}")
-            _array(name, f"column {col.name!r}", out, out.dtype, 1)
-            if col.minimum is not None and kind != 1:
-                raise RequestLayoutError(
-                    f"{name}: column {col.name!r}: a minimum applies to float32 columns only")
-            self.arrays[col.name] = out
-            (tok_caps if col.per_token else req_caps).append(out.size)
-            bound.append((kind, out, bool(col.per_token),
-                          None if col.pad is None else out.dtype.type(col.pad),
-                          None if col.minimum is None else float(col.minimum), col.name,
-                          _bounds(name, col, kind), _reserved(name, col, kind)))
+        bound = bind_columns(name, columns, self.arrays, req_caps, tok_caps)
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
         (self._draft_col, self._targets, self._draft_prefix,
-         self._bonus) = _bind_verify_rows(name, bound, outputs, self.arrays, req_caps)
-        self._token_planes = _bind_token_planes(name, bound, outputs, self.arrays, tok_caps)
-        self._state_slots = _bind_state_slots(name, bound, outputs, self.arrays, req_caps)
+         self._bonus) = bind_verify_rows(name, bound, outputs, self.arrays, req_caps)
+        self._token_planes = bind_token_planes(name, bound, outputs, self.arrays, tok_caps)
+        self._state_slots = bind_state_slots(name, bound, outputs, self.arrays, req_caps)
         (self._cursor_col, self._cursor_limit, self._cand_col, self._cand_width,
-         self._candidates) = _bind_cursors(name, bound, outputs, self.arrays, req_caps)
-        self._distinct = _distinct_columns(name, columns, bound)
+         self._candidates) = bind_cursors(name, bound, outputs, self.arrays, req_caps)
+        self._distinct = distinct_columns(name, columns, bound)
         self._stamp = 0
         self._sums = np.zeros(len(bound), np.int64)
         self._spare_sums = np.zeros(len(bound), np.int64)
-        bound_plans = []
-        for plan in plans:
-            out = plan.out
-            if (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 2
-                    or out.shape[1] != 4 or not out.flags.c_contiguous
-                    or not out.flags.writeable or plan.name in self.arrays):
-                raise RequestLayoutError(
-                    f"{name}: plan {plan.name!r} needs a unique name and a writeable "
-                    f"C-contiguous int32 [rows, 4] array, got {_describe(out)}")
-            if (type(plan.ratio) is not int or type(plan.window) is not int
-                    or plan.ratio < 1 or plan.window < 1):
-                raise RequestLayoutError(
-                    f"{name}: plan {plan.name!r}: ratio and window must be ints >= 1, got "
-                    f"{plan.ratio!r} and {plan.window!r}")
-            self.arrays[plan.name] = out
-            bound_plans.append((out.reshape(-1), plan.ratio, plan.window, bool(plan.tail),
-                                out.shape[0], bool(plan.graph), plan.name))
+        bound_plans = bind_plans(name, plans, self.arrays)
         self._plans = tuple(bound_plans)
         self.plan_published = [0] * len(bound_plans)
         self.plan_real = [0] * len(bound_plans)
@@ -421,10 +369,10 @@ class RequestLayout:
         name = self.name
         n: cython.Py_ssize_t = _size(query_lens, 0)
         if n < 0:
-            _input(name, "query_lens", query_lens)
+            lengths_input_error(name, "query_lens", query_lens)
         nc: cython.Py_ssize_t = _size(context_lens, 0)
         if nc < 0:
-            _input(name, "context_lens", context_lens)
+            lengths_input_error(name, "context_lens", context_lens)
         qv: cython.pointer[cython.int] = _ints(query_lens)
         cv: cython.pointer[cython.int] = _ints(context_lens)
         if nc != n:
@@ -745,45 +693,6 @@ class RequestLayout:
                 self.plan_published[k] = self.plan_real[k]
 
 
-def _request_column(bound: list, col: object) -> int:
-    """The index of ``col`` when it names a bound int32 per-request column, else -1 (what
-    every registered output reads its request values from)."""
-    for k, spec in enumerate(bound):
-        if spec[5] == col:
-            return k if spec[0] == 0 and not spec[2] else -1
-    return -1
-
-
-def _bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                       tok_caps: list) -> tuple:
-    """Each registered :class:`TokenPlanes` checked and bound: (out, column, planes)."""
-    names = [spec[5] for spec in bound]  # no output may take a column's name
-    specs = []
-    for out in outputs:
-        if isinstance(out, StateSlots | Cursors | VerifyRows):
-            continue
-        if not isinstance(out, TokenPlanes):
-            raise RequestLayoutError(
-                f"{name}: outputs takes TokenPlanes, StateSlots, Cursors and VerifyRows "
-                f"records, got {type(out).__name__}")
-        if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
-            raise RequestLayoutError(
-                f"{name}: output {out.name!r}: planes must be an int >= 1, got "
-                f"{out.planes!r}")
-        if out.name in arrays or out.name in names:
-            raise RequestLayoutError(f"{name}: output {out.name!r} needs a unique name")
-        _array(name, f"output {out.name!r}", out.out, np.int64, 1)
-        k = _request_column(bound, out.column)
-        if k < 0:
-            raise RequestLayoutError(
-                f"{name}: output {out.name!r} reads column {out.column!r}, which must be a "
-                "bound int32 per-request LayoutColumn; declare it in columns")
-        arrays[out.name] = out.out
-        tok_caps.append(out.out.size // out.planes)
-        specs.append((out.out, k, out.planes))
-    return tuple(specs)
-
-
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
@@ -812,35 +721,6 @@ def _write_token_planes(spec: tuple, values: Sequence[Any], own_q: cython.int[::
     for a in range(1, planes):
         for k in range(pt):
             out[a * pt + k] = out[k]
-
-
-def _bind_state_slots(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                      req_caps: list) -> tuple:
-    """Each registered :class:`StateSlots` checked and bound: (groups column, forks column
-    or -1, slots per group, base, read, rows)."""
-    specs: list[tuple[Any, ...]] = []
-    for out in outputs:
-        if not isinstance(out, StateSlots):
-            continue
-        k1 = out.slots_per_group
-        groups = _request_column(bound, out.groups)
-        forks = -1 if out.forks is None else _request_column(bound, out.forks)
-        given = [a is not None for a in (out.base, out.read, out.rows)]
-        if (groups < 0 or (out.forks is not None and forks < 0) or not any(given)
-                or (out.read is not None) != (out.forks is not None)
-                or type(k1) is not int or k1 < 1):
-            raise RequestLayoutError(
-                f"{name}: StateSlots needs groups naming a bound int32 per-request column, "
-                "forks another (with read, and only with it), slots_per_group an int >= 1, "
-                "and at least one of base, read, rows")
-        for key, arr in (("base", out.base), ("read", out.read), ("rows", out.rows)):
-            if arr is not None:
-                _array(name, f"StateSlots {key}", arr, np.int32, 1)
-                arrays[f"state_{key}" if f"state_{key}" not in arrays
-                       else f"state_{key}[{len(specs)}]"] = arr
-                req_caps.append(arr.size // (k1 if key == "rows" else 1))
-        specs.append((groups, forks, k1, out.base, out.read, out.rows))
-    return tuple(specs)
 
 
 @cython.cfunc
@@ -877,75 +757,6 @@ def _write_state_slots(spec: tuple, values: Sequence[Any], n: cython.Py_ssize_t,
             out[i] = -1
 
 
-def _bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                      req_caps: list) -> tuple[int, Any, Any, Any]:
-    """The registered :class:`VerifyRows` (at most one) checked and bound: (drafts
-    column, targets, prefix, bonus); (-1, None, None, None) without one."""
-    found = [out for out in outputs if isinstance(out, VerifyRows)]
-    if not found:
-        return -1, None, None, None
-    out = found[0]
-    k = _request_column(bound, out.drafts)
-    if len(found) > 1 or k < 0:
-        raise RequestLayoutError(
-            f"{name}: VerifyRows needs drafts naming a bound int32 per-request column; one "
-            "VerifyRows per layout")
-    for key, arr, dtype in (("draft_targets", out.targets, np.int64),
-                            ("draft_prefix", out.prefix, np.int32),
-                            ("draft_bonus", out.bonus, np.int64)):
-        _array(name, f"VerifyRows {key}", arr, dtype, 1)
-        arrays[key] = arr
-    req_caps.extend((out.prefix.size, out.bonus.size))
-    return k, out.targets, out.prefix, out.bonus
-
-
-def _bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                  req_caps: list) -> tuple[int, int, int, int, Any]:
-    """The registered :class:`Cursors` (at most one) checked and bound: (cursor column,
-    limit, draft column, width, candidates); (-1, 0, -1, 1, None) without one."""
-    found = [out for out in outputs if isinstance(out, Cursors)]
-    if not found:
-        return -1, 0, -1, 1, None
-    out = found[0]
-    cursor, drafts = _request_column(bound, out.column), _request_column(bound, out.drafts)
-    limit, width = out.limit, out.width
-    if (len(found) > 1 or cursor < 0 or type(limit) is not int
-            or not 0 <= limit <= _INT32_MAX or (out.drafts is None) != (out.candidates is None)
-            or (out.drafts is not None and drafts < 0)
-            or type(width) is not int or not 1 <= width <= _INT32_MAX):
-        raise RequestLayoutError(
-            f"{name}: Cursors needs column naming a bound int32 per-request column and limit "
-            "an int in [0, 2**31); drafts names another and goes with candidates (width: an "
-            "int >= 1); one Cursors per layout")
-    if out.candidates is not None:
-        _array(name, "Cursors candidates", out.candidates, np.int32, 1)
-        arrays["candidates"] = out.candidates
-        req_caps.append(out.candidates.size // width)
-    return cursor, limit, drafts, width, out.candidates
-
-
-#: the widest value range a distinct column checks with a stamp table (64K entries of 8
-#: bytes); wider ones sort the batch's values
-_STAMP_SPAN = 1 << 16
-
-
-def _distinct_columns(name: str, columns: Sequence[LayoutColumn], bound: list) -> tuple:
-    """Per distinct column: (column index, its lowest value, its stamp table or None)."""
-    out = []
-    for k, col in enumerate(columns):
-        if not getattr(col, "distinct", False):
-            continue
-        spec = bound[k]
-        if spec[0] != 0 or spec[2] or col.low is None or col.high is None:
-            raise RequestLayoutError(
-                f"{name}: column {col.name!r}: distinct applies to int32 per-request columns "
-                "with both bounds (low and high)")
-        lo, hi = spec[6][0], spec[6][1]
-        table = np.zeros(hi - lo + 1, np.int64) if hi - lo < _STAMP_SPAN else None
-        out.append((k, lo, table))
-    return tuple(out)
-
-
 @cython.cfunc
 @cython.boundscheck(False)
 @cython.wraparound(False)
@@ -967,7 +778,7 @@ def _check_distinct(layout: RequestLayout, values: Sequence[Any],
         table = spec[2]
         if table is None:
             if _sorted_repeat(v, n, _longs(layout._sort_keys)):
-                _distinct_error(layout.name, layout._columns[spec[0]][5], values[spec[0]], n)
+                distinct_error(layout.name, layout._columns[spec[0]][5], values[spec[0]], n)
             continue
         if layout._stamp >= _INT32_MAX:  # the stamps start over: every table cleared
             for d in layout._distinct:
@@ -981,7 +792,7 @@ def _check_distinct(layout: RequestLayout, values: Sequence[Any],
         for i in range(n):
             entry = seen[v[i] - lo]
             if entry >= stamp:  # this check's stamp: request entry - stamp holds it
-                _repeat_error(layout.name, layout._columns[spec[0]][5], v[i], i,
+                repeat_error(layout.name, layout._columns[spec[0]][5], v[i], i,
                               entry - stamp)
             seen[v[i] - lo] = stamp + i
 
@@ -1029,22 +840,6 @@ def _sift_down(a: cython.pointer[cython.longlong], root: cython.Py_ssize_t,
         a[root] = a[child]
         a[child] = x
         root = child
-
-
-def _distinct_error(name: str, col: str, value: Any, n: int) -> None:
-    """The refusal of the first request whose value an earlier request holds."""
-    seen: dict[int, int] = {}
-    for i in range(n):
-        x = int(value[i])
-        if x in seen:
-            _repeat_error(name, col, x, i, seen[x])
-        seen[x] = i
-
-
-def _repeat_error(name: str, col: str, x: int, i: int, first: int) -> None:
-    raise RequestLayoutError(
-        f"{name}: request {i} has {col}={x}, already request {first}'s; {col} must be "
-        "distinct (each request owns its own value)")
 
 
 @cython.cfunc
@@ -1149,15 +944,15 @@ def _check_columns(name: str, columns: tuple, values: Sequence[Any], n: cython.P
         value = values[k]
         size = t if spec[2] else n
         if _size(value, kind) != size:
-            _input_column(name, spec, value, size)
+            column_input_error(name, spec, value, size)
         if spec[6] is not None:
             i = _outside(value, kind, spec[6], size)
             if i >= 0:
-                _value_error(name, spec, value, i)
+                value_error(name, spec, value, i)
         if spec[7] is not None:
             i = _holding(value, kind, spec[7][0], size)
             if i >= 0:
-                _reserved_error(name, spec, i)
+                reserved_error(name, spec, i)
         if spec[1] is None:
             sums[k] = _sum_ints(value, size)
         if spec[2] or size < 2:
@@ -1392,113 +1187,6 @@ def _copy_ints(src: cython.pointer[cython.int], dst: cython.pointer[cython.int],
     i: cython.Py_ssize_t
     for i in range(m):
         dst[i] = src[i]
-
-
-def _input_column(name: str, spec: tuple, value: object, size: int) -> None:
-    """The specific error for a column's values, which ``_size`` refused."""
-    out = spec[1]
-    dtype = np.dtype(np.int32) if out is None else out.dtype
-    if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != 1
-            or not value.flags.c_contiguous or not value.flags.aligned
-            or not value.dtype.isnative):
-        raise RequestLayoutError(
-            f"{name}: column {spec[5]!r} must be a 1-D C-contiguous aligned native {dtype} "
-            f"array, got {_describe(value)}")
-    what = "token" if spec[2] else "request"
-    raise RequestLayoutError(
-        f"{name}: column {spec[5]!r} has {value.size} values but the batch has {size} "
-        f"{what}s; pass one per {what}")
-
-
-def _value_error(name: str, spec: tuple, value: Any, i: int) -> None:
-    """The specific error for the first value of a column outside its bounds."""
-    what = "token" if spec[2] else "request"
-    shown = str(value[i])  # numpy's shortest form of the float32 ("1.0000001")
-    raise RequestLayoutError(
-        f"{name}: {what} {i} has {spec[5]}={shown}; {spec[5]} must be {spec[6][3]}")
-
-
-def _reserved_error(name: str, spec: tuple, i: int) -> None:
-    """The specific error for a request (or token) holding a column's reserved value."""
-    what = "token" if spec[2] else "request"
-    value, note = spec[7]
-    raise RequestLayoutError(
-        f"{name}: {what} {i} has {spec[5]}={value}, "
-        + (note or "a reserved value (only padded entries hold it); pass another"))
-
-
-def _reserved(name: str, col: Any, kind: int) -> tuple[int, str] | None:
-    """Column ``col``'s reserved value and its note, or None."""
-    value = getattr(col, "reserved", None)
-    if value is None:
-        return None
-    if kind == 1 or type(value) is not int or not _INT64_MIN <= value <= _INT64_MAX:
-        raise RequestLayoutError(
-            f"{name}: column {col.name!r}: reserved takes an int in int64 on an integer "
-            f"column, got {value!r}")
-    return value, str(getattr(col, "reserved_note", ""))
-
-
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _bounds(name: str, col: Any, kind: int) -> tuple[Any, Any, bool, str] | None:
-    """Column ``col``'s value check as (low, high, low_open, rule), in the column's kind
-    (ints for int32/int64, floats for float32); None when every value passes."""
-    low, high = getattr(col, "low", None), getattr(col, "high", None)
-    is_open, finite = bool(getattr(col, "low_open", False)), bool(getattr(col, "finite", False))
-    where = f"{name}: column {col.name!r}"
-    if kind != 1:
-        if finite:
-            raise RequestLayoutError(f"{where}: finite applies to float32 columns only")
-        for b in (low, high):
-            if b is not None and (type(b) is not int or not _INT64_MIN <= b <= _INT64_MAX):
-                raise RequestLayoutError(
-                    f"{where}: an integer column takes int bounds in int64, got {b!r}")
-        if low is None and high is None:
-            return None
-        lo = _INT64_MIN if low is None else low + is_open
-        hi = _INT64_MAX if high is None else high
-        if lo > hi:
-            raise RequestLayoutError(f"{where}: no value passes low={low!r}, high={high!r}")
-        return lo, hi, False, _rule(low, high, is_open, False)
-    for b in (low, high):
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float)
-                              or b != b):
-            raise RequestLayoutError(
-                f"{where}: bounds must be numbers (not NaN) or None, got {b!r}")
-    if low is None and high is None and not finite:
-        return None
-    flo = -np.inf if low is None else float(low)
-    fhi = np.inf if high is None else float(high)
-    if finite:  # float32 infinities lie past the largest finite float32
-        if flo < -_FLOAT32_MAX:
-            flo, is_open = -_FLOAT32_MAX, False
-        fhi = min(fhi, _FLOAT32_MAX)
-    if flo > fhi or (flo == fhi and is_open):
-        raise RequestLayoutError(f"{where}: no value passes low={low!r}, high={high!r}")
-    return flo, fhi, is_open, _rule(low, high, is_open, finite)
-
-
-def _rule(low: Any, high: Any, is_open: bool, finite: bool) -> str:
-    """The bounds as a message says them: ">= -1", "in (0, 1]", "finite"."""
-    if low is not None and high is not None:
-        bounds = f"in {'(' if is_open else '['}{low}, {high}]"
-    elif low is not None:
-        bounds = f"{'>' if is_open else '>='} {low}"
-    elif high is not None:
-        bounds = f"<= {high}"
-    else:
-        return "finite"
-    return f"finite and {bounds}" if finite else bounds
-
-
-def _input(name: str, what: str, value: object) -> None:
-    """The specific error for a length array ``_size`` refused."""
-    raise RequestLayoutError(
-        f"{name}: {what} must be a 1-D C-contiguous aligned native int32 array (one entry "
-        f"per request), got {_describe(value)}")
 
 
 # This source is compiled by Cython, as ``h2d_core._request_layout_native``, when the package

@@ -8,25 +8,26 @@ capture. ``publish`` then enqueues one H2D copy and one scatter.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Sequence
-from typing import Literal
 
 import numpy as np
 import torch
 
+from h2d_kernels.destinations import bind_destinations, resolve_device
 from h2d_kernels.driver import DeviceDriver, context_not_current, device_driver
 from h2d_kernels.errors import (
-    DestinationAlignmentError,
-    DestinationBoundsError,
-    DestinationCountError,
-    DestinationDeviceError,
-    DestinationLayoutError,
-    DestinationOverlapError,
     PublishError,
     ScatterBackendError,
 )
 from h2d_kernels.graphs import GraphLaunchTable, GraphPublisher, bucket_index, bucket_sizes
+from h2d_kernels.launch_paths import (
+    DEFAULT_LAUNCH,
+    Consumer,
+    DmaChoice,
+    LaunchChoice,
+    ScatterChoice,
+    choose_paths,
+)
 from h2d_kernels.layout import ArenaLayout
 from h2d_kernels.native import helper as _native
 from h2d_kernels.reference import byte_view, validate_descriptors
@@ -34,96 +35,10 @@ from h2d_kernels.scatter import (
     CompiledScatter,
     ScatterConfig,
     default_config,
-    interpreter_enabled,
     launch_jit,
 )
 
-ScatterChoice = Literal["auto", "triton", "reference"]
-LaunchChoice = Literal["auto", "compiled", "graph", "jit"]
-DmaChoice = Literal["auto", "driver", "torch"]
-#: a publication's first consumer: called with the device arena's header rows, on the
-#: publication's stream (see :class:`PackedArena`)
-Consumer = Callable[[torch.Tensor], None]
-
-DEFAULT_LAUNCH: Literal["compiled", "graph", "jit"] = "graph"
-"""Launch path used by ``launch="auto"`` on CUDA: the lowest host time measured on the H200
-(docs/benchmarks.md). Under stream capture it falls back to the compiled launch."""
-
-
-def _resolve_device(
-    destinations: Sequence[torch.Tensor], device: torch.device | str | None
-) -> torch.device:
-    if device is None:
-        if not destinations or not isinstance(destinations[0], torch.Tensor):
-            raise DestinationDeviceError(
-                "cannot infer the arena's device: pass device= or tensor destinations"
-            )
-        resolved = destinations[0].device
-    else:
-        resolved = torch.device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        resolved = torch.device("cuda", torch.cuda.current_device())
-    if resolved.type not in ("cuda", "cpu"):
-        raise DestinationDeviceError(
-            f"device {resolved} is not supported: publish to a CUDA device or the CPU"
-        )
-    return resolved
-
-
-def bind_destinations(
-    layout: ArenaLayout, destinations: Sequence[torch.Tensor], device: torch.device
-) -> list[tuple[int, int]]:
-    """Check each destination against its member; return ``(address, nbytes)`` per member.
-
-    Rules, each failure naming the member: one contiguous tensor per member,
-    all on ``device``, capacity within the destination, address aligned to the
-    member's itemsize, no two destinations sharing a byte.
-    """
-    members = layout.members
-    if len(destinations) != len(members):
-        raise DestinationCountError(
-            f"{len(destinations)} destinations for {len(members)} members: bind exactly one "
-            "destination per member, in the layout's member order"
-        )
-    spans: list[tuple[int, int]] = []
-    for member, dest in zip(members, destinations, strict=True):
-        if not isinstance(dest, torch.Tensor):
-            raise DestinationLayoutError(
-                f"member {member.name!r}: destination is a {type(dest).__name__}, "
-                "not a torch.Tensor: bind the tensor the consumer reads"
-            )
-        if dest.device != device:
-            raise DestinationDeviceError(
-                f"member {member.name!r}: destination is on {dest.device}, the arena on "
-                f"{device}: all destinations of one arena must live on one device"
-            )
-        if not dest.is_contiguous():
-            raise DestinationLayoutError(
-                f"member {member.name!r}: destination is not contiguous: bind one contiguous "
-                "tensor per member (publish a strided view through a direct copy instead)"
-            )
-        address = dest.data_ptr()
-        nbytes = dest.numel() * dest.element_size()
-        if member.capacity_bytes > nbytes:
-            raise DestinationBoundsError(
-                f"member {member.name!r}: range past a destination's end: capacity "
-                f"{member.capacity_bytes} bytes but the destination holds {nbytes}: "
-                "shrink the capacity or bind a larger destination"
-            )
-        if address % member.itemsize:
-            raise DestinationAlignmentError(
-                f"member {member.name!r}: misaligned member for its dtype: destination "
-                f"address {address:#x} is not a multiple of itemsize {member.itemsize}"
-            )
-        spans.append((address, nbytes))
-    order = sorted((s for s in enumerate(spans) if s[1][1] > 0), key=lambda s: s[1][0])
-    for (i, (addr_a, size_a)), (j, (addr_b, _)) in itertools.pairwise(order):
-        if addr_b < addr_a + size_a:
-            raise DestinationOverlapError(
-                f"members {members[i].name!r} and {members[j].name!r}: destinations overlap "
-                f"(bytes from {addr_b:#x} to {addr_a + size_a:#x}): bind disjoint tensors"
-            )
-    return spans
+__all__ = ["DEFAULT_LAUNCH", "Consumer", "PackedArena", "bind_destinations"]
 
 
 class PackedArena:
@@ -169,8 +84,8 @@ class PackedArena:
         consumers: Sequence[Consumer] = (),
         completion_event: int = 0,
     ) -> None:
-        dev = _resolve_device(destinations, device)
-        scatter_kind, launch_kind, dma_kind = _choose_paths(dev, scatter, launch, dma)
+        dev = resolve_device(destinations, device)
+        scatter_kind, launch_kind, dma_kind = choose_paths(dev, scatter, launch, dma)
         spans = bind_destinations(layout, destinations, dev)
 
         self.layout = layout
@@ -438,45 +353,3 @@ class PackedArena:
                 launch_jit(self.device_arena, self.dest_table, self.num_ranges, grid, self.config)
         self._enqueue_consumers(handle)
 
-
-def _choose_paths(
-    device: torch.device, scatter: str, launch: str, dma: str
-) -> tuple[str, str, str]:
-    """Resolve the ``auto`` choices and reject combinations this device cannot run."""
-    for value, allowed, what in (
-        (scatter, ("auto", "triton", "reference"), "scatter"),
-        (launch, ("auto", "compiled", "graph", "jit"), "launch"),
-        (dma, ("auto", "driver", "torch"), "dma"),
-    ):
-        if value not in allowed:
-            raise ScatterBackendError(f"{what}={value!r}: choose one of {allowed}")
-    interpreted = interpreter_enabled()
-    if device.type == "cpu":
-        if scatter == "triton" and not interpreted:
-            raise ScatterBackendError(
-                "scatter='triton' on a CPU device runs the kernel in Triton's interpreter: set "
-                "TRITON_INTERPRET=1 before triton is imported, or use scatter='reference'"
-            )
-        if launch not in ("auto", "jit"):
-            raise ScatterBackendError(
-                f"launch={launch!r} needs a CUDA device: CPU publications use launch='auto'"
-            )
-        kind = "triton" if scatter == "triton" else "reference"
-        return kind, ("jit" if kind == "triton" else "none"), "memcpy"
-    if scatter == "reference":
-        raise ScatterBackendError(
-            "scatter='reference' runs on CPU devices only: use scatter='triton' on CUDA"
-        )
-    if interpreted:
-        if launch not in ("auto", "jit"):
-            raise ScatterBackendError(
-                f"launch={launch!r} needs compiled Triton, but TRITON_INTERPRET=1 is set: "
-                "use launch='jit' or unset the variable"
-            )
-        launch_kind = "jit"
-    else:
-        launch_kind = DEFAULT_LAUNCH if launch == "auto" else launch
-    dma_kind = dma
-    if dma == "auto":
-        dma_kind = "driver" if device_driver() is not None else "torch"
-    return "triton", launch_kind, dma_kind

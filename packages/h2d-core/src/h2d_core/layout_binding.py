@@ -1,0 +1,303 @@
+"""Binding a :class:`~h2d_core.RequestLayout`: its arrays, columns, plans and registered
+outputs checked once and turned into the specs the compiled layout keeps.
+
+Plain Python, run at bind (and by nothing per step): each function refuses a bad
+declaration with a :class:`~h2d_core.errors.RequestLayoutError` naming the layout and the
+column or output, before the layout holds anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .errors import RequestLayoutError
+from .layout_records import (
+    Cursors,
+    LayoutColumn,
+    LayoutPlan,
+    StateSlots,
+    TokenPlanes,
+    VerifyRows,
+)
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+#: a column's dtype as the compiled layout switches on it
+KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
+#: the widest value range a distinct column checks with a stamp table (64K entries of 8
+#: bytes); wider ones sort the batch's values
+STAMP_SPAN = 1 << 16
+
+
+def checked_array(name: str, what: str, value: Any, dtype: Any, ndim: int) -> Any:
+    """``value`` if it is a C-contiguous writeable array of ``dtype`` and ``ndim``."""
+    if value is None:
+        return None
+    if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != ndim
+            or not value.flags.c_contiguous or not value.flags.writeable):
+        raise RequestLayoutError(
+            f"{name}: {what} must be a writeable C-contiguous {ndim}-D "
+            f"{np.dtype(dtype).name} array, got {describe(value)}"
+        )
+    return value
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype} array of shape {value.shape}"
+    return type(value).__name__
+
+
+def request_column(bound: list, col: object) -> int:
+    """The index of ``col`` when it names a bound int32 per-request column, else -1 (what
+    every registered output reads its request values from)."""
+    for k, spec in enumerate(bound):
+        if spec[5] == col:
+            return k if spec[0] == 0 and not spec[2] else -1
+    return -1
+
+
+def bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                       tok_caps: list) -> tuple:
+    """Each registered :class:`TokenPlanes` checked and bound: (out, column, planes)."""
+    names = [spec[5] for spec in bound]  # no output may take a column's name
+    specs = []
+    for out in outputs:
+        if isinstance(out, StateSlots | Cursors | VerifyRows):
+            continue
+        if not isinstance(out, TokenPlanes):
+            raise RequestLayoutError(
+                f"{name}: outputs takes TokenPlanes, StateSlots, Cursors and VerifyRows "
+                f"records, got {type(out).__name__}")
+        if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
+            raise RequestLayoutError(
+                f"{name}: output {out.name!r}: planes must be an int >= 1, got "
+                f"{out.planes!r}")
+        if out.name in arrays or out.name in names:
+            raise RequestLayoutError(f"{name}: output {out.name!r} needs a unique name")
+        checked_array(name, f"output {out.name!r}", out.out, np.int64, 1)
+        k = request_column(bound, out.column)
+        if k < 0:
+            raise RequestLayoutError(
+                f"{name}: output {out.name!r} reads column {out.column!r}, which must be a "
+                "bound int32 per-request LayoutColumn; declare it in columns")
+        arrays[out.name] = out.out
+        tok_caps.append(out.out.size // out.planes)
+        specs.append((out.out, k, out.planes))
+    return tuple(specs)
+
+
+def bind_state_slots(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                      req_caps: list) -> tuple:
+    """Each registered :class:`StateSlots` checked and bound: (groups column, forks column
+    or -1, slots per group, base, read, rows)."""
+    specs: list[tuple[Any, ...]] = []
+    for out in outputs:
+        if not isinstance(out, StateSlots):
+            continue
+        k1 = out.slots_per_group
+        groups = request_column(bound, out.groups)
+        forks = -1 if out.forks is None else request_column(bound, out.forks)
+        given = [a is not None for a in (out.base, out.read, out.rows)]
+        if (groups < 0 or (out.forks is not None and forks < 0) or not any(given)
+                or (out.read is not None) != (out.forks is not None)
+                or type(k1) is not int or k1 < 1):
+            raise RequestLayoutError(
+                f"{name}: StateSlots needs groups naming a bound int32 per-request column, "
+                "forks another (with read, and only with it), slots_per_group an int >= 1, "
+                "and at least one of base, read, rows")
+        for key, arr in (("base", out.base), ("read", out.read), ("rows", out.rows)):
+            if arr is not None:
+                checked_array(name, f"StateSlots {key}", arr, np.int32, 1)
+                arrays[f"state_{key}" if f"state_{key}" not in arrays
+                       else f"state_{key}[{len(specs)}]"] = arr
+                req_caps.append(arr.size // (k1 if key == "rows" else 1))
+        specs.append((groups, forks, k1, out.base, out.read, out.rows))
+    return tuple(specs)
+
+
+def bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                      req_caps: list) -> tuple[int, Any, Any, Any]:
+    """The registered :class:`VerifyRows` (at most one) checked and bound: (drafts
+    column, targets, prefix, bonus); (-1, None, None, None) without one."""
+    found = [out for out in outputs if isinstance(out, VerifyRows)]
+    if not found:
+        return -1, None, None, None
+    out = found[0]
+    k = request_column(bound, out.drafts)
+    if len(found) > 1 or k < 0:
+        raise RequestLayoutError(
+            f"{name}: VerifyRows needs drafts naming a bound int32 per-request column; one "
+            "VerifyRows per layout")
+    for key, arr, dtype in (("draft_targets", out.targets, np.int64),
+                            ("draft_prefix", out.prefix, np.int32),
+                            ("draft_bonus", out.bonus, np.int64)):
+        checked_array(name, f"VerifyRows {key}", arr, dtype, 1)
+        arrays[key] = arr
+    req_caps.extend((out.prefix.size, out.bonus.size))
+    return k, out.targets, out.prefix, out.bonus
+
+
+def bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                  req_caps: list) -> tuple[int, int, int, int, Any]:
+    """The registered :class:`Cursors` (at most one) checked and bound: (cursor column,
+    limit, draft column, width, candidates); (-1, 0, -1, 1, None) without one."""
+    found = [out for out in outputs if isinstance(out, Cursors)]
+    if not found:
+        return -1, 0, -1, 1, None
+    out = found[0]
+    cursor, drafts = request_column(bound, out.column), request_column(bound, out.drafts)
+    limit, width = out.limit, out.width
+    if (len(found) > 1 or cursor < 0 or type(limit) is not int
+            or not 0 <= limit <= INT32_MAX or (out.drafts is None) != (out.candidates is None)
+            or (out.drafts is not None and drafts < 0)
+            or type(width) is not int or not 1 <= width <= INT32_MAX):
+        raise RequestLayoutError(
+            f"{name}: Cursors needs column naming a bound int32 per-request column and limit "
+            "an int in [0, 2**31); drafts names another and goes with candidates (width: an "
+            "int >= 1); one Cursors per layout")
+    if out.candidates is not None:
+        checked_array(name, "Cursors candidates", out.candidates, np.int32, 1)
+        arrays["candidates"] = out.candidates
+        req_caps.append(out.candidates.size // width)
+    return cursor, limit, drafts, width, out.candidates
+
+
+def distinct_columns(name: str, columns: Sequence[LayoutColumn], bound: list) -> tuple:
+    """Per distinct column: (column index, its lowest value, its stamp table or None)."""
+    out = []
+    for k, col in enumerate(columns):
+        if not getattr(col, "distinct", False):
+            continue
+        spec = bound[k]
+        if spec[0] != 0 or spec[2] or col.low is None or col.high is None:
+            raise RequestLayoutError(
+                f"{name}: column {col.name!r}: distinct applies to int32 per-request columns "
+                "with both bounds (low and high)")
+        lo, hi = spec[6][0], spec[6][1]
+        table = np.zeros(hi - lo + 1, np.int64) if hi - lo < STAMP_SPAN else None
+        out.append((k, lo, table))
+    return tuple(out)
+
+
+def reserved_value(name: str, col: Any, kind: int) -> tuple[int, str] | None:
+    """Column ``col``'s reserved value and its note, or None."""
+    value = getattr(col, "reserved", None)
+    if value is None:
+        return None
+    if kind == 1 or type(value) is not int or not INT64_MIN <= value <= INT64_MAX:
+        raise RequestLayoutError(
+            f"{name}: column {col.name!r}: reserved takes an int in int64 on an integer "
+            f"column, got {value!r}")
+    return value, str(getattr(col, "reserved_note", ""))
+
+
+def column_bounds(name: str, col: Any, kind: int) -> tuple[Any, Any, bool, str] | None:
+    """Column ``col``'s value check as (low, high, low_open, rule), in the column's kind
+    (ints for int32/int64, floats for float32); None when every value passes."""
+    low, high = getattr(col, "low", None), getattr(col, "high", None)
+    is_open, finite = bool(getattr(col, "low_open", False)), bool(getattr(col, "finite", False))
+    where = f"{name}: column {col.name!r}"
+    if kind != 1:
+        if finite:
+            raise RequestLayoutError(f"{where}: finite applies to float32 columns only")
+        for b in (low, high):
+            if b is not None and (type(b) is not int or not INT64_MIN <= b <= INT64_MAX):
+                raise RequestLayoutError(
+                    f"{where}: an integer column takes int bounds in int64, got {b!r}")
+        if low is None and high is None:
+            return None
+        lo = INT64_MIN if low is None else low + is_open
+        hi = INT64_MAX if high is None else high
+        if lo > hi:
+            raise RequestLayoutError(f"{where}: no value passes low={low!r}, high={high!r}")
+        return lo, hi, False, _rule(low, high, is_open, False)
+    for b in (low, high):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int | float)
+                              or b != b):
+            raise RequestLayoutError(
+                f"{where}: bounds must be numbers (not NaN) or None, got {b!r}")
+    if low is None and high is None and not finite:
+        return None
+    flo = -np.inf if low is None else float(low)
+    fhi = np.inf if high is None else float(high)
+    if finite:  # float32 infinities lie past the largest finite float32
+        if flo < -FLOAT32_MAX:
+            flo, is_open = -FLOAT32_MAX, False
+        fhi = min(fhi, FLOAT32_MAX)
+    if flo > fhi or (flo == fhi and is_open):
+        raise RequestLayoutError(f"{where}: no value passes low={low!r}, high={high!r}")
+    return flo, fhi, is_open, _rule(low, high, is_open, finite)
+
+
+def _rule(low: Any, high: Any, is_open: bool, finite: bool) -> str:
+    """The bounds as a message says them: ">= -1", "in (0, 1]", "finite"."""
+    if low is not None and high is not None:
+        bounds = f"in {'(' if is_open else '['}{low}, {high}]"
+    elif low is not None:
+        bounds = f"{'>' if is_open else '>='} {low}"
+    elif high is not None:
+        bounds = f"<= {high}"
+    else:
+        return "finite"
+    return f"finite and {bounds}" if finite else bounds
+
+
+def bind_columns(name: str, columns: Sequence[LayoutColumn], arrays: dict,
+                 req_caps: list, tok_caps: list) -> list:
+    """Each :class:`LayoutColumn` checked and bound: (kind, out, per_token, pad, minimum,
+    name, bounds, reserved); its array joins ``arrays`` and its size the capacities."""
+    bound: list[tuple[Any, ...]] = []
+    for col in columns:
+        out = col.out
+        if out is None:  # checked and summed only
+            if col.minimum is not None or col.name in arrays:
+                raise RequestLayoutError(
+                    f"{name}: column {col.name!r} needs a unique name; a column without "
+                    "an output array takes no minimum")
+            bound.append((0, None, bool(col.per_token), None, None, col.name,
+                          column_bounds(name, col, 0), reserved_value(name, col, 0)))
+            continue
+        kind = KINDS.get(getattr(out, "dtype", None), -1)
+        if kind < 0 or col.name in arrays:
+            raise RequestLayoutError(
+                f"{name}: column {col.name!r} needs a unique name and an int32, float32 "
+                f"or int64 array, got {describe(out)}")
+        checked_array(name, f"column {col.name!r}", out, out.dtype, 1)
+        if col.minimum is not None and kind != 1:
+            raise RequestLayoutError(
+                f"{name}: column {col.name!r}: a minimum applies to float32 columns only")
+        arrays[col.name] = out
+        (tok_caps if col.per_token else req_caps).append(out.size)
+        bound.append((kind, out, bool(col.per_token),
+                      None if col.pad is None else out.dtype.type(col.pad),
+                      None if col.minimum is None else float(col.minimum), col.name,
+                      column_bounds(name, col, kind), reserved_value(name, col, kind)))
+    return bound
+
+
+def bind_plans(name: str, plans: Sequence[LayoutPlan], arrays: dict) -> list:
+    """Each :class:`LayoutPlan` checked and bound: (flat out, ratio, window, tail, rows,
+    graph, name)."""
+    bound_plans = []
+    for plan in plans:
+        out = plan.out
+        if (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 2
+                or out.shape[1] != 4 or not out.flags.c_contiguous
+                or not out.flags.writeable or plan.name in arrays):
+            raise RequestLayoutError(
+                f"{name}: plan {plan.name!r} needs a unique name and a writeable "
+                f"C-contiguous int32 [rows, 4] array, got {describe(out)}")
+        if (type(plan.ratio) is not int or type(plan.window) is not int
+                or plan.ratio < 1 or plan.window < 1):
+            raise RequestLayoutError(
+                f"{name}: plan {plan.name!r}: ratio and window must be ints >= 1, got "
+                f"{plan.ratio!r} and {plan.window!r}")
+        arrays[plan.name] = out
+        bound_plans.append((out.reshape(-1), plan.ratio, plan.window, bool(plan.tail),
+                            out.shape[0], bool(plan.graph), plan.name))
+    return bound_plans
