@@ -14,6 +14,12 @@ from typing import Any
 import numpy as np
 
 from .errors import RequestLayoutError
+from .layout_outputs import (
+    CursorsOutput,
+    StateSlotsOutput,
+    TokenPlanesOutput,
+    VerifyRowsOutput,
+)
 from .layout_records import (
     Cursors,
     LayoutColumn,
@@ -22,6 +28,7 @@ from .layout_records import (
     TokenPlanes,
     VerifyRows,
 )
+from .layout_refusals import describe
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -46,12 +53,6 @@ def checked_array(name: str, what: str, value: Any, dtype: Any, ndim: int) -> An
     return value
 
 
-def describe(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"{value.dtype} array of shape {value.shape}"
-    return type(value).__name__
-
-
 def request_column(bound: list, col: object) -> int:
     """The index of ``col`` when it names a bound int32 per-request column, else -1 (what
     every registered output reads its request values from)."""
@@ -63,7 +64,7 @@ def request_column(bound: list, col: object) -> int:
 
 def bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
                        tok_caps: list) -> tuple:
-    """Each registered :class:`TokenPlanes` checked and bound: (out, column, planes)."""
+    """Each registered :class:`TokenPlanes` checked and bound."""
     names = [spec[5] for spec in bound]  # no output may take a column's name
     specs = []
     for out in outputs:
@@ -87,15 +88,14 @@ def bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: di
                 "bound int32 per-request LayoutColumn; declare it in columns")
         arrays[out.name] = out.out
         tok_caps.append(out.out.size // out.planes)
-        specs.append((out.out, k, out.planes))
+        specs.append(TokenPlanesOutput(out.out, k, out.planes))
     return tuple(specs)
 
 
 def bind_state_slots(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
                       req_caps: list) -> tuple:
-    """Each registered :class:`StateSlots` checked and bound: (groups column, forks column
-    or -1, slots per group, base, read, rows)."""
-    specs: list[tuple[Any, ...]] = []
+    """Each registered :class:`StateSlots` checked and bound."""
+    specs: list[Any] = []
     for out in outputs:
         if not isinstance(out, StateSlots):
             continue
@@ -116,17 +116,16 @@ def bind_state_slots(name: str, bound: list, outputs: Sequence[Any], arrays: dic
                 arrays[f"state_{key}" if f"state_{key}" not in arrays
                        else f"state_{key}[{len(specs)}]"] = arr
                 req_caps.append(arr.size // (k1 if key == "rows" else 1))
-        specs.append((groups, forks, k1, out.base, out.read, out.rows))
+        specs.append(StateSlotsOutput(groups, forks, k1, out.base, out.read, out.rows))
     return tuple(specs)
 
 
 def bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                      req_caps: list) -> tuple[int, Any, Any, Any]:
-    """The registered :class:`VerifyRows` (at most one) checked and bound: (drafts
-    column, targets, prefix, bonus); (-1, None, None, None) without one."""
+                      req_caps: list) -> tuple:
+    """The registered :class:`VerifyRows` (at most one) checked and bound."""
     found = [out for out in outputs if isinstance(out, VerifyRows)]
     if not found:
-        return -1, None, None, None
+        return ()
     out = found[0]
     k = request_column(bound, out.drafts)
     if len(found) > 1 or k < 0:
@@ -139,16 +138,15 @@ def bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dic
         checked_array(name, f"VerifyRows {key}", arr, dtype, 1)
         arrays[key] = arr
     req_caps.extend((out.prefix.size, out.bonus.size))
-    return k, out.targets, out.prefix, out.bonus
+    return (VerifyRowsOutput(k, out.targets, out.prefix, out.bonus),)
 
 
 def bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                  req_caps: list) -> tuple[int, int, int, int, Any]:
-    """The registered :class:`Cursors` (at most one) checked and bound: (cursor column,
-    limit, draft column, width, candidates); (-1, 0, -1, 1, None) without one."""
+                  req_caps: list) -> tuple:
+    """The registered :class:`Cursors` (at most one) checked and bound."""
     found = [out for out in outputs if isinstance(out, Cursors)]
     if not found:
-        return -1, 0, -1, 1, None
+        return ()
     out = found[0]
     cursor, drafts = request_column(bound, out.column), request_column(bound, out.drafts)
     limit, width = out.limit, out.width
@@ -164,7 +162,19 @@ def bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
         checked_array(name, "Cursors candidates", out.candidates, np.int32, 1)
         arrays["candidates"] = out.candidates
         req_caps.append(out.candidates.size // width)
-    return cursor, limit, drafts, width, out.candidates
+    return (CursorsOutput(cursor, bound[cursor][5], limit, drafts,
+                          bound[drafts][5] if drafts >= 0 else "", width, out.candidates),)
+
+
+def bind_outputs(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                 req_caps: list, tok_caps: list) -> tuple:
+    """Every registered output checked and bound (:mod:`h2d_core.layout_outputs`), in the
+    order the layout checks and writes them; their arrays join ``arrays`` and their sizes
+    the capacities."""
+    return (bind_verify_rows(name, bound, outputs, arrays, req_caps)
+            + bind_token_planes(name, bound, outputs, arrays, tok_caps)
+            + bind_state_slots(name, bound, outputs, arrays, req_caps)
+            + bind_cursors(name, bound, outputs, arrays, req_caps))
 
 
 def distinct_columns(name: str, columns: Sequence[LayoutColumn], bound: list) -> tuple:

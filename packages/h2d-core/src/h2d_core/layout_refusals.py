@@ -12,7 +12,6 @@ from typing import Any
 import numpy as np
 
 from .errors import RequestLayoutError
-from .layout_binding import describe
 
 
 def distinct_error(name: str, col: str, value: Any, n: int) -> None:
@@ -69,3 +68,9 @@ def lengths_input_error(name: str, what: str, value: object) -> None:
     raise RequestLayoutError(
         f"{name}: {what} must be a 1-D C-contiguous aligned native int32 array (one entry "
         f"per request), got {describe(value)}")
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype} array of shape {value.shape}"
+    return type(value).__name__

@@ -31,23 +31,15 @@ import numpy as np
 from .errors import RequestLayoutError
 from .layout_binding import (
     bind_columns,
-    bind_cursors,
+    bind_outputs,
     bind_plans,
-    bind_state_slots,
-    bind_token_planes,
-    bind_verify_rows,
     checked_array,
-    describe,
     distinct_columns,
 )
 from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan
 from .layout_refusals import (
-    column_input_error,
-    distinct_error,
+    describe,
     lengths_input_error,
-    repeat_error,
-    reserved_error,
-    value_error,
 )
 
 try:
@@ -55,10 +47,17 @@ try:
 except ImportError:  # interpreted where Cython is not installed: no-op stand-ins
     from block_tables import _cython_shim as cython  # type: ignore[no-redef, unused-ignore]
 
-if cython.compiled:
-    from cython.cimports import numpy as cnp
-
-    cnp.import_array()
+if cython.compiled:  # the column and output steps through C (their .pxd declarations)
+    from cython.cimports.h2d_core._layout_columns_native import (
+        array_size,
+        check_columns,
+        check_distinct,
+        copy_column,
+        copy_ints,
+        int_data,
+        write_plan_rows,
+    )
+    from cython.cimports.h2d_core._layout_outputs_native import BoundOutput
 
 #: the fields of RequestLayout.meta_address's int64 counts
 META_NUM_REQS, META_PADDED_REQS, META_NUM_TOKENS, META_PADDED_TOKENS = 0, 1, 2, 3
@@ -112,19 +111,8 @@ class RequestLayout:
     _last_page = cython.declare(cython.int[::1])
     _context_prefix = cython.declare(cython.int[::1])
     _context_cap = cython.declare(cython.longlong)
-    _draft_col = cython.declare(cython.Py_ssize_t)
-    _targets = cython.declare(cython.longlong[::1])
-    _draft_prefix = cython.declare(cython.int[::1])
-    _bonus = cython.declare(cython.longlong[::1])
-    # per registered TokenPlanes: (out, column index, planes)
-    _token_planes = cython.declare(tuple)
-    # per registered StateSlots: (groups column, forks column or -1, k, base, read, rows)
-    _state_slots = cython.declare(tuple)
-    _cursor_col = cython.declare(cython.Py_ssize_t)
-    _cursor_limit = cython.declare(cython.longlong)
-    _cand_col = cython.declare(cython.Py_ssize_t)
-    _cand_width = cython.declare(cython.Py_ssize_t)
-    _candidates = cython.declare(object)
+    # the registered outputs, bound (layout_outputs.py): checked in plan, written in write
+    _outputs = cython.declare(tuple)
     # per distinct column: (column index, low, stamp table or None: a sort), the stamp of
     # the last check (a table entry is stamp * 2**32 + request) and the sort's scratch
     _distinct = cython.declare(tuple)
@@ -264,12 +252,7 @@ class RequestLayout:
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
-        (self._draft_col, self._targets, self._draft_prefix,
-         self._bonus) = bind_verify_rows(name, bound, outputs, self.arrays, req_caps)
-        self._token_planes = bind_token_planes(name, bound, outputs, self.arrays, tok_caps)
-        self._state_slots = bind_state_slots(name, bound, outputs, self.arrays, req_caps)
-        (self._cursor_col, self._cursor_limit, self._cand_col, self._cand_width,
-         self._candidates) = bind_cursors(name, bound, outputs, self.arrays, req_caps)
+        self._outputs = bind_outputs(name, bound, outputs, self.arrays, req_caps, tok_caps)
         self._distinct = distinct_columns(name, columns, bound)
         self._stamp = 0
         self._sums = np.zeros(len(bound), np.int64)
@@ -367,14 +350,14 @@ class RequestLayout:
         :attr:`max_query_len`.
         """
         name = self.name
-        n: cython.Py_ssize_t = _size(query_lens, 0)
+        n: cython.Py_ssize_t = array_size(query_lens, 0)
         if n < 0:
             lengths_input_error(name, "query_lens", query_lens)
-        nc: cython.Py_ssize_t = _size(context_lens, 0)
+        nc: cython.Py_ssize_t = array_size(context_lens, 0)
         if nc < 0:
             lengths_input_error(name, "context_lens", context_lens)
-        qv: cython.pointer[cython.int] = _ints(query_lens)
-        cv: cython.pointer[cython.int] = _ints(context_lens)
+        qv: cython.pointer[cython.int] = int_data(query_lens)
+        cv: cython.pointer[cython.int] = int_data(context_lens)
         if nc != n:
             raise RequestLayoutError(
                 f"{name}: context_lens has {nc} entries but query_lens has {n}; "
@@ -479,16 +462,12 @@ class RequestLayout:
                     f"up to {width_q} tokens), more than its {spec[4]}; declare a larger "
                     "array")
         sums: cython.longlong[::1] = self._spare_sums
-        mask: cython.longlong = _check_columns(name, self._columns, values, n, t, sums)
-        if self._draft_col >= 0:
-            _check_drafts(name, _ints(values[self._draft_col]), qv, n,
-                          self._targets.shape[0])
+        mask: cython.longlong = check_columns(name, self._columns, values, n, t, sums)
         if self._distinct:
-            _check_distinct(self, values, n)
-        if self._cursor_col >= 0:
-            _check_cursors(self, values, qv, n)
-        if self._cand_col >= 0:
-            _check_candidates(self, values, qv, n)
+            check_distinct(name, self._columns, self._distinct, values, n, self._sort_keys,
+                           cython.address(self._stamp))
+        for registered in self._outputs:
+            cython.cast(BoundOutput, registered).check(name, values, qv, n)
         # the whole batch passed: nothing below raises
         self._spare_sums = self._sums
         self._sums = sums
@@ -619,7 +598,7 @@ class RequestLayout:
             for i in range(n, p):
                 self._cu_query[i + 1] = cython.cast(cython.int, acc)
             for copy in self._cu_copies:  # raw pointers: a memoryview made per call costs
-                _copy_ints(_ints(self._cu_array), _ints(copy), p + 1)  # more than the copy
+                copy_ints(int_data(self._cu_array), int_data(copy), p + 1)  # more than the copy
         if self._kv_indptr is not None:
             acc = 0
             self._kv_indptr[0] = 0
@@ -657,536 +636,21 @@ class RequestLayout:
                 prefix[i] = cython.cast(cython.int, t)
         values = self._values
         self._values = ()
-        for registered in self._token_planes:
-            _write_token_planes(registered, values, own_q, own_c, n, t, pt)
-        for registered in self._state_slots:
-            _write_state_slots(registered, values, n, p)
-        if self._candidates is not None:
-            _write_candidates(self, values, own_q, n, p)
-        if self._draft_col >= 0:  # verification rows: the drafts, then the bonus row
-            dv: cython.pointer[cython.int] = _ints(values[self._draft_col])
-            targets: cython.longlong[::1] = self._targets
-            dpre: cython.int[::1] = self._draft_prefix
-            bonus: cython.longlong[::1] = self._bonus
-            start: cython.longlong = 0
-            dsum: cython.longlong = 0
-            m: cython.Py_ssize_t = 0
-            d: cython.longlong
-            for i in range(n):
-                d = dv[i]
-                for j in range(d):
-                    targets[m] = start + j
-                    m += 1
-                dsum += d
-                dpre[i] = cython.cast(cython.int, dsum)
-                bonus[i] = start + d
-                start += own_q[i]
+        # the private lengths' data (a memoryview's first item: an empty one is not read)
+        q_data: cython.pointer[cython.int] = cython.address(own_q[0])
+        c_data: cython.pointer[cython.int] = cython.address(own_c[0])
+        for registered in self._outputs:
+            cython.cast(BoundOutput, registered).write(values, q_data, c_data, n, p, t, pt)
         spec: tuple
         for i in range(len(values)):
             spec = self._columns[i]
             if spec[1] is not None:
-                _copy(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
+                copy_column(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
         for k in range(len(self._plans)):
-            self.plan_real[k] = _plan_rows(self._plans[k], own_q, own_c, n,
+            self.plan_real[k] = write_plan_rows(self._plans[k], own_q, own_c, n,
                                            self.plan_published[k])
             if self.plan_published[k] < 0:
                 self.plan_published[k] = self.plan_real[k]
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _write_token_planes(spec: tuple, values: Sequence[Any], own_q: cython.int[::1],
-                        own_c: cython.int[::1], n: cython.Py_ssize_t, t: cython.Py_ssize_t,
-                        pt: cython.Py_ssize_t) -> None:
-    """One :class:`TokenPlanes`: position + the request's column value, 0 for padding
-    tokens, on every plane at stride ``pt``."""
-    out: cython.pointer[cython.longlong] = _longs(spec[0])
-    col: cython.pointer[cython.int] = _ints(values[cython.cast(cython.Py_ssize_t, spec[1])])
-    planes: cython.Py_ssize_t = spec[2]
-    i: cython.Py_ssize_t
-    j: cython.Py_ssize_t
-    a: cython.Py_ssize_t
-    k: cython.Py_ssize_t = 0
-    q: cython.longlong
-    c: cython.longlong
-    for i in range(n):
-        q = cython.cast(cython.longlong, own_q[i])
-        c = cython.cast(cython.longlong, own_c[i])
-        for j in range(q):
-            out[k] = c - q + j + col[i]
-            k += 1
-    for k in range(t, pt):
-        out[k] = 0
-    for a in range(1, planes):
-        for k in range(pt):
-            out[a * pt + k] = out[k]
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _write_state_slots(spec: tuple, values: Sequence[Any], n: cython.Py_ssize_t,
-                       p: cython.Py_ssize_t) -> cython.void:
-    """One :class:`StateSlots` output of the planned batch (see its docstring)."""
-    groups: cython.pointer[cython.int] = _ints(values[cython.cast(cython.Py_ssize_t, spec[0])])
-    k1: cython.int = spec[2]
-    i: cython.Py_ssize_t
-    j: cython.Py_ssize_t
-    out: cython.pointer[cython.int]
-    if spec[3] is not None:
-        out = _ints(spec[3])
-        for i in range(n):
-            out[i] = groups[i] * k1
-        for i in range(n, p):
-            out[i] = -1
-    if spec[4] is not None:
-        forks: cython.pointer[cython.int] = _ints(
-            values[cython.cast(cython.Py_ssize_t, spec[1])])
-        out = _ints(spec[4])
-        for i in range(n):
-            out[i] = (forks[i] if forks[i] >= 0 else groups[i]) * k1
-        for i in range(n, p):
-            out[i] = -1
-    if spec[5] is not None:
-        out = _ints(spec[5])
-        for i in range(n):
-            for j in range(k1):
-                out[i * k1 + j] = groups[i] * k1 + cython.cast(cython.int, j)
-        for i in range(n * k1, p * k1):
-            out[i] = -1
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _check_distinct(layout: RequestLayout, values: Sequence[Any],
-                    n: cython.Py_ssize_t) -> cython.void:
-    """Refuse a distinct column's value that an earlier request holds (the column's bounds
-    were checked: every value indexes its stamp table)."""
-    if n < 2:
-        return
-    k: cython.Py_ssize_t
-    i: cython.Py_ssize_t
-    lo: cython.longlong
-    stamp: cython.longlong
-    entry: cython.longlong
-    seen: cython.pointer[cython.longlong]
-    for k in range(len(layout._distinct)):
-        spec = layout._distinct[k]
-        v: cython.pointer[cython.int] = _ints(values[spec[0]])
-        table = spec[2]
-        if table is None:
-            if _sorted_repeat(v, n, _longs(layout._sort_keys)):
-                distinct_error(layout.name, layout._columns[spec[0]][5], values[spec[0]], n)
-            continue
-        if layout._stamp >= _INT32_MAX:  # the stamps start over: every table cleared
-            for d in layout._distinct:
-                if d[2] is not None:
-                    d[2].fill(0)
-            layout._stamp = 0
-        layout._stamp += 1
-        stamp = layout._stamp * 4294967296
-        lo = spec[1]
-        seen = _longs(table)
-        for i in range(n):
-            entry = seen[v[i] - lo]
-            if entry >= stamp:  # this check's stamp: request entry - stamp holds it
-                repeat_error(layout.name, layout._columns[spec[0]][5], v[i], i,
-                              entry - stamp)
-            seen[v[i] - lo] = stamp + i
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _sorted_repeat(v: cython.pointer[cython.int], n: cython.Py_ssize_t,
-                   keys: cython.pointer[cython.longlong]) -> cython.bint:
-    """Whether two of the ``n`` values repeat: a heap sort of ``value * 2**32 +
-    request`` into ``keys``, then a look at neighbours."""
-    i: cython.Py_ssize_t
-    x: cython.longlong
-    for i in range(n):
-        keys[i] = cython.cast(cython.longlong, v[i]) * 4294967296 + i
-    for i in range(n // 2 - 1, -1, -1):
-        _sift_down(keys, i, n)
-    for i in range(n - 1, 0, -1):
-        x = keys[0]
-        keys[0] = keys[i]
-        keys[i] = x
-        _sift_down(keys, 0, i)
-    for i in range(1, n):
-        if keys[i] - (keys[i] & 0xFFFFFFFF) == keys[i - 1] - (keys[i - 1] & 0xFFFFFFFF):
-            return True
-    return False
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _sift_down(a: cython.pointer[cython.longlong], root: cython.Py_ssize_t,
-               end: cython.Py_ssize_t) -> cython.void:
-    child: cython.Py_ssize_t
-    x: cython.longlong
-    while True:
-        child = 2 * root + 1
-        if child >= end:
-            return
-        if child + 1 < end and a[child + 1] > a[child]:
-            child += 1
-        if a[root] >= a[child]:
-            return
-        x = a[root]
-        a[root] = a[child]
-        a[child] = x
-        root = child
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _check_cursors(layout: RequestLayout, values: Sequence[Any], qv: cython.pointer[cython.int],
-                   n: cython.Py_ssize_t) -> cython.void:
-    """Refuse a cursor below 0, or one whose query tokens run past ``cursor_limit``."""
-    cur: cython.pointer[cython.int] = _ints(values[layout._cursor_col])
-    limit: cython.longlong = layout._cursor_limit
-    i: cython.Py_ssize_t
-    for i in range(n):
-        if cur[i] < 0 or cython.cast(cython.longlong, cur[i]) + qv[i] > limit:
-            col = layout._columns[layout._cursor_col][5]
-            if cur[i] < 0:
-                raise RequestLayoutError(
-                    f"{layout.name}: request {i} has a negative cursor ({col}={cur[i]}); "
-                    f"{col} must be >= 0")
-            raise RequestLayoutError(
-                f"{layout.name}: request {i} has {col} + query tokens past the length "
-                f"{limit} ({col}={cur[i]}, query_lens={qv[i]}); {col} + query_lens must be "
-                f"<= {limit}")
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _check_candidates(layout: RequestLayout, values: Sequence[Any], qv: cython.pointer[cython.int],
-                      n: cython.Py_ssize_t) -> cython.void:
-    """Refuse a draft count outside ``[0, min(candidate_width - 1, q - 1)]``."""
-    dv: cython.pointer[cython.int] = _ints(values[layout._cand_col])
-    top: cython.longlong = layout._cand_width - 1
-    i: cython.Py_ssize_t
-    for i in range(n):
-        if dv[i] < 0 or dv[i] > top or dv[i] >= qv[i]:
-            col = layout._columns[layout._cand_col][5]
-            raise RequestLayoutError(
-                f"{layout.name}: request {i} has {col}={dv[i]} with query_lens={qv[i]}; "
-                f"{col} must lie in [0, min({top}, query_lens - 1)] ({top + 1} candidates "
-                "per request, the last query token never a draft)")
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _write_candidates(layout: RequestLayout, values: Sequence[Any], own_q: cython.int[::1],
-                      n: cython.Py_ssize_t, p: cython.Py_ssize_t) -> cython.void:
-    """The candidate rows of the planned batch (see the class docstring); the checks
-    keep every entry within int32."""
-    cur: cython.pointer[cython.int] = _ints(values[layout._cursor_col])
-    dv: cython.pointer[cython.int] = _ints(values[layout._cand_col])
-    out: cython.pointer[cython.int] = _ints(layout._candidates)
-    w: cython.Py_ssize_t = layout._cand_width
-    i: cython.Py_ssize_t
-    a: cython.Py_ssize_t
-    first: cython.int
-    for i in range(n):
-        first = cur[i] + own_q[i] - dv[i]
-        for a in range(w):
-            out[i * w + a] = first + cython.cast(cython.int, a) if a <= dv[i] else -1
-    for i in range(n * w, p * w):
-        out[i] = -1
-
-
-@cython.cfunc
-def _check_drafts(name: str, dv: cython.pointer[cython.int], qv: cython.pointer[cython.int],
-                  n: cython.Py_ssize_t, capacity: cython.Py_ssize_t) -> cython.void:
-    """Refuse a request verifying ``d < 0`` or ``d >= q`` drafts, or more drafts in all
-    than ``capacity``."""
-    i: cython.Py_ssize_t
-    total: cython.longlong = 0
-    for i in range(n):
-        if dv[i] < 0 or dv[i] >= qv[i]:
-            raise RequestLayoutError(
-                f"{name}: request {i} verifies {dv[i]} drafts with {qv[i]} query tokens; a "
-                "request verifies 0 <= drafts < its query tokens (the last token is the "
-                "bonus row)")
-        total += dv[i]
-    if total > capacity:
-        raise RequestLayoutError(
-            f"{name}: {total} draft tokens exceed draft_targets' capacity {capacity} "
-            "(max_reqs * max_drafts); raise max_drafts")
-
-
-@cython.cfunc
-def _check_columns(name: str, columns: tuple, values: Sequence[Any], n: cython.Py_ssize_t,
-                   t: cython.Py_ssize_t, sums: cython.longlong[::1]) -> cython.longlong:
-    """Check each column's values (dtype, layout, length, bounds); the uniform request
-    columns; the sums of the columns without an output (into ``sums``)."""
-    if len(values) != len(columns):
-        raise RequestLayoutError(
-            f"{name}: {len(values)} column values for {len(columns)} bound columns; pass "
-            "one array per column, in binding order")
-    mask: cython.longlong = 0
-    k: cython.Py_ssize_t
-    i: cython.Py_ssize_t
-    size: cython.Py_ssize_t
-    kind: cython.int
-    for k in range(len(columns)):
-        spec = columns[k]
-        kind = spec[0]
-        value = values[k]
-        size = t if spec[2] else n
-        if _size(value, kind) != size:
-            column_input_error(name, spec, value, size)
-        if spec[6] is not None:
-            i = _outside(value, kind, spec[6], size)
-            if i >= 0:
-                value_error(name, spec, value, i)
-        if spec[7] is not None:
-            i = _holding(value, kind, spec[7][0], size)
-            if i >= 0:
-                reserved_error(name, spec, i)
-        if spec[1] is None:
-            sums[k] = _sum_ints(value, size)
-        if spec[2] or size < 2:
-            if not spec[2]:
-                mask |= cython.cast(cython.longlong, 1) << k
-            continue
-        if _uniform(value, kind, size):
-            mask |= cython.cast(cython.longlong, 1) << k
-    return mask
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _outside(value: object, kind: cython.int, bounds: tuple,
-             size: cython.Py_ssize_t) -> cython.Py_ssize_t:
-    """The index of the first of ``size`` values outside ``bounds`` (see :func:`_bounds`),
-    or -1. A float32 NaN fails both comparisons, so it is always outside."""
-    i: cython.Py_ssize_t
-    if kind == 1:
-        sf: cython.pointer[cython.float] = _floats(value)
-        flo: cython.double = bounds[0]
-        fhi: cython.double = bounds[1]
-        x: cython.double
-        if bounds[2]:  # an open lower bound
-            for i in range(size):
-                x = sf[i]
-                if not (x > flo and x <= fhi):
-                    return i
-        else:
-            for i in range(size):
-                x = sf[i]
-                if not (x >= flo and x <= fhi):
-                    return i
-        return -1
-    lo: cython.longlong = bounds[0]
-    hi: cython.longlong = bounds[1]
-    v: cython.longlong
-    if kind == 2:
-        sl: cython.pointer[cython.longlong] = _longs(value)
-        for i in range(size):
-            v = cython.cast(cython.longlong, sl[i])
-            if v < lo or v > hi:
-                return i
-        return -1
-    si: cython.pointer[cython.int] = _ints(value)
-    for i in range(size):
-        v = cython.cast(cython.longlong, si[i])
-        if v < lo or v > hi:
-            return i
-    return -1
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _holding(value: object, kind: cython.int, reserved: cython.longlong,
-             size: cython.Py_ssize_t) -> cython.Py_ssize_t:
-    """The index of the first of ``size`` integer values equal to ``reserved``, or -1."""
-    i: cython.Py_ssize_t
-    if kind == 2:
-        sl: cython.pointer[cython.longlong] = _longs(value)
-        for i in range(size):
-            if sl[i] == reserved:
-                return i
-        return -1
-    si: cython.pointer[cython.int] = _ints(value)
-    for i in range(size):
-        if si[i] == reserved:
-            return i
-    return -1
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _uniform(value: object, kind: cython.int, size: cython.Py_ssize_t) -> cython.bint:
-    """Whether ``value`` (``size`` >= 2 items of the kind) holds one value, bit for bit
-    (as a bytes compare: NaN payloads count, -0.0 differs from 0.0)."""
-    i: cython.Py_ssize_t
-    if kind == 2:
-        vl: cython.pointer[cython.longlong] = _longs(value)
-        for i in range(1, size):  # noqa: SIM110 - a C loop when compiled
-            if vl[i] != vl[0]:
-                return False
-        return True
-    vi: cython.pointer[cython.int] = _ints(value)  # int32, or a float32's bits
-    for i in range(1, size):  # noqa: SIM110 - a C loop when compiled
-        if vi[i] != vi[0]:
-            return False
-    return True
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _copy(spec: tuple, value: object, m: cython.Py_ssize_t, end: cython.Py_ssize_t) -> None:
-    """``out[:m] = value`` (clamped for a float minimum), ``out[m:end] = pad``."""
-    i: cython.Py_ssize_t
-    kind: cython.int = spec[0]
-    out = spec[1]
-    if spec[3] is None:
-        end = m
-    if kind == 0:
-        si: cython.pointer[cython.int] = _ints(value)
-        di: cython.pointer[cython.int] = _ints(out)
-        pi: cython.int = spec[3] if end > m else 0
-        for i in range(m):
-            di[i] = si[i]
-        for i in range(m, end):
-            di[i] = pi
-    elif kind == 1:
-        sf: cython.pointer[cython.float] = _floats(value)
-        df: cython.pointer[cython.float] = _floats(out)
-        pf: cython.float = spec[3] if end > m else 0.0
-        x: cython.float
-        lo: cython.float
-        if spec[4] is None:
-            for i in range(m):
-                df[i] = sf[i]
-        else:
-            lo = spec[4]
-            for i in range(m):
-                x = sf[i]
-                df[i] = x if (x != x or x > lo) else lo  # np.maximum: NaN propagates
-        for i in range(m, end):
-            df[i] = pf
-    else:
-        sl: cython.pointer[cython.longlong] = _longs(value)
-        dl: cython.pointer[cython.longlong] = _longs(out)
-        pl: cython.longlong = spec[3] if end > m else 0
-        for i in range(m):
-            dl[i] = sl[i]
-        for i in range(m, end):
-            dl[i] = pl
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-@cython.cdivision(True)
-def _plan_rows(spec: tuple, own_q: cython.int[::1], own_c: cython.int[::1],
-               n: cython.Py_ssize_t, count: cython.Py_ssize_t) -> cython.Py_ssize_t:
-    """Write one plan's rows (see :class:`LayoutPlan`); returns the real row count."""
-    out: cython.pointer[cython.int] = _ints(spec[0])
-    ratio: cython.longlong = spec[1]
-    window: cython.longlong = spec[2]
-    tail: cython.bint = spec[3]
-    i: cython.Py_ssize_t
-    j: cython.longlong
-    q: cython.longlong
-    c: cython.longlong
-    x: cython.longlong
-    t: cython.longlong = 0
-    r: cython.Py_ssize_t = 0
-    for i in range(n):
-        q = cython.cast(cython.longlong, own_q[i])
-        c = cython.cast(cython.longlong, own_c[i])
-        for j in range(q):
-            x = c - q + j
-            if (x >= c - window) if tail else ((x + 1) % ratio == 0):
-                out[4 * r] = cython.cast(cython.int, t)
-                out[4 * r + 1] = cython.cast(cython.int, i)
-                out[4 * r + 2] = cython.cast(cython.int, x)
-                out[4 * r + 3] = cython.cast(cython.int, window - min(j + 1, window))
-                r += 1
-            t += 1
-    for i in range(4 * r, 4 * count):  # count -1: no -1 rows
-        out[i] = -1
-    return r
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _sum_ints(value: object, size: cython.Py_ssize_t) -> cython.longlong:
-    i: cython.Py_ssize_t
-    total: cython.longlong = 0
-    v: cython.pointer[cython.int] = _ints(value)
-    for i in range(size):
-        total += cython.cast(cython.longlong, v[i])
-    return total
-
-
-# Array access: numpy's C fields read directly (a typed memoryview costs ~0.3 µs per array
-# and step, several times the loop it feeds).
-
-
-@cython.cfunc
-@cython.inline
-def _size(value: object, kind: cython.int) -> cython.Py_ssize_t:
-    """The item count of ``value`` if it is a 1-D C-contiguous aligned native-order array
-    of the kind (0 int32, 1 float32, 2 int64), else -1."""
-    if not cnp.PyArray_Check(value):
-        return -1
-    a = cython.cast(cnp.ndarray, value)
-    typenum: cython.int = (cnp.NPY_INT32 if kind == 0 else cnp.NPY_FLOAT32 if kind == 1
-                           else cnp.NPY_INT64)  # C constants: no tuple read per call
-    if (cnp.PyArray_NDIM(a) != 1 or cnp.PyArray_TYPE(a) != typenum
-            or not cnp.PyArray_IS_C_CONTIGUOUS(a) or not cnp.PyArray_ISALIGNED(a)
-            or not cnp.PyArray_ISNOTSWAPPED(a)):
-        return -1
-    return cnp.PyArray_DIM(a, 0)
-
-
-@cython.cfunc
-@cython.inline
-def _ints(value: object) -> cython.pointer[cython.int]:
-    return cython.cast(cython.pointer[cython.int],
-                       cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
-
-
-@cython.cfunc
-@cython.inline
-def _floats(value: object) -> cython.pointer[cython.float]:
-    return cython.cast(cython.pointer[cython.float],
-                       cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
-
-
-@cython.cfunc
-@cython.inline
-def _longs(value: object) -> cython.pointer[cython.longlong]:
-    return cython.cast(cython.pointer[cython.longlong],
-                       cnp.PyArray_DATA(cython.cast(cnp.ndarray, value)))
-
-
-@cython.cfunc
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def _copy_ints(src: cython.pointer[cython.int], dst: cython.pointer[cython.int],
-               m: cython.Py_ssize_t) -> None:
-    i: cython.Py_ssize_t
-    for i in range(m):
-        dst[i] = src[i]
 
 
 # This source is compiled by Cython, as ``h2d_core._request_layout_native``, when the package

@@ -1,0 +1,36 @@
+# The C declarations of layout_outputs.py (compiled as h2d_core._layout_outputs_native): the
+# registered outputs' fields and their check/write methods, which the compiled layout
+# (request_layout.py) calls through C. Meanings: layout_outputs.py.
+cdef class BoundOutput:
+    cdef int check(self, str name, object values, int* qv, Py_ssize_t n) except? -1
+    cdef int write(self, object values, int* own_q, int* own_c, Py_ssize_t n, Py_ssize_t p,
+                   Py_ssize_t t, Py_ssize_t pt) except? -1
+
+cdef class TokenPlanesOutput(BoundOutput):
+    cdef object out
+    cdef Py_ssize_t column
+    cdef Py_ssize_t planes
+
+cdef class StateSlotsOutput(BoundOutput):
+    cdef Py_ssize_t groups
+    cdef Py_ssize_t forks
+    cdef int slots_per_group
+    cdef object base
+    cdef object read
+    cdef object rows
+
+cdef class VerifyRowsOutput(BoundOutput):
+    cdef Py_ssize_t drafts
+    cdef object targets
+    cdef object prefix
+    cdef object bonus
+    cdef long long capacity
+
+cdef class CursorsOutput(BoundOutput):
+    cdef Py_ssize_t cursor
+    cdef str cursor_name
+    cdef long long limit
+    cdef Py_ssize_t drafts
+    cdef str drafts_name
+    cdef Py_ssize_t width
+    cdef object candidates
