@@ -37,6 +37,10 @@ PARALLEL = ["pytest-xdist"]
 # the real-client oracle (tests-integration/test_llama_oracle.py): transformers' own models,
 # pinned beside torch
 TRANSFORMERS = "transformers==5.24.0"
+# stock nano-vllm on CPU (tests-integration/test_nanovllm_stock.py): a 28 kB pure-Python
+# wheel whose requirements (torch, transformers, triton, xxhash; Python < 3.13) the pins
+# above satisfy; xxhash is its block manager's hash
+NANOVLLM = ["nano-vllm-fork==20260210", "xxhash"]
 nox.options.sessions = ["block_tables", "tests"]
 nox.options.default_venv_backend = "venv"
 
@@ -73,11 +77,12 @@ def block_tables(session: nox.Session) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """Every CPU suite; Triton kernels run through the interpreter on CPU tensors."""
-    session.install(TORCH, TRITON, TRANSFORMERS, *TEST_DEPS, *PARALLEL)
+    session.install(TORCH, TRITON, TRANSFORMERS, *NANOVLLM, *TEST_DEPS, *PARALLEL)
     _install_local(session, PACKAGES)
     session.run(
         "python", "-m", "pytest", "-n", "auto", *_test_dirs(), *session.posargs,
-        env={"TRITON_INTERPRET": "1", "H2D_REQUIRE_TRANSFORMERS": "1"},
+        env={"TRITON_INTERPRET": "1", "H2D_REQUIRE_TRANSFORMERS": "1",
+             "H2D_REQUIRE_NANOVLLM": "1"},
     )
 
 
@@ -100,7 +105,7 @@ NEWEST_CI = ["packages/block-tables/tests", "packages/h2d-core/tests",
 def newest(session: nox.Session) -> None:
     """The CPU suites (the paths given, or NEWEST_CI's for ``ci``) on the newest numpy,
     pytest and hypothesis."""
-    session.install(TORCH, TRITON, TRANSFORMERS)
+    session.install(TORCH, TRITON, TRANSFORMERS, *NANOVLLM)
     session.install("--upgrade", "--no-cache-dir", NEWEST_NUMPY, "pytest", "hypothesis",
                     *PARALLEL)
     _install_local(session, PACKAGES)
@@ -109,7 +114,8 @@ def newest(session: nox.Session) -> None:
     session.run(
         "python", "-m", "pytest", "-n", "auto",
         *(NEWEST_CI if session.posargs == ["ci"] else session.posargs or _test_dirs()),
-        env={"TRITON_INTERPRET": "1", "H2D_REQUIRE_TRANSFORMERS": "1"},
+        env={"TRITON_INTERPRET": "1", "H2D_REQUIRE_TRANSFORMERS": "1",
+             "H2D_REQUIRE_NANOVLLM": "1"},
     )
 
 
