@@ -24,6 +24,8 @@ NATIVE = (
     "h2d_core._producer_native",  # producer.py
     "h2d_core._table_stage_native",  # table_stage.py
     "h2d_core._request_layout_native",  # request_layout.py, compiled by Cython
+    "h2d_core._layout_columns_native",  # layout_columns.py
+    "h2d_core._layout_outputs_native",  # layout_outputs.py
     "block_tables._staging_native",  # staging.py
 )
 KERNELS_NATIVE = "h2d_kernels._packed_native"  # loaded by h2d_kernels.native
@@ -84,6 +86,8 @@ def test_helpers_load_with_no_compiler_and_write_nothing(tmp_path: Path) -> None
 NEEDED_BY = {
     "block_tables._snapshot_native": "block_tables",
     "h2d_core._request_layout_native": "h2d_core",
+    "h2d_core._layout_columns_native": "h2d_core",
+    "h2d_core._layout_outputs_native": "h2d_core",
     "block_tables._staging_native": "block_tables",
     "h2d_core._epoch_native": "h2d_core",
     "h2d_core._events_native": "h2d_core",

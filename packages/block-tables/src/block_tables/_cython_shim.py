@@ -71,3 +71,7 @@ def declare(*args: Any, **kwargs: Any) -> Any:
 
 def locals(**kwargs: Any) -> Callable[[F], F]:
     return lambda fn: fn
+
+
+def exceptval(*args: Any, **kwargs: Any) -> Callable[[F], F]:
+    return lambda fn: fn

@@ -397,3 +397,12 @@ def _sift_down(a: cython.pointer[cython.longlong], root: cython.Py_ssize_t,
         a[root] = a[child]
         a[child] = x
         root = child
+
+
+# This source is compiled by Cython, as ``h2d_core._layout_columns_native``, when the package
+# is built; run interpreted, it only checks that build is there (the compiled layout
+# modules cimport it: without it they could not load, and this names the missing module).
+if not cython.compiled:
+    from block_tables.native import require_extension
+
+    require_extension("h2d_core._layout_columns_native")

@@ -278,6 +278,8 @@ class CursorsOutput(BoundOutput):
 if not cython.compiled:
     from block_tables.native import require_extension
 
+    from . import layout_columns  # noqa: F401 - its build first: the outputs cimport it
+
     _built = require_extension("h2d_core._layout_outputs_native")
     BoundOutput = _built.BoundOutput  # type: ignore[misc]
     TokenPlanesOutput = _built.TokenPlanesOutput  # type: ignore[misc]
