@@ -185,7 +185,13 @@ def _decode_setup(family: str, warmup: int, built: int, extra: int, *, gdn: bool
     from decode_runner.scheduler import steady_decode_batches
     from step_targets import PAGE, WINDOW
 
-    from h2d_runner_adapters import DECODE_STEP, GDN_STATE, DecodeStepInputs, GdnStateInputs
+    from h2d_runner_adapters import (
+        DECODE_STEP,
+        GDN_STATE,
+        DecodeStepInputs,
+        GdnStateInputs,
+        StepShape,
+    )
 
     context = 131072
     if warmup + built >= WINDOW:
@@ -193,6 +199,7 @@ def _decode_setup(family: str, warmup: int, built: int, extra: int, *, gdn: bool
         raise MeasureError(f"{family}: warm-up + n2 must stay under {WINDOW} steps, got "
                            f"{warmup} + {built}")
     per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
+    shape = StepShape(max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row, page_size=PAGE)
     state = _state()
     # the GDN group first: the decode step combines it (as the runner declares them)
     states = GdnStateInputs(state, max_reqs=BS, num_state_slots=BS) if gdn else None
@@ -205,16 +212,13 @@ def _decode_setup(family: str, warmup: int, built: int, extra: int, *, gdn: bool
             TokenInputs,
         )
 
-        caps = {"max_reqs": BS, "max_tokens": BS}
-        tables = {"max_pages_per_req": per_row, "page_size": PAGE}
-        sampling, tokens = SamplingInputs(state, BS), TokenInputs(state, **caps)
+        sampling = SamplingInputs(state, BS)
+        tokens = TokenInputs(state, max_reqs=BS, max_tokens=BS)
         step = DecodeStepInputs.from_adapters(
-            sampling, tokens, MhaDecodeInputs(state, **caps, **tables, fuse_kv_indices=False))
-        PrefillStepInputs.from_adapters(sampling, tokens,
-                                        PrefillInputs(state, **caps, **tables))
+            sampling, tokens, MhaDecodeInputs(state, shape, fuse_kv_indices=False))
+        PrefillStepInputs.from_adapters(sampling, tokens, PrefillInputs(state, shape))
     else:
-        step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
-                                page_size=PAGE, extra_groups=[GDN_STATE] if gdn else (),
+        step = DecodeStepInputs(state, shape, extra_groups=[GDN_STATE] if gdn else (),
                                 fuse_kv_indices=False)
     state.bind()
     # the engine's state groups: request i keeps group i (its allocator's work, uncounted)
@@ -299,14 +303,14 @@ def _setup_v41(warmup: int, built: int, extra: int) -> Setup:
 def _setup_mtp(warmup: int, built: int, extra: int) -> Setup:
     from mtp_step import PAGE, Batches
 
-    from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
+    from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs, StepShape
 
     context, k = 32768, 1
     per_row = -(-(context + 200 * (k + 1) + 4 * k + 64) // PAGE)
     state = _state()
-    step = DecodeStepInputs(state, max_reqs=BS, max_tokens=BS * (k + 1),
-                            max_pages_per_req=per_row, page_size=PAGE, max_drafts=k,
-                            fuse_kv_indices=False)
+    shape = StepShape(max_reqs=BS, max_tokens=BS * (k + 1), max_pages_per_req=per_row,
+                      page_size=PAGE)
+    step = DecodeStepInputs(state, shape, max_drafts=k, fuse_kv_indices=False)
     state.bind()
     batches = Batches(BS, context, k)
     warm = [batches.step()[0] for _ in range(warmup)]
@@ -380,13 +384,14 @@ class PrefillChunks:
 
 
 def _setup_prefill(warmup: int, built: int, extra: int) -> Setup:
-    from h2d_runner_adapters import PREFILL_STEP, PrefillStepInputs
+    from h2d_runner_adapters import PREFILL_STEP, PrefillStepInputs, StepShape
 
     reqs, tokens, page = 4, 512, 16
     batches = PrefillChunks(reqs, tokens, page)
     state = _state()
-    step = PrefillStepInputs(state, max_reqs=reqs, max_tokens=reqs * tokens,
-                             max_pages_per_req=batches.max_pages, page_size=page)
+    step = PrefillStepInputs(state, StepShape(max_reqs=reqs, max_tokens=reqs * tokens,
+                                              max_pages_per_req=batches.max_pages,
+                                              page_size=page))
     state.bind()
     warm = [batches.step() for _ in range(warmup)]
     work = [batches.step() for _ in range(built)]

@@ -56,6 +56,7 @@ from h2d_runner_adapters import (  # noqa: E402
     GdnStateInputs,
     MhaDraftLoop,
     ScheduledBatch,
+    StepShape,
 )
 
 PAGE = 16
@@ -104,9 +105,10 @@ class Library:
         per_row = -(-(args.context + 200 * (k + 1) + 4 * k + 64) // PAGE)
         self.state = st = H2DRunnerState(args.device, backend=backend, num_slots=2)
         self.gdn = (GdnStateInputs(st, max_reqs=bs, num_spec=k) if args.gdn else None)
-        self.step = DecodeStepInputs(st, max_reqs=bs, max_tokens=bs * (k + 1),
-                                     max_pages_per_req=per_row, page_size=PAGE, max_drafts=k,
-                                     extra_groups=[GDN_STATE] if args.gdn else ())
+        self.step = DecodeStepInputs(st,
+                                     StepShape(max_reqs=bs, max_tokens=bs * (k + 1),
+                                               max_pages_per_req=per_row, page_size=PAGE),
+                                     max_drafts=k, extra_groups=[GDN_STATE] if args.gdn else ())
         st.bind()
         self.loop = MhaDraftLoop(self.step.decode, self.step.tokens)
         self.batches = Batches(bs, args.context, k)

@@ -42,7 +42,7 @@ use_sources()
 from trace_counts import count_per_step  # noqa: E402
 
 from h2d_core import H2DRunnerState  # noqa: E402
-from h2d_runner_adapters import DecodeStepInputs, ScheduledBatch  # noqa: E402
+from h2d_runner_adapters import DecodeStepInputs, ScheduledBatch, StepShape  # noqa: E402
 
 #: decode-step variants, all in the same run: "packed" / "direct" = the fused producer
 #: (DecodeStepInputs) with packed publication / one copy per field; "separate" /
@@ -133,9 +133,10 @@ def bench_decode(steps: int, contexts: list[int], sizes: list[int]) -> list[dict
                 st = H2DRunnerState("cuda", backend="direct" if backend in (
                     "direct", "atom", "separate-direct") else "packed")
                 fused = backend in ("packed", "direct")
-                step_inputs = DecodeStepInputs(
-                    st, max_reqs=bs, max_tokens=bs, max_pages_per_req=per_row, page_size=page,
-                    fuse_kv_indices=False)
+                step_inputs = DecodeStepInputs(st,
+                                               StepShape(max_reqs=bs, max_tokens=bs,
+                                                         max_pages_per_req=per_row, page_size=page),
+                                               fuse_kv_indices=False)
                 sampling, tokens, decode = (step_inputs.sampling, step_inputs.tokens,
                                             step_inputs.decode)
                 st.bind()

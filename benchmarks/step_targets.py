@@ -62,7 +62,7 @@ from decode_runner.scheduler import steady_decode_batches  # noqa: E402
 from peers.mrv2_style import Mrv2StyleStep  # noqa: E402
 
 from h2d_core import H2DRunnerState  # noqa: E402
-from h2d_runner_adapters import DecodeStepInputs  # noqa: E402
+from h2d_runner_adapters import DecodeStepInputs, StepShape  # noqa: E402
 
 PAGE = 16
 WINDOW = 512
@@ -80,8 +80,9 @@ class LibraryStep:
         #: the engine's persistent buffer of the previous step's sampled tokens, which token
         #: assembly reads for the deferred ids
         self.prev = torch.zeros(bs, 1, dtype=torch.int32, device=device)
-        self.step = DecodeStepInputs(self.state, max_reqs=bs, max_tokens=bs,
-                                     max_pages_per_req=per_row, page_size=PAGE,
+        self.step = DecodeStepInputs(self.state,
+                                     StepShape(max_reqs=bs, max_tokens=bs,
+                                               max_pages_per_req=per_row, page_size=PAGE),
                                      fuse_kv_indices=fuse,
                                      fuse_token_assembly=self.prev if fuse else None)
         self.state.bind()
@@ -154,8 +155,9 @@ class AtomStep:
     def __init__(self, bs: int, context: int, device: str, warmup: int) -> None:
         per_row = -(-(context + PAGE - 1 + WINDOW) // PAGE)
         self.state = H2DRunnerState(device, backend="direct", num_slots=2)
-        self.step = DecodeStepInputs(self.state, max_reqs=bs, max_tokens=bs,
-                                     max_pages_per_req=per_row, page_size=PAGE)
+        self.step = DecodeStepInputs(self.state,
+                                     StepShape(max_reqs=bs, max_tokens=bs,
+                                               max_pages_per_req=per_row, page_size=PAGE))
         self.state.bind()
         self.atom = AtomStyleDecode(self.step, page_size=PAGE)
         self.prev = torch.zeros(bs, 1, dtype=torch.int32, device=device)

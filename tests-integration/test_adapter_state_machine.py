@@ -81,6 +81,7 @@ from h2d_runner_adapters import (
     MhaDraftLoop,
     RequestSpan,
     ScheduledBatch,
+    StepShape,
     TokenStepInputs,
     V41MetadataInputs,
     V41Plan,
@@ -316,10 +317,11 @@ class Side:
         self.gdn = GdnStateInputs(st_, max_reqs=REQS, num_spec=2, num_state_slots=12)
         self.engram = EngramInputs(st_, max_reqs=REQS, max_drafts=2, history_rows=4,
                                    history_len=64)
-        self.step = DecodeStepInputs(st_, max_reqs=REQS, max_tokens=TOKENS,
-                                     max_pages_per_req=PAGES_PER_REQ, page_size=PAGE,
-                                     num_pages=64, max_drafts=2,
-                                     extra_groups=[GDN_STATE, ENGRAM])
+        self.step = DecodeStepInputs(st_,
+                                     StepShape(max_reqs=REQS, max_tokens=TOKENS,
+                                               max_pages_per_req=PAGES_PER_REQ, page_size=PAGE,
+                                               num_pages=64),
+                                     max_drafts=2, extra_groups=[GDN_STATE, ENGRAM])
         st_.bind()
         self.loop = MhaDraftLoop(self.step.decode, self.step.tokens)
         self.plan: DecodePlan | None = None

@@ -51,6 +51,7 @@ from h2d_runner_adapters import (
     GdnStateInputs,
     MhaDecodeInputs,
     ScheduledBatch,
+    StepShape,
     TokenInputs,
     advance_draft_step,
     generate_kv_indices,
@@ -71,8 +72,9 @@ class World:
         self.bt = st.buffer("bt", (4, 8), torch.int32, group="g", unit="rows", max_ranges=4)
         self.c = st.buffer("c", (4,), torch.int64, group="h")
         self.tokens = TokenInputs(st, max_reqs=4, max_tokens=8, max_drafts=1)
-        self.decode = MhaDecodeInputs(st, max_reqs=4, max_tokens=8, max_pages_per_req=8,
-                                      page_size=PAGE, num_pages=64)
+        self.decode = MhaDecodeInputs(st,
+                                      StepShape(max_reqs=4, max_tokens=8, max_pages_per_req=8,
+                                                page_size=PAGE, num_pages=64))
         self.gdn = GdnStateInputs(st, max_reqs=4, num_spec=1, num_state_slots=8)
         self.engram = EngramInputs(st, max_reqs=4, max_drafts=1, history_rows=4,
                                    history_len=16)
@@ -436,6 +438,12 @@ def _(w: World) -> Callable[[], object]:
 def _(w: World) -> Callable[[], object]:
     open_epoch(w)
     return lambda: w.decode.prepare(w.batch([1], [5]), mrope_deltas=np.zeros(1, np.int64))
+
+
+@case("step-shape-bool-capacity", DeclarationError,
+      r"StepShape: max_reqs must be an int >= 1, got True")
+def _(w: World) -> Callable[[], object]:
+    return lambda: StepShape(max_reqs=True, max_tokens=8, max_pages_per_req=8, page_size=PAGE)
 
 
 @case("spec-drafts-not-below-query", CountError, r"request 0 verifies 2 drafts with 2 query")

@@ -105,30 +105,31 @@ def _tokens() -> tuple[Step, list[Any]]:
     return step, [batch] * (ITEMS)
 
 
-def _decode_batches(context: int = 131072) -> tuple[list[Any], int]:
+def _decode_batches(context: int = 131072) -> tuple[list[Any], Any]:
     """``ITEMS`` steady decode batches at bs=64 (their columns and rows built now) and the
-    pages a row needs over them."""
+    decode families' :class:`StepShape` (one token per request, the pages a row needs
+    over them)."""
     from decode_runner.scheduler import steady_decode_batches
     from step_targets import PAGE
+
+    from h2d_runner_adapters import StepShape
 
     window = 2 * ITEMS  # no row restarts within the test
     batches = steady_decode_batches(BS, context, PAGE, window=window)
     items = [next(batches) for _ in range(ITEMS)]
     for b in items:
         b.columns, b.block_tables  # noqa: B018
-    return items, -(-(context + PAGE - 1 + window) // PAGE)
+    return items, StepShape(max_reqs=BS, max_tokens=BS, page_size=PAGE,
+                            max_pages_per_req=-(-(context + PAGE - 1 + window) // PAGE))
 
 
 def _mha() -> tuple[Step, list[Any]]:
     """``DecodeStepInputs.prepare`` at bs=64, 128K contexts, 1/16 of rows appending."""
-    from step_targets import PAGE
-
     from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
 
-    items, per_row = _decode_batches()
+    items, shape = _decode_batches()
     st = _state()
-    step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
-                                   page_size=PAGE, fuse_kv_indices=False)
+    step_inputs = DecodeStepInputs(st, shape, fuse_kv_indices=False)
     st.bind()
     begin, finish, publish, prepare = st.begin, st.finish, st.publish, step_inputs.prepare
 
@@ -144,15 +145,11 @@ def _mha() -> tuple[Step, list[Any]]:
 def _mla() -> tuple[Step, list[Any]]:
     """``MlaDecodeStepInputs.prepare`` (DeepSeek's MLA decode step, DSA's sparse KV prefix
     included) at bs=64 over ``mha``'s batches."""
-    from step_targets import PAGE
-
     from h2d_runner_adapters import MLA_DECODE_STEP, MlaDecodeStepInputs
 
-    items, per_row = _decode_batches()
+    items, shape = _decode_batches()
     st = _state()
-    step_inputs = MlaDecodeStepInputs(st, max_reqs=BS, max_tokens=BS,
-                                      max_pages_per_req=per_row, page_size=PAGE,
-                                      index_topk=2048, fuse_kv_indices=False)
+    step_inputs = MlaDecodeStepInputs(st, shape, index_topk=2048, fuse_kv_indices=False)
     st.bind()
     begin, finish, publish, prepare = st.begin, st.finish, st.publish, step_inputs.prepare
 
@@ -169,16 +166,12 @@ def _gdn() -> tuple[Step, list[Any]]:
     """``mha``'s step with the GDN state indices riding in its group (the GDN hybrid's
     decode step: ``DecodeStepInputs(..., extra_groups=[GDN_STATE])``, then
     ``GdnStateInputs.prepare``, each request keeping its state group)."""
-    from step_targets import PAGE
-
     from h2d_runner_adapters import DECODE_STEP, GDN_STATE, DecodeStepInputs, GdnStateInputs
 
-    items, per_row = _decode_batches()
+    items, shape = _decode_batches()
     st = _state()
     states = GdnStateInputs(st, max_reqs=BS, num_state_slots=BS)
-    step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
-                                   page_size=PAGE, extra_groups=[GDN_STATE],
-                                   fuse_kv_indices=False)
+    step_inputs = DecodeStepInputs(st, shape, extra_groups=[GDN_STATE], fuse_kv_indices=False)
     st.bind()
     groups = np.arange(BS, dtype=np.int32)
     begin, finish, publish = st.begin, st.finish, st.publish
@@ -198,15 +191,12 @@ def _mrope() -> tuple[Step, list[Any]]:
     """The MRoPE decode step (Qwen2-VL's): ``TokenStepInputs.prepare`` then
     ``MhaDecodeInputs(mrope=True).prepare`` with each request's position delta, both
     groups published."""
-    from step_targets import PAGE
-
     from h2d_runner_adapters import MHA_DECODE, TOKEN_INPUTS, MhaDecodeInputs, TokenStepInputs
 
-    items, per_row = _decode_batches()
+    items, shape = _decode_batches()
     st = _state()
     tokens = TokenStepInputs(st, max_reqs=BS, max_tokens=BS)
-    decode = MhaDecodeInputs(st, max_reqs=BS, max_tokens=BS, max_pages_per_req=per_row,
-                             page_size=PAGE, mrope=True, fuse_kv_indices=False)
+    decode = MhaDecodeInputs(st, shape, mrope=True, fuse_kv_indices=False)
     st.bind()
     deltas = np.arange(BS, dtype=np.int32) - 7  # each request's text-vs-image shift
     begin, finish, publish = st.begin, st.finish, st.publish
@@ -227,14 +217,14 @@ def _mtp() -> tuple[Step, list[Any]]:
     """``DecodeStepInputs(max_drafts=1).prepare_verify`` at bs=64, 32K contexts."""
     from mtp_step import PAGE, Batches
 
-    from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs
+    from h2d_runner_adapters import DECODE_STEP, DecodeStepInputs, StepShape
 
     context, k = 32768, 1
     per_row = -(-(context + 2 * ITEMS * (k + 1) + 4 * k + 64) // PAGE)
     st = _state()
-    step_inputs = DecodeStepInputs(st, max_reqs=BS, max_tokens=BS * (k + 1),
-                                   max_pages_per_req=per_row, page_size=PAGE, max_drafts=k,
-                                   fuse_kv_indices=False)
+    shape = StepShape(max_reqs=BS, max_tokens=BS * (k + 1), max_pages_per_req=per_row,
+                      page_size=PAGE)
+    step_inputs = DecodeStepInputs(st, shape, max_drafts=k, fuse_kv_indices=False)
     st.bind()
     batches = Batches(BS, context, k)
     items = [batches.step()[0] for _ in range(ITEMS)]
@@ -258,7 +248,7 @@ def _prefill() -> tuple[Step, list[Any]]:
     of its lineage per step."""
     from instructions import PrefillChunks
 
-    from h2d_runner_adapters import PREFILL_STEP, PrefillStepInputs
+    from h2d_runner_adapters import PREFILL_STEP, PrefillStepInputs, StepShape
 
     class Chunks(PrefillChunks):
         MAX_STEPS = ITEMS
@@ -266,8 +256,9 @@ def _prefill() -> tuple[Step, list[Any]]:
     reqs, tokens, page = 4, 256, 16
     batches = Chunks(reqs, tokens, page)
     st = _state()
-    step_inputs = PrefillStepInputs(st, max_reqs=reqs, max_tokens=reqs * tokens,
-                                    max_pages_per_req=batches.max_pages, page_size=page)
+    shape = StepShape(max_reqs=reqs, max_tokens=reqs * tokens,
+                      max_pages_per_req=batches.max_pages, page_size=page)
+    step_inputs = PrefillStepInputs(st, shape)
     st.bind()
     items = [batches.step() for _ in range(ITEMS)]
     for b in items:

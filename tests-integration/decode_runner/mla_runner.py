@@ -69,19 +69,19 @@ class MlaDecodeRunner(DecodeRunner):
     def _declare(self, st: H2DRunnerState, tbo: bool) -> None:
         caps: dict[str, Any] = {"max_reqs": self.cfg.max_reqs,
                                 "max_tokens": self.cfg.max_tokens}
-        tables = self.table_caps
+        shape = self.step_shape
         self.publish_groups = ((MLA_DECODE_STEP,) if self.combine
                                else (TOKEN_INPUTS, MLA_DECODE))
         self.fused_step: MlaDecodeStepInputs | None = None
         if self.combine:  # sampling, tokens and MLA decode: one producer call, one group
-            self.fused_step = MlaDecodeStepInputs(st, **caps, **tables)
+            self.fused_step = MlaDecodeStepInputs(st, shape)
             self.sampling, self.tokens = self.fused_step.sampling, self.fused_step.tokens
             self.decode = self.fused_step.decode
         else:
             self.token_step = TokenStepInputs(st, **caps)
             self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
-            self.decode = MlaDecodeInputs(st, **caps, **tables)
-        self.prefill = PrefillInputs(st, **caps, **tables, last_page_lens=True)
+            self.decode = MlaDecodeInputs(st, shape)
+        self.prefill = PrefillInputs(st, shape, last_page_lens=True)
         self.prefill_step = PrefillStepInputs.from_adapters(
             self.sampling, self.tokens, self.prefill, group=PREFILL_STEP)
         self.ubatches = []

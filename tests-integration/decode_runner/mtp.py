@@ -43,6 +43,7 @@ from h2d_runner_adapters import (
     GdnStateInputs,
     MhaDraftLoop,
     ScheduledBatch,
+    StepShape,
     accept_draft_tokens,
 )
 
@@ -87,10 +88,11 @@ class MtpRunner:
         st = self.state = H2DRunnerState(dev, backend=backend, scatter=cfg.scatter)
         self.gdn = (GdnStateInputs(st, max_reqs=n, num_spec=k, num_state_slots=n * (k + 1))
                     if cfg.gdn else None)
-        self.step = DecodeStepInputs(
-            st, max_reqs=n, max_tokens=n * (k + 1), max_pages_per_req=cfg.max_pages_per_req,
-            page_size=cfg.page_size, num_pages=cfg.num_pages, max_drafts=k,
-            extra_groups=[GDN_STATE] if cfg.gdn else ())
+        self.step = DecodeStepInputs(st,
+                                     StepShape(max_reqs=n, max_tokens=n * (k + 1),
+                                               max_pages_per_req=cfg.max_pages_per_req,
+                                               page_size=cfg.page_size, num_pages=cfg.num_pages),
+                                     max_drafts=k, extra_groups=[GDN_STATE] if cfg.gdn else ())
         st.bind()
         self.loop = MhaDraftLoop(self.step.decode, self.step.tokens)
         mcfg = TinyDecoderConfig(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers,

@@ -33,6 +33,7 @@ from h2d_runner_adapters import (
     BatchColumns,
     DecodeStepInputs,
     ScheduledBatch,
+    StepShape,
 )
 
 from .model import DecoderInputs, TinyDecoder, TinyDecoderConfig, greedy
@@ -92,9 +93,10 @@ def run_stage(rank: int, cfg: PipelineConfig, backend: str) -> tuple[list[torch.
     dev = torch.device("cuda", rank)
     n, m_count = cfg.reqs_per_microbatch, cfg.microbatches
     state = H2DRunnerState(dev, backend=backend, num_slots=m_count)
-    step = DecodeStepInputs(state, max_reqs=n, max_tokens=n,
-                            max_pages_per_req=cfg.max_pages_per_req, page_size=cfg.page_size,
-                            num_pages=cfg.num_pages)
+    step = DecodeStepInputs(state,
+                            StepShape(max_reqs=n, max_tokens=n,
+                                      max_pages_per_req=cfg.max_pages_per_req,
+                                      page_size=cfg.page_size, num_pages=cfg.num_pages))
     state.bind()
     model = TinyDecoder(TinyDecoderConfig(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers,
                                           heads=cfg.heads, head_dim=cfg.head_dim,

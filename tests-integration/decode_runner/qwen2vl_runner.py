@@ -81,12 +81,12 @@ class Qwen2VLRunner(DecodeRunner):
         # the fused decode step refuses MRoPE: the token step and the MRoPE decode adapter
         caps: dict[str, Any] = {"max_reqs": self.cfg.max_reqs,
                                 "max_tokens": self.cfg.max_tokens}
-        tables = self.table_caps
+        shape = self.step_shape
         self.publish_groups = (MROPE_STEP,) if self.combine else (TOKEN_INPUTS, MHA_DECODE)
         self.token_step = TokenStepInputs(st, **caps)
         self.sampling, self.tokens = self.token_step.sampling, self.token_step.tokens
-        self.decode = MhaDecodeInputs(st, **caps, **tables, mrope=True)
-        self.prefill = PrefillInputs(st, **caps, **tables, mrope=True)
+        self.decode = MhaDecodeInputs(st, shape, mrope=True)
+        self.prefill = PrefillInputs(st, shape, mrope=True)
         token_groups = ["sampling", *self.tokens.producer_groups]
         if self.combine:
             st.combine(MROPE_STEP, [*token_groups, self.decode.group])

@@ -41,6 +41,7 @@ from h2d_runner_adapters import (
     SamplingInputs,
     SamplingPlan,
     ScheduledBatch,
+    StepShape,
     TokenInputs,
     TokenPlan,
     consumers_fusable,
@@ -179,9 +180,9 @@ class DecodeRunner:
         caps: dict[str, Any] = {"max_reqs": cfg.max_reqs, "max_tokens": cfg.max_tokens}
         self.sampling = SamplingInputs(st, cfg.max_reqs)
         self.tokens = TokenInputs(st, **caps)
-        tables = self.table_caps
-        self.decode = MhaDecodeInputs(st, **caps, **tables, fuse_kv_indices=self.fuse_consumers)
-        self.prefill = PrefillInputs(st, **caps, **tables)
+        shape = self.step_shape
+        self.decode = MhaDecodeInputs(st, shape, fuse_kv_indices=self.fuse_consumers)
+        self.prefill = PrefillInputs(st, shape)
         token_groups = ["sampling", *self.tokens.producer_groups]
         if self.fuse_consumers:  # into every publication carrying decode_cu / kv_indptr
             self.tokens.fuse_assembly(self.sampled)
@@ -193,16 +194,16 @@ class DecodeRunner:
             self.sampling, self.tokens, self.prefill, group=PREFILL_STEP, extra_groups=extra)
         self.ubatches: list[MhaDecodeInputs] = []
         if tbo:
-            self.ubatches = [MhaDecodeInputs(st, **caps, **tables, prefix=f"ub{i}_")
-                             for i in range(2)]
+            self.ubatches = [MhaDecodeInputs(st, shape, prefix=f"ub{i}_") for i in range(2)]
             st.combine(TBO_STEP, [*token_groups, self.ubatches[0].group])
 
     @property
-    def table_caps(self) -> dict[str, Any]:
-        """The block-table sizes every paged adapter of the runner is declared with."""
+    def step_shape(self) -> StepShape:
+        """The capacities every paged adapter of the runner is declared with."""
         cfg = self.cfg
-        return {"max_pages_per_req": cfg.max_pages_per_req, "page_size": cfg.page_size,
-                "num_pages": cfg.num_pages}
+        return StepShape(max_reqs=cfg.max_reqs, max_tokens=cfg.max_tokens,
+                         max_pages_per_req=cfg.max_pages_per_req, page_size=cfg.page_size,
+                         num_pages=cfg.num_pages)
 
     # -- inputs over fixed destinations -----------------------------------------------------
     def _decode_inputs(self, d: MhaDecodeInputs, rows: int, first_token: int) -> DecoderInputs:

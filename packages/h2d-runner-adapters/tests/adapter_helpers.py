@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -17,6 +17,7 @@ from h2d_runner_adapters import (
     PrefillInputs,
     SamplingInputs,
     ScheduledBatch,
+    StepShape,
     TokenInputs,
 )
 
@@ -62,11 +63,10 @@ def build_runner(device: str, *, backend: str = "packed", layout: str = "combine
                         scatter=scatter_for(device))
     sampling = SamplingInputs(st, MAX_REQS)
     tokens = TokenInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_drafts=2)
-    decode = MhaDecodeInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                             max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=NUM_PAGES,
-                             max_ranges=8)
-    prefill = PrefillInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                            max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=NUM_PAGES)
+    shape = StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_pages_per_req=MAX_PAGES,
+                      page_size=PAGE, num_pages=NUM_PAGES)
+    decode = MhaDecodeInputs(st, replace(shape, max_ranges=8))
+    prefill = PrefillInputs(st, shape)
     token_producers = ["sampling", *tokens.producer_groups]
     if layout == "combined":
         st.combine("decode_step", [*token_producers, "mha_decode"])

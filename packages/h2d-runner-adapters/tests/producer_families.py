@@ -43,6 +43,7 @@ from h2d_runner_adapters import (
     RequestSpan,
     SamplingInputs,
     ScheduledBatch,
+    StepShape,
     TokenStepInputs,
     V41MetadataInputs,
 )
@@ -106,24 +107,27 @@ def _sampling() -> SamplingInputs:
 
 def _mla() -> MlaDecodeInputs:
     st = state()
-    a = MlaDecodeInputs(st, max_reqs=4, max_tokens=4, max_pages_per_req=4, page_size=PAGE,
-                        num_pages=64, index_topk=6)
+    a = MlaDecodeInputs(st, StepShape(max_reqs=4, max_tokens=4, max_pages_per_req=4,
+                                      page_size=PAGE, num_pages=64), index_topk=6)
     bound(st)
     return a
 
 
+#: the prefill families' capacities (the adapter alone and the fused step)
+PREFILL_SHAPE = StepShape(max_reqs=4, max_tokens=32, max_pages_per_req=8, page_size=PAGE,
+                          num_pages=64)
+
+
 def _prefill() -> PrefillInputs:
     st = state()
-    a = PrefillInputs(st, max_reqs=4, max_tokens=32, max_pages_per_req=8, page_size=PAGE,
-                      num_pages=64)
+    a = PrefillInputs(st, PREFILL_SHAPE)
     bound(st)
     return a
 
 
 def _prefill_step() -> PrefillStepInputs:
     st = state()
-    a = PrefillStepInputs(st, max_reqs=4, max_tokens=32, max_pages_per_req=8,
-                          page_size=PAGE, num_pages=64)
+    a = PrefillStepInputs(st, PREFILL_SHAPE)
     bound(st)
     return a
 
@@ -138,8 +142,8 @@ def _token_step() -> TokenStepInputs:
 def _decode_step(cls: type[DecodeStepInputs]) -> Callable[[], DecodeStepInputs]:
     def build() -> DecodeStepInputs:
         st = state()
-        a = cls(st, max_reqs=4, max_tokens=16, max_pages_per_req=8, page_size=PAGE,
-                num_pages=64, max_drafts=2)
+        a = cls(st, StepShape(max_reqs=4, max_tokens=16, max_pages_per_req=8, page_size=PAGE,
+                              num_pages=64), max_drafts=2)
         bound(st)
         return a
     return build

@@ -18,7 +18,6 @@ speculative rows across changes of the padding.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import adapter_helpers as ah
 import numpy as np
@@ -41,6 +40,7 @@ from h2d_runner_adapters import (
     MhaDraftLoop,
     PrefillInputs,
     ScheduledBatch,
+    StepShape,
 )
 from h2d_runner_adapters.checks import AdapterInputError
 from h2d_runner_adapters.paged import PagedInputs
@@ -281,11 +281,10 @@ class MropeWorld:
 
     def __init__(self, device: str) -> None:
         st = self.state = H2DRunnerState(device, scatter=scatter(device))
-        kw: dict[str, Any] = dict(max_reqs=4, max_tokens=16, max_pages_per_req=8,
-                                  page_size=ah.PAGE)
-        self.dec = MhaDecodeInputs(st, mrope=True, **kw)
-        self.plain = MhaDecodeInputs(st, prefix="plain_", **kw)
-        self.pre = PrefillInputs(st, mrope=True, **kw)
+        shape = StepShape(max_reqs=4, max_tokens=16, max_pages_per_req=8, page_size=ah.PAGE)
+        self.dec = MhaDecodeInputs(st, shape, mrope=True)
+        self.plain = MhaDecodeInputs(st, shape, prefix="plain_")
+        self.pre = PrefillInputs(st, shape, mrope=True)
         st.bind()
         poison(st)
         self.reqs = ah.Requests(3)
@@ -567,8 +566,9 @@ class DraftWorld:
     def __init__(self, device: str) -> None:
         ah.need_kernels(device)
         st = self.state = H2DRunnerState(device, scatter=scatter(device))
-        self.step = DecodeStepInputs(st, max_reqs=4, max_tokens=8, max_pages_per_req=4,
-                                     page_size=4, num_pages=64)
+        self.step = DecodeStepInputs(st,
+                                     StepShape(max_reqs=4, max_tokens=8, max_pages_per_req=4,
+                                               page_size=4, num_pages=64))
         st.bind()
         poison(st)
         self.loop = MhaDraftLoop(self.step.decode, self.step.tokens)

@@ -41,6 +41,7 @@ from h2d_runner_adapters import (
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
+    StepShape,
     TokenInputs,
     TokenStepInputs,
 )
@@ -211,8 +212,9 @@ def token_family() -> Family:
 
 def decode_family() -> Family:
     st = H2DRunnerState("cpu", scatter="reference")
-    d = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                         max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=64,
+    d = DecodeStepInputs(st,
+                         StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                                   max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=64),
                          max_drafts=MAX_DRAFTS)
     st.bind()
 

@@ -40,6 +40,7 @@ from h2d_runner_adapters import (
     RequestSpan,
     ScheduledBatch,
     SpanColumns,
+    StepShape,
     V41MetadataInputs,
 )
 from h2d_runner_adapters.checks import AdapterInputError
@@ -373,8 +374,10 @@ PREFILL_CASES: list[PrefillCase] = [
 
 def _prefill(device: str, **kw: Any) -> tuple[H2DRunnerState, PrefillInputs]:
     st = H2DRunnerState(device, scatter=_scatter(device))
-    pre = PrefillInputs(st, max_reqs=4, max_tokens=32, max_pages_per_req=8, page_size=PAGE,
-                        num_pages=64, **kw)
+    pre = PrefillInputs(st,
+                        StepShape(max_reqs=4, max_tokens=32, max_pages_per_req=8, page_size=PAGE,
+                                  num_pages=64),
+                        **kw)
     st.bind()
     for b in st.buffers().values():
         b.gpu.view(-1).view(torch.uint8).fill_(ah.POISON)
@@ -429,7 +432,8 @@ def test_prefill_key_prefix_that_would_wrap_int32_is_refused(device: str) -> Non
     then a batch of 2**29 each publishes."""
     page = 2**20
     st = H2DRunnerState(device, scatter=_scatter(device))
-    pre = PrefillInputs(st, max_reqs=4, max_tokens=8, max_pages_per_req=1024, page_size=page)
+    pre = PrefillInputs(st,
+                        StepShape(max_reqs=4, max_tokens=8, max_pages_per_req=1024, page_size=page))
     st.bind()
     rows = [BlockTable(range(k * 1024, (k + 1) * 1024)) for k in range(3)]
     st.begin()
@@ -451,11 +455,12 @@ def test_prefill_key_prefix_that_would_wrap_int32_is_refused(device: str) -> Non
 
 
 # ------------------------------------------------------------------------------- MLA
-def _mla(device: str, **kw: Any) -> tuple[H2DRunnerState, MlaDecodeInputs]:
+def _mla(device: str, *, max_pages_per_req: int = 8, page_size: int = PAGE,
+         index_topk: int | None = 6) -> tuple[H2DRunnerState, MlaDecodeInputs]:
     st = H2DRunnerState(device, scatter=_scatter(device))
-    args = {"max_reqs": 4, "max_tokens": 4, "max_pages_per_req": 8, "page_size": PAGE,
-            "index_topk": 6, **kw}
-    mla = MlaDecodeInputs(st, **args)
+    shape = StepShape(max_reqs=4, max_tokens=4, max_pages_per_req=max_pages_per_req,
+                      page_size=page_size)
+    mla = MlaDecodeInputs(st, shape, index_topk=index_topk)
     st.bind()
     for b in st.buffers().values():
         b.gpu.view(-1).view(torch.uint8).fill_(ah.POISON)
@@ -476,24 +481,29 @@ def _mla_seen(st: H2DRunnerState, mla: MlaDecodeInputs) -> Observed:
     return Observed(st, extra=extra, groups=(mla.group,))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"index_topk": 2**31}, r"index_topk must be an int in \[1, 2147483647\] or None, got "
-                            r"2147483648"),
-    ({"index_topk": 0}, r"index_topk must be an int in \[1, "),
-    ({"index_topk": True}, r"index_topk must be an int .* got True"),
-    ({"index_topk": 8.0}, r"index_topk must be an int .* got 8\.0"),
-    ({"page_size": 4.0}, r"page_size must be an int in \[1, 2147483647\], got 4\.0"),
-    ({"page_size": 0}, r"page_size must be an int in \[1, "),
+MLA_SHAPE: dict[str, Any] = {"max_reqs": 4, "max_tokens": 4, "max_pages_per_req": 8,
+                             "page_size": PAGE}
+
+
+@pytest.mark.parametrize("shape, kwargs, match", [
+    ({}, {"index_topk": 2**31}, r"index_topk must be an int in \[1, 2147483647\] or None, "
+                                r"got 2147483648"),
+    ({}, {"index_topk": 0}, r"index_topk must be an int in \[1, "),
+    ({}, {"index_topk": True}, r"index_topk must be an int .* got True"),
+    ({}, {"index_topk": 8.0}, r"index_topk must be an int .* got 8\.0"),
+    # the page size is the shape's: refused when the StepShape is made
+    ({"page_size": 4.0}, {}, r"page_size must be an int in \[1, 2147483647\], got 4\.0"),
+    ({"page_size": 0}, {}, r"page_size must be an int in \[1, "),
+    (None, {}, r"mla_decode: shape must be a StepShape, got dict"),
 ])
-def test_mla_declaration_refuses_bad_arguments_before_declaring(kwargs: dict[str, Any],
-                                                                match: str) -> None:
+def test_mla_declaration_refuses_bad_arguments_before_declaring(
+        shape: dict[str, Any] | None, kwargs: dict[str, Any], match: str) -> None:
     st = H2DRunnerState("cpu", scatter="reference")
-    args = {"max_reqs": 4, "max_tokens": 4, "max_pages_per_req": 8, "page_size": PAGE,
-            **kwargs}
     with pytest.raises(DeclarationError, match=match):
-        MlaDecodeInputs(st, **args)
+        MlaDecodeInputs(st, MLA_SHAPE if shape is None  # type: ignore[arg-type]
+                        else StepShape(**{**MLA_SHAPE, **shape}), **kwargs)
     assert st.buffers() == {}  # nothing declared: the state binds as if never asked
-    MlaDecodeInputs(st, max_reqs=4, max_tokens=4, max_pages_per_req=8, page_size=PAGE)
+    MlaDecodeInputs(st, StepShape(**MLA_SHAPE))
     st.bind()
 
 

@@ -50,6 +50,7 @@ from h2d_runner_adapters import (
     PageRow,
     SamplingInputs,
     ScheduledBatch,
+    StepShape,
     TokenInputs,
 )
 
@@ -113,17 +114,15 @@ def build_side(kind: str, device: str, *, backend: str = "packed", page: int = 1
     st_ = H2DRunnerState(device, backend=backend, num_slots=num_slots,
                          scatter="reference" if device == "cpu" else "auto")
     fused: DecodeStepInputs | None = None
+    shape = StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_pages_per_req=MAX_PAGES,
+                      page_size=page, num_pages=num_pages)
     if kind == "separate":
         sampling = SamplingInputs(st_, MAX_REQS)
         tokens = TokenInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
-        decode = MhaDecodeInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                                 max_pages_per_req=MAX_PAGES, page_size=page,
-                                 num_pages=num_pages)
+        decode = MhaDecodeInputs(st_, shape)
         st_.combine(DECODE_STEP, [SAMPLING, TOKEN_IDS, QUERY_PREFIX, MHA_DECODE])
     else:
-        fused = DecodeStepInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                                 max_pages_per_req=MAX_PAGES, page_size=page,
-                                 num_pages=num_pages)
+        fused = DecodeStepInputs(st_, shape)
         sampling, tokens, decode = fused.sampling, fused.tokens, fused.decode
     st_.bind()
     for b in st_.buffers().values():
@@ -697,8 +696,10 @@ def test_from_adapters_composes_caller_declared_adapters(device: str) -> None:
                          scatter="reference" if device == "cpu" else "auto")
     sampling = SamplingInputs(st_, MAX_REQS)
     tokens = TokenInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_drafts=2)
-    decode = MhaDecodeInputs(st_, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                             max_pages_per_req=MAX_PAGES, page_size=page, num_pages=NUM_PAGES)
+    decode = MhaDecodeInputs(st_,
+                             StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                                       max_pages_per_req=MAX_PAGES, page_size=page,
+                                       num_pages=NUM_PAGES))
     fused = DecodeStepInputs.from_adapters(sampling, tokens, decode, group="plain_decode")
     st_.bind()
     assert fused.group == "plain_decode"
@@ -725,13 +726,13 @@ def test_from_adapters_composes_caller_declared_adapters(device: str) -> None:
 def test_from_adapters_rejects_foreign_or_prefixed_adapters() -> None:
     one, other = H2DRunnerState("cpu"), H2DRunnerState("cpu")
     tokens = TokenInputs(one, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS)
-    decode = MhaDecodeInputs(one, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                             max_pages_per_req=MAX_PAGES, page_size=16)
+    shape = StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_pages_per_req=MAX_PAGES,
+                      page_size=16)
+    decode = MhaDecodeInputs(one, shape)
     with pytest.raises(DeclarationError, match=r"must be declared on the same H2DRunnerState"):
         DecodeStepInputs.from_adapters(SamplingInputs(other, MAX_REQS), tokens, decode)
     sampling = SamplingInputs(one, MAX_REQS)
-    ubatch = MhaDecodeInputs(one, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                             max_pages_per_req=MAX_PAGES, page_size=16, prefix="ub0_")
+    ubatch = MhaDecodeInputs(one, shape, prefix="ub0_")
     with pytest.raises(DeclarationError, match=r"the decode adapter publishes "
                                                r"'ub0_mha_decode'; the fused step produces "
                                                r"the plain 'mha_decode' group"):

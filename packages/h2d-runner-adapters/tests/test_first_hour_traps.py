@@ -20,16 +20,19 @@ from h2d_runner_adapters import (
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
+    StepShape,
 )
 
 PAGE = 16
 
 
-def _step(device: str, **kw: Any) -> tuple[H2DRunnerState, DecodeStepInputs]:
+def _step(device: str, num_pages: int | None = None,
+          **kw: Any) -> tuple[H2DRunnerState, DecodeStepInputs]:
     need_kernels(device)
     state = H2DRunnerState(device, num_slots=2)
-    step = DecodeStepInputs(state, max_reqs=4, max_tokens=4, max_pages_per_req=8,
-                            page_size=PAGE, **kw)
+    shape = StepShape(max_reqs=4, max_tokens=4, max_pages_per_req=8, page_size=PAGE,
+                      num_pages=num_pages)
+    step = DecodeStepInputs(state, shape, **kw)
     state.bind()
     return state, step
 
@@ -124,8 +127,9 @@ def test_a_prefill_chunk_of_another_page_size_is_refused(device: str) -> None:
     from h2d_runner_adapters import PrefillStepInputs
     need_kernels(device)
     state = H2DRunnerState(device, num_slots=1)
-    step = PrefillStepInputs(state, max_reqs=2, max_tokens=32, max_pages_per_req=4,
-                             page_size=PAGE, num_pages=64)
+    step = PrefillStepInputs(state,
+                             StepShape(max_reqs=2, max_tokens=32, max_pages_per_req=4,
+                                       page_size=PAGE, num_pages=64))
     state.bind()
     chunk = [ScheduledRequest(0, 3, 3, BlockTable([4]), token_ids=[1, 2, 3])]
     state.begin()

@@ -29,21 +29,27 @@ import torch
 
 from block_tables import BlockTable
 from h2d_core import DeclarationError, H2DRunnerState, MembershipError
-from h2d_runner_adapters import MHA_DECODE, BatchColumns, DecodeStepInputs, ScheduledBatch
+from h2d_runner_adapters import (
+    MHA_DECODE,
+    BatchColumns,
+    DecodeStepInputs,
+    ScheduledBatch,
+    StepShape,
+)
 
 MAX_REQS = 8
 MAX_TOKENS = 16
 MAX_PAGES = 5
 PAGE = 16
 POISON = -7
+SHAPE = StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_pages_per_req=MAX_PAGES,
+                  page_size=PAGE, num_pages=512, max_ranges=4)
 
 
 def _state(device: str, backend: str) -> tuple[H2DRunnerState, DecodeStepInputs]:
     ah.need_kernels(device)
     st = H2DRunnerState(device, backend=backend, scatter=ah.scatter_for(device))
-    step = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                            max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=512,
-                            max_ranges=4, fuse_kv_indices=True)
+    step = DecodeStepInputs(st, SHAPE, fuse_kv_indices=True)
     st.bind()
     step.decode.kv_indices.fill_(POISON)
     return st, step
@@ -145,18 +151,18 @@ def test_kv_index_generation_is_fused_by_default_where_it_can_run(
     the interpreter is not fused by default (an explicit True is refused there)."""
     from h2d_runner_adapters import consumers_fusable, mha_decode
 
-    caps = {"max_reqs": 2, "max_tokens": 2, "max_pages_per_req": 2, "page_size": PAGE}
+    shape = StepShape(max_reqs=2, max_tokens=2, max_pages_per_req=2, page_size=PAGE)
     st = H2DRunnerState("cpu", backend="packed", scatter=ah.scatter_for("cpu"))
-    default = DecodeStepInputs(st, **caps)
+    default = DecodeStepInputs(st, shape)
     st.bind()
     consumer = default.decode.kv_indices_consumer
     assert consumers_fusable("cpu") is (consumer is not None)
     assert consumer is None or consumer.fused
     off = H2DRunnerState("cpu", backend="packed", scatter=ah.scatter_for("cpu"))
-    assert DecodeStepInputs(off, **caps, fuse_kv_indices=False).decode.kv_indices_consumer is None
+    assert DecodeStepInputs(off, shape, fuse_kv_indices=False).decode.kv_indices_consumer is None
     monkeypatch.setattr(mha_decode, "consumers_fusable", lambda device: False)
     plain = H2DRunnerState("cpu", backend="packed", scatter="reference")
-    assert DecodeStepInputs(plain, **caps).decode.kv_indices_consumer is None
+    assert DecodeStepInputs(plain, shape).decode.kv_indices_consumer is None
 
 
 def test_covered_group_of_a_fused_publication_is_refused() -> None:
@@ -200,7 +206,8 @@ def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(mha_decode, "interpreted", lambda kernel: False)
     st = H2DRunnerState("cpu", backend="packed", scatter="reference")
     with pytest.raises(DeclarationError, match="TRITON_INTERPRET=1"):
-        DecodeStepInputs(st, max_reqs=2, max_tokens=2, max_pages_per_req=2, page_size=PAGE,
+        DecodeStepInputs(st,
+                         StepShape(max_reqs=2, max_tokens=2, max_pages_per_req=2, page_size=PAGE),
                          fuse_kv_indices=True)
 
 
@@ -211,9 +218,7 @@ def test_fused_token_assembly_fills_deferred_ids(device: str) -> None:
 
     prev = torch.zeros(MAX_REQS, 2, dtype=torch.int32, device=device)
     st = H2DRunnerState(device, backend="packed", scatter=ah.scatter_for(device))
-    step = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                            max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=512,
-                            max_ranges=4, fuse_kv_indices=True, fuse_token_assembly=prev)
+    step = DecodeStepInputs(st, SHAPE, fuse_kv_indices=True, fuse_token_assembly=prev)
     st.bind()
     assert step.tokens.assembly_consumer is not None and step.tokens.assembly_consumer.fused
     rng = np.random.default_rng(5)

@@ -20,6 +20,7 @@ from h2d_runner_adapters import (
     MlaDecodeInputs,
     PrefillInputs,
     ScheduledBatch,
+    StepShape,
 )
 from h2d_runner_adapters.consumers import ConsumerArgumentError
 from h2d_runner_adapters.consumers.mrope import (
@@ -192,11 +193,8 @@ def test_two_batch_overlap_buffers_and_late_preparation(device: str) -> None:
     """TBO: each ubatch has its own decode buffers and block-table state; the second
     ubatch is prepared late, resuming the same epoch."""
     st = H2DRunnerState(device, scatter=ah.scatter_for(device))
-    ubs = [
-        MhaDecodeInputs(st, max_reqs=8, max_tokens=8, max_pages_per_req=16, page_size=ah.PAGE,
-                        prefix=f"ub{i}_")
-        for i in range(2)
-    ]
+    shape = StepShape(max_reqs=8, max_tokens=8, max_pages_per_req=16, page_size=ah.PAGE)
+    ubs = [MhaDecodeInputs(st, shape, prefix=f"ub{i}_") for i in range(2)]
     st.bind()
     reqs = ah.Requests(17)
     for c in (5, 9, 14, 21):
@@ -236,8 +234,8 @@ def test_uneven_tbo_ubatches_take_the_widest_query_from_cpu_lengths(device: str)
     the CPU lengths (``plan.max_query_len``), and KV-index generation reads it exactly."""
     ah.need_kernels(device)
     st = H2DRunnerState(device, scatter=ah.scatter_for(device))
-    ubs = [MhaDecodeInputs(st, max_reqs=4, max_tokens=16, max_pages_per_req=16,
-                           page_size=ah.PAGE, prefix=f"ub{i}_") for i in range(2)]
+    shape = StepShape(max_reqs=4, max_tokens=16, max_pages_per_req=16, page_size=ah.PAGE)
+    ubs = [MhaDecodeInputs(st, shape, prefix=f"ub{i}_") for i in range(2)]
     st.bind()
     for b in st.buffers().values():
         b.gpu.view(-1).view(torch.uint8).fill_(ah.POISON)
@@ -316,8 +314,8 @@ def test_mrope_decode_planes_use_the_running_width(device: str, backend: str) ->
     always gets this step's positions."""
     ah.need_kernels(device)
     st = H2DRunnerState(device, backend=backend, scatter=ah.scatter_for(device))
-    dec = MhaDecodeInputs(st, max_reqs=6, max_tokens=18, max_pages_per_req=16,
-                          page_size=ah.PAGE, mrope=True)
+    shape = StepShape(max_reqs=6, max_tokens=18, max_pages_per_req=16, page_size=ah.PAGE)
+    dec = MhaDecodeInputs(st, shape, mrope=True)
     st.bind()
     assert dec.mrope_positions is not None
     dec.mrope_positions.gpu.fill_(-5)
@@ -362,10 +360,9 @@ def test_mrope_prefill_planes_and_bad_inputs(device: str) -> None:
     ordinary positions on every plane; bad MRoPE inputs are refused before any write."""
     ah.need_kernels(device)
     st = H2DRunnerState(device, scatter=ah.scatter_for(device))
-    pre = PrefillInputs(st, max_reqs=4, max_tokens=32, max_pages_per_req=16,
-                        page_size=ah.PAGE, mrope=True)
-    dec = MhaDecodeInputs(st, max_reqs=4, max_tokens=32, max_pages_per_req=16,
-                          page_size=ah.PAGE)
+    shape = StepShape(max_reqs=4, max_tokens=32, max_pages_per_req=16, page_size=ah.PAGE)
+    pre = PrefillInputs(st, shape, mrope=True)
+    dec = MhaDecodeInputs(st, shape)
     st.bind()
     reqs = ah.Requests(31)
     for c in (10, 7, 12):
@@ -424,8 +421,8 @@ def test_mla_decode_members_and_kv_indices(device: str, page: int, topk: int | N
     sparse KV prefix), graph padding included; KV-index generation reads them."""
     ah.need_kernels(device)
     st = H2DRunnerState(device, scatter=ah.scatter_for(device))
-    mla = MlaDecodeInputs(st, max_reqs=6, max_tokens=6, max_pages_per_req=64, page_size=page,
-                          index_topk=topk)
+    shape = StepShape(max_reqs=6, max_tokens=6, max_pages_per_req=64, page_size=page)
+    mla = MlaDecodeInputs(st, shape, index_topk=topk)
     st.bind()
     for b in st.buffers().values():
         b.gpu.view(-1).view(torch.uint8).fill_(ah.POISON)

@@ -30,6 +30,7 @@ from h2d_runner_adapters import (
     GdnStateInputs,
     MhaDraftLoop,
     ScheduledBatch,
+    StepShape,
 )
 from h2d_runner_adapters.consumers.draft_step import advance_draft_step_reference
 from h2d_runner_adapters.consumers.gdn_states import gather_gdn_states_reference
@@ -93,8 +94,10 @@ def build(device: str, backend: str, k: int, *, gdn: bool = True, num_slots: int
                         scatter=ah.scatter_for(device))
     g = GdnStateInputs(st, max_reqs=MAX_REQS, num_spec=k, num_state_slots=NUM_SLOTS) \
         if gdn else None
-    step = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
-                            max_pages_per_req=MAX_PAGES, page_size=PAGE, num_pages=NUM_PAGES,
+    step = DecodeStepInputs(st,
+                            StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS,
+                                      max_pages_per_req=MAX_PAGES, page_size=PAGE,
+                                      num_pages=NUM_PAGES),
                             max_drafts=k, extra_groups=[GDN_STATE] if gdn else ())
     st.bind()
     for b in st.buffers().values():

@@ -7,6 +7,8 @@ prefill's last-page lengths (``PrefillInputs(last_page_lens=True)``)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -21,10 +23,14 @@ from h2d_runner_adapters import (
     MlaDecodeStepInputs,
     PrefillInputs,
     ScheduledBatch,
+    StepShape,
     TokenInputs,
 )
 
 PAGE, TOPK, MAX_REQS, MAX_PAGES = 4, 6, 4, 8
+#: a decode step's capacities: one token per request
+SHAPE = StepShape(max_reqs=MAX_REQS, max_tokens=MAX_REQS, max_pages_per_req=MAX_PAGES,
+                  page_size=PAGE)
 
 
 def _batch(ctx: list[int], tables: list[BlockTable]) -> ScheduledBatch:
@@ -61,8 +67,7 @@ def _want(ctx: list[int], tables: list[BlockTable], padded: int) -> dict[str, li
 def test_fused_mla_step_publishes_the_formulas_in_one_publication(device: str,
                                                                   backend: str) -> None:
     st = H2DRunnerState(device, backend=backend, scatter=scatter_for(device))
-    step = MlaDecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_REQS,
-                               max_pages_per_req=MAX_PAGES, page_size=PAGE, index_topk=TOPK)
+    step = MlaDecodeStepInputs(st, SHAPE, index_topk=TOPK)
     st.bind()
     d, t = step.decode, step.tokens
     for buf in (d.positions, d.slot_mapping, d.context_lens, d.kv_indptr,
@@ -93,8 +98,7 @@ def test_fused_mla_step_publishes_the_formulas_in_one_publication(device: str,
 
 def test_each_fused_step_takes_its_own_decode_adapter() -> None:
     st = H2DRunnerState("cpu")
-    mha = DecodeStepInputs(st, max_reqs=MAX_REQS, max_tokens=MAX_REQS,
-                           max_pages_per_req=MAX_PAGES, page_size=PAGE)
+    mha = DecodeStepInputs(st, SHAPE)
     with pytest.raises(DeclarationError, match=r"MlaDecodeStepInputs: the decode adapter "
                                                r"publishes 'mha_decode'; the fused step "
                                                r"produces the plain 'mla_decode' group"):
@@ -109,8 +113,7 @@ def test_prefill_publishes_last_page_lengths_on_request(device: str, backend: st
     chunk, ``(ctx - 1) % page + 1``, a chunk over a cached prefix included."""
     st = H2DRunnerState(device, backend=backend, scatter=scatter_for(device))
     tokens = TokenInputs(st, max_reqs=MAX_REQS, max_tokens=16)
-    pre = PrefillInputs(st, max_reqs=MAX_REQS, max_tokens=16, max_pages_per_req=MAX_PAGES,
-                        page_size=PAGE, last_page_lens=True)
+    pre = PrefillInputs(st, replace(SHAPE, max_tokens=16), last_page_lens=True)
     st.bind()
     pre.kv_last_page_lens.gpu.fill_(-9)
     q, ctx = [3, 5, 1], [3, 8, 6]  # request 2: one new token over 5 cached

@@ -22,7 +22,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import adapter_helpers as ah
@@ -53,6 +53,7 @@ from h2d_runner_adapters import (
     PrefillStepPlan,
     SamplingInputs,
     ScheduledBatch,
+    StepShape,
     TokenInputs,
     prepare_prefill_attention,
 )
@@ -62,6 +63,8 @@ MAX_TOKENS = 32
 MAX_PAGES = 8
 NUM_PAGES = 64
 PAGE = 4
+SHAPE = StepShape(max_reqs=MAX_REQS, max_tokens=MAX_TOKENS, max_pages_per_req=MAX_PAGES,
+                  page_size=PAGE, num_pages=NUM_PAGES)
 PREV = 3  # rows of the previous step's sampled ids (one id each)
 
 
@@ -123,16 +126,15 @@ def build(kind: str, device: str, *, backend: str = "packed", scatter: str | Non
     ``last_page_lens``."""
     st = H2DRunnerState(device, backend=backend, scatter=scatter or _scatter(device))
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
-    tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE,
-                              "num_pages": NUM_PAGES, "max_ranges": 8}
+    shape = replace(SHAPE, max_ranges=8)
     step: PrefillStepInputs | None = None
     if kind == "step":
-        step = PrefillStepInputs(st, **caps, **tables, **options)
+        step = PrefillStepInputs(st, shape, **options)
         sampling, tokens, prefill = step.sampling, step.tokens, step.prefill
     else:
         sampling = SamplingInputs(st, MAX_REQS)
         tokens = TokenInputs(st, **caps)
-        prefill = PrefillInputs(st, **caps, **tables, **options)
+        prefill = PrefillInputs(st, shape, **options)
         st.combine(PREFILL_STEP, [SAMPLING, *tokens.producer_groups, PREFILL_INPUTS])
     st.bind()
     for b in st.buffers().values():
@@ -561,14 +563,12 @@ def test_shared_adapters_serve_a_decode_and_a_prefill_step(device: str) -> None:
     ah.need_kernels(device)
     st = H2DRunnerState(device, scatter=_scatter(device))
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
-    tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE,
-                              "num_pages": NUM_PAGES}
     gdn = GdnStateInputs(st, max_reqs=MAX_REQS, num_state_slots=8)
     sampling, tokens = SamplingInputs(st, MAX_REQS), TokenInputs(st, **caps)
     decode = DecodeStepInputs.from_adapters(
-        sampling, tokens, MhaDecodeInputs(st, **caps, **tables), extra_groups=[GDN_STATE])
+        sampling, tokens, MhaDecodeInputs(st, SHAPE), extra_groups=[GDN_STATE])
     prefill = PrefillStepInputs.from_adapters(
-        sampling, tokens, PrefillInputs(st, **caps, **tables),
+        sampling, tokens, PrefillInputs(st, SHAPE),
         group="chunk", extra_groups=[GDN_STATE])
     st.bind()
     assert st.plan("chunk").producer_groups == (SAMPLING, TOKEN_IDS, QUERY_PREFIX,
@@ -610,12 +610,10 @@ def test_shared_members_are_counted_in_both_records_by_one_compiled_call(
 
     st = H2DRunnerState("cpu", scatter="reference")
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
-    tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE,
-                              "num_pages": NUM_PAGES}
     sampling, tokens = SamplingInputs(st, MAX_REQS), TokenInputs(st, **caps)
     decode = DecodeStepInputs.from_adapters(
-        sampling, tokens, MhaDecodeInputs(st, **caps, **tables))
-    PrefillStepInputs.from_adapters(sampling, tokens, PrefillInputs(st, **caps, **tables),
+        sampling, tokens, MhaDecodeInputs(st, SHAPE))
+    PrefillStepInputs.from_adapters(sampling, tokens, PrefillInputs(st, SHAPE),
                                     group="chunk")
     st.bind()
     shared = [sampling.temperatures, tokens.input_ids, tokens.cu_seqlens_q]
@@ -646,16 +644,14 @@ def test_assembly_fused_into_both_steps_that_carry_the_shared_token_inputs(
     ah.need_kernels(device)
     st = H2DRunnerState(device, scatter=_scatter(device))
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
-    tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE,
-                              "num_pages": NUM_PAGES}
     sampling, tokens = SamplingInputs(st, MAX_REQS), TokenInputs(st, **caps)
     prev = torch.arange(100, 100 + MAX_REQS, dtype=torch.int32,
                         device=device).reshape(MAX_REQS, 1)
     consumer = tokens.fuse_assembly(prev)
     decode = DecodeStepInputs.from_adapters(
-        sampling, tokens, MhaDecodeInputs(st, **caps, **tables))
+        sampling, tokens, MhaDecodeInputs(st, SHAPE))
     prefill = PrefillStepInputs.from_adapters(
-        sampling, tokens, PrefillInputs(st, **caps, **tables), group="chunk")
+        sampling, tokens, PrefillInputs(st, SHAPE), group="chunk")
     st.bind()
     assert consumer.fused and sorted(consumer.groups) == ["chunk", DECODE_STEP]
     assert consumer.group is None  # several groups run it
@@ -684,9 +680,8 @@ def test_assembly_fused_into_both_steps_that_carry_the_shared_token_inputs(
 def test_from_adapters_refuses_adapters_of_another_state() -> None:
     one, other = H2DRunnerState("cpu"), H2DRunnerState("cpu")
     caps: dict[str, Any] = {"max_reqs": MAX_REQS, "max_tokens": MAX_TOKENS}
-    tables: dict[str, Any] = {"max_pages_per_req": MAX_PAGES, "page_size": PAGE}
     sampling, tokens = SamplingInputs(one, MAX_REQS), TokenInputs(one, **caps)
-    prefill = PrefillInputs(one, **caps, **tables)
+    prefill = PrefillInputs(one, SHAPE)
     with pytest.raises(DeclarationError, match=r"PrefillStepInputs: the sampling, token and "
                                                r"prefill adapters must be declared on the "
                                                r"same H2DRunnerState"):

@@ -27,7 +27,7 @@ from test_token_producers_rules import ENTRIES as TOKEN_ENTRIES
 
 import h2d_runner_adapters
 from h2d_core import H2DBuffer
-from h2d_runner_adapters import MhaDecodeInputs, TokenInputs
+from h2d_runner_adapters import MhaDecodeInputs, StepShape, TokenInputs
 
 #: public adapter callables that write no pinned source (by the qualname of the function
 #: that defines them, so an override in a subclass is decided again), and why
@@ -159,8 +159,9 @@ def _declared_groups(adapter: Any) -> set[str]:
 def _token_and_decode() -> list[Any]:
     st = state()
     tokens = TokenInputs(st, max_reqs=4, max_tokens=8, max_drafts=2)
-    decode = MhaDecodeInputs(st, max_reqs=4, max_tokens=8, max_pages_per_req=4,
-                             page_size=4, num_pages=64)
+    decode = MhaDecodeInputs(st,
+                             StepShape(max_reqs=4, max_tokens=8, max_pages_per_req=4, page_size=4,
+                                       num_pages=64))
     bound(st)
     return [tokens, decode]
 

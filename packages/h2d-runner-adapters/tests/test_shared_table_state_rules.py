@@ -35,6 +35,7 @@ from h2d_runner_adapters import (
     PrefillInputs,
     RequestSpan,
     ScheduledBatch,
+    StepShape,
     V41MetadataInputs,
 )
 
@@ -48,9 +49,9 @@ DUMMY_SLOT, DUMMY_BLOCK = 7, 99
 class DerivedMha(MhaDecodeInputs):
     """A backend that adds a member and a consumer but inherits MHA's preparation."""
 
-    def __init__(self, state: H2DRunnerState, **kw: Any) -> None:
-        super().__init__(state, **kw)
-        self.window_ends = state.buffer("derived_window_ends", (kw["max_reqs"],), torch.int32,
+    def __init__(self, state: H2DRunnerState, shape: StepShape, **kw: Any) -> None:
+        super().__init__(state, shape, **kw)
+        self.window_ends = state.buffer("derived_window_ends", (shape.max_reqs,), torch.int32,
                                         group=self.group)
 
     def window_end(self) -> torch.Tensor:
@@ -95,16 +96,16 @@ def _decode(a: MhaDecodeInputs, padded: int) -> Callable[[list[int], list[BlockT
 
 def build(kind: str, device: str) -> Case:
     st = H2DRunnerState(device, scatter=ah.scatter_for(device))
-    dims: dict[str, Any] = {"max_reqs": 4, "max_tokens": 16, "max_pages_per_req": WIDTH,
-                            "page_size": PAGE, "num_pages": 200}
+    shape = StepShape(max_reqs=4, max_tokens=16, max_pages_per_req=WIDTH, page_size=PAGE,
+                      num_pages=200)
     if kind in ("mha", "mla", "derived_mha", "derived_mla"):
         cls = {"mha": MhaDecodeInputs, "mla": MlaDecodeInputs, "derived_mha": DerivedMha,
                "derived_mla": DerivedMla}[kind]
         extra = {"index_topk": 6} if kind == "derived_mla" else {}
-        dec: MhaDecodeInputs = cls(st, **dims, **extra)
+        dec: MhaDecodeInputs = cls(st, shape, **extra)
         case = Case(st, dec, PAGE, 4, [0] * WIDTH, _decode(dec, 4))
     elif kind == "prefill":
-        pre = PrefillInputs(st, **dims)
+        pre = PrefillInputs(st, shape)
 
         def produce(ctx: list[int], rows: list[BlockTable], publish: bool) -> str:
             q = np.minimum(np.asarray(ctx, np.int32), 3)

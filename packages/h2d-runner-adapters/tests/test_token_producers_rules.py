@@ -38,6 +38,7 @@ from h2d_runner_adapters import (
     BatchColumns,
     MhaDecodeInputs,
     ScheduledBatch,
+    StepShape,
     TokenInputs,
 )
 
@@ -104,8 +105,9 @@ class Env:
 def build() -> Env:
     st = H2DRunnerState("cpu", scatter="reference")
     tokens = TokenInputs(st, max_reqs=4, max_tokens=8, max_drafts=2)
-    decode = MhaDecodeInputs(st, max_reqs=4, max_tokens=8, max_pages_per_req=4,
-                             page_size=PAGE, num_pages=64)
+    decode = MhaDecodeInputs(st,
+                             StepShape(max_reqs=4, max_tokens=8, max_pages_per_req=4,
+                                       page_size=PAGE, num_pages=64))
     st.combine(TOKEN_INPUTS, [TOKEN_IDS, QUERY_PREFIX, SPEC_INDICES])
     st.bind()
     for b in st.buffers().values():

@@ -12,7 +12,13 @@ import torch
 
 from block_tables import BlockTable
 from h2d_core import H2DRunnerState
-from h2d_runner_adapters import DECODE_STEP, BatchColumns, DecodeStepInputs, ScheduledBatch
+from h2d_runner_adapters import (
+    DECODE_STEP,
+    BatchColumns,
+    DecodeStepInputs,
+    ScheduledBatch,
+    StepShape,
+)
 from h2d_runner_adapters.checks import AdapterInputError
 
 POISON = 0x5A
@@ -21,7 +27,8 @@ SPEC = ("target_logits_indices", "cu_num_draft_tokens", "bonus_logits_indices")
 
 def _state() -> tuple[H2DRunnerState, DecodeStepInputs]:
     st = H2DRunnerState("cpu", backend="packed", scatter="reference")
-    step = DecodeStepInputs(st, max_reqs=4, max_tokens=16, max_pages_per_req=4, page_size=4,
+    step = DecodeStepInputs(st,
+                            StepShape(max_reqs=4, max_tokens=16, max_pages_per_req=4, page_size=4),
                             max_drafts=3)
     st.bind()
     for b in st.buffers().values():

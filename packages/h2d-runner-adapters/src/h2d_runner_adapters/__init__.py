@@ -2,12 +2,15 @@
 
 Each adapter declares its buffers on an :class:`h2d_core.H2DRunnerState`, fills them from a
 plain :class:`ScheduledBatch` through ``@h2d_producer`` methods, and runs the group's first
-GPU consumer on the published destinations::
+GPU consumer on the published destinations. The paged adapters take the step's
+capacities as one :class:`StepShape`::
 
-    sampling = SamplingInputs(state, max_reqs)                  # group "sampling"
-    tokens = TokenInputs(state, max_reqs=..., max_tokens=...)   # token_ids, query_prefix, ...
-    decode = MhaDecodeInputs(state, ..., page_size=16)          # "mha_decode" + block tables
-    prefill = PrefillInputs(state, ..., page_size=16)           # "prefill_inputs"
+    shape = StepShape(max_reqs=..., max_tokens=..., max_pages_per_req=..., page_size=16)
+    sampling = SamplingInputs(state, shape.max_reqs)            # group "sampling"
+    tokens = TokenInputs(state, max_reqs=shape.max_reqs,
+                         max_tokens=shape.max_tokens)           # token_ids, query_prefix, ...
+    decode = MhaDecodeInputs(state, shape)                      # "mha_decode" + block tables
+    prefill = PrefillInputs(state, shape)                       # "prefill_inputs"
     state.combine("decode_step", ["sampling", *tokens.producer_groups, "mha_decode"])
     state.bind()
     state.begin(); sampling.prepare(batch); tokens.prepare_ids(batch, padded)
@@ -18,16 +21,14 @@ GPU consumer on the published destinations::
 A plain decode step can use :class:`DecodeStepInputs` instead: the same three adapters,
 one producer call (compiled when a C compiler is present) and one group::
 
-    step = DecodeStepInputs(state, max_reqs=..., max_tokens=..., max_pages_per_req=...,
-                            page_size=16)
+    step = DecodeStepInputs(state, shape)
     state.bind(); state.begin(); plan = step.prepare(batch, padded)
     state.publish(DECODE_STEP); state.finish()
     step.tokens.assemble(plan.tokens, prev); step.decode.generate_kv_indices(plan.decode)
 
 A prefill chunk has the same shape, :class:`PrefillStepInputs` (group ``prefill_step``)::
 
-    step = PrefillStepInputs(state, max_reqs=..., max_tokens=..., max_pages_per_req=...,
-                             page_size=16)
+    step = PrefillStepInputs(state, shape)
     state.bind(); state.begin(); plan = step.prepare(batch)
     state.publish(PREFILL_STEP); state.finish()
     step.tokens.assemble(plan.tokens, prev); step.prepare_attention(plan)
@@ -75,6 +76,7 @@ from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from h2d_runner_adapters.prefill_step import PREFILL_STEP, PrefillStepInputs, PrefillStepPlan
 from h2d_runner_adapters.sampling import SAMPLING, SamplingInputs, SamplingPlan
+from h2d_runner_adapters.shape import StepShape
 from h2d_runner_adapters.token_inputs import (
     QUERY_PREFIX,
     SPEC_INDICES,
@@ -140,6 +142,7 @@ __all__ = [
     "ScheduledRequest",
     "SpanColumns",
     "StepIndptrs",
+    "StepShape",
     "TokenInputs",
     "TokenPlan",
     "TokenStepInputs",

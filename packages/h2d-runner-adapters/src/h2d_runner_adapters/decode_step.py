@@ -45,6 +45,7 @@ from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from .mla_decode import MLA_DECODE, MlaDecodeInputs
 from .plan_records import CompositePlan, slot_plans
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .shape import StepShape, check_shape
 from .token_inputs import (
     QUERY_PREFIX,
     SPEC_INDICES,
@@ -72,8 +73,10 @@ class DecodeStepInputs(FusedStep):
 
     Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
     ``.decode``) and combines their producer groups into ``DECODE_STEP``; construct before
-    ``state.bind()``. :meth:`from_adapters` composes adapters the caller declared (e.g.
-    shared with a prefill path). ``fuse_kv_indices`` (default None: wherever
+    ``state.bind()``. ``shape`` (a :class:`~h2d_runner_adapters.StepShape`) sizes all
+    three: the sampling and token inputs take its ``max_reqs`` and ``max_tokens``, the
+    decode adapter the whole shape. :meth:`from_adapters` composes adapters the caller
+    declared (e.g. shared with a prefill path). ``fuse_kv_indices`` (default None: wherever
     :func:`consumers_fusable` says the kernel runs there) puts KV-index generation inside
     the step's publication (its CUDA graphs, counts read on the device):
     ``decode.generate_kv_indices(plan)`` then launches nothing (see
@@ -91,27 +94,20 @@ class DecodeStepInputs(FusedStep):
     def __init__(
         self,
         state: H2DRunnerState,
+        shape: StepShape,
         *,
-        max_reqs: int,
-        max_tokens: int,
-        max_pages_per_req: int,
-        page_size: int,
-        num_pages: int | None = None,
-        max_ranges: int = 64,
         max_drafts: int = 0,
         extra_groups: Sequence[str] = (),
         fuse_kv_indices: bool | None = None,
         fuse_token_assembly: torch.Tensor | None = None,
         prev_rows: int | None = None,
     ) -> None:
+        shape = check_shape(DECODE_STEP, shape)
         self._compose(
-            SamplingInputs(state, max_reqs),
-            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+            SamplingInputs(state, shape.max_reqs),
+            TokenInputs(state, max_reqs=shape.max_reqs, max_tokens=shape.max_tokens,
                         max_drafts=max_drafts, prev_rows=prev_rows),
-            MhaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                            max_pages_per_req=max_pages_per_req, page_size=page_size,
-                            num_pages=num_pages, max_ranges=max_ranges,
-                            fuse_kv_indices=fuse_kv_indices),
+            MhaDecodeInputs(state, shape, fuse_kv_indices=fuse_kv_indices),
             DECODE_STEP, tuple(extra_groups),
         )
         if fuse_token_assembly is not None:
@@ -238,8 +234,9 @@ class MlaDecodeStepInputs(DecodeStepInputs):
     """:class:`DecodeStepInputs` over MLA decode metadata: sampling, token inputs and
     :class:`MlaDecodeInputs` (its last-page lengths and DSA sparse prefix included) as one
     producer call and one group, ``MLA_DECODE_STEP`` (one DMA, one scatter). Declares the
-    three adapters on ``state`` (``.sampling``, ``.tokens``, ``.decode``); construct before
-    ``state.bind()``; :meth:`from_adapters` composes adapters the caller declared. The
+    three adapters on ``state`` (``.sampling``, ``.tokens``, ``.decode``), all sized by
+    ``shape`` (a :class:`~h2d_runner_adapters.StepShape` at MLA's page size); construct
+    before ``state.bind()``; :meth:`from_adapters` composes adapters the caller declared. The
     first consumer is ``decode.generate_kv_indices(plan.decode)`` at MLA's page size."""
 
     _DECODE_GROUP = MLA_DECODE
@@ -248,28 +245,22 @@ class MlaDecodeStepInputs(DecodeStepInputs):
     def __init__(
         self,
         state: H2DRunnerState,
+        shape: StepShape,
         *,
-        max_reqs: int,
-        max_tokens: int,
-        max_pages_per_req: int,
-        page_size: int,
-        num_pages: int | None = None,
         index_topk: int | None = None,
-        max_ranges: int = 64,
         max_drafts: int = 0,
         group: str = MLA_DECODE_STEP,
         extra_groups: Sequence[str] = (),
         prev_rows: int | None = None,
         fuse_kv_indices: bool | None = None,
     ) -> None:
+        shape = check_shape(group, shape)
         self._compose(
-            SamplingInputs(state, max_reqs),
-            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
+            SamplingInputs(state, shape.max_reqs),
+            TokenInputs(state, max_reqs=shape.max_reqs, max_tokens=shape.max_tokens,
                         max_drafts=max_drafts, prev_rows=prev_rows),
-            MlaDecodeInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                            max_pages_per_req=max_pages_per_req, page_size=page_size,
-                            num_pages=num_pages, index_topk=index_topk,
-                            max_ranges=max_ranges, fuse_kv_indices=fuse_kv_indices),
+            MlaDecodeInputs(state, shape, index_topk=index_topk,
+                            fuse_kv_indices=fuse_kv_indices),
             group, tuple(extra_groups),
         )
 

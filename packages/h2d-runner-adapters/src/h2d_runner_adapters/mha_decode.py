@@ -71,6 +71,7 @@ from .mrope import layout_columns as mrope_layout_columns
 from .mrope import layout_outputs as mrope_layout_outputs
 from .paged import PagedInputs
 from .plan_records import CountsPlan, slot_plans
+from .shape import StepShape, check_shape
 
 MHA_DECODE = "mha_decode"
 
@@ -111,27 +112,26 @@ def _joined(own: dict[str, Any], extra: dict[str, Any] | None) -> dict[str, Any]
 
 
 class MhaDecodeInputs(PagedInputs):
-    """Declares the decode buffers, produces them, and runs KV-index generation."""
+    """Declares the decode buffers, produces them, and runs KV-index generation.
+
+    ``shape`` (a :class:`~h2d_runner_adapters.StepShape`) sizes them: ``max_reqs``
+    requests, ``max_tokens`` tokens, block-table rows of ``max_pages_per_req`` pages of
+    ``page_size`` tokens, page IDs in ``[0, num_pages)`` when given."""
 
     def __init__(
         self,
         state: H2DRunnerState,
+        shape: StepShape,
         *,
-        max_reqs: int,
-        max_tokens: int,
-        max_pages_per_req: int,
-        page_size: int,
-        num_pages: int | None = None,
-        max_ranges: int = 64,
         prefix: str = "",
         mrope: bool = False,
         group: str | None = None,
         fuse_kv_indices: bool | None = None,
     ) -> None:
         g = group or f"{prefix}{MHA_DECODE}"
-        super().__init__(state, g, f"{prefix}block_tables", max_reqs=max_reqs,
-                         max_pages_per_req=max_pages_per_req, page_size=page_size,
-                         num_pages=num_pages, max_ranges=max_ranges)
+        shape = check_shape(g, shape)
+        super().__init__(state, shape, g, f"{prefix}block_tables")
+        max_reqs, max_tokens = shape.max_reqs, shape.max_tokens
         buf = state.buffer
         self.slot_mapping = buf(f"{prefix}slot_mapping", (max_tokens,), torch.int64, group=g)
         self.context_lens = buf(f"{prefix}context_lens", (max_reqs,), torch.int32, group=g)
@@ -141,7 +141,7 @@ class MhaDecodeInputs(PagedInputs):
         self.mrope_positions: H2DBuffer | None = (
             declare_mrope(state, f"{prefix}mrope_positions", max_tokens, g) if mrope else None)
         # written on the device by the first consumer, never uploaded
-        self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
+        self.kv_indices = torch.zeros(max_reqs * shape.max_pages_per_req, dtype=torch.int32,
                                       device=state.device)
         # Padded requests get this adapter's own empty row: versioned, so padding costs
         # nothing on a hit; private, so nothing can append to it.

@@ -29,44 +29,41 @@ from h2d_core import PADDED_REQS, CountRule, DeclarationError, H2DRunnerState, h
 from .batch import ScheduledBatch
 from .checks import INT32_MAX
 from .mha_decode import DecodePlan, MhaDecodeInputs
+from .shape import StepShape, check_shape
 
 MLA_DECODE = "mla_decode"
 
 
 class MlaDecodeInputs(MhaDecodeInputs):
     """Declares the MLA decode buffers (``mla_``-prefixed names, group ``mla_decode``),
-    produces them and runs KV-index generation. ``index_topk`` adds DSA's sparse KV
-    prefix; ``prefix`` declares a TBO ubatch's own buffers and group; ``fuse_kv_indices``
-    is :class:`MhaDecodeInputs`'s (default None: fused wherever the kernel runs)."""
+    produces them and runs KV-index generation, sized by ``shape`` (a
+    :class:`~h2d_runner_adapters.StepShape`: MLA's page size and capacities).
+    ``index_topk`` adds DSA's sparse KV prefix; ``prefix`` declares a TBO ubatch's own
+    buffers and group; ``fuse_kv_indices`` is :class:`MhaDecodeInputs`'s (default None:
+    fused wherever the kernel runs)."""
 
     def __init__(
         self,
         state: H2DRunnerState,
+        shape: StepShape,
         *,
-        max_reqs: int,
-        max_tokens: int,
-        max_pages_per_req: int,
-        page_size: int,
-        num_pages: int | None = None,
         index_topk: int | None = None,
-        max_ranges: int = 64,
         prefix: str = "",
         fuse_kv_indices: bool | None = None,
     ) -> None:
         g = f"{prefix}{MLA_DECODE}"
-        # checked before any buffer is declared: a refused adapter leaves the state as it was
-        for name, value, allow_none in (("page_size", page_size, False),
-                                        ("index_topk", index_topk, True)):
-            if value is None and allow_none:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
-                raise DeclarationError(
-                    f"{g}: {name} must be an int in [1, {INT32_MAX}]"
-                    f"{' or None' if allow_none else ''}, got {value!r}")
-        super().__init__(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                         max_pages_per_req=max_pages_per_req, page_size=page_size,
-                         num_pages=num_pages, max_ranges=max_ranges, prefix=f"{prefix}mla_",
-                         group=g, fuse_kv_indices=fuse_kv_indices)
+        # checked before any buffer is declared: a refused adapter leaves the state as it
+        # was (the shape checked its page size and capacities when it was made)
+        shape = check_shape(g, shape)
+        if index_topk is not None and (isinstance(index_topk, bool)
+                                       or not isinstance(index_topk, int)
+                                       or not 1 <= index_topk <= INT32_MAX):
+            raise DeclarationError(
+                f"{g}: index_topk must be an int in [1, {INT32_MAX}] or None, got "
+                f"{index_topk!r}")
+        super().__init__(state, shape, prefix=f"{prefix}mla_", group=g,
+                         fuse_kv_indices=fuse_kv_indices)
+        max_reqs = shape.max_reqs
         buf = state.buffer
         self.kv_last_page_lens = buf(f"{prefix}mla_kv_last_page_lens", (max_reqs,),
                                      torch.int32, group=g)

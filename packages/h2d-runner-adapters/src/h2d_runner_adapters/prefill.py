@@ -78,6 +78,7 @@ from .mrope import (
 )
 from .paged import PagedInputs
 from .plan_records import CountsPlan, slot_plans
+from .shape import StepShape, check_shape
 
 PREFILL_INPUTS = "prefill_inputs"
 
@@ -112,6 +113,9 @@ _ROWS = (Sequence, np.ndarray)
 class PrefillInputs(PagedInputs):
     """Declares the prefill buffers, produces them, and runs attention preparation.
 
+    ``shape`` (a :class:`~h2d_runner_adapters.StepShape`) sizes them: chunks of at most
+    ``max_reqs`` requests and ``max_tokens`` tokens, rows of ``max_pages_per_req`` pages.
+
     Every member is an :class:`H2DBuffer` read through ``.gpu``, the KV page prefix
     ``kv_indptr`` and the token owners ``token_request`` included, as decode's
     ``kv_indptr`` is: the producer computes them on the host in the same layout pass as
@@ -134,20 +138,15 @@ class PrefillInputs(PagedInputs):
     def __init__(
         self,
         state: H2DRunnerState,
+        shape: StepShape,
         *,
-        max_reqs: int,
-        max_tokens: int,
-        max_pages_per_req: int,
-        page_size: int,
-        num_pages: int | None = None,
-        max_ranges: int = 64,
         mrope: bool = False,
         last_page_lens: bool = False,
     ) -> None:
         g = PREFILL_INPUTS
-        super().__init__(state, g, "prefill_block_tables", max_reqs=max_reqs,
-                         max_pages_per_req=max_pages_per_req, page_size=page_size,
-                         num_pages=num_pages, max_ranges=max_ranges)
+        shape = check_shape(g, shape)
+        super().__init__(state, shape, g, "prefill_block_tables")
+        max_reqs, max_tokens = shape.max_reqs, shape.max_tokens
         buf = state.buffer
         self.cu_seqlens_k = buf("prefill_cu_seqlens_k", (max_reqs + 1,), torch.int32, group=g)
         self.context_lens = buf("prefill_context_lens", (max_reqs,), torch.int32, group=g)
@@ -162,7 +161,7 @@ class PrefillInputs(PagedInputs):
         self.kv_indptr = buf("prefill_kv_indptr", (max_reqs + 1,), torch.int32, group=g)
         self.token_request = buf("prefill_token_request", (max_tokens,), torch.int32, group=g)
         #: KV-index generation's output (a device tensor, never uploaded)
-        self.kv_indices = torch.zeros(max_reqs * max_pages_per_req, dtype=torch.int32,
+        self.kv_indices = torch.zeros(max_reqs * shape.max_pages_per_req, dtype=torch.int32,
                                       device=state.device)
         self._step: LayoutStep | None = None  # the compiled step, bound on first use
         self._plans: tuple[PrefillPlan, ...] = ()  # per slot, over the step's records

@@ -42,6 +42,7 @@ from .checks import AdapterInputError
 from .plan_records import CompositePlan, slot_plans
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .shape import StepShape, check_shape
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
 from .token_step import FusedStep, sampling_plan, step_columns, step_counts
 
@@ -64,8 +65,10 @@ class PrefillStepInputs(FusedStep):
     Declares the three adapters on ``state`` (reachable as ``.sampling``, ``.tokens`` and
     ``.prefill``) and combines their producer groups, plus ``extra_groups`` (e.g. GDN
     state indices, produced by their own adapter), into ``group``; construct before
-    ``state.bind()``. :meth:`from_adapters` composes adapters the caller declared (e.g.
-    sampling and token inputs shared with the decode step). ``mrope`` and
+    ``state.bind()``. ``shape`` (a :class:`~h2d_runner_adapters.StepShape`) sizes all
+    three: the sampling and token inputs take its ``max_reqs`` and ``max_tokens``, the
+    prefill adapter the whole shape. :meth:`from_adapters` composes adapters the caller
+    declared (e.g. sampling and token inputs shared with the decode step). ``mrope`` and
     ``last_page_lens`` are :class:`PrefillInputs`' options, taken by :meth:`prepare` as
     it takes them.
 
@@ -84,26 +87,20 @@ class PrefillStepInputs(FusedStep):
     def __init__(
         self,
         state: H2DRunnerState,
+        shape: StepShape,
         *,
-        max_reqs: int,
-        max_tokens: int,
-        max_pages_per_req: int,
-        page_size: int,
-        num_pages: int | None = None,
-        max_ranges: int = 64,
         mrope: bool = False,
         last_page_lens: bool = False,
         group: str = PREFILL_STEP,
         extra_groups: Sequence[str] = (),
         prev_rows: int | None = None,
     ) -> None:
+        shape = check_shape(group, shape)
         self._compose(
-            SamplingInputs(state, max_reqs),
-            TokenInputs(state, max_reqs=max_reqs, max_tokens=max_tokens, prev_rows=prev_rows),
-            PrefillInputs(state, max_reqs=max_reqs, max_tokens=max_tokens,
-                          max_pages_per_req=max_pages_per_req, page_size=page_size,
-                          num_pages=num_pages, max_ranges=max_ranges, mrope=mrope,
-                          last_page_lens=last_page_lens),
+            SamplingInputs(state, shape.max_reqs),
+            TokenInputs(state, max_reqs=shape.max_reqs, max_tokens=shape.max_tokens,
+                        prev_rows=prev_rows),
+            PrefillInputs(state, shape, mrope=mrope, last_page_lens=last_page_lens),
             group, tuple(extra_groups))
 
     @classmethod

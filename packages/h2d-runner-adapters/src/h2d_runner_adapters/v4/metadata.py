@@ -95,6 +95,7 @@ from ..consumers import (
 from ..consumers._launch import consumers_fusable, interpreted
 from ..paged import PagedInputs
 from ..plan_records import CountsPlan, slot_plans
+from ..shape import StepShape, check_capacity
 from .decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
 from .spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
 
@@ -116,9 +117,8 @@ V4_RATIOS: tuple[tuple[int, int], ...] = ((4, 8), (128, 128))
 
 def _check_dummies(group: str, dummy_state_slot: object, dummy_block: object,
                    num_blocks: int | None) -> None:
-    """The padding storage is a real slot and block (of the pool, when its size is given;
-    the snapshot checks ``num_blocks`` itself)."""
-    pool = num_blocks if type(num_blocks) is int and num_blocks > 0 else INT32_MAX + 1
+    """The padding storage is a real slot and block (of the ``num_blocks`` pool, if given)."""
+    pool = INT32_MAX + 1 if num_blocks is None else num_blocks
     for name, value, hi in (("dummy_state_slot", dummy_state_slot, INT32_MAX),
                             ("dummy_block", dummy_block, pool - 1)):
         if (isinstance(value, bool) or not isinstance(value, int)
@@ -228,6 +228,11 @@ class V41MetadataInputs(PagedInputs):
         fuse_step_indptrs: bool | None = None,
     ) -> None:
         g = f"{prefix}{V41_METADATA}"
+        # StepShape's rules, blocks (V4_BLOCK-token pages) refused under their own names
+        check_capacity("max_blocks_per_req", max_blocks_per_req, rule="max_pages_per_req", owner=g)
+        check_capacity("num_blocks", num_blocks, rule="num_pages", owner=g)
+        shape = StepShape(max_reqs, max_tokens, max_blocks_per_req, V4_BLOCK, num_blocks,
+                          max_ranges)
         _check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise DeclarationError(
@@ -236,10 +241,7 @@ class V41MetadataInputs(PagedInputs):
         self.prefix = prefix
         # the dummy block is the table's reserved page: its snapshots refuse a real row
         # bringing it, checking each row's new pages as they arrive
-        super().__init__(state, g, f"{prefix}v41_block_tables", max_reqs=max_reqs,
-                         max_pages_per_req=max_blocks_per_req, page_size=V4_BLOCK,
-                         num_pages=num_blocks, max_ranges=max_ranges,
-                         reserved_page=dummy_block)
+        super().__init__(state, shape, g, f"{prefix}v41_block_tables", reserved_page=dummy_block)
         self.ratios = tuple(ratios)
         self.window = window
         self.index_topk = index_topk
