@@ -18,8 +18,8 @@ OVERSIZED = {
     "packages/h2d-core/src/h2d_core/epoch.py": 545,
     "packages/h2d-core/src/h2d_core/records.py": 509,
     "packages/h2d-core/src/h2d_core/state.py": 402,
-    "packages/h2d-runner-adapters/src/h2d_runner_adapters/prefill.py": 442,
-    "packages/h2d-runner-adapters/src/h2d_runner_adapters/v4/metadata.py": 561,
+    "packages/h2d-runner-adapters/src/h2d_runner_adapters/prefill.py": 434,
+    "packages/h2d-runner-adapters/src/h2d_runner_adapters/v4/metadata.py": 508,
 }
 
 

@@ -9,7 +9,5 @@ cdef long long sum_ints(object value, Py_ssize_t size) noexcept
 cdef long long check_columns(str name, tuple columns, object values, Py_ssize_t n,
                              Py_ssize_t t, long long[::1] sums) except? -1
 cdef int copy_column(tuple spec, object value, Py_ssize_t m, Py_ssize_t end) except? -1
-cdef Py_ssize_t write_plan_rows(tuple spec, int[::1] own_q, int[::1] own_c, Py_ssize_t n,
-                                Py_ssize_t count) except? -1
 cdef int check_distinct(str name, tuple columns, tuple distinct, object values,
                         Py_ssize_t n, object sort_keys, long long* stamp) except? -1

@@ -34,3 +34,6 @@ cdef class CursorsOutput(BoundOutput):
     cdef str drafts_name
     cdef Py_ssize_t width
     cdef object candidates
+
+cdef Py_ssize_t write_plan_rows(tuple spec, int[::1] own_q, int[::1] own_c, Py_ssize_t n,
+                                Py_ssize_t count) except? -1

@@ -1,10 +1,8 @@
 """A layout's columns, per step: each checked (length, dtype, bounds, reserved values,
-distinct requests), copied with its padding, and the compressed-KV plans' rows written.
+distinct requests), and copied with its padding.
 
-Array access reads numpy's C fields directly: a typed memoryview costs ~0.3 µs per array
-and step, several times the loop it feeds. Every check runs in
-:meth:`~h2d_core.RequestLayout.plan`, before anything is written; a refusal's message comes
-from :mod:`h2d_core.layout_refusals`.
+Arrays are read through numpy's C fields (a typed memoryview costs ~0.3 µs per array and
+step). Every check runs in :meth:`~h2d_core.RequestLayout.plan`, before any write.
 
 Written in Cython's pure-Python mode and compiled as ``h2d_core._layout_columns_native``
 (declared for the other compiled layout modules in ``_layout_columns_native.pxd``).
@@ -275,42 +273,6 @@ def copy_column(spec: tuple, value: object, m: cython.Py_ssize_t,
 @cython.exceptval(-1, check=True)
 @cython.boundscheck(False)
 @cython.wraparound(False)
-@cython.cdivision(True)
-def write_plan_rows(spec: tuple, own_q: cython.int[::1], own_c: cython.int[::1],
-               n: cython.Py_ssize_t, count: cython.Py_ssize_t) -> cython.Py_ssize_t:
-    """Write one plan's rows (see :class:`LayoutPlan`); returns the real row count."""
-    out: cython.pointer[cython.int] = int_data(spec[0])
-    ratio: cython.longlong = spec[1]
-    window: cython.longlong = spec[2]
-    tail: cython.bint = spec[3]
-    i: cython.Py_ssize_t
-    j: cython.longlong
-    q: cython.longlong
-    c: cython.longlong
-    x: cython.longlong
-    t: cython.longlong = 0
-    r: cython.Py_ssize_t = 0
-    for i in range(n):
-        q = cython.cast(cython.longlong, own_q[i])
-        c = cython.cast(cython.longlong, own_c[i])
-        for j in range(q):
-            x = c - q + j
-            if (x >= c - window) if tail else ((x + 1) % ratio == 0):
-                out[4 * r] = cython.cast(cython.int, t)
-                out[4 * r + 1] = cython.cast(cython.int, i)
-                out[4 * r + 2] = cython.cast(cython.int, x)
-                out[4 * r + 3] = cython.cast(cython.int, window - min(j + 1, window))
-                r += 1
-            t += 1
-    for i in range(4 * r, 4 * count):  # count -1: no -1 rows
-        out[i] = -1
-    return r
-
-
-@cython.cfunc
-@cython.exceptval(-1, check=True)
-@cython.boundscheck(False)
-@cython.wraparound(False)
 def check_distinct(name: str, columns: tuple, distinct: tuple, values: Sequence[Any],
                    n: cython.Py_ssize_t, sort_keys: object,
                    stamp: cython.pointer[cython.longlong]) -> cython.int:
@@ -399,10 +361,7 @@ def _sift_down(a: cython.pointer[cython.longlong], root: cython.Py_ssize_t,
         root = child
 
 
-# This source is compiled by Cython, as ``h2d_core._layout_columns_native``, when the package
-# is built; run interpreted, it only checks that build is there (the compiled layout
-# modules cimport it: without it they could not load, and this names the missing module).
-if not cython.compiled:
+if not cython.compiled:  # interpreted: only name this build if it is missing (cimported)
     from block_tables.native import require_extension
 
     require_extension("h2d_core._layout_columns_native")

@@ -55,9 +55,8 @@ if cython.compiled:  # the column and output steps through C (their .pxd declara
         copy_column,
         copy_ints,
         int_data,
-        write_plan_rows,
     )
-    from cython.cimports.h2d_core._layout_outputs_native import BoundOutput
+    from cython.cimports.h2d_core._layout_outputs_native import BoundOutput, write_plan_rows
 
 #: the fields of RequestLayout.meta_address's int64 counts
 META_NUM_REQS, META_PADDED_REQS, META_NUM_TOKENS, META_PADDED_TOKENS = 0, 1, 2, 3

@@ -144,3 +144,19 @@ def refuse_column(group: str, name: str, values: np.ndarray, bad: np.ndarray, ru
     i = int(np.flatnonzero(bad)[0])
     shown = str(values[i])  # numpy's shortest form of a float32 ("1.0000001")
     raise AdapterInputError(f"{group}: {what} {i} has {name}={shown}; {name} must be {rule}")
+
+
+_INT32_DTYPE = np.dtype(np.int32)
+
+
+def length_column(group: str, cols: Any, name: str) -> np.ndarray:
+    """The batch's ``name`` lengths: a 1-D int32 numpy array (the layout pass checks the
+    values and that it is C-contiguous and aligned; reading ``flags`` here would build an
+    object per step)."""
+    a = getattr(cols, name, None)
+    if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != _INT32_DTYPE:
+        raise AdapterInputError(
+            f"{group}: batch.columns.{name} must be a 1-D C-contiguous int32 numpy array "
+            f"with one entry per request, got {describe(a)}; build it with "
+            "np.ascontiguousarray(values, dtype=np.int32)")
+    return a

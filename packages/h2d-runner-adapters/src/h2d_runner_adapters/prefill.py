@@ -66,8 +66,15 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .batch import BatchColumns, PageRow, ScheduledBatch
-from .checks import AdapterInputError, bool_mask, describe, refuse_page_size, sub_plan
+from .batch import PageRow, ScheduledBatch
+from .checks import (
+    AdapterInputError,
+    bool_mask,
+    describe,
+    length_column,
+    refuse_page_size,
+    sub_plan,
+)
 from .consumers import generate_kv_indices
 from .mrope import (
     check_deltas,
@@ -286,8 +293,8 @@ class PrefillInputs(PagedInputs):
                 f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
                 f"(or None), got {describe(owns_slot)}")
         cols = batch.columns
-        qlens = _length_column(g, cols, "query_lens")
-        ctx = _length_column(g, cols, "context_lens")
+        qlens = length_column(g, cols, "query_lens")
+        ctx = length_column(g, cols, "context_lens")
         if qlens.size != ctx.size:
             raise AdapterInputError(
                 f"{g}: batch.columns.context_lens has {ctx.size} entries but query_lens "
@@ -425,17 +432,3 @@ class PrefillInputs(PagedInputs):
         return self.kv_indices
 
 
-def _length_column(group: str, cols: BatchColumns, name: str) -> np.ndarray:
-    """The batch's ``name`` lengths: a 1-D int32 numpy array (the layout pass checks the
-    values and that it is C-contiguous and aligned; reading ``flags`` here would build an
-    object per step)."""
-    a = getattr(cols, name, None)
-    if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != _INT32:
-        raise AdapterInputError(
-            f"{group}: batch.columns.{name} must be a 1-D C-contiguous int32 numpy array "
-            f"with one entry per request, got {describe(a)}; build it with "
-            "np.ascontiguousarray(values, dtype=np.int32)")
-    return a
-
-
-_INT32 = np.dtype(np.int32)

@@ -69,7 +69,6 @@ from h2d_core import (
     LayoutPlan,
     LayoutStep,
     RequestLayout,
-    StepCounts,
     h2d_producer,
 )
 
@@ -94,9 +93,10 @@ from ..consumers import (
 )
 from ..consumers._launch import consumers_fusable, interpreted
 from ..paged import PagedInputs
-from ..plan_records import CountsPlan, slot_plans
+from ..plan_records import slot_plans
 from ..shape import StepShape, check_capacity
 from .decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
+from .plans import V41Plan
 from .spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
 
 __all__ = [
@@ -127,59 +127,6 @@ def _check_dummies(group: str, dummy_state_slot: object, dummy_block: object,
                 f"{group}: {name} must be an int in [0, {hi}] (reserved padding storage), "
                 f"got {value!r}")
 
-
-class V41Plan(CountsPlan):
-    """What a V4.1 step published: requests and tokens (real, padded), the widest query,
-    per ratio (in ``ratios`` order) its plans' rows ``(real compress rows, published
-    compress rows, real write rows, published write rows)``, the block table's stage, and
-    (prefill) the ``v41_window_write_plan`` rows ``(real, published)`` ((0, 0) for
-    decode). A decode step's plan reads its slot's record in place: valid until the same
-    slot's next step (see :mod:`~h2d_runner_adapters.plan_records`)."""
-
-    __slots__ = ("_rows", "_slot", "_step", "window_rows")
-    FIELDS = ("num_reqs", "padded_reqs", "num_tokens", "padded_tokens", "max_query_len",
-              "plan_rows", "table_stage", "window_rows")
-    num_reqs: int
-    padded_reqs: int
-    num_tokens: int
-    padded_tokens: int
-    max_query_len: int
-    table_stage: str
-    window_rows: tuple[int, int]
-    _rows: tuple[tuple[int, int, int, int], ...]
-    _step: LayoutStep | None
-    _slot: int
-
-    def __init__(self, num_reqs: int, padded_reqs: int, num_tokens: int,
-                 padded_tokens: int, max_query_len: int,
-                 plan_rows: tuple[tuple[int, int, int, int], ...], table_stage: str,
-                 window_rows: tuple[int, int]) -> None:
-        self._counts = StepCounts(num_reqs, padded_reqs, max_query_len, num_tokens,
-                                  padded_tokens, 0, table_stage)
-        self._rows = tuple(plan_rows)
-        self._step = None
-        self._slot = 0
-        self.window_rows = tuple(window_rows)  # type: ignore[assignment]
-
-    @property
-    def plan_rows(self) -> tuple[tuple[int, int, int, int], ...]:
-        """Per ratio: (real compress rows, published, real write rows, published)."""
-        step = self._step
-        return self._rows if step is None else step.plan_rows_of(self._slot)
-
-    @classmethod
-    def over_step(cls, counts: StepCounts, step: LayoutStep, slot: int) -> V41Plan:
-        """A decode plan reading a bound step's ``slot`` in place (its counts record and
-        plan rows)."""
-        plan: V41Plan = cls.over(counts)
-        plan._rows = ()
-        plan._step = step
-        plan._slot = slot
-        plan.window_rows = _NO_WINDOW_ROWS
-        return plan
-
-
-_NO_WINDOW_ROWS = (0, 0)  # decode publishes no window-write plan
 
 #: what a real request holding the dummy state slot is told (the layout's reserved value)
 _DUMMY_SLOT_NOTE = ("the adapter's private dummy state slot (dummy_state_slot: padding "
