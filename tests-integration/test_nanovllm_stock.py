@@ -130,6 +130,24 @@ def test_flash_attn_standin_matches_dense_attention() -> None:
         ref = _dense(qd[b], keys(b, k_cache), keys(b, v_cache), lens_k[b] - 1)
         torch.testing.assert_close(out[b].double(), ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
+    # slots no row's length covers may hold NaN (an unwritten torch.empty cache): they are
+    # never read, paged prefill and decode alike (SDPA alone would turn a masked NaN value
+    # into a NaN output)
+    written = torch.zeros(blocks * block, dtype=torch.bool)
+    for b in range(3):
+        for j in range(lens_k[b]):
+            written[tables[b][j // block] * block + j % block] = True
+    k_nan, v_nan = k_cache.clone(), v_cache.clone()
+    k_nan.flatten(0, 1)[~written] = float("nan")
+    v_nan.flatten(0, 1)[~written] = float("nan")
+    out_nan = flash_attn_with_kvcache(qd, k_nan, v_nan, cache_seqlens=seqlens,
+                                      block_table=table4, softmax_scale=d ** -0.5, causal=True)
+    torch.testing.assert_close(out_nan, out, rtol=0, atol=0)
+    paged_nan = flash_attn_varlen_func(q, k_nan, v_nan, max_seqlen_q=max(lens_q),
+                                       cu_seqlens_q=cu_q, max_seqlen_k=max(lens_k),
+                                       cu_seqlens_k=cu_k, softmax_scale=d ** -0.5, causal=True,
+                                       block_table=table)
+    torch.testing.assert_close(paged_nan, paged, rtol=0, atol=0)
 
 
 def test_flash_attn_standin_reads_nothing_back() -> None:

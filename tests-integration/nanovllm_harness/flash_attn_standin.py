@@ -64,8 +64,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
             k_len: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """``q`` ``[batch, lq, heads, dim]`` over ``k``/``v`` ``[batch, lk, kv_heads, dim]``:
     query ``i`` of row ``b`` sits at key position ``q_pos[b, i]`` (-1: a padded query) and
-    sees keys ``j < k_len[b]`` (and ``j <= q_pos[b, i]`` when causal)."""
+    sees keys ``j < k_len[b]`` (and ``j <= q_pos[b, i]`` when causal).
+
+    Keys and values past ``k_len[b]`` are zeroed first: they are whatever the gathered
+    cache slots held (a paged cache is ``torch.empty``: unwritten slots may hold NaN or inf
+    bit patterns), and SDPA's weighted sum multiplies a masked value by a zero weight, so a
+    NaN there would reach the output (flash-attn never reads them)."""
     j = torch.arange(k.shape[1], device=q.device)
+    seen = (j < k_len[:, None])[:, :, None, None]
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    k, v = torch.where(seen, k, zero), torch.where(seen, v, zero)
     mask = (j < k_len[:, None, None]) & (q_pos[:, :, None] >= 0)
     if causal:
         mask = mask & (j <= q_pos[:, :, None])
