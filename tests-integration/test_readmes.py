@@ -18,7 +18,9 @@ from h2d_runner_adapters.consumers._launch import interpreted
 from h2d_runner_adapters.consumers.kv_indices import _kv_indices_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
-READMES = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
+#: the READMEs and the docs whose python blocks an engine author would paste
+READMES = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md")),
+           ROOT / "docs" / "engines.md"]
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 #: a top-level print whose next line is a comment: that comment is its exact output
 PRINTED = re.compile(r"^print\(.*\n# (.*)$", re.M)
@@ -41,7 +43,7 @@ def test_printed_outputs_are_parsed() -> None:
 
 def test_every_readme_is_covered() -> None:
     assert all(p.is_file() for p in READMES), READMES
-    assert len(READMES) == 5
+    assert len(READMES) == 6
 
 
 @pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
