@@ -37,8 +37,12 @@ def write_tokenizer(path: Path, vocab_size: int, eos_id: int) -> None:
     tok.save_pretrained(path)
 
 
-def write_model_dir(path: str | Path, seed: int = 0, dtype: str = "bfloat16") -> Path:
+def write_model_dir(path: str | Path, seed: int = 0, dtype: str = "bfloat16",
+                    config: dict[str, Any] | None = None) -> Path:
     """Write the model (safetensors in ``dtype``, config) and tokenizer to ``path``; return it.
+
+    ``config``: ``Qwen3Config`` keywords laid over :data:`CONFIG` (a larger shape: the
+    benchmark's Qwen3-0.6B); its ``vocab_size`` and ``eos_token_id`` shape the tokenizer.
 
     Weights are transformers' initialisation under ``torch.manual_seed(seed)``, every norm
     weight then drawn around 1 (the init's all-ones would hide a norm loaded into the
@@ -48,7 +52,8 @@ def write_model_dir(path: str | Path, seed: int = 0, dtype: str = "bfloat16") ->
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3Config(**CONFIG)
+    keywords = {**CONFIG, **(config or {})}
+    cfg = Qwen3Config(**keywords)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(cfg).eval()
@@ -58,5 +63,5 @@ def write_model_dir(path: str | Path, seed: int = 0, dtype: str = "bfloat16") ->
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
         model.lm_head.weight.mul_(8.0)
     model.to(getattr(torch, dtype)).save_pretrained(path)
-    write_tokenizer(path, cfg.vocab_size, CONFIG["eos_token_id"])
+    write_tokenizer(path, cfg.vocab_size, keywords["eos_token_id"])
     return path
