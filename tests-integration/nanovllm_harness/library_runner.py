@@ -142,8 +142,9 @@ def library_runner_class() -> type:
                      lineages: SequenceLineages | None = None) -> None:
             super().__init__(config, rank, event)
             self.lineages = lineages if lineages is not None else SequenceLineages()
-            cuda = torch.cuda.is_available()
-            self.h2d_device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+            # nano-vllm's own device (its CPU patches put the model on the CPU even where
+            # CUDA is present): the published destinations live beside the model
+            self.h2d_device = next(self.model.parameters()).device
             block = self.block_size
             self.shape = StepShape(
                 max_reqs=config.max_num_seqs, max_tokens=config.max_num_batched_tokens,
