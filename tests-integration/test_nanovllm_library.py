@@ -44,7 +44,6 @@ Skips when ``nanovllm`` is not installed, unless ``H2D_REQUIRE_NANOVLLM=1``.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import subprocess
@@ -53,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nanovllm_harness.availability import require_nanovllm
 from nanovllm_harness.library_cpu import MUTATION_ENV
 from nanovllm_harness.library_runner import SequenceLineages
 from nanovllm_harness.stock_cpu import BLOCK, PREEMPTED
@@ -68,15 +68,6 @@ RUNS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "library_sampled": ("library_cpu", ("--preempt", "--sampled"), {}),
     "library_mutant": ("library_cpu", ("--preempt",), {MUTATION_ENV: "stale_lineage"}),
 }
-
-
-def _require_nanovllm() -> None:
-    if importlib.util.find_spec("nanovllm") is not None:
-        return
-    why = "nanovllm is not installed (pip install nano-vllm-fork==20260210 xxhash)"
-    if os.environ.get("H2D_REQUIRE_NANOVLLM") == "1":
-        pytest.fail(f"{why} and H2D_REQUIRE_NANOVLLM=1", pytrace=False)
-    pytest.skip(f"{why}; H2D_REQUIRE_NANOVLLM=1 makes this a failure")
 
 
 # -- the lineage mapping alone ----------------------------------------------------------------
@@ -147,7 +138,7 @@ def _finish(name: str, proc: subprocess.Popen[str]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    _require_nanovllm()
+    require_nanovllm()
     from nanovllm_harness.model_dir import write_model_dir
 
     return write_model_dir(tmp_path_factory.mktemp("nanovllm") / "qwen3", dtype="bfloat16")

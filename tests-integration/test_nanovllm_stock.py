@@ -32,7 +32,6 @@ tests`` installs it and sets that): then it fails.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -43,6 +42,7 @@ from typing import Any
 
 import pytest
 import torch
+from nanovllm_harness.availability import require_nanovllm
 
 if os.environ.get("H2D_REQUIRE_TRANSFORMERS") == "1":  # nox -s tests installs it
     import transformers
@@ -57,15 +57,6 @@ HARNESS_ROOT = Path(__file__).parent  # tests-integration: nanovllm_harness's pa
 #: bf16: how far (in bf16 steps at the max logit's magnitude) below the dense forward's max
 #: logit nano-vllm's token may be (op-order differences measured at <= 2 steps)
 BF16_STEPS = 2
-
-
-def _require_nanovllm() -> None:
-    if importlib.util.find_spec("nanovllm") is not None:
-        return
-    why = "nanovllm is not installed (pip install nano-vllm-fork==20260210 xxhash)"
-    if os.environ.get("H2D_REQUIRE_NANOVLLM") == "1":
-        pytest.fail(f"{why} and H2D_REQUIRE_NANOVLLM=1", pytrace=False)
-    pytest.skip(f"{why}; H2D_REQUIRE_NANOVLLM=1 makes this a failure")
 
 
 # -- the flash-attn stand-in against dense attention ---------------------------------------
@@ -231,7 +222,7 @@ def _bf16_step(x: float) -> float:
 
 
 def test_stock_float32_equals_generate(tmp_path: Path) -> None:
-    _require_nanovllm()
+    require_nanovllm()
     model_dir = write_model_dir(tmp_path / "qwen3", dtype="float32")
     proc = _start(model_dir)
     try:  # transformers' tokens while nano-vllm runs
@@ -262,7 +253,7 @@ def _difference(model: Any, name: str, prompt: list[int], got: list[int],
 
 
 def test_stock_bfloat16_tokens_are_dense_argmax(tmp_path: Path) -> None:
-    _require_nanovllm()
+    require_nanovllm()
     model_dir = write_model_dir(tmp_path / "qwen3", dtype="bfloat16")
     proc = _start(model_dir)
     try:

@@ -11,30 +11,20 @@ The smoke test skips when ``nanovllm`` is not installed, unless ``H2D_REQUIRE_NA
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+from nanovllm_harness.availability import require_nanovllm
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
 
 
-def _require_nanovllm() -> None:
-    if importlib.util.find_spec("nanovllm") is not None:
-        return
-    why = "nanovllm is not installed (pip install nano-vllm-fork==20260210 xxhash)"
-    if os.environ.get("H2D_REQUIRE_NANOVLLM") == "1":
-        pytest.fail(f"{why} and H2D_REQUIRE_NANOVLLM=1", pytrace=False)
-    pytest.skip(f"{why}; H2D_REQUIRE_NANOVLLM=1 makes this a failure")
-
-
 def test_nanovllm_bench_tiny_on_cpu(tmp_path: Path) -> None:
-    _require_nanovllm()
+    require_nanovllm()
     out = tmp_path / "nanovllm_bench.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "nanovllm_bench.py"), "--tiny", "--cpu",
