@@ -1,8 +1,11 @@
 """No-op stand-ins for the Cython pure-Python-mode names the compiled modules use.
 
-``h2d_core.request_layout`` and ``h2d_core.records`` are compiled by Cython when their
-wheels are built (``hatch_build.py``); where they run interpreted and Cython is not
-installed, they import this instead of ``cython``.
+The pure-mode sources (``h2d_core.epoch``, ``h2d_core.request_layout``,
+``block_tables.staging``, ...) are compiled by Cython when their wheels are built; Cython
+is a build dependency only. Imported where it is not installed, a source runs its
+decorators and declarations through this module before it hands over to its compiled
+core, so every Cython name a source uses outside an annotation needs a stand-in here
+(``tests-integration/test_packaging.py`` imports every module without Cython).
 """
 
 from __future__ import annotations
@@ -30,10 +33,26 @@ class _CType:
         return object
 
 
+class _Pointer:
+    """``cython.pointer[T]``'s stand-in: any object."""
+
+    def __getitem__(self, item: Any) -> object:
+        return object
+
+
 bint = _CType(bool)
 int = _CType(builtins.int)
+ulong = _CType(builtins.int)
 longlong = _CType(builtins.int)
 Py_ssize_t = _CType(builtins.int)
+float = _CType(builtins.float)
+double = _CType(builtins.float)
+void = _CType(object)
+pointer = _Pointer()
+
+
+def address(value: Any) -> Any:
+    return value
 
 
 def cast(kind: Any, value: Any) -> Any:
@@ -63,6 +82,7 @@ def boundscheck(flag: bool) -> Callable[[F], F]:
 wraparound = boundscheck
 cdivision = boundscheck
 annotation_typing = boundscheck
+always_allow_keywords = boundscheck
 
 
 def declare(*args: Any, **kwargs: Any) -> Any:

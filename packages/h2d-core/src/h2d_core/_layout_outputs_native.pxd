@@ -1,6 +1,8 @@
 # The C declarations of layout_outputs.py (compiled as h2d_core._layout_outputs_native): the
 # registered outputs' fields and their check/write methods, which the compiled layout
 # (request_layout.py) calls through C. Meanings: layout_outputs.py.
+from h2d_core._layout_sums_native cimport BoundSum
+
 cdef class BoundOutput:
     cdef int check(self, str name, object values, int* qv, Py_ssize_t n) except? -1
     cdef int write(self, object values, int* own_q, int* own_c, Py_ssize_t n, Py_ssize_t p,
@@ -26,14 +28,20 @@ cdef class VerifyRowsOutput(BoundOutput):
     cdef object bonus
     cdef long long capacity
 
-cdef class CursorsOutput(BoundOutput):
-    cdef Py_ssize_t cursor
-    cdef str cursor_name
-    cdef long long limit
-    cdef Py_ssize_t drafts
-    cdef str drafts_name
+cdef class RequestBoundOutput(BoundOutput):
+    cdef BoundSum value
+    cdef long long low
+    cdef long long high
+    cdef str rule
+    cdef str note
+
+cdef class RampRowsOutput(BoundOutput):
+    cdef str output
+    cdef object out
     cdef Py_ssize_t width
-    cdef object candidates
+    cdef BoundSum start
+    cdef BoundSum count
+    cdef int fill
 
 cdef Py_ssize_t write_plan_rows(tuple spec, int[::1] own_q, int[::1] own_c, Py_ssize_t n,
                                 Py_ssize_t count) except? -1

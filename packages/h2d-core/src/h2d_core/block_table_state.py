@@ -92,6 +92,9 @@ class BlockTableState:
         self._partial_max_share = check_max_share(name, partial_max_share)
         self.buffer = buffer
         self.state = state
+        # what a refused call is called, made once (the passing check makes no object)
+        self._what_prepare, self._what_capture, self._what_stage = (
+            f"{call} of {name!r}" for call in ("prepare", "prepare_capture", "stage"))
         self.snapshots = tuple(
             PageTableSnapshot(buffer.source(slot).numpy(), pool_limit=pool_limit,
                               fill_value=fill_value,
@@ -136,8 +139,7 @@ class BlockTableState:
         return the prepared revision. All rows are validated before any write; prefill
         may prepare without publishing."""
         state = self.state
-        if not state._ready():  # owner thread, valid, in an epoch
-            state._check_ready(f"prepare of {self.buffer.name!r}")
+        state.require_ready(self._what_prepare)
         slot = state.current_slot
         if type(padding) is not int or not 0 <= padding <= len(rows):
             raise CountError(
@@ -160,8 +162,7 @@ class BlockTableState:
         ``num_rows`` is checked before any write. Returns the :class:`StageResult`.
         """
         state = self.state
-        if not state._ready():  # owner thread, valid, in an epoch
-            state._check_ready(f"prepare_capture of {self.buffer.name!r}")
+        state.require_ready(self._what_capture)
         name = self.buffer.name
         if isinstance(num_rows, bool) or not isinstance(num_rows, (int, np.integer)):
             raise CountError(
@@ -190,8 +191,7 @@ class BlockTableState:
         The record is updated only when the group's publication succeeds.
         """
         state = self.state
-        if not state._ready():  # owner thread, valid, in an epoch
-            state._check_ready(f"stage of {self.buffer.name!r}")
+        state.require_ready(self._what_stage)
         slot = state.current_slot
         snap = self.snapshots[slot]
         if type(num_rows) is not int:

@@ -60,8 +60,7 @@ class CountBatch:
         """Set every member's count (in member order); all are checked before any is
         stored, exactly as :meth:`H2DRunnerState.set_count` checks one."""
         st = self._state
-        if not st._ready():  # owner thread, valid, in an epoch
-            st._check_ready("CountBatch.set")
+        st.require_ready("CountBatch.set")
         entries = self._entries
         if len(counts) != len(entries):
             raise CountError(

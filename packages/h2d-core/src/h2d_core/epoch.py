@@ -134,8 +134,7 @@ class EpochCore:
     _all_names = cython.declare(tuple, visibility="public")
     #: guard_sources (a debug mode): only the open epoch's slot has writable numpy views
     _guard = cython.declare(cython.bint, visibility="public")
-    # the groups tuple enter_producer checked last (see there)
-    _last_groups = cython.declare(object)
+    _last_groups = cython.declare(object)  # the groups enter_producer checked last
     #: the epoch's last enqueue was a publication graph that recorded the slot's event
     #: (set by such a publish, cleared by every other enqueue, begin, resume and reopen):
     #: finish() then records nothing itself
@@ -167,11 +166,12 @@ class EpochCore:
         self._owner_c = ident
 
     @cython.ccall
-    def _ready(self) -> cython.bint:
-        """Owner thread, valid and inside an epoch: the common case of a producer's entry
-        check, made without an int object (else call :meth:`_check_ready`)."""
-        return (self._invalid is None and self._epoch_open
-                and PyThread_get_thread_ident() == self._owner_c)
+    @cython.always_allow_keywords(False)  # METH_O: a one-argument call as cheap as none
+    def require_ready(self, what: str) -> None:
+        """Refuse work outside the owner's open epoch, naming ``what`` (made once: no object)."""
+        if (self._invalid is not None or not self._epoch_open
+                or PyThread_get_thread_ident() != self._owner_c):
+            self._check_ready(what)
 
     @property
     def bound(self) -> bool:

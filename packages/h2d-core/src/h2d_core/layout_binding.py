@@ -15,20 +15,25 @@ import numpy as np
 
 from .errors import RequestLayoutError
 from .layout_outputs import (
-    CursorsOutput,
+    RampRowsOutput,
+    RequestBoundOutput,
     StateSlotsOutput,
     TokenPlanesOutput,
     VerifyRowsOutput,
 )
 from .layout_records import (
-    Cursors,
+    QUERY_LENS,
     LayoutColumn,
     LayoutPlan,
+    RampRows,
+    RequestBound,
+    RequestSum,
     StateSlots,
     TokenPlanes,
     VerifyRows,
 )
 from .layout_refusals import describe
+from .layout_sums import BoundSum
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -68,12 +73,12 @@ def bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: di
     names = [spec[5] for spec in bound]  # no output may take a column's name
     specs = []
     for out in outputs:
-        if isinstance(out, StateSlots | Cursors | VerifyRows):
+        if isinstance(out, StateSlots | RequestBound | RampRows | VerifyRows):
             continue
         if not isinstance(out, TokenPlanes):
             raise RequestLayoutError(
-                f"{name}: outputs takes TokenPlanes, StateSlots, Cursors and VerifyRows "
-                f"records, got {type(out).__name__}")
+                f"{name}: outputs takes TokenPlanes, StateSlots, RequestBound, RampRows and "
+                f"VerifyRows records, got {type(out).__name__}")
         if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
             raise RequestLayoutError(
                 f"{name}: output {out.name!r}: planes must be an int >= 1, got "
@@ -141,29 +146,88 @@ def bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dic
     return (VerifyRowsOutput(k, out.targets, out.prefix, out.bonus),)
 
 
-def bind_cursors(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                  req_caps: list) -> tuple:
-    """The registered :class:`Cursors` (at most one) checked and bound."""
-    found = [out for out in outputs if isinstance(out, Cursors)]
-    if not found:
-        return ()
-    out = found[0]
-    cursor, drafts = request_column(bound, out.column), request_column(bound, out.drafts)
-    limit, width = out.limit, out.width
-    if (len(found) > 1 or cursor < 0 or type(limit) is not int
-            or not 0 <= limit <= INT32_MAX or (out.drafts is None) != (out.candidates is None)
-            or (out.drafts is not None and drafts < 0)
-            or type(width) is not int or not 1 <= width <= INT32_MAX):
+#: what a RequestSum may hold: at most MAX_TERMS terms, each coefficient within
+#: +-MAX_COEF, the offset within +-MAX_OFFSET, so that no sum of int32 values leaves int64
+MAX_TERMS, MAX_COEF, MAX_OFFSET = 8, 1 << 16, 1 << 62
+
+
+def bind_sum(name: str, bound: list, value: Any, what: str) -> BoundSum:
+    """A :class:`RequestSum` checked and bound (its columns by index, -1: the query
+    lengths)."""
+    terms: Any = getattr(value, "terms", None)
+    ok = (isinstance(value, RequestSum) and isinstance(terms, tuple)
+          and len(terms) <= MAX_TERMS and type(value.offset) is int
+          and abs(value.offset) <= MAX_OFFSET)
+    columns, coefs, names = [], [], []
+    for term in terms if ok else ():
+        col, coef = term if isinstance(term, tuple) and len(term) == 2 else (None, None)
+        if not isinstance(col, str):
+            ok = False
+            break
+        k = -1 if col == QUERY_LENS else request_column(bound, col)
+        if (k < 0 and col != QUERY_LENS) or type(coef) is not int \
+                or not 0 < abs(coef) <= MAX_COEF:
+            ok = False
+            break
+        columns.append(k)
+        coefs.append(coef)
+        names.append(col)
+    if not ok:
         raise RequestLayoutError(
-            f"{name}: Cursors needs column naming a bound int32 per-request column and limit "
-            "an int in [0, 2**31); drafts names another and goes with candidates (width: an "
-            "int >= 1); one Cursors per layout")
-    if out.candidates is not None:
-        checked_array(name, "Cursors candidates", out.candidates, np.int32, 1)
-        arrays["candidates"] = out.candidates
-        req_caps.append(out.candidates.size // width)
-    return (CursorsOutput(cursor, bound[cursor][5], limit, drafts,
-                          bound[drafts][5] if drafts >= 0 else "", width, out.candidates),)
+            f"{name}: {what} must be a RequestSum of at most {MAX_TERMS} (column, "
+            f"coefficient) terms, each column a bound int32 per-request column or "
+            f"{QUERY_LENS!r} and each coefficient a nonzero int within +-{MAX_COEF}, and an "
+            f"int offset within +-2**62; got {value!r}")
+    return BoundSum(np.array(columns, np.int32), np.array(coefs, np.int64), value.offset,
+                    value.describe(), tuple(names))
+
+
+def bind_request_bounds(name: str, bound: list, outputs: Sequence[Any]) -> tuple:
+    """Each registered :class:`RequestBound` checked and bound."""
+    specs = []
+    for out in outputs:
+        if not isinstance(out, RequestBound):
+            continue
+        low, high = out.low, out.high
+        if (any(b is not None and (type(b) is not int or not INT64_MIN <= b <= INT64_MAX)
+                for b in (low, high)) or (low is None and high is None)
+                or (low is not None and high is not None and low > high)
+                or not isinstance(out.note, str)):
+            raise RequestLayoutError(
+                f"{name}: RequestBound needs low and/or high, ints in int64 with low <= "
+                f"high, and a str note; got low={low!r}, high={high!r}")
+        rule = (f"in [{low}, {high}]" if low is not None and high is not None
+                else f">= {low}" if low is not None else f"<= {high}")
+        specs.append(RequestBoundOutput(
+            bind_sum(name, bound, out.value, "RequestBound value"),
+            INT64_MIN if low is None else low, INT64_MAX if high is None else high, rule,
+            out.note))
+    return tuple(specs)
+
+
+def bind_ramp_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+                   req_caps: list) -> tuple:
+    """Each registered :class:`RampRows` checked and bound."""
+    names = [spec[5] for spec in bound]
+    specs = []
+    for out in outputs:
+        if not isinstance(out, RampRows):
+            continue
+        width, fill = out.width, out.fill
+        if (not isinstance(out.name, str) or out.name in arrays or out.name in names
+                or out.out is None or type(width) is not int or not 1 <= width <= INT32_MAX
+                or type(fill) is not int or not -INT32_MAX - 1 <= fill <= INT32_MAX):
+            raise RequestLayoutError(
+                f"{name}: RampRows {out.name!r} needs a unique name, an out array, width an "
+                f"int in [1, 2**31) and fill an int32; got width={width!r}, fill={fill!r}")
+        checked_array(name, f"RampRows {out.name!r}", out.out, np.int32, 1)
+        what = f"RampRows {out.name!r}"
+        start = bind_sum(name, bound, out.start, f"{what} start")
+        count = bind_sum(name, bound, out.count, f"{what} count")
+        arrays[out.name] = out.out
+        req_caps.append(out.out.size // width)
+        specs.append(RampRowsOutput(out.name, out.out, width, start, count, fill))
+    return tuple(specs)
 
 
 def bind_outputs(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
@@ -174,7 +238,8 @@ def bind_outputs(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
     return (bind_verify_rows(name, bound, outputs, arrays, req_caps)
             + bind_token_planes(name, bound, outputs, arrays, tok_caps)
             + bind_state_slots(name, bound, outputs, arrays, req_caps)
-            + bind_cursors(name, bound, outputs, arrays, req_caps))
+            + bind_request_bounds(name, bound, outputs)
+            + bind_ramp_rows(name, bound, outputs, arrays, req_caps))
 
 
 def distinct_columns(name: str, columns: Sequence[LayoutColumn], bound: list) -> tuple:
@@ -262,6 +327,12 @@ def bind_columns(name: str, columns: Sequence[LayoutColumn], arrays: dict,
     """Each :class:`LayoutColumn` checked and bound: (kind, out, per_token, pad, minimum,
     name, bounds, reserved); its array joins ``arrays`` and its size the capacities."""
     bound: list[tuple[Any, ...]] = []
+    names = [getattr(col, "name", None) for col in columns]
+    for col in columns:  # a sum's term names one column, never the query lengths
+        if names.count(col.name) > 1 or col.name == QUERY_LENS:
+            raise RequestLayoutError(
+                f"{name}: column {col.name!r} needs a unique name, not {QUERY_LENS!r} (a "
+                "RequestSum's term for the query lengths)")
     for col in columns:
         out = col.out
         if out is None:  # checked and summed only

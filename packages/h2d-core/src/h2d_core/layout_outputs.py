@@ -1,8 +1,10 @@
 """The outputs a family registers on a :class:`~h2d_core.RequestLayout`, bound.
 
-A family declares its outputs as records (:mod:`h2d_core.layout_records`: MRoPE's
-:class:`TokenPlanes`, GDN's :class:`StateSlots`, Engram's :class:`Cursors`, speculative
-verification's :class:`VerifyRows`). At bind, :mod:`h2d_core.layout_binding` checks each
+A family declares its outputs as records (:mod:`h2d_core.layout_records`): the generic
+:class:`RequestBound` and :class:`RampRows` over :class:`RequestSum` (Engram's cursor rules
+and candidates are stated in them, from its own module), and the named MRoPE
+:class:`TokenPlanes`, GDN :class:`StateSlots` and speculative verification's
+:class:`VerifyRows`. At bind, :mod:`h2d_core.layout_binding` checks each
 record and makes one of the objects below; per step the layout calls, through C, each
 object's ``check`` in :meth:`~h2d_core.RequestLayout.plan` (before anything is written)
 and its ``write`` in :meth:`~h2d_core.RequestLayout.write`. Each reads the request
@@ -26,12 +28,19 @@ except ImportError:  # interpreted where Cython is not installed: no-op stand-in
 
 if cython.compiled:
     from cython.cimports.h2d_core._layout_columns_native import int_data, long_data
+    from cython.cimports.h2d_core._layout_sums_native import BoundSum
+else:
+    from .layout_sums import BoundSum
 
 
 @cython.cclass
 class BoundOutput:
     """A registered output: ``check`` refuses a bad batch (nothing written yet), ``write``
-    fills the output for the planned batch, padding included."""
+    fills the output for the planned batch, padding included; ``reserve`` sizes its
+    per-request scratch once the layout knows its request capacity (at bind)."""
+
+    def reserve(self, max_reqs: int) -> None:
+        return None
 
     @cython.cfunc
     @cython.exceptval(-1, check=True)
@@ -199,19 +208,18 @@ class VerifyRowsOutput(BoundOutput):
 
 
 @cython.cclass
-class CursorsOutput(BoundOutput):
-    """:class:`Cursors`: each request's cursor checked against ``limit``; with drafts, its
-    candidate rows (``width`` per request, -1 past its drafts and for padding)."""
+class RequestBoundOutput(BoundOutput):
+    """:class:`RequestBound`: each real request's sum within ``[low, high]``."""
 
-    def __init__(self, cursor: int, cursor_name: str, limit: int, drafts: int,
-                 drafts_name: str, width: int, candidates: Any) -> None:
-        self.cursor = cursor
-        self.cursor_name = cursor_name
-        self.limit = limit
-        self.drafts = drafts
-        self.drafts_name = drafts_name
-        self.width = width
-        self.candidates = candidates
+    def __init__(self, value: BoundSum, low: int, high: int, rule: str, note: str) -> None:
+        self.value = value
+        self.low = low
+        self.high = high
+        self.rule = rule
+        self.note = note
+
+    def reserve(self, max_reqs: int) -> None:
+        self.value.reserve(max_reqs)
 
     @cython.cfunc
     @cython.exceptval(-1, check=True)
@@ -219,34 +227,65 @@ class CursorsOutput(BoundOutput):
     @cython.wraparound(False)
     def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
               n: cython.Py_ssize_t) -> cython.int:
-        """Refuse a cursor below 0, or one whose query tokens run past ``limit``; a draft
-        count outside ``[0, min(width - 1, q - 1)]``."""
-        cur: cython.pointer[cython.int] = int_data(values[self.cursor])
-        limit: cython.longlong = self.limit
+        acc: cython.pointer[cython.longlong] = self.value.evaluate(values, qv, n)
         i: cython.Py_ssize_t
-        col = self.cursor_name
         for i in range(n):
-            if cur[i] < 0:
-                raise RequestLayoutError(
-                    f"{name}: request {i} has a negative cursor ({col}={cur[i]}); {col} "
-                    "must be >= 0")
-            if cython.cast(cython.longlong, cur[i]) + qv[i] > limit:
-                raise RequestLayoutError(
-                    f"{name}: request {i} has {col} + query tokens past the length "
-                    f"{limit} ({col}={cur[i]}, query_lens={qv[i]}); {col} + query_lens must "
-                    f"be <= {limit}")
-        if self.drafts < 0:
-            return 0
-        dv: cython.pointer[cython.int] = int_data(values[self.drafts])
-        top: cython.longlong = self.width - 1
-        for i in range(n):
-            if dv[i] < 0 or dv[i] > top or dv[i] >= qv[i]:
-                col = self.drafts_name
-                raise RequestLayoutError(
-                    f"{name}: request {i} has {col}={dv[i]} with query_lens={qv[i]}; {col} "
-                    f"must lie in [0, min({top}, query_lens - 1)] ({top + 1} candidates per "
-                    "request, the last query token never a draft)")
+            if acc[i] < self.low or acc[i] > self.high:
+                self.refuse(name, values, [qv[k] for k in range(n)], i, acc[i])
         return 0
+
+    def refuse(self, name: str, values: Sequence[Any], q: list, i: int, v: int) -> None:
+        label = self.value.label
+        raise RequestLayoutError(
+            f"{name}: request {i} has {label} = {v} ({self.value.terms_at(values, q, i)}); "
+            f"{label} must be {self.rule}" + (f" ({self.note})" if self.note else ""))
+
+
+@cython.cclass
+class RampRowsOutput(BoundOutput):
+    """:class:`RampRows`: ``width`` entries per request, ``start + a`` for ``a < count``,
+    then ``fill``; padded requests all ``fill``."""
+
+    def __init__(self, output: str, out: Any, width: int, start: BoundSum, count: BoundSum,
+                 fill: int) -> None:
+        self.output = output
+        self.out = out
+        self.width = width
+        self.start = start
+        self.count = count
+        self.fill = fill
+
+    def reserve(self, max_reqs: int) -> None:
+        self.start.reserve(max_reqs)
+        self.count.reserve(max_reqs)
+
+    @cython.cfunc
+    @cython.exceptval(-1, check=True)
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
+              n: cython.Py_ssize_t) -> cython.int:
+        """Refuse a count outside ``[0, width]``, or entries past int32."""
+        st: cython.pointer[cython.longlong] = self.start.evaluate(values, qv, n)
+        ct: cython.pointer[cython.longlong] = self.count.evaluate(values, qv, n)
+        i: cython.Py_ssize_t
+        for i in range(n):
+            if ct[i] < 0 or ct[i] > self.width or (ct[i] > 0 and (
+                    st[i] < -2147483648 or st[i] + ct[i] - 1 > 2147483647)):
+                self.refuse(name, values, [qv[k] for k in range(n)], i, st[i], ct[i])
+        return 0
+
+    def refuse(self, name: str, values: Sequence[Any], q: list, i: int, start: int,
+               count: int) -> None:
+        where = f"{name}: output {self.output!r}: request {i}"
+        if not 0 <= count <= self.width:
+            label = self.count.label
+            raise RequestLayoutError(
+                f"{where} has {label} = {count} ({self.count.terms_at(values, q, i)}); "
+                f"{label} must lie in [0, {self.width}] ({self.width} entries per request)")
+        raise RequestLayoutError(
+            f"{where}'s entries {start}..{start + count - 1} ({self.start.label} = {start}, "
+            f"{self.start.terms_at(values, q, i)}) leave int32")
 
     @cython.cfunc
     @cython.exceptval(-1, check=True)
@@ -255,21 +294,18 @@ class CursorsOutput(BoundOutput):
     def write(self, values: Sequence[Any], own_q: cython.pointer[cython.int],
               own_c: cython.pointer[cython.int], n: cython.Py_ssize_t, p: cython.Py_ssize_t,
               t: cython.Py_ssize_t, pt: cython.Py_ssize_t) -> cython.int:
-        if self.candidates is None:
-            return 0
-        cur: cython.pointer[cython.int] = int_data(values[self.cursor])
-        dv: cython.pointer[cython.int] = int_data(values[self.drafts])
-        out: cython.pointer[cython.int] = int_data(self.candidates)
+        st: cython.pointer[cython.longlong] = self.start.evaluate(values, own_q, n)
+        ct: cython.pointer[cython.longlong] = self.count.evaluate(values, own_q, n)
+        out: cython.pointer[cython.int] = int_data(self.out)
         w: cython.Py_ssize_t = self.width
+        fill: cython.int = self.fill
         i: cython.Py_ssize_t
         a: cython.Py_ssize_t
-        first: cython.int
         for i in range(n):  # the checks keep every entry within int32
-            first = cur[i] + own_q[i] - dv[i]
             for a in range(w):
-                out[i * w + a] = first + cython.cast(cython.int, a) if a <= dv[i] else -1
+                out[i * w + a] = cython.cast(cython.int, st[i] + a) if a < ct[i] else fill
         for i in range(n * w, p * w):
-            out[i] = -1
+            out[i] = fill
         return 0
 
 
@@ -314,11 +350,12 @@ def write_plan_rows(spec: tuple, own_q: cython.int[::1], own_c: cython.int[::1],
 if not cython.compiled:
     from block_tables.native import require_extension
 
-    from . import layout_columns  # noqa: F401 - its build first: the outputs cimport it
+    from . import layout_columns, layout_sums  # noqa: F401 - built first: cimported here
 
     _built = require_extension("h2d_core._layout_outputs_native")
     BoundOutput = _built.BoundOutput  # type: ignore[misc]
     TokenPlanesOutput = _built.TokenPlanesOutput  # type: ignore[misc]
     StateSlotsOutput = _built.StateSlotsOutput  # type: ignore[misc]
     VerifyRowsOutput = _built.VerifyRowsOutput  # type: ignore[misc]
-    CursorsOutput = _built.CursorsOutput  # type: ignore[misc]
+    RequestBoundOutput = _built.RequestBoundOutput  # type: ignore[misc]
+    RampRowsOutput = _built.RampRowsOutput  # type: ignore[misc]

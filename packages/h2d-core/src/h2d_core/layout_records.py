@@ -1,5 +1,8 @@
 """What a :class:`~h2d_core.RequestLayout` is told to write: the request and token columns
-it checks and copies, the compressed-KV plans, and the outputs a family registers.
+it checks and copies, the compressed-KV plans, and the outputs a family registers: the
+generic ones (:class:`RequestBound`, :class:`RampRows` over :class:`RequestSum`), which a
+family states its rules in from its own module, and the named ones the layout still
+knows (MRoPE's planes, GDN's state slots, verification's rows).
 
 Plain records, made once at bind: the layout (``request_layout.py``, compiled) turns them
 into C state, so nothing here runs per step.
@@ -115,26 +118,73 @@ class StateSlots:
     rows: np.ndarray | None = None
 
 
-@dataclass(frozen=True)
-class Cursors:
-    """Per-request cursors into rows of ``limit`` entries (an Engram history, say),
-    registered as a layout output: ``column`` names a bound int32 request column of
-    cursors, and :meth:`RequestLayout.plan` refuses a cursor below 0 or one whose ``q``
-    tokens run past ``limit``. With ``drafts`` (a bound int32 request column of draft
-    counts ``d``) and ``candidates`` (int32 ``[requests, width]``, flat), :meth:`plan`
-    also refuses ``d < 0`` and ``d > min(width - 1, q - 1)``, and :meth:`write` fills
-    request ``i``'s entry ``a`` with the cursor it reaches if ``a`` of its ``d`` drafts
-    are accepted, ``cursor + q - d + a`` for ``a <= d``, then -1; -1 for padded requests.
-    One per layout.
+#: a :class:`RequestSum` term naming the request's query tokens (not a column)
+QUERY_LENS = "query_lens"
 
-    Engram's history cursors are one (declared in :mod:`h2d_runner_adapters.engram`).
+
+@dataclass(frozen=True)
+class RequestSum:
+    """A per-request integer: ``offset`` plus each term's coefficient times the request's
+    value of the term's column (a bound int32 per-request :class:`LayoutColumn`, or
+    :data:`QUERY_LENS`: its query tokens). Computed in int64, so a sum never wraps.
+
+    ``RequestSum((("cursors", 1), (QUERY_LENS, 1)))`` is ``cursors + query_lens``; a refusal
+    names it that way (:meth:`describe`). The generic vocabulary a family states its rules
+    and outputs in (:class:`RequestBound`, :class:`RampRows`), with no code of its own in
+    h2d-core.
     """
 
-    column: str
-    limit: int
-    drafts: str | None = None
-    candidates: np.ndarray | None = None
-    width: int = 1
+    terms: tuple[tuple[str, int], ...]
+    offset: int = 0
+
+    def describe(self) -> str:
+        """The sum as a refusal writes it: ``"cursors + query_lens - num_drafts + 1"``."""
+        parts: list[str] = []
+        for col, coef in self.terms:
+            mag = "" if abs(coef) == 1 else f"{abs(coef)} * "
+            parts.append(f"{'-' if coef < 0 else ''}{mag}{col}" if not parts
+                         else f"{'-' if coef < 0 else '+'} {mag}{col}")
+        if parts and self.offset:
+            parts.append(f"{'-' if self.offset < 0 else '+'} {abs(self.offset)}")
+        return " ".join(parts) if parts else str(self.offset)
+
+
+@dataclass(frozen=True)
+class RequestBound:
+    """A rule a family registers: each real request's ``value`` (a :class:`RequestSum`)
+    lies in ``[low, high]`` (``None``: unbounded). :meth:`RequestLayout.plan` refuses the
+    first request that breaks it, naming the request, the sum, each term's value and
+    ``note`` (what the rule means, what to do), before anything is written.
+
+    Engram's ``cursors + query_lens <= history_len`` is one
+    (:mod:`h2d_runner_adapters.engram`).
+    """
+
+    value: RequestSum
+    low: int | None = None
+    high: int | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class RampRows:
+    """An int32 output a family registers, ``width`` entries per request: request ``i``'s
+    row holds ``start_i + a`` for ``a < count_i``, then ``fill``; each padded request's
+    row holds ``fill`` (``start`` and ``count``: :class:`RequestSum`). ``out`` is a
+    writeable C-contiguous int32 ``[requests * width]`` array. :meth:`RequestLayout.plan`
+    refuses a request whose ``count`` lies outside ``[0, width]`` or whose entries leave
+    int32.
+
+    Engram's cursor candidates are one: ``start = cursors + query_lens - num_drafts``,
+    ``count = num_drafts + 1`` (:mod:`h2d_runner_adapters.engram`).
+    """
+
+    name: str
+    out: np.ndarray
+    width: int
+    start: RequestSum
+    count: RequestSum
+    fill: int = -1
 
 
 @dataclass(frozen=True)
@@ -157,4 +207,4 @@ class VerifyRows:
 
 
 #: the outputs a family registers with a layout (``RequestLayout(..., outputs=[...])``)
-LayoutOutput = TokenPlanes | StateSlots | Cursors | VerifyRows
+LayoutOutput = TokenPlanes | StateSlots | RequestBound | RampRows | VerifyRows

@@ -53,8 +53,7 @@ class Publication(StateOwner):
         ``None`` omits the member; ``0`` is an explicit empty publication. The count is
         checked now (type, range, capacity); a rejected count changes nothing.
         """
-        if not self._ready():  # owner thread, valid, in an epoch
-            self._check_ready("set_count")
+        self.require_ready("set_count")
         if getattr(buffer, "_state", None) is not self:
             self._check_member(buffer)
         if buffer.group in self._published:
@@ -97,8 +96,7 @@ class Publication(StateOwner):
     ) -> bool:
         """:meth:`try_trusted_ranges` with the ranges already as the record's
         ``(member index, offset, bytes)`` triples (copied into the record's range table)."""
-        if not self._ready():  # owner thread, valid, in an epoch
-            self._check_ready("set_ranges")
+        self.require_ready("set_ranges")
         if buffer.group in self._published or len(triples) > buffer.max_ranges:
             return False
         gi, i = buffer.homes[0]

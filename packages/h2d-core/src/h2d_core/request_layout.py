@@ -86,9 +86,8 @@ class RequestLayout:
     ``(context_len - 1) % page_size + 1`` (0 for padded requests), and ``context_prefix``
     int32 ``[requests + 1]``: the prefix of ``min(context_len, context_cap)`` (no cap:
     ``context_len``; the tail repeats the total), which :meth:`plan` refuses past int32.
-    ``outputs`` are the outputs a family registers
-    (:class:`TokenPlanes`: e.g. MRoPE's three planes; :class:`StateSlots`: GDN's;
-    :class:`Cursors`: Engram's), checked and written in the same pass.
+    ``outputs``: what a family registers (:mod:`h2d_core.layout_records`), checked and
+    written in the same pass.
     ``name`` prefixes every error message.
     """
 
@@ -263,6 +262,8 @@ class RequestLayout:
         self._values = ()
         self.uniform_mask = 0
         self._max_reqs = max(min(req_caps), 0) if req_caps else 0
+        for registered in self._outputs:  # their per-request scratch, sized now
+            registered.reserve(self._max_reqs)
         self._max_tokens = min(tok_caps) if tok_caps else _INT32_MAX
         if not self._paged:  # private stand-ins: page counts are computed, never read
             table = np.zeros((1, 1), dtype=np.int32)
@@ -341,9 +342,9 @@ class RequestLayout:
         same length n. The batch is padded to ``padded_reqs`` requests (-1: n) and
         ``padded_tokens`` tokens (-1: ``padded_reqs`` times the widest query, at least 1,
         the graph grid of a decode step; ``EXACT_TOKENS`` (-2): exactly the batch's tokens,
-        an eager step). ``values`` holds one array per bound column, in order
-        (n values, or t for a per-token column, of the column's dtype, within the column's
-        bounds). Raises
+        an eager step). ``values`` holds one array per bound column, in order (n values, or
+        t per-token, of the column's dtype and bounds; it and they unchanged until
+        :meth:`write`, which reads them again). Raises
         :class:`RequestLayoutError` (naming the request or column and the rule) before
         changing anything; sets :attr:`uniform_mask`, :attr:`min_query_len` and
         :attr:`max_query_len`.
@@ -496,7 +497,7 @@ class RequestLayout:
         self._t = t
         self._pt = padded_tokens
         self.kv_pages = total
-        self._values = values
+        self._values = values  # read again by write (a copy would cost every step)
         self.num_reqs, self.padded_reqs = n, padded_reqs
         self.num_tokens, self.padded_tokens = t, padded_tokens
         self.uniform_mask = mask

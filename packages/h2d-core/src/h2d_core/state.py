@@ -93,12 +93,10 @@ class H2DRunnerState(SlotLifecycle, Publication):
             raise DeclarationError(f"guard_sources must be a bool or None, got {guard_sources!r}")
         self._guard = guard_sources
         self._owner = threading.get_ident()
-
         self._buffers: dict[str, H2DBuffer] = {}
         self._producer_groups: dict[str, list[H2DBuffer]] = {}
         self._combined: dict[str, tuple[str, ...]] = {}
         self._bound = False
-
         self._plans: dict[str, GroupPlan] = {}
         self._routes = {}
         self._all_names = ()

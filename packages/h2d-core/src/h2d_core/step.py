@@ -143,6 +143,7 @@ class LayoutStep:
     """
 
     name = cython.declare(str, visibility="readonly")
+    _ready_what = cython.declare(str)  # what a refused entry is called (made once)
     _state = cython.declare(object)
     _layouts = cython.declare(tuple)
     _table = cython.declare(object)
@@ -183,6 +184,7 @@ class LayoutStep:
             raise DeclarationError(
                 f"LayoutStep {name!r}: {len(layouts)} layouts for {state.num_slots} slots")
         self.name = name
+        self._ready_what = f"producer {name}"
         self._state = state
         self._layouts = tuple(layouts)
         self._table = table
@@ -287,8 +289,7 @@ class LayoutStep:
         this publication; ``table_stage`` ""). Call from inside the producer (its
         epoch)."""
         st = self._state
-        if not st._ready():  # owner thread, valid, in an epoch
-            st._check_ready(f"producer {self.name}")
+        st.require_ready(self._ready_what)
         slot: cython.Py_ssize_t = st.current_slot
         layout = self._layouts[slot]
         try:

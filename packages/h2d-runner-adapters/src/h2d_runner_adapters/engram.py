@@ -27,9 +27,11 @@ any write: ``rows`` distinct and inside the history table, ``cursors`` in
 ``[0, history_len]`` with ``cursor + q <= history_len``, the batch's ``query_lens`` >= 1
 and ``num_drafts`` in ``[0, min(max_drafts, q - 1)]``, all of one length ``<= max_reqs``.
 A step is one compiled :class:`h2d_core.LayoutStep` call over a
-:class:`h2d_core.RequestLayout` whose vocabulary states these rules (a distinct rows
-column, a cursor + query-length bound, the candidate rows); an input the layout cannot
-read in place (another integer dtype, a list) is checked here first, in its own dtype.
+:class:`h2d_core.RequestLayout` whose generic vocabulary states these rules from this
+module (bounded columns, a distinct rows column, two :class:`h2d_core.RequestBound` sums
+and the candidates as :class:`h2d_core.RampRows`; no Engram code in h2d-core); an input
+the layout cannot read in place (another integer dtype, a list) is checked here first, in
+its own dtype.
 """
 
 from __future__ import annotations
@@ -40,14 +42,18 @@ import numpy as np
 import torch
 
 from h2d_core import (
+    QUERY_LENS,
     REQS,
     CountRule,
-    Cursors,
     DeclarationError,
     H2DRunnerState,
     LayoutColumn,
+    LayoutOutput,
     LayoutStep,
+    RampRows,
+    RequestBound,
     RequestLayout,
+    RequestSum,
     h2d_producer,
 )
 
@@ -78,12 +84,14 @@ class EngramInputs:
         history_len: int,
         group: str = ENGRAM,
     ) -> None:
-        for name, value, lo in (("max_drafts", max_drafts, 0), ("history_rows", history_rows, 1),
-                                ("history_len", history_len, 1)):
+        # max_drafts + 1 candidates per request: an int32 width
+        for name, value, lo, hi in (("max_drafts", max_drafts, 0, INT32_MAX - 1),
+                                    ("history_rows", history_rows, 1, INT32_MAX),
+                                    ("history_len", history_len, 1, INT32_MAX)):
             if isinstance(value, bool) or not isinstance(value, int) \
-                    or not lo <= value <= INT32_MAX:
+                    or not lo <= value <= hi:
                 raise DeclarationError(
-                    f"{group}: {name} must be an int in [{lo}, {INT32_MAX}], got {value!r}")
+                    f"{group}: {name} must be an int in [{lo}, {hi}], got {value!r}")
         self.h2d_state = state
         self.group = group
         self.max_drafts = max_drafts
@@ -107,17 +115,31 @@ class EngramInputs:
             columns = [
                 LayoutColumn("rows", self.rows.source(slot).numpy(), pad=None, low=0,
                              high=self.history_rows - 1, distinct=True),
-                LayoutColumn("cursors", self.snapshot.source(slot).numpy(), pad=None),
-                LayoutColumn("num_drafts"),  # checked against the candidates' width
+                LayoutColumn("cursors", self.snapshot.source(slot).numpy(), pad=None, low=0),
+                LayoutColumn("num_drafts", low=0, high=self.max_drafts),
             ]
-            layouts.append(RequestLayout(
-                g, 1, None, None, columns=columns, outputs=[Cursors(
-                    "cursors", self.history_len, drafts="num_drafts",
-                    candidates=self.candidates.source(slot).numpy().reshape(-1),
-                    width=self.max_drafts + 1)]))
+            layouts.append(RequestLayout(g, 1, None, None, columns=columns,
+                                         outputs=self._outputs(slot)))
         rules = [CountRule(b, REQS) for b in (self.rows, self.snapshot, self.candidates)]
         self._step = LayoutStep(g, st, layouts, None, (), rules, error=AdapterInputError)
         return self._step
+
+    def _outputs(self, slot: int) -> list[LayoutOutput]:
+        """The family's rules and its candidates, in the layout's generic vocabulary (no
+        Engram code in h2d-core): ``cursor + q <= history_len``, ``d <= q - 1``, and
+        request ``i``'s candidates ``cursor + q - d + a`` for ``a <= d``, then -1."""
+        cursor_end = RequestSum((("cursors", 1), (QUERY_LENS, 1)))
+        return [
+            RequestBound(cursor_end, high=self.history_len,
+                         note="the step's tokens are written from the cursor into a "
+                              "history row of history_len tokens"),
+            RequestBound(RequestSum((("num_drafts", 1), (QUERY_LENS, -1))), high=-1,
+                         note="the last query token is never a draft"),
+            RampRows("candidates", self.candidates.source(slot).numpy().reshape(-1),
+                     self.max_drafts + 1,
+                     start=RequestSum((*cursor_end.terms, ("num_drafts", -1))),
+                     count=RequestSum((("num_drafts", 1),), 1)),
+        ]
 
     @h2d_producer(lambda self: self.group)
     def prepare(self, batch: ScheduledBatch, rows: np.ndarray, cursors: np.ndarray
