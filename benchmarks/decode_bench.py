@@ -58,6 +58,11 @@ Per family, batch size and way:
   step (1; for MTP 1 + the accepted drafts, the packed way's for the ATOM-style way, whose
   values are not consumed).
 
+``--nanovllm`` adds the real-engine row: ``nanovllm_bench.py`` (stock nano-vllm against the
+library runner and the graph-native runner, bf16 Qwen3-0.6B-shaped, CUDA graphs) at the
+job's batch sizes, in processes of its own (one engine per process); on CPU its tiny smoke
+mode. Its report joins ``decode_bench.json`` under ``nanovllm`` and its tables print last.
+
 Ratios are way / packed. Without a GPU a small CPU configuration runs (Triton kernels in the
 interpreter): it checks that every loop and way runs, but its figures predict no GPU host
 (the packed scatter runs on the host there, and every "copy" is a memcpy). Writes
@@ -65,7 +70,8 @@ interpreter): it checks that every loop and way runs, but its figures predict no
 prints the tables last.
 
     python benchmarks/decode_bench.py [--families mha,v41,mtp,gdn,deepseek_v4,llama,...]
-        [--batch-sizes 1,8,64,256] [--rounds 4] [--chunk 50] [--ttft] [--out DIR]
+        [--batch-sizes 1,8,64,256] [--rounds 4] [--chunk 50] [--ttft] [--nanovllm]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -103,6 +109,26 @@ from main_job_loops import BUILDERS, DEFAULT_FAMILIES, FAMILIES, PAGE, WAYS, WIN
 from main_job_output import SUMMARY_METRIC, parts_tables, plot, table  # noqa: E402
 from span_sleep import sleep_cycles  # noqa: E402
 from trace_counts import count_per_step  # noqa: E402
+
+
+def nanovllm_row(out: Path, sizes: list[int], rounds: int, cuda: bool) -> dict[str, Any]:
+    """The real-engine row: ``nanovllm_bench.py`` (stock nano-vllm against the library
+    runners; one engine per child process, so it runs as a process of its own) at the
+    job's batch sizes; on CPU its ``--tiny`` smoke mode. Its JSON report."""
+    import subprocess
+
+    path = out / "nanovllm_bench.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "nanovllm_bench.py"), "--batch-sizes",
+           ",".join(map(str, sizes)), "--json", str(path)]
+    cmd += ["--rounds", str(min(rounds, 2))] if cuda else [
+        "--tiny", "--cpu", "--rounds", "1", "--decode-steps", "3"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"nanovllm_bench.py failed ({done.returncode}):\n"
+                         f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    report: dict[str, Any] = json.loads(path.read_text())
+    return report
 
 
 # -- measuring ---------------------------------------------------------------------------
@@ -269,6 +295,9 @@ def main() -> None:
     ap.add_argument("--ttft", action="store_true",
                     help="also time to first token on the Llama prefill-heavy workload")
     ap.add_argument("--ttft-reps", type=int, default=None)
+    ap.add_argument("--nanovllm", action="store_true",
+                    help="also the real-engine row: nano-vllm stock against the library "
+                         "runners (benchmarks/nanovllm_bench.py, its own processes)")
     ap.add_argument("--out", default=str(ROOT / "results"))
     args = ap.parse_args()
     cuda = args.cuda = _CUDA
@@ -332,6 +361,11 @@ def main() -> None:
             f"{w} {r['ttft_ms']['p50']:.1f} ms" for w, r in output["ttft"]["ways"].items())
             + f" ({time.perf_counter() - t:.1f} s)", flush=True)
         (out / "decode_bench.json").write_text(json.dumps(output, indent=1))
+    if args.nanovllm:
+        t = time.perf_counter()
+        output["nanovllm"] = nanovllm_row(out, sizes, args.rounds, cuda)
+        print(f"nano-vllm: {time.perf_counter() - t:.1f} s", flush=True)
+        (out / "decode_bench.json").write_text(json.dumps(output, indent=1))
     written = str(out / "decode_bench.json")
     try:
         if results:
@@ -350,6 +384,12 @@ def main() -> None:
         if args.ttft:
             print(llama_family.ttft_table(output["ttft"]))
     print(parts_tables(results))
+    if args.nanovllm:
+        from nanovllm_bench import tables as nanovllm_tables
+
+        row = output["nanovllm"]
+        print(f"\nnano-vllm (a real engine): {row['meta']['command']}\n")
+        print(nanovllm_tables(row["summary"], row["runs"], cuda))
 
 
 if __name__ == "__main__":

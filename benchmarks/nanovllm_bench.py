@@ -1,6 +1,6 @@
 """nano-vllm end to end, stock against the library as its metadata path.
 
-The engine is nano-vllm (PyPI ``nano-vllm-fork==20260210``, unedited) run two ways:
+The engine is nano-vllm (PyPI ``nano-vllm-fork==20260210``, unedited) run three ways:
 
 * ``stock``: its own ``ModelRunner`` (``prepare_decode`` uploads input ids, positions,
   slot mapping, context lengths and block tables with one ``.cuda()`` each,
@@ -8,39 +8,43 @@ The engine is nano-vllm (PyPI ``nano-vllm-fork==20260210``, unedited) run two wa
 * ``library``: ``tests-integration/nanovllm_harness/library_runner.py``'s
   ``LibraryModelRunner``, whose ``prepare_prefill`` / ``prepare_decode`` publish the step
   through one ``H2DRunnerState`` (one packed DMA + one scatter per step) and whose
-  ``prepare_sample`` hands out views of that publication.
+  ``prepare_sample`` hands out views of that publication; nano-vllm's graphs as stock;
+* ``graphs``: the same runner with its decode graphs captured over the library's
+  destinations (``nanovllm_harness/library_graphs.py``, nano-vllm's capture sizes): each
+  decode step publishes padded to its graph's size and the replay follows, with none of
+  stock's copies and fills into static buffers.
 
-**One engine per process, the ways alternating by rounds.** Two live engines cannot share
-a process: ``ModelRunner.__init__`` calls ``dist.init_process_group`` (NCCL, world size 1)
-unconditionally, and a second call raises while the first group lives (it is destroyed
-only by the engine's ``atexit`` exit); the ``torch.compile``'d layers (RMSNorm, SiLU,
-rotary, sampler) are module-level code whose dynamo caches, guards and recompile limit two
-models would share, so the second engine would run code compiled differently from the
-first; ``LLMEngine`` picks its runner class from a module-level name and ``set_context``
-is a process global. So each round runs each way in a child process of its own (this
-script with ``--child``), one after the other, with the order flipped every other round
-(stock, library; library, stock; ...) so a drift of the lent host's speed within the run
-falls on both ways alike. Each child builds its engine once (``max_num_seqs`` = the largest
-batch size), then measures every batch size in turn. Figures are reported per round and
-as the median over rounds; ratios are library / stock of the same round, their median and
-their spread (min-max over rounds). ``--time-budget`` (360 s) starts no round that the last
-one's duration says would end past it (the first round, which also compiles nano-vllm's
-layers cold, always runs), so a slow host drops the third round rather than run past
-about 6 minutes; ``--json`` is rewritten after every child, so an interrupted run keeps
-what it measured.
+**One engine per process, the ways alternating by rounds.** Two live engines cannot share a
+process: ``ModelRunner.__init__`` calls ``dist.init_process_group`` (NCCL, world size 1)
+unconditionally, and a second call raises while the first group lives (it is destroyed only
+by the engine's ``atexit`` exit); the ``torch.compile``'d layers (RMSNorm, SiLU, rotary,
+sampler) are module-level code whose dynamo caches, guards and recompile limit two models
+would share, so the second engine would run code compiled differently from the first;
+``LLMEngine`` picks its runner class from a module-level name and ``set_context`` is a
+process global. So each round runs each way in a child process of its own (this script with
+``--child``), one after the other, with the order flipped every other round (stock,
+library, graphs; graphs, library, stock; ...) so a drift of the lent host's speed within
+the run falls on every way alike. Each child builds its engine once (``max_num_seqs`` = the
+largest batch size), then measures every batch size in turn. Figures are reported per round
+and as the median over rounds; ratios are each library way / stock of the same round, their
+median and their spread (min-max over rounds). ``--time-budget`` (360 s) starts no round
+that the last one's duration says would end past it (the first round, which also compiles
+nano-vllm's layers cold, always runs), so a slow host drops the third round rather than run
+past about 6 minutes; ``--json`` is rewritten after every child, so an interrupted run
+keeps what it measured.
 
 **Model.** One random-weight model directory (``nanovllm_harness.model_dir``), shared by
 every child: Qwen3-0.6B-shaped by default (hidden 1024, 28 layers, 16 query / 8 key-value
 heads, head_dim 128, intermediate 3072, vocabulary 151936, tied embeddings, bf16);
 ``--tiny`` uses the harness's small config (the CPU smoke mode). Attention is the
 harness's flash-attn stand-in (``flash_attn_standin.py``, torch SDPA over the paged cache;
-no flash-attn wheel exists for this torch), the same in both ways: the tokens per second
+no flash-attn wheel exists for this torch), the same in every way: the tokens per second
 are not flash-attn's. The stand-in's decode gathers every block-table column, so contexts
 are kept moderate: ``max_model_len`` is the prompt plus the decoded tokens rounded up to
 256-token blocks (one block by default).
 
 **Workload per batch size** ``bs``: ``bs`` requests of ``--prompt-len`` random tokens (the
-same in both ways), ``ignore_eos``, ``--decode-steps`` new tokens after the prefill's, all
+same in every way), ``ignore_eos``, ``--decode-steps`` new tokens after the prefill's, all
 prefilled in one step (``max_num_batched_tokens`` >= ``bs`` x prompt) and decoded together
 (``max_num_seqs`` >= ``bs``). CUDA graphs on (``enforce_eager=False``) on CUDA; the KV cache
 (``--gpu-memory-utilization``, by default sized from the largest batch) is checked to hold
@@ -70,8 +74,9 @@ counting batch.
   temporary wrappers installed for each such call; plus the library's own publication
   counters (``runner.h2d_state.counters(group)``: publications, DMAs, scatters) over the
   timed batch. Calls made inside the library's ``publish`` are kept apart (its DMA is
-  counted once, as a DMA). nano-vllm's graph replay adds, in both ways, the copies into its
-  static buffers (device to device, not counted) and two fills and a zero.
+  counted once, as a DMA). nano-vllm's graph replay adds, for ``stock`` and ``library``,
+  the copies into its static buffers (device to device, not counted) and two fills and a
+  zero (counted); ``graphs`` has none.
 
 On CPU (no CUDA device, or ``--cpu``) only ``--tiny`` runs: the children apply the
 harness's CPU patches (``compat.patch_for_cpu``: never on CUDA), eager, bf16, one thread.
@@ -107,7 +112,9 @@ use_sources()
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
-WAYS = ("stock", "library")
+WAYS = ("stock", "library", "graphs")
+#: the ways whose runner is the library's
+LIBRARY_WAYS = WAYS[1:]
 #: nano-vllm's KV block (the fork requires a multiple of 256)
 BLOCK = 256
 #: Qwen3-0.6B's shape (``Qwen3Config`` keywords over the harness's ``model_dir.CONFIG``)
@@ -286,10 +293,11 @@ def _setup_child(args: argparse.Namespace, cuda: bool, kv_blocks: int) -> Any:
         import nanovllm.layers.layernorm as layernorm
 
         compat.patch_rmsnorm_fp32(layernorm)  # float32 only; bf16 runs the fork's own
-    if args.child == "library":
+    if args.child in LIBRARY_WAYS:
+        from nanovllm_harness.library_graphs import graph_runner_class
         from nanovllm_harness.library_runner import install
 
-        install()
+        install(graph_runner_class() if args.child == "graphs" else None)
     return nanovllm
 
 
@@ -439,7 +447,7 @@ def child_main(args: argparse.Namespace) -> None:
         raise SystemExit(f"the KV cache holds {kv_blocks} blocks, the largest batch needs "
                          f"{blocks_needed}: raise --gpu-memory-utilization (the fork crashes "
                          "when it preempts)")
-    if args.child == "library" and getattr(runner, "h2d_state", None) is None:
+    if args.child in LIBRARY_WAYS and getattr(runner, "h2d_state", None) is None:
         raise SystemExit("the library runner was not installed")
     probe = Probe(runner, "cuda" if cuda else "cpu")
     results = []
@@ -508,8 +516,8 @@ def _write(path: str, obj: dict[str, Any]) -> None:
 
 
 def summarise(runs: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
-    """Per (bs, way): per-round figures and their medians; per bs: library / stock ratios,
-    round by round, their median and min-max."""
+    """Per (bs, way): per-round figures and their medians; per bs and library way: way /
+    stock ratios, round by round, their median and min-max."""
     rows, ratios = [], []
     by = {(r["way"], r["round"]): {x["bs"]: x for x in r["results"]} for r in runs}
     rounds = sorted({r["round"] for r in runs})
@@ -545,11 +553,12 @@ def summarise(runs: list[dict[str, Any]], sizes: list[int]) -> dict[str, Any]:
                 "tensor_copies_per_step": copies, "device_fills_per_step": fills,
                 "library_decode_per_step": lib, "library_prefill": xs[0]["library_prefill"],
             })
-        r: dict[str, Any] = {"bs": bs}
-        for k in ("prep_us", "step_us", "decode_tok_s", "ttft_ms"):
-            rs = [a / b for a, b in zip(per["library"][k], per["stock"][k], strict=True)]
-            r[k] = {"rounds": rs, "median": _med(rs), "min": min(rs), "max": max(rs)}
-        ratios.append(r)
+        for way in LIBRARY_WAYS:
+            r: dict[str, Any] = {"bs": bs, "way": way}
+            for k in ("prep_us", "step_us", "decode_tok_s", "ttft_ms"):
+                rs = [a / b for a, b in zip(per[way][k], per["stock"][k], strict=True)]
+                r[k] = {"rounds": rs, "median": _med(rs), "min": min(rs), "max": max(rs)}
+            ratios.append(r)
     return {"rows": rows, "ratios": ratios}
 
 
@@ -572,14 +581,14 @@ def tables(summary: dict[str, Any], runs: list[dict[str, Any]], cuda: bool) -> s
                    f"{row['step_us_median']:.0f} | {row['decode_tok_s_median']:,.0f} | "
                    f"{row['ttft_ms_median']:.1f} | {row['h2d_copies_per_step']:g} ({kinds}) | "
                    f"{row['device_fills_per_step']:g} | {pubs} |")
-    out += ["", "library / stock, median over rounds (min-max); below 1: the library's is "
-            "lower (for tok/s: slower)", "",
-            "| bs | prepare_decode+prepare_sample µs | step µs | decode tok/s | TTFT |",
-            "| ---: | ---: | ---: | ---: | ---: |"]
+    out += ["", "way / stock, median over rounds (min-max); below 1: the way's is lower "
+            "(for tok/s: slower)", "",
+            "| bs | way | prepare_decode+prepare_sample µs | step µs | decode tok/s | TTFT |",
+            "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in summary["ratios"]:
         cells = [f"{r[k]['median']:.2f} ({r[k]['min']:.2f}-{r[k]['max']:.2f})"
                  for k in ("prep_us", "step_us", "decode_tok_s", "ttft_ms")]
-        out.append(f"| {r['bs']} | " + " | ".join(cells) + " |")
+        out.append(f"| {r['bs']} | {r['way']} | " + " | ".join(cells) + " |")
     out += ["", "per round (in the order run)", "",
             "| round | way | bs | prepare µs p50 | step µs p50 | decode tok/s | TTFT ms |",
             "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
@@ -656,7 +665,7 @@ def parent_main(args: argparse.Namespace) -> None:
         "decode_steps": args.decode_steps, "rounds": rounds_run,
         "rounds_asked": args.rounds, "round_s": round_s,
         "order": [f"{r['round']}:{r['way']}" for r in runs],
-        "attention": "flash-attn stand-in (torch SDPA), the same in both ways",
+        "attention": "flash-attn stand-in (torch SDPA), the same in every way",
         "repetition_penalty": args.repetition_penalty,
         "wall_s": time.perf_counter() - t_start,
     }
@@ -666,7 +675,7 @@ def parent_main(args: argparse.Namespace) -> None:
           f"{'off' if first['engine']['enforce_eager'] else 'on'}; prompt {args.prompt_len} "
           f"tokens, {args.decode_steps} decode steps; {rounds_run} round(s), one child "
           f"process per way and round, alternating; attention: the flash-attn stand-in "
-          f"(the same in both ways)\ncommand: {command}\n")
+          f"(the same in every way)\ncommand: {command}\n")
     print(tables(summary, runs, bool(first["cuda"])))
     print(f"\nwall: {meta['wall_s']:.0f} s" + (f"; raw figures: {args.json}" if args.json
                                                  else ""))

@@ -67,6 +67,9 @@ RUNS: dict[str, tuple[str, tuple[str, ...], dict[str, str]]] = {
     "stock_sampled_again": ("stock_cpu", ("--preempt", "--sampled"), {}),
     "library_sampled": ("library_cpu", ("--preempt", "--sampled"), {}),
     "library_mutant": ("library_cpu", ("--preempt",), {MUTATION_ENV: "stale_lineage"}),
+    "library_graphs": ("library_cpu", ("--preempt", "--graphs"), {}),
+    "library_graphs_mutant": ("library_cpu", ("--preempt", "--graphs"),
+                              {MUTATION_ENV: "unpadded_replay"}),
 }
 
 
@@ -248,3 +251,23 @@ def test_stale_lineage_mutation_is_detected(model_dir: Path) -> None:
     assert {m["member"].split("[")[0] for m in first["mismatches"]} == {
         "slot_mapping", "block_tables"}
     assert all(e in steps[i]["seq_ids"] for i in bad)
+
+
+def test_graph_native_runner_pads_its_publication(model_dir: Path) -> None:
+    """The graph-native runner (``nanovllm_harness/library_graphs.py``): each decode step
+    publishes padded to a capture size (here :data:`library_cpu.TEST_GRAPH_SIZES`, so every
+    decode batch of the workload pads: 4 requests to 8, 2 and 1 to 3) and the model reads
+    the padded destinations (on CPU the graph's body runs in place of a replay). Tokens,
+    members and publication counts as for the plain library runner. Its mutant publishes
+    unpadded while the replay reads the padded size: the padded rows' stale slots then
+    overwrite live KV, and the tokens leave stock's."""
+    runs = _runs(model_dir, "stock", "library_graphs", "library_graphs_mutant")
+    stock, graphs = runs["stock"], runs["library_graphs"]
+    _check_library_run(stock, graphs)
+    sizes = {(s["num_seqs"], s["replay_size"]) for s in graphs["steps"]
+             if s["kind"] == "decode"}
+    assert sizes == {(4, 8), (2, 3), (1, 3)}, sizes
+    mutant = runs["library_graphs_mutant"]
+    assert mutant["mutation"] == "unpadded_replay"
+    _check_workload(mutant)
+    assert _tokens_differ(stock, mutant), "a replay over stale padding went unnoticed"

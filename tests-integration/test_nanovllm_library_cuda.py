@@ -9,11 +9,17 @@ fork copies the step's context into its graph's static buffers, then replays), p
 steps run eagerly. None of the harness's CPU patches is applied; only the flash-attn
 stand-in and the rope wrapper.
 
-Asserted: identical tokens request by request, stock against the library; both runs
-replayed a graph for every decode step (the model's eager forwards are the prefill
+The graph-native runner (``nanovllm_harness/library_graphs.py``, ``graphs``) runs the same
+workload with its decode graphs captured over the library's destinations, at sizes that
+pad every decode batch (``library_cpu.TEST_GRAPH_SIZES``).
+
+Asserted: identical tokens request by request, stock against each library runner; every
+run replayed a graph for every decode step (the model's eager forwards are the prefill
 steps); one publication per prefill / decode step (1 DMA, 1 scatter, no direct copy);
 every member nano-vllm reads equal to stock's upload of the same batch; no ``Tensor.cuda``
-call in the library's ``prepare_*``.
+call in the library's ``prepare_*``. Between a profiled decode step's start and its replay
+(``library_cuda.PreReplay``) the graph-native runner's device activity is exactly the
+library's one host-to-device copy and one scatter kernel: no copy or fill before a replay.
 
 Needs ``RUN_H2D_GPU_TESTS=1`` and a CUDA device (``@pytest.mark.gpu``), and nano-vllm
 (skipped without it unless ``H2D_REQUIRE_NANOVLLM=1``).
@@ -29,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from nanovllm_harness.library_cpu import MUTATION_ENV
+from nanovllm_harness.library_cpu import MUTATION_ENV, TEST_GRAPH_SIZES
+from nanovllm_harness.library_cuda import PROFILED_DECODE_STEPS
 from nanovllm_harness.stock_cpu import BLOCK, PREEMPTED
 
 HARNESS_ROOT = Path(__file__).parent
-TIMEOUT_S = 900  # two torch.compile warm-ups and graph captures
+TIMEOUT_S = 900  # a torch.compile warm-up and graph captures per run
 
 
 def _run(runner: str, model_dir: Path) -> dict[str, Any]:
@@ -69,14 +76,35 @@ def test_library_runner_equals_stock_under_cuda_graphs(tmp_path: Path) -> None:
     model_dir = write_model_dir(tmp_path / "qwen3", dtype="bfloat16")
     stock = _run("stock", model_dir)
     library = _run("library", model_dir)
+    graphs = _run("graphs", model_dir)
 
-    for run in (stock, library):
+    for run in (stock, library, graphs):
         assert run["dtype"] == "bfloat16"
         assert [(p["name"], p["cached"]) for p in run["prefills"]][-1] == (PREEMPTED, BLOCK)
         assert run["graph_sizes"], "no CUDA graph captured"
         # decode steps replayed graphs: the eager forwards are the prefill steps
         assert run["eager_forwards"] == run["prefill_steps"] == 4, run
         assert run["decode_steps"] > 20
+        assert len(run["pre_replay"]) == len(PROFILED_DECODE_STEPS), run["pre_replay"]
+        assert all(p["replayed"] for p in run["pre_replay"]), run["pre_replay"]
+    for run in (library, graphs):
+        _check_library_run(stock, run)
+    assert graphs["graph_sizes"] == list(TEST_GRAPH_SIZES)
+    sizes = {(s["num_seqs"], s["replay_size"]) for s in graphs["steps"]
+             if s["kind"] == "decode"}
+    assert sizes == {(4, 8), (2, 3), (1, 3)}, sizes
+    # nothing between the publication and the replay: the DMA and the scatter only
+    for p in graphs["pre_replay"]:
+        assert (p["copies"], p["memsets"]) == ({"H2D": 1}, 0), (p, stock["pre_replay"])
+        assert len(p["kernels"]) == 1 and "scatter" in p["kernels"][0], p
+    # stock uploads, then copies into its graphs' five buffers (device-to-device copies,
+    # or a copy kernel for a strided slice; the H200 shows 8 H2D, 4 D2D and 1 kernel)
+    for p in stock["pre_replay"]:
+        assert p["copies"].get("H2D", 0) >= 5, p
+        assert p["copies"].get("D2D", 0) + len(p["kernels"]) >= 5, p
+
+
+def _check_library_run(stock: dict[str, Any], library: dict[str, Any]) -> None:
     assert library["prefills"] == stock["prefills"]
     wrong = [name for name, req in stock["requests"].items()
              if req["tokens"] != library["requests"][name]["tokens"]]

@@ -110,6 +110,25 @@ def test_main_job_runs_deepseek_v4(tmp_path: Path) -> None:
     assert "deepseek_v4: transformers DeepseekV4ForCausalLM" in stdout
 
 
+def test_main_job_runs_the_nanovllm_row(tmp_path: Path) -> None:
+    """``--nanovllm``: the real-engine row (``nanovllm_bench.py``'s CPU smoke mode here)
+    joins the job's JSON and prints its tables; each library runner publishes once per
+    decode step."""
+    from nanovllm_harness.availability import require_nanovllm
+
+    require_nanovllm()
+    _, stdout = _main_job(tmp_path, "--families", "mha", "--nanovllm")
+    report = json.loads((tmp_path / "decode_bench.json").read_text())["nanovllm"]
+    rows = report["summary"]["rows"]
+    assert {(r["bs"], r["way"]) for r in rows} == {
+        (2, way) for way in ("stock", "library", "graphs")}
+    for r in rows:
+        assert r["step_us_median"] > 0
+        if r["way"] != "stock":
+            assert r["library_decode_per_step"]["publications"] == 1
+    assert "nano-vllm (a real engine): " in stdout and "way / stock" in stdout
+
+
 @pytest.mark.parametrize("script", ["step_targets.py", "v41_step.py", "mtp_step.py"])
 def test_step_benchmarks_run_every_way_on_cpu(tmp_path: Path, script: str) -> None:
     """The step benchmarks the docs cite run from a checkout, with every way, on CPU (the

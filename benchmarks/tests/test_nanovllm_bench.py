@@ -1,9 +1,10 @@
 """The nano-vllm benchmark (``benchmarks/nanovllm_bench.py``) in its CPU smoke mode: the
 harness's tiny model, batch sizes 1 and 2, three decode steps, one round (a stock child
-and a library child, each applying the harness's CPU patches in its own process, eager,
-bf16). It must complete and report both ways with positive figures, the library's one
-publication (one DMA, one scatter) per decode step and per prefill, and stock's uploads
-as ``Tensor.cuda`` calls. And the counting pass's wrappers by themselves (no nano-vllm).
+and the two library children, each applying the harness's CPU patches in its own
+process, eager, bf16). It must complete and report every way with positive figures, the
+library ways' one publication (one DMA, one scatter) per decode step and per prefill,
+stock's uploads as ``Tensor.cuda`` calls, and no device fill in the graph-native way.
+And the counting pass's wrappers by themselves (no nano-vllm).
 
 The smoke test skips when ``nanovllm`` is not installed, unless ``H2D_REQUIRE_NANOVLLM=1``.
 """
@@ -35,10 +36,11 @@ def test_nanovllm_bench_tiny_on_cpu(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     meta, summary, runs = report["meta"], report["summary"], report["runs"]
     assert meta["cuda"] is False and meta["dtype"] == "bfloat16"
-    assert meta["order"] == ["0:stock", "0:library"]
-    assert meta["runner_classes"] == {"stock": "ModelRunner", "library": "LibraryModelRunner"}
+    assert meta["order"] == ["0:stock", "0:library", "0:graphs"]
+    assert meta["runner_classes"] == {"stock": "ModelRunner", "library": "LibraryModelRunner",
+                                      "graphs": "GraphNativeRunner"}
     assert {(r["bs"], r["way"]) for r in summary["rows"]} == {
-        (bs, way) for bs in (1, 2) for way in ("stock", "library")}
+        (bs, way) for bs in (1, 2) for way in ("stock", "library", "graphs")}
     for run in runs:
         for x in run["results"]:
             assert x["decode_steps"] == 3 and len(x["step_us"]) == 3, x
@@ -50,7 +52,7 @@ def test_nanovllm_bench_tiny_on_cpu(tmp_path: Path) -> None:
         for key in ("prep_us_median", "step_us_median", "decode_tok_s_median",
                     "ttft_ms_median", "prepare_decode_us_p90", "prepare_sample_us_p90"):
             assert row[key] > 0, (row["bs"], row["way"], key)
-        if row["way"] == "library":
+        if row["way"] != "stock":
             for per in (row["library_decode_per_step"], row["library_prefill"]):
                 assert (per["publications"], per["dmas"], per["scatters"],
                         per["direct_copies"]) == (1, 1, 1, 0), per
@@ -58,16 +60,20 @@ def test_nanovllm_bench_tiny_on_cpu(tmp_path: Path) -> None:
             calls = row["h2d_calls_per_step"]
             assert not any(calls.get(k) for k in ("cuda", "to", "tensor")), calls
             assert row["h2d_copies_per_step"] >= 1
+            if row["way"] == "graphs":  # nothing between the publication and the model
+                assert row["device_fills_per_step"] == 0, calls
         else:
             assert row["library_decode_per_step"] is None
             # input ids, positions, slot mapping, context lengths, block tables,
             # temperatures, cfg scales: one .cuda() each
             assert row["h2d_calls_per_step"]["cuda"] == 7, row["h2d_calls_per_step"]
+    assert {(r["bs"], r["way"]) for r in summary["ratios"]} == {
+        (bs, way) for bs in (1, 2) for way in ("library", "graphs")}
     for r in summary["ratios"]:
         assert all(r[k]["median"] > 0 for k in ("prep_us", "step_us", "decode_tok_s",
                                                  "ttft_ms"))
     assert "| bs | way | prepare_decode+prepare_sample µs p50 |" in done.stdout
-    assert "library / stock" in done.stdout and "device: CPU" in done.stdout
+    assert "way / stock" in done.stdout and "device: CPU" in done.stdout
 
 
 def test_counting_wrappers_count_inside_decode_steps_and_restore_torch() -> None:

@@ -1,7 +1,7 @@
 """nano-vllm on CPU with the library as its metadata path, checked step by step:
-``python -m nanovllm_harness.library_cpu MODEL_DIR [--sampled] [--preempt]`` prints one JSON
-line (the last of its output): what :func:`stock_cpu.main` prints for the same workload,
-plus ``steps``, one record per ``prepare_*`` call the engine made.
+``python -m nanovllm_harness.library_cpu MODEL_DIR [--sampled] [--preempt] [--graphs]``
+prints one JSON line (the last of its output): what :func:`stock_cpu.main` prints for the
+same workload, plus ``steps``, one record per ``prepare_*`` call the engine made.
 
 The engine constructs :class:`CheckingRunner`, the library runner
 (:mod:`library_runner`) that for every step of the workload first runs the parent's (stock)
@@ -16,12 +16,19 @@ The engine constructs :class:`CheckingRunner`, the library runner
   (``publications``, ``dmas``, ``scatters``, ``direct_copies``), and every other group's
   publications (none);
 * ``calls``: ``Tensor.cuda``, ``Tensor.to`` and ``Tensor.copy_`` calls made during the
-  library's call (on CPU the one DMA is a ``copy_``).
+  library's call (on CPU the one DMA is a ``copy_``);
+* ``replay_size`` (decode steps): the graph-native runner's graph size for the step (the
+  requests it published, padding included), else None.
 
-``H2D_NANOVLLM_MUTATION=stale_lineage`` (read here only) builds the runner's
-:class:`library_runner.SequenceLineages` with ``stale_on_rewrite=True``: a sequence whose
-page list was re-allocated keeps its old lineage (see ``tests-integration/
-test_nanovllm_library.py``).
+``--graphs`` runs the graph-native runner (:mod:`library_graphs`): each decode step
+publishes padded to a graph size, and the model reads the padded destinations (on CPU the
+graph's body runs in place of a replay).
+
+``H2D_NANOVLLM_MUTATION`` (read here only; see ``tests-integration/
+test_nanovllm_library.py``): ``stale_lineage`` builds the runner's
+:class:`library_runner.SequenceLineages` with ``stale_on_rewrite=True`` (a sequence whose
+page list was re-allocated keeps its old lineage); ``unpadded_replay`` (with ``--graphs``)
+publishes each decode step unpadded while the replay still reads the padded size.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from collections import Counter
 from typing import Any
 
 MUTATION_ENV = "H2D_NANOVLLM_MUTATION"
+#: what MUTATION_ENV may name ("": none)
+MUTATIONS = ("", "stale_lineage", "unpadded_replay")
 
 #: Tensor methods counted while the library's prepare runs
 COUNTED = ("cuda", "to", "copy_")
@@ -81,25 +90,42 @@ def _describe(x: Any) -> Any:
     return x
 
 
-def checking_runner_class(counted: tuple[str, ...] = COUNTED) -> type:
+#: the graph-native runs' capture sizes: the workload's decode batches (4, 2, 1 requests)
+#: each publish padded (to 8 or 3 requests)
+TEST_GRAPH_SIZES = (3, 8)
+
+
+def checking_runner_class(counted: tuple[str, ...] = COUNTED, *, graphs: bool = False
+                          ) -> type:
     """The library runner checking each step against stock's ``prepare_*``, counting the
-    ``counted`` tensor methods (process-wide wrappers) over the library's calls."""
+    ``counted`` tensor methods (process-wide wrappers) over the library's calls;
+    ``graphs``: over the graph-native runner (:mod:`library_graphs`) capturing at
+    :data:`TEST_GRAPH_SIZES`."""
     import nanovllm.engine.model_runner as stock
     import torch
     from nanovllm.utils.context import get_context
 
     from nanovllm_harness.library_runner import SequenceLineages, library_runner_class
 
+    mutation = os.environ.get(MUTATION_ENV, "")
+    if mutation not in MUTATIONS:
+        raise ValueError(f"{MUTATION_ENV}={mutation!r}: known are {MUTATIONS[1:]}")
+    if mutation == "unpadded_replay" and not graphs:
+        raise ValueError(f"{MUTATION_ENV}=unpadded_replay needs --graphs")
     library = library_runner_class()
+    if graphs:
+        from nanovllm_harness.library_graphs import graph_runner_class
+
+        library = graph_runner_class(library, TEST_GRAPH_SIZES)
+        library.publish_padded = mutation != "unpadded_replay"
     calls = _Calls()
     calls.install(counted)
-    mutation = os.environ.get(MUTATION_ENV, "")
-    if mutation not in ("", "stale_lineage"):
-        raise ValueError(f"{MUTATION_ENV}={mutation!r}: only 'stale_lineage' is known")
 
     class CheckingRunner(library):  # type: ignore[misc,valid-type]
         def __init__(self, config: Any, rank: int, event: Any) -> None:
             lineages = SequenceLineages(stale_on_rewrite=mutation == "stale_lineage")
+            #: False: the library's path alone (no stock call, no record), for profiling
+            self.checking = True
             super().__init__(config, rank, event, lineages=lineages)
             self.steps: list[dict[str, Any]] = []
 
@@ -118,8 +144,14 @@ def checking_runner_class(counted: tuple[str, ...] = COUNTED) -> type:
             record = {"kind": kind, "num_seqs": len(seqs), "seq_ids": [s.seq_id for s in seqs],
                       "calls": dict(calls.counts), "counters": delta, "mismatches": [],
                       "padding": []}
+            if kind == "decode":  # the graph-native runner's replay size (None: eager)
+                record["replay_size"] = self._replay_size()
             self.steps.append(record)
             return out, record
+
+        def _replay_size(self) -> int | None:
+            replay = getattr(self, "_replay", None)
+            return None if replay is None else int(replay[0])
 
         def _compare(self, record: dict[str, Any], name: str, want: Any, got: Any) -> None:
             if not _same(want, got):
@@ -145,30 +177,34 @@ def checking_runner_class(counted: tuple[str, ...] = COUNTED) -> type:
                 self._compare(record, field, getattr(want, field), getattr(got, field))
             self._compare_tables(record, seqs, want.block_tables, got.block_tables)
 
-        def prepare_prefill(self, seqs: list[Any]) -> Any:
-            if not all(s.block_table for s in seqs):  # warm-up: the parent's path
-                return super().prepare_prefill(seqs)
-            want = stock.ModelRunner.prepare_prefill(self, seqs)
+        def _checked(self, kind: str, seqs: list[Any], stock_call: Any,
+                     library_call: Any) -> Any:
+            """Stock's ``prepare_*`` on ``seqs``, then the library's (whose result the model
+            reads), their ids, positions and contexts compared."""
+            want = stock_call(self, seqs)
             want_context = get_context()
-            got, record = self._library("prefill", seqs,
-                                        lambda: super(CheckingRunner, self).prepare_prefill(seqs))
+            got, record = self._library(kind, seqs, lambda: library_call(seqs))
             self._compare(record, "input_ids", want[0], got[0])
             self._compare(record, "positions", want[1], got[1])
             self._check_context(record, seqs, want_context, get_context())
             return got
+
+        def prepare_prefill(self, seqs: list[Any]) -> Any:
+            library_call = super().prepare_prefill
+            if not self.checking or not all(s.block_table for s in seqs):  # warm-up
+                return library_call(seqs)
+            return self._checked("prefill", seqs, stock.ModelRunner.prepare_prefill,
+                                 library_call)
 
         def prepare_decode(self, seqs: list[Any]) -> Any:
-            want = stock.ModelRunner.prepare_decode(self, seqs)
-            want_context = get_context()
-            got, record = self._library("decode", seqs,
-                                        lambda: super(CheckingRunner, self).prepare_decode(seqs))
-            self._compare(record, "input_ids", want[0], got[0])
-            self._compare(record, "positions", want[1], got[1])
-            self._check_context(record, seqs, want_context, get_context())
-            return got
+            library_call = super().prepare_decode
+            if not self.checking:
+                return library_call(seqs)
+            return self._checked("decode", seqs, stock.ModelRunner.prepare_decode,
+                                 library_call)
 
         def prepare_sample(self, seqs: list[Any], is_cfg_batch: bool = False) -> Any:
-            if self._step is None:  # the warm-up's
+            if not self.checking or self._step is None:  # not checked, the warm-up's
                 return super().prepare_sample(seqs, is_cfg_batch)
             want = stock.ModelRunner.prepare_sample(self, seqs, is_cfg_batch)
             got, record = self._library(
@@ -191,13 +227,13 @@ def checking_runner_class(counted: tuple[str, ...] = COUNTED) -> type:
     return CheckingRunner
 
 
-def main(model_dir: str, *, sampled: bool = False, preempt_phase: bool = False
-         ) -> dict[str, Any]:
+def main(model_dir: str, *, sampled: bool = False, preempt_phase: bool = False,
+         graphs: bool = False) -> dict[str, Any]:
     from nanovllm_harness import stock_cpu
     from nanovllm_harness.library_runner import install
 
     nanovllm = stock_cpu.setup_cpu(model_dir)
-    install(checking_runner_class())
+    install(checking_runner_class(graphs=graphs))
     run = stock_cpu.run_workload(nanovllm, model_dir, sampled=sampled,
                                  preempt_phase=preempt_phase)
     llm = run.pop("llm")
@@ -209,4 +245,5 @@ def main(model_dir: str, *, sampled: bool = False, preempt_phase: bool = False
 if __name__ == "__main__":
     args = sys.argv[1:]
     print(json.dumps(main(args[0], sampled="--sampled" in args,
-                          preempt_phase="--preempt" in args)), flush=True)
+                          preempt_phase="--preempt" in args, graphs="--graphs" in args)),
+          flush=True)

@@ -135,7 +135,7 @@ def library_runner_class() -> type:
         ``cfg_scales`` and ``repetition_penalties`` (host tensors: ``run`` reads the
         penalties by ``.item()`` and the scales only in a CFG batch, refused here); a
         uniform top-k / top-p that stock would upload (a device fill from the host
-        scalar, the library keeping uniform filters as CPU scalars).
+        scalar when it changes, the library keeping uniform filters as CPU scalars).
         """
 
         def __init__(self, config: Any, rank: int, event: Any,
@@ -169,6 +169,16 @@ def library_runner_class() -> type:
             self._uniform_k = torch.zeros(shape.max_reqs, dtype=torch.int32,
                                           device=self.h2d_device)
             self._uniform_p = torch.ones(shape.max_reqs, device=self.h2d_device)
+            #: the value each uniform row holds (by its data pointer)
+            self._filled: dict[int, float] = {}
+            #: (requests, table width) -> the views a decode step hands nano-vllm
+            self._decode_views: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+            #: requests -> the views prepare_sample hands nano-vllm
+            self._sample_views: dict[int, tuple[torch.Tensor, ...]] = {}
+            #: cfg scales and repetition penalties, host float32 rows (nano-vllm reads them
+            #: on the host, within the step: run() takes each penalty with .item())
+            self._host_rows = torch.zeros(2, shape.max_reqs, dtype=torch.float32)
+            self._host_np = self._host_rows.numpy()
 
         # -- one step ------------------------------------------------------------------
         def _batch(self, seqs: list[Any], prefill: bool) -> tuple[Any, list[BlockTable]]:
@@ -217,14 +227,35 @@ def library_runner_class() -> type:
             batch, rows = self._batch(seqs, False)
             st, d, n = self.h2d_state, self.decode, len(seqs)
             st.begin()
-            plan = self.decode_step.prepare(batch)  # one producer call (graphs: nano-vllm pads)
+            plan = self.decode_step.prepare(batch, self.padded_size(n))  # one producer call
             st.publish(DECODE_STEP)  # one DMA + one scatter
             st.finish()
             self._step = (batch.columns, plan.sampling)
-            set_context(False, slot_mapping=d.slot_mapping.gpu[:n],
-                        context_lens=d.context_lens.gpu[:n],
-                        block_tables=d.block_tables.gpu[:n, : max(map(len, rows))])
-            return self.tokens.input_ids.gpu[:n], d.positions.gpu[:n]
+            width = max(map(len, rows))
+            views = self._decode_views.get((n, width))
+            if views is None:  # once per (requests, table width): slicing costs µs a step
+                views = self._decode_views[n, width] = (
+                    d.slot_mapping.gpu[:n], d.context_lens.gpu[:n],
+                    d.block_tables.gpu[:n, :width], self.tokens.input_ids.gpu[:n],
+                    d.positions.gpu[:n])
+            set_context(False, slot_mapping=views[0], context_lens=views[1],
+                        block_tables=views[2])
+            return views[3], views[4]
+
+        def padded_size(self, n: int) -> int | None:
+            """The requests a decode step of ``n`` publishes: ``None``, exactly ``n``
+            (nano-vllm copies them into its graphs' buffers; the graph-native variant,
+            :mod:`library_graphs`, publishes padded to its graph's size)."""
+            return None
+
+        def _uniform(self, row: torch.Tensor, value: float, n: int) -> torch.Tensor:
+            """``row[:n]`` holding the uniform filter ``value``: filled on the device,
+            whole, only when the value changes (no kernel for a repeated value)."""
+            key = row.data_ptr()
+            if self._filled.get(key) != value:
+                row.fill_(value)
+                self._filled[key] = value
+            return row[:n]
 
         def prepare_sample(self, seqs: list[Any], is_cfg_batch: bool = False) -> tuple[Any, ...]:
             if self._step is None:
@@ -234,23 +265,28 @@ def library_runner_class() -> type:
                     "LibraryModelRunner: CFG batches read cfg_scales on the device, which "
                     "the library does not publish")
             cols, sp = self._step
-            n, s, host = len(seqs), self.sampling, torch.device("cpu")
+            n, s = len(seqs), self.sampling
+            views = self._sample_views.get(n)
+            if views is None:  # once per batch size: slicing costs µs a step
+                views = self._sample_views[n] = (
+                    s.temperatures.gpu[:n], self._host_rows[0, :n], self._host_rows[1, :n],
+                    s.top_ks.gpu[:n], s.top_ps.gpu[:n])
             # stock's conditions (model_runner.py 312-322, its inverted top-p and penalty
             # flags included); a filter the library kept as a CPU scalar (uniform) is a
             # device fill of that scalar
             top_k = top_p = penalties = None
             if any(x.top_k is not None and x.top_k > 0 for x in seqs):
-                top_k = (s.top_ks.gpu[:n] if sp.per_request_top_k
-                         else self._uniform_k[:n].fill_(int(cols.top_k[0])))
+                top_k = (views[3] if sp.per_request_top_k
+                         else self._uniform(self._uniform_k, int(cols.top_k[0]), n))
             if any(x.top_p == 1.0 for x in seqs):
-                top_p = (s.top_ps.gpu[:n] if sp.per_request_top_p
-                         else self._uniform_p[:n].fill_(float(cols.top_p[0])))
+                top_p = (views[4] if sp.per_request_top_p
+                         else self._uniform(self._uniform_p, float(cols.top_p[0]), n))
+            rows = self._host_np  # cfg scales and penalties: host rows, read this step
             if any(x.repetition_penalty == 1.0 for x in seqs):
-                penalties = torch.tensor([x.repetition_penalty for x in seqs],
-                                         dtype=torch.float32, device=host)
-            cfg_scales = torch.tensor([x.cfg_scale for x in seqs], dtype=torch.float32,
-                                      device=host)
-            return s.temperatures.gpu[:n], cfg_scales, top_k, top_p, penalties
+                rows[1, :n] = [x.repetition_penalty for x in seqs]
+                penalties = views[2]
+            rows[0, :n] = [x.cfg_scale for x in seqs]
+            return views[0], views[1], top_k, top_p, penalties
 
     return LibraryModelRunner
 
