@@ -17,8 +17,6 @@ OVERSIZED = {
     "packages/block-tables/src/block_tables/snapshot.py": 471,
     "packages/h2d-core/src/h2d_core/epoch.py": 545,
     "packages/h2d-core/src/h2d_core/records.py": 509,
-    "packages/h2d-runner-adapters/src/h2d_runner_adapters/prefill.py": 434,
-    "packages/h2d-runner-adapters/src/h2d_runner_adapters/v4/metadata.py": 508,
 }
 
 

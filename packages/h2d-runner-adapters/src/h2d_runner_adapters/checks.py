@@ -14,6 +14,7 @@ source (numpy's cast is exact once the range is known to fit).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -160,3 +161,16 @@ def length_column(group: str, cols: Any, name: str) -> np.ndarray:
             f"with one entry per request, got {describe(a)}; build it with "
             "np.ascontiguousarray(values, dtype=np.int32)")
     return a
+
+
+def page_rows(group: str, rows: object, n: int) -> Sequence[Any] | np.ndarray:
+    """``batch.block_tables`` checked as one row per request (``n``): a list, tuple or other
+    sequence of rows (not text). Returns it."""
+    if type(rows) is not list and type(rows) is not tuple and (
+            isinstance(rows, (str, bytes)) or not isinstance(rows, (Sequence, np.ndarray))):
+        raise AdapterInputError(f"{group}: batch.block_tables must hold one row per request "
+                                f"({n}), got {describe(rows)}")
+    if len(rows) != n:
+        raise AdapterInputError(f"{group}: batch.block_tables must hold one row per request "
+                                f"({n}), got {len(rows)}")
+    return rows

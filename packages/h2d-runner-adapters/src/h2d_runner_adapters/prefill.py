@@ -17,9 +17,7 @@ stages the table; the adapter's own checks that need the planned chunk (token id
 Each member publishes the chunk's entries only: ``num_tokens`` per-token entries,
 ``num_reqs`` (+1 for a prefix) per-request ones. Past them a destination is undefined (it
 keeps whatever an earlier chunk published): read ``token_request[:num_tokens]`` and
-``kv_indptr[:num_reqs + 1]``. (The device derivation :func:`prepare_prefill_attention`,
-given a whole ``token_request`` tensor, writes -1 past the last token; nothing here relies
-on that.)
+``kv_indptr[:num_reqs + 1]``.
 
 First consumer: KV-index generation (:meth:`PrefillInputs.prepare_attention`, decode's
 kernel over the published page prefix and block tables). An engine that derives the page
@@ -50,7 +48,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from block_tables import PageTableSnapshot
 from h2d_core import (
     OMITTED,
     PADDED_REQS,
@@ -66,12 +63,12 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .batch import PageRow, ScheduledBatch
+from .batch import ScheduledBatch
 from .checks import (
     AdapterInputError,
-    bool_mask,
     describe,
     length_column,
+    page_rows,
     refuse_page_size,
     sub_plan,
 )
@@ -85,6 +82,7 @@ from .mrope import (
 )
 from .paged import PagedInputs
 from .plan_records import CountsPlan, slot_plans
+from .prefill_owned import OwnedSlots
 from .shape import StepShape, check_shape
 
 PREFILL_INPUTS = "prefill_inputs"
@@ -113,8 +111,6 @@ class PrefillPlan(CountsPlan):
 
 #: isinstance's class tuples, built once (a ``A | B`` union is an object per call)
 _BOOLS = (bool, np.bool_)
-_TEXT = (str, bytes)
-_ROWS = (Sequence, np.ndarray)
 
 
 class PrefillInputs(PagedInputs):
@@ -129,17 +125,13 @@ class PrefillInputs(PagedInputs):
     the positions. Entries past the chunk's ``num_tokens`` (``num_reqs + 1`` for the
     prefixes) are undefined: an earlier chunk's.
 
-    Why one mode, published, rather than deriving those two on the device: the host has
-    the lengths in hand, so they cost one store per token and per request in the compiled
-    pass and 4 bytes each in the DMA that already carries 20 bytes per token (ids,
-    positions, KV slots); in return attention preparation is KV-index generation alone,
-    one launch where the device derivation takes two (an eager Triton launch costs tens of
-    microseconds of host time), the consumer and the member are decode's, the chunk's KV
-    page count is a host value (``PrefillPlan.num_pages``) and no device scan bounds the
-    requests of a chunk. An engine author then reads one type per member, whatever the
-    engine. An engine that derives them on the device anyway (e.g. from a kernel's own
-    query prefix) calls :func:`~h2d_runner_adapters.prepare_prefill_attention` with
-    tensors of its own; the published members are then unused bytes of the DMA.
+    Why published rather than derived on the device: the host has the lengths in hand,
+    so they cost one store per token and per request in the compiled pass and 4 bytes each
+    in the DMA that already carries 20 bytes per token; in return attention preparation is
+    one launch (KV-index generation, decode's consumer) where the device derivation takes
+    two, and the chunk's KV page count is a host value (``PrefillPlan.num_pages``). An
+    engine that derives them on the device anyway calls
+    :func:`~h2d_runner_adapters.prepare_prefill_attention` with tensors of its own.
     """
 
     def __init__(
@@ -179,9 +171,8 @@ class PrefillInputs(PagedInputs):
         # what those checks found, for after the write: owns_slot's mask, MRoPE sources
         self._mask: np.ndarray | None = None
         self._sources: Sequence[np.ndarray | None] = ()
-        # owns_slot's input, computed before any write: a private table the rows are
-        # prepared into, and a layout writing only KV slots from it (made on first use)
-        self._scratch: tuple[PageTableSnapshot, RequestLayout, np.ndarray] | None = None
+        #: owns_slot's input, computed before any write (made on first use)
+        self._owned: OwnedSlots | None = None
 
     def request_layouts(
         self,
@@ -300,16 +291,7 @@ class PrefillInputs(PagedInputs):
                 f"{g}: batch.columns.context_lens has {ctx.size} entries but query_lens "
                 f"{qlens.size}; pass one of each per request")
         n = qlens.size
-        rows = batch.block_tables
-        if type(rows) is not list and type(rows) is not tuple and (
-                isinstance(rows, _TEXT) or not isinstance(rows, _ROWS)):
-            raise AdapterInputError(
-                f"{g}: batch.block_tables must hold one row per request ({n}), got "
-                f"{describe(rows)}")
-        if len(rows) != n:
-            raise AdapterInputError(
-                f"{g}: batch.block_tables must hold one row per request ({n}), got "
-                f"{len(rows)}")
+        rows = page_rows(g, batch.block_tables, n)
         mrope = self.mrope_positions
         if mrope is None and (mrope_positions is not None or mrope_deltas is not None):
             given = "mrope_positions" if mrope_positions is not None else "mrope_deltas"
@@ -372,30 +354,13 @@ class PrefillInputs(PagedInputs):
                 g, [None] * n if mrope_positions is None else mrope_positions, ctx, qlens,
                 deltas)
         if owns_slot is not None:
-            self._mask = self._owned(g, owns_slot, rows, qlens, ctx, layout.num_tokens)
-
-    def _owned(self, g: str, owns_slot: Callable[[np.ndarray], np.ndarray],
-               rows: Sequence[PageRow], qlens: np.ndarray, ctx: np.ndarray, t: int
-               ) -> np.ndarray:
-        """``owns_slot``'s mask over this chunk's KV slots, checked (1-D bool, one per
-        token) before any source is written: the slots come from the rows prepared into a
-        private table, by the same layout rule as the published ones. Refused rows raise
-        here, as the published table's preparation would."""
-        if self._scratch is None:
-            storage = np.zeros(self.block_tables.spec.shape, np.int32)
-            slots = np.zeros(self.slot_mapping.spec.capacity, np.int64)
-            layout = RequestLayout(
-                self.group, self.page_size, storage,
-                np.zeros(self.context_lens.spec.capacity, dtype=np.int32), slot_mapping=slots)
-            snap = PageTableSnapshot(storage, pool_limit=self.pool_limit)
-            self._scratch = (snap, layout, slots)
-        snap, layout, slots = self._scratch
-        layout.plan(qlens, ctx, qlens.size, t)  # the batch passed the same plan already
-        snap.prepare(rows, required_pages=layout.required_pages)
-        layout.write()
-        view = slots[:t]
-        view.flags.writeable = False  # the function reads the slots; it owns nothing here
-        return bool_mask(g, "owns_slot(slots)", owns_slot(view), size=t)
+            owned = self._owned
+            if owned is None:
+                owned = self._owned = OwnedSlots(
+                    self.group, self.page_size, self.block_tables.spec.shape,
+                    self.slot_mapping.spec.capacity, self.context_lens.spec.capacity,
+                    self.pool_limit)
+            self._mask = owned.mask(g, owns_slot, rows, qlens, ctx, layout.num_tokens)
 
     def mrope_planes(self, plan: PrefillPlan) -> torch.Tensor:
         """The chunk's MRoPE planes as a ``(3, num_tokens)`` view."""

@@ -53,20 +53,10 @@ import torch
 
 from block_tables import BlockTable
 from h2d_core import (
-    OMITTED,
-    PADDED_REQS,
-    PADDED_TOKENS,
-    PLAN_ROWS,
-    REQS,
-    STEP_COUNTS,
-    TOKENS,
-    CountRule,
     DeclarationError,
     FusedConsumer,
     H2DBuffer,
     H2DRunnerState,
-    LayoutColumn,
-    LayoutPlan,
     LayoutStep,
     RequestLayout,
     h2d_producer,
@@ -74,9 +64,7 @@ from h2d_core import (
 
 from ..batch import PageRow
 from ..checks import (
-    INT32_MAX,
     AdapterInputError,
-    describe,
     padded_count,
 )
 from ..consumers import (
@@ -96,8 +84,16 @@ from ..paged import PagedInputs
 from ..plan_records import slot_plans
 from ..shape import StepShape, check_capacity
 from .decode_steps import _step_indptrs_kernel, launch_v4_decode_steps_from_counts
+from .layouts import V4_BLOCK, count_rules, v41_layout
 from .plans import V41Plan
-from .spans import V41_METADATA, RequestSpan, SpanColumns, _check_columns
+from .spans import (
+    V41_METADATA,
+    RequestSpan,
+    SpanColumns,
+    check_dummies,
+    check_rows,
+    span_columns,
+)
 
 __all__ = [
     "V4_BLOCK",
@@ -108,30 +104,8 @@ __all__ = [
     "V41MetadataInputs",
     "V41Plan",
 ]
-_new = tuple.__new__
-#: V4 block size (tokens per block-table entry)
-V4_BLOCK = 256
 #: (ratio, window K): ratio 4 pools an overlapping window of 2 * 4, ratio 128 one of 128
 V4_RATIOS: tuple[tuple[int, int], ...] = ((4, 8), (128, 128))
-
-
-def _check_dummies(group: str, dummy_state_slot: object, dummy_block: object,
-                   num_blocks: int | None) -> None:
-    """The padding storage is a real slot and block (of the ``num_blocks`` pool, if given)."""
-    pool = INT32_MAX + 1 if num_blocks is None else num_blocks
-    for name, value, hi in (("dummy_state_slot", dummy_state_slot, INT32_MAX),
-                            ("dummy_block", dummy_block, pool - 1)):
-        if (isinstance(value, bool) or not isinstance(value, int)
-                or not 0 <= value <= hi):
-            raise DeclarationError(
-                f"{group}: {name} must be an int in [0, {hi}] (reserved padding storage), "
-                f"got {value!r}")
-
-
-#: what a real request holding the dummy state slot is told (the layout's reserved value)
-_DUMMY_SLOT_NOTE = ("the adapter's private dummy state slot (dummy_state_slot: padding "
-                    "storage only); give the request (RequestSpan.state_slot / fork_source, "
-                    "SpanColumns.state_slots_out / state_slots_in) a slot of its own")
 
 
 class V41MetadataInputs(PagedInputs):
@@ -180,7 +154,7 @@ class V41MetadataInputs(PagedInputs):
         check_capacity("num_blocks", num_blocks, rule="num_pages", owner=g)
         shape = StepShape(max_reqs, max_tokens, max_blocks_per_req, V4_BLOCK, num_blocks,
                           max_ranges)
-        _check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
+        check_dummies(g, dummy_state_slot, dummy_block, num_blocks)
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise DeclarationError(
                 f"{g}: window must be an int >= 1 (the sliding window: positions each "
@@ -266,73 +240,13 @@ class V41MetadataInputs(PagedInputs):
 
     # -- binding -------------------------------------------------------------------------
     def _bind(self) -> LayoutStep:
-        cls = RequestLayout
-        snapshots = self.tables.snapshots
-        for slot in range(self.h2d_state.num_slots):
-            def src(b: H2DBuffer, slot: int = slot) -> np.ndarray:
-                return b.source(slot).numpy()
-
-            def layout(graph: bool, slot: int = slot) -> RequestLayout:
-                # decode: the graph grid, padding to the dummy slot; prefill: eager plans,
-                # no padding, plus the chunk starts
-                pad = self.dummy_state_slot if graph else None
-                extra = [] if graph else [LayoutColumn("chunk_starts", src(self.chunk_starts),
-                                                       pad=None)]
-                # prefill: the tokens among each request's last `window` positions (a
-                # tail plan, eager: the whole array published), after the ratios' plans
-                window_plan = [] if graph else [LayoutPlan(
-                    self.window_write_plan.name, src(self.window_write_plan), 1,
-                    self.window, True, False)]
-                # decode writes the fp8 per-token query prefix too (prefill omits it)
-                qo = (src(self.qo_indptr) if graph and self.qo_indptr is not None
-                      else None)
-                return cls(
-                    self.group, V4_BLOCK, snapshots[slot].storage,
-                    np.zeros(self.seq_lens.spec.capacity, dtype=np.int32),
-                    positions=src(self.positions), token_requests=src(self.token_batch_ids),
-                    context_lens=src(self.seq_lens), token_prefix=qo,
-                    columns=[LayoutColumn("state_slot_out", src(self.state_slot_out), pad=pad,
-                                          low=0, reserved=self.dummy_state_slot,
-                                          reserved_note=_DUMMY_SLOT_NOTE),
-                             LayoutColumn("state_slot_in", src(self.state_slot_in), pad=pad,
-                                          low=0, reserved=self.dummy_state_slot,
-                                          reserved_note=_DUMMY_SLOT_NOTE),
-                             *extra],
-                    plans=[LayoutPlan(b.name, src(b), r, k, tail, graph)
-                           for (r, k), cb, wb in zip(self.ratios, self.compress_plans,
-                                                     self.write_plans, strict=True)
-                           for b, tail in ((cb, False), (wb, True))] + window_plan)
-            self._layouts.append(layout(True))
-            self._prefill_layouts.append(layout(False))
-        # decode: the graph grid; chunk starts are prefill's; plan k's published rows
-        rules = [CountRule(self.positions, PADDED_TOKENS),
-                 CountRule(self.token_batch_ids, PADDED_TOKENS),
-                 CountRule(self.seq_lens, PADDED_REQS),
-                 CountRule(self.state_slot_out, PADDED_REQS),
-                 CountRule(self.state_slot_in, PADDED_REQS),
-                 CountRule(self.chunk_starts, OMITTED),
-                 CountRule(self.window_write_plan, OMITTED)]
-        plans = [CountRule(b, PLAN_ROWS, plan=2 * k + j)
-                 for k, pair in enumerate(zip(self.compress_plans, self.write_plans,
-                                              strict=True))
-                 for j, b in enumerate(pair)]
-        rules += plans
-        if self.qo_indptr is not None:
-            rules.append(CountRule(self.qo_indptr, PADDED_TOKENS, 1))
-        if self.step_counts is not None:
-            rules.append(CountRule(self.step_counts, STEP_COUNTS))
+        slots = range(self.h2d_state.num_slots)
+        self._layouts = [v41_layout(self, slot, graph=True) for slot in slots]
+        self._prefill_layouts = [v41_layout(self, slot, graph=False) for slot in slots]
+        decode, prefill = count_rules(self)
         # plan_rows: per ratio (real compress rows, published, real write rows, published)
         self._step = LayoutStep(self.group, self.h2d_state, self._layouts, self.tables,
-                                self._pad_rows, rules, error=AdapterInputError, plan_group=2)
-        # prefill: eager (the real counts), the chunk starts instead of the decode-only
-        # members, the eager plans' published rows
-        prefill = [CountRule(self.positions, TOKENS), CountRule(self.token_batch_ids, TOKENS),
-                   CountRule(self.seq_lens, REQS), CountRule(self.state_slot_out, REQS),
-                   CountRule(self.state_slot_in, REQS), CountRule(self.chunk_starts, REQS)]
-        prefill += plans  # the eager plans' published rows
-        prefill.append(CountRule(self.window_write_plan, PLAN_ROWS, plan=len(plans)))
-        prefill += [CountRule(b, OMITTED) for b in (self.qo_indptr, self.step_counts)
-                    if b is not None]
+                                self._pad_rows, decode, error=AdapterInputError, plan_group=2)
         # one plan_rows entry per plan: begin_prefill regroups the ratios' pairs
         self._prefill_step = LayoutStep(self.group, self.h2d_state, self._prefill_layouts,
                                         self.tables, (), prefill, error=AdapterInputError,
@@ -359,11 +273,11 @@ class V41MetadataInputs(PagedInputs):
         dummy block raises :class:`block_tables.ReservedPageError`) and changes nothing.
         The plan is the slot's own, refreshed in place: valid until the slot's next
         step."""
-        cols = self._span_columns(spans)
+        cols = span_columns(self.group, spans)
         n = cols.query_lens.size
         # eager (no padding) keeps the graph grid of n requests: n, not -1
         p = n if padded is None else padded_count(self.group, n, padded)
-        self._check_rows(block_tables, n)
+        check_rows(self.group, block_tables, n)
         step = self._step
         if step is None:
             step = self._bind()
@@ -387,9 +301,9 @@ class V41MetadataInputs(PagedInputs):
         chunk starts, and the eager plans (the real compression rows; the whole state-write
         array, -1 after the real rows), into the same pinned, bound buffers as decode.
         Checked whole before any write, as :meth:`begin_step`."""
-        cols = self._span_columns(spans)
+        cols = span_columns(self.group, spans)
         n = cols.query_lens.size
-        self._check_rows(block_tables, n)
+        check_rows(self.group, block_tables, n)
         if self._step is None:
             self._bind()
         qlens, ctx = cols.query_lens, cols.context_lens
@@ -405,29 +319,6 @@ class V41MetadataInputs(PagedInputs):
         # (real, published) per plan: the ratios' (compress, write) pairs, then the window
         ratios = tuple(rows[k] + rows[k + 1] for k in range(0, len(rows) - 1, 2))
         return V41Plan(n, n, t, t, q if n else 0, ratios, stage, rows[-1])
-
-    # -- input checks (before any write) -------------------------------------------------
-    def _span_columns(self, spans: Sequence[RequestSpan] | SpanColumns) -> SpanColumns:
-        """``spans`` as int32 columns of one length (the layout checks the rest: the
-        lengths, the state slots >= 0 and none the dummy slot, the arrays' layout)."""
-        if isinstance(spans, SpanColumns):
-            _check_columns(self.group, spans)
-            return spans
-        return SpanColumns.from_spans(spans, group=self.group)
-
-    def _check_rows(self, rows: object, n: int) -> None:
-        """``rows`` is a sequence of ``n`` rows (the table's snapshot checks each row,
-        the dummy block included, before writing)."""
-        if type(rows) is not list and type(rows) is not tuple and (
-                isinstance(rows, (str, bytes))
-                or not isinstance(rows, (Sequence, np.ndarray))):
-            raise AdapterInputError(
-                f"{self.group}: block_tables must be a list of rows (BlockTable, 1-D integer "
-                f"array or list of ints), one per span, got {describe(rows)}")
-        if len(rows) != n:
-            raise AdapterInputError(
-                f"{self.group}: {len(rows)} block_tables rows for {n} spans; pass one row "
-                "per span")
 
     def generate_prefill_indptrs(self, plan: V41Plan, *, pcp_rank: int = 0,
                                  pcp_size: int = 1) -> PrefillIndptrs:

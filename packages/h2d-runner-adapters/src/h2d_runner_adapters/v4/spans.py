@@ -11,6 +11,8 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from h2d_core import DeclarationError
+
 from ..checks import INT32_MAX, INT32_MIN, AdapterInputError, check_size, describe
 
 V41_METADATA = "v41_metadata"
@@ -153,3 +155,44 @@ def _refuse_column(group: str, name: str, a: object) -> NoReturn:
 
 
 _INT32 = np.dtype(np.int32)
+
+
+def span_columns(group: str, spans: Sequence[RequestSpan] | SpanColumns) -> SpanColumns:
+    """``spans`` as int32 columns of one length (the layout checks the rest: the lengths,
+    the state slots >= 0 and none the dummy slot, the arrays' layout)."""
+    if isinstance(spans, SpanColumns):
+        _check_columns(group, spans)
+        return spans
+    return SpanColumns.from_spans(spans, group=group)
+
+
+def check_rows(group: str, rows: object, n: int) -> None:
+    """``rows`` is a sequence of ``n`` rows (the table's snapshot checks each row, the
+    dummy block included, before writing)."""
+    if type(rows) is not list and type(rows) is not tuple and (
+            isinstance(rows, (str, bytes)) or not isinstance(rows, (Sequence, np.ndarray))):
+        raise AdapterInputError(
+            f"{group}: block_tables must be a list of rows (BlockTable, 1-D integer array or "
+            f"list of ints), one per span, got {describe(rows)}")
+    if len(rows) != n:
+        raise AdapterInputError(
+            f"{group}: {len(rows)} block_tables rows for {n} spans; pass one row per span")
+
+
+def check_dummies(group: str, dummy_state_slot: object, dummy_block: object,
+                  num_blocks: int | None) -> None:
+    """The padding storage is a real slot and block (of the ``num_blocks`` pool, if given)."""
+    pool = INT32_MAX + 1 if num_blocks is None else num_blocks
+    for name, value, hi in (("dummy_state_slot", dummy_state_slot, INT32_MAX),
+                            ("dummy_block", dummy_block, pool - 1)):
+        if (isinstance(value, bool) or not isinstance(value, int)
+                or not 0 <= value <= hi):
+            raise DeclarationError(
+                f"{group}: {name} must be an int in [0, {hi}] (reserved padding storage), "
+                f"got {value!r}")
+
+
+#: what a real request holding the dummy state slot is told (the layout's reserved value)
+DUMMY_SLOT_NOTE = ("the adapter's private dummy state slot (dummy_state_slot: padding "
+                   "storage only); give the request (RequestSpan.state_slot / fork_source, "
+                   "SpanColumns.state_slots_out / state_slots_in) a slot of its own")
