@@ -75,8 +75,8 @@ def state_of(snap: PageTableSnapshot) -> tuple[Any, ...]:
         snap.row_lengths.tolist(),
         snap._row_keys.tobytes(),
         snap._lengths.tobytes(),
-        snap._all_versioned,
-        [(rev, None if rows is None else rows.tolist()) for rev, rows in snap._history],
+        snap._book.all_versioned,
+        [(rev, None if rows is None else rows.tolist()) for rev, rows in snap._book.history],
     )
 
 
@@ -919,7 +919,7 @@ def test_compiled_spans_on_an_all_versioned_batch() -> None:
     rows[1].truncate(1)  # a new version: columns [0, 3) of row 1
     rows.append(BlockTable([8, 9]))  # a row the destination never held
     snap.prepare(rows)
-    assert snap._all_versioned
+    assert snap._book.all_versioned
     assert changed_spans(snap, keys, 4) == ChangedSpans([0, 1], [2, 0], [3, 3])
     result = changed_byte_ranges(snap, keys, 4, 24, max_ranges=3, max_bytes=100)
     assert result == ([(8, 12), (24, 36), (72, 96)], 40)
@@ -963,7 +963,7 @@ def test_spans_accept_other_key_layouts(layout: str) -> None:
     rows[0].append_one(5)
     rows[2].truncate(1)
     snap.prepare(rows)
-    assert snap._all_versioned
+    assert snap._book.all_versioned
     handed_back = snap._native.key_spans(snap._row_keys[:3], keys, 3) is NotImplemented
     assert handed_back == (layout in HANDED_BACK)
     assert changed_spans(snap, keys, 3) == ChangedSpans([0, 2], [2, 0], [3, 2])
@@ -1089,7 +1089,7 @@ def test_snapshot_method_gives_the_module_function_s_ranges(keys_kind: str) -> N
     rows[2].append_one(10)
     rows.append(BlockTable([11]) if keys_kind != "unversioned" else [11])
     snap.prepare(rows)
-    assert snap._all_versioned == (keys_kind != "unversioned")
+    assert snap._book.all_versioned == (keys_kind != "unversioned")
     got = []
     for max_ranges, max_bytes, tag in ((8, 1000, None), (8, 1000, 2), (1, 1000, None),
                                        (8, 4, 5)):

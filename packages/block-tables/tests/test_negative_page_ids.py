@@ -18,7 +18,7 @@ from block_tables import BlockTable, PageIdRangeError, PageTableSnapshot
 
 def _state(snap: PageTableSnapshot) -> tuple[Any, ...]:
     return (snap.storage.tobytes(), snap.revision, snap.num_rows, snap._row_keys.tobytes(),
-            snap._lengths.tobytes(), len(snap._history))
+            snap._lengths.tobytes(), len(snap._book.history))
 
 
 def _refused(snap: PageTableSnapshot, rows: Any, match: str, **kw: Any) -> None:

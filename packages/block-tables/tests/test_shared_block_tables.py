@@ -74,8 +74,8 @@ def state_of(snap: PageTableSnapshot) -> tuple[Any, ...]:
         snap.num_rows,
         snap.row_lengths.tolist(),
         snap._row_keys.tobytes(),
-        snap._keys,
-        [(rev, None if rows is None else rows.tolist()) for rev, rows in snap._history],
+        snap._book.keys,
+        [(rev, None if rows is None else rows.tolist()) for rev, rows in snap._book.history],
     )
 
 

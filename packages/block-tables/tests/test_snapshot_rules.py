@@ -196,7 +196,7 @@ def counted_sweeps(snap: PageTableSnapshot, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def history_of(snap: PageTableSnapshot) -> list[tuple[int, list[int] | None]]:
-    return [(r, None if c is None else c.tolist()) for r, c in snap._history]
+    return [(r, None if c is None else c.tolist()) for r, c in snap._book.history]
 
 
 def test_fully_replaced_batch_is_one_compiled_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,7 +243,7 @@ def test_fully_replaced_batches_agree_with_the_oracle(monkeypatch: pytest.Monkey
     assert snap.cleared_elements == sum(WIDTH - len(t) for t in first) + len(
         tail_positions([16, 9, 12, 3, 16, 7], [4, 16, 2, 3, 16, 0]))
     # the same bytes under new versions: nothing written, no new revision
-    assert len(snap._history) == 2
+    assert len(snap._book.history) == 2
 
 
 def test_a_strided_row_is_swept_from_a_copy(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,13 +16,11 @@ Byte rule (what the storage holds after every successful ``prepare``):
   form) or, if no prepare ever covered them, the caller's initial bytes. Consumers must
   not read them; a later batch that covers them again reuses what they hold.
 
-Because every known row is kept in that form, no tail ever needs a full-width clear: a
-full-width row is copied without clearing first, and a row replaced by a shorter one
-clears only the columns its previous content occupied. Rows of unknown content (never
-prepared, or after :meth:`PageTableSnapshot.invalidate`) are compared and cleared over the
-whole width the first time a batch covers them. When a prepare replaces every row of its
-batch (a new batch mapping), the rows' IDs are copied first and then every exposed tail
-is cleared in one pass over the storage (one compiled sweep), not row by row.
+Every known row is kept in that form, so a row replaced by a shorter one clears only the
+columns its previous content held; a row of unknown content (never prepared, or after
+:meth:`PageTableSnapshot.invalidate`) is compared and cleared over the whole width the
+first time a batch covers it. A prepare that replaces every row of its batch copies the
+IDs, then clears every exposed tail in one compiled sweep.
 
 A rejected batch (any :class:`~block_tables.errors.BlockTableError`) is rejected before the
 first write and changes nothing. The revision counts byte changes: it advances by one
@@ -36,16 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from .errors import RowCountError, RowTypeError
 from .lineage import LENGTH_BITS, BlockTable, _Lineage
 from .native import require_extension
-from .revisions import RevisionHistory
+from .revisions import SnapshotBook
 from .row_plan import UNKNOWN, Rows, StoredRows, plan_changed_rows, record_proof, row_key
 from .row_writes import RowWriter
 from .spans import ChangedRows, changed_byte_ranges
 from .validation import (
     NO_POOL_LIMIT,
     Int64Array,
+    check_prepare_arguments,
     check_required_pages,
     check_snapshot_arguments,
 )
@@ -59,11 +57,6 @@ means two row keys differ by at most ``width`` exactly when their versions are e
 # replaced batch and the all-versioned key diffs; required (NativeBuildError without it)
 _native = require_extension("block_tables._snapshot_native")
 _native.configure(BlockTable, LENGTH_BITS, _Lineage)
-
-# the fields of a snapshot's bookkeeping array (_snapshot.pyx: META_*)
-_REVISION, _NUM_ROWS, _ALL_VERSIONED, _KEYS_VALID = range(4)
-_META_SIZE = 4
-
 
 class PageTableSnapshot:
     """Incrementally prepared page table over fixed 2-D int32 storage.
@@ -110,24 +103,13 @@ class PageTableSnapshot:
         self._row_keys: Int64Array = np.full(rows, self._unknown_key, dtype=np.int64)
         self._lengths: Int64Array = np.full(rows, width, dtype=np.int64)
         self._lengths_u = self._lengths.view(np.uint64)
-        # packed keys of the last batch prepared by _prepare_changed: its hit test for
-        # batches the compiled step hands back (valid while _meta says so)
-        self._key_list: list[int] | None = None
-        # The bookkeeping a step changes, as int64 fields the compiled step writes (no int
-        # object per step): revision, rows of the last batch, whether every row of it was
-        # a BlockTable (equal keys then mean equal bytes), whether _key_list describes it.
-        self._meta = np.zeros(_META_SIZE, dtype=np.int64)
-        # which rows each byte-changing revision changed (the compiled step records them)
-        self._revisions = RevisionHistory(history, rows)
+        self._book = book = SnapshotBook(history, rows)  # the compiled step writes it
         # the compiled paths, bound once to the arrays above and their own scratch
-        # (changed rows, new keys)
-        self._changed_out = np.empty(rows, dtype=np.int64)
-        self._limit_arg = self._check_limit
         self._native = _native
         self._bound = _native.bind(
-            self._row_keys, self._lengths, storage.reshape(-1), self._changed_out,
-            np.empty(3 * rows, dtype=np.int64), int(width), self._meta,
-            self._revisions.counts, self._revisions.rows, self._reserved)
+            self._row_keys, self._lengths, storage.reshape(-1), np.empty(rows, np.int64),
+            np.empty(3 * rows, dtype=np.int64), int(width), book.meta,
+            book.revisions.counts, book.revisions.rows, self._reserved)
         self._writer = RowWriter(storage, fill_value, _native, self._bound)
         # what a plan of a handed-back batch reads (the arrays above, never copied)
         self._stored = StoredRows(storage, self._row_keys, self._lengths, int(width),
@@ -155,55 +137,17 @@ class PageTableSnapshot:
     @property
     def step_pool_limit(self) -> int:
         """The pool limit as the compiled step takes it (no limit: a sentinel)."""
-        return self._limit_arg
+        return self._check_limit
 
     @property
     def all_versioned(self) -> bool:
-        """Whether every row of the last prepared batch came from a BlockTable: equal keys
-        then mean equal bytes, and a key diff needs no history."""
-        return bool(self._meta[_ALL_VERSIONED])
-
-    # -- the bookkeeping, as the Python paths read and write it -----------------------------
-
-    @property
-    def _revision(self) -> int:
-        return int(self._meta[_REVISION])
-
-    @property
-    def _num_rows(self) -> int:
-        return int(self._meta[_NUM_ROWS])
-
-    @_num_rows.setter
-    def _num_rows(self, n: int) -> None:
-        self._meta[_NUM_ROWS] = n
-
-    @property
-    def _all_versioned(self) -> bool:
-        return bool(self._meta[_ALL_VERSIONED])
-
-    @_all_versioned.setter
-    def _all_versioned(self, value: bool) -> None:
-        self._meta[_ALL_VERSIONED] = bool(value)
-
-    @property
-    def _keys(self) -> list[int] | None:
-        return self._key_list if self._meta[_KEYS_VALID] else None
-
-    @_keys.setter
-    def _keys(self, keys: list[int] | None) -> None:
-        self._key_list = keys
-        self._meta[_KEYS_VALID] = keys is not None
+        """Every row of the last batch came from a BlockTable (a key diff needs no history)."""
+        return self._book.all_versioned
 
     def _bump(self, rows: Int64Array | None) -> int:
-        """The next revision changed ``rows`` (sorted, distinct) or every row (None):
-        advance the revision and record it in the history; return it."""
+        """Record the next revision as changing ``rows`` (sorted; None: all); return it."""
         return int(self._native.record_revision(
             self._bound, None if rows is None else np.ascontiguousarray(rows, np.int64)))
-
-    @property
-    def _history(self) -> list[tuple[int, Int64Array | None]]:
-        """The recorded revisions, oldest first: (revision, changed rows or None)."""
-        return self._revisions.recorded(self._revision)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -215,17 +159,17 @@ class PageTableSnapshot:
     @property
     def revision(self) -> int:
         """Prepared revision: advances by one exactly when a prepare changes storage bytes."""
-        return self._revision
+        return self._book.revision
 
     @property
     def num_rows(self) -> int:
         """Rows of the last prepared batch: the snapshot is storage rows ``[0, num_rows)``."""
-        return self._num_rows
+        return self._book.num_rows
 
     @property
     def row_lengths(self) -> Int64Array:
         """Page counts of rows ``[0, num_rows)`` (a read-only copy)."""
-        lengths = self._lengths[: self._num_rows].copy()
+        lengths = self._lengths[: self._book.num_rows].copy()
         lengths.setflags(write=False)
         return lengths
 
@@ -261,7 +205,7 @@ class PageTableSnapshot:
         must not box them: the prepared revision at index 0, the last batch's rows at 1,
         and at 2 whether every row of it was a :class:`BlockTable`. Valid while the
         snapshot lives; read-only for callers."""
-        return int(self._meta.ctypes.data)
+        return int(self._book.meta.ctypes.data)
 
     @property
     def capacity(self) -> int:
@@ -296,7 +240,7 @@ class PageTableSnapshot:
         nbytes)``), so a caller collecting several tables' ranges in one list (a publication
         record) needs no second pass.
         """
-        if self._all_versioned:
+        if self._book.all_versioned:
             found = self._native.changed_byte_ranges(
                 self._row_keys, keys_then, keys_then.size, num_rows, row_bytes, max_ranges,
                 max_bytes, keys_out, tag)
@@ -321,7 +265,8 @@ class PageTableSnapshot:
         Empty when ``revision`` is the current one. ``all_rows`` when the snapshot no
         longer (or never) knew that revision, or the storage was invalidated since.
         """
-        return self._revisions.rows_since(revision, self._revision, self._num_rows)
+        book = self._book
+        return book.revisions.rows_since(revision, book.revision, book.num_rows)
 
     # -- preparing ------------------------------------------------------------------------
 
@@ -349,29 +294,13 @@ class PageTableSnapshot:
         ``padding`` is how many of the last rows are graph padding: the only rows that may
         hold :attr:`reserved_page` (checked only with a reserved page).
         """
-        if type(rows) not in (list, tuple) and not isinstance(rows, (Sequence, np.ndarray)):
-            # refused on every path, hits included (an iterator would be consumed by the
-            # hit test and then read as empty)
-            raise RowTypeError(
-                f"rows must be an ordered sequence (list or tuple), got {type(rows).__name__}"
-            )
-        if padding and (type(padding) is not int or not 0 <= padding <= len(rows)):
-            raise RowCountError(
-                f"padding={padding!r} must be an int in [0, {len(rows)}] (the batch's last "
-                "rows that are graph padding)")
-        if versions is not None or lengths is not None:
-            if versions is None or lengths is None:
-                raise RowTypeError("pass versions and lengths together (one of them is None)")
-            if self._reserved >= 0:
-                raise RowTypeError(
-                    "a snapshot with a reserved page checks each row's pages as they "
-                    "arrive; prepare it from rows, without versions and lengths")
+        if check_prepare_arguments(rows, padding, versions, lengths, self._reserved >= 0):
             return self._prepare_vectors(rows, versions, lengths, required_pages)
         # The common decode and prefill-chunk steps (hits and appends of versioned rows)
         # in one compiled call; None means "not covered", and nothing was written.
         # It records the revision and the bookkeeping itself.
-        if self._native.prepare_step(self._bound, rows, self._limit_arg, required_pages) >= 0:
-            return self._revision
+        if self._native.prepare_step(self._bound, rows, self._check_limit, required_pages) >= 0:
+            return self._book.revision
         # Handed back: another container or row kind, an unset or odd slot, a change other
         # than a one-page append, required pages the compiled step does not read, or an
         # error to report. The checks, messages and other write paths live here.
@@ -379,12 +308,12 @@ class PageTableSnapshot:
             keys = [row._key for row in rows]  # type: ignore[union-attr]
         except AttributeError:
             keys = None
-        if keys is not None and keys == self._keys:
+        if keys is not None and keys == self._book.keys:
             # Hit: same ordered versions and lengths, so the same bytes; no page ID is read.
             if required_pages is not None:
-                n = self._num_rows
+                n = self._book.num_rows
                 check_required_pages(required_pages, self._lengths[:n], self._lengths_u[:n])
-            return self._revision
+            return self._book.revision
         return self._prepare_changed(rows, keys, required_pages, len(rows) - padding)
 
     def invalidate(self) -> None:
@@ -395,9 +324,9 @@ class PageTableSnapshot:
         """
         self._row_keys.fill(self._unknown_key)
         self._lengths.fill(self._width)
-        self._keys = None
-        self._all_versioned = False
-        self._num_rows = 0
+        self._book.keys = None
+        self._book.all_versioned = False
+        self._book.num_rows = 0
         self._bump(None)
 
     def _prepare_changed(
@@ -433,9 +362,9 @@ class PageTableSnapshot:
             record_proof(table, length, limit)
         for i, _start, stop, _ids in plan.appends:
             record_proof(rows[i], stop, limit)  # type: ignore[arg-type]
-        self._keys = keys
-        self._all_versioned = keys is not None
-        self._num_rows = n
+        self._book.keys = keys
+        self._book.all_versioned = keys is not None
+        self._book.num_rows = n
         if changed:
             changed_arrays.append(np.array(changed, dtype=np.int64))
         if changed_arrays:
@@ -445,7 +374,7 @@ class PageTableSnapshot:
                 else np.unique(np.concatenate(changed_arrays))
             )
             return self._bump(rows_changed)
-        return self._revision
+        return self._book.revision
 
     def _prepare_vectors(self, rows: Sequence[object], versions: object, lengths: object,
                          required_pages: Sequence[int] | np.ndarray | None) -> int:
@@ -463,9 +392,9 @@ class PageTableSnapshot:
                                               plan.lengths, plan.rewrites)
             self._row_keys[:n] = plan.keys
             self._lengths[:n] = plan.lengths
-        self._num_rows = n
-        self._keys = None
-        self._all_versioned = True
+        self._book.num_rows = n
+        self._book.keys = None
+        self._book.all_versioned = True
         if changed:
             return self._bump(np.array(sorted(changed), dtype=np.int64))
-        return self._revision
+        return self._book.revision

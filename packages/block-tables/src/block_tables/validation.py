@@ -230,3 +230,29 @@ def check_snapshot_arguments(
             raise StorageError(
                 f"reserved_page must be None or a page ID in [0, {top}], got "
                 f"{reserved_page!r}")
+
+
+def check_prepare_arguments(rows: Sequence[Any] | np.ndarray, padding: object,
+                            versions: object, lengths: object,
+                            reserved: bool) -> bool:
+    """Refuse :meth:`~block_tables.PageTableSnapshot.prepare`'s bad arguments (a snapshot
+    with a ``reserved`` page refuses vectors); return whether the batch comes as vectors
+    (``versions`` and ``lengths``)."""
+    if type(rows) not in (list, tuple) and not isinstance(rows, (Sequence, np.ndarray)):
+        # refused on every path, hits included (an iterator would be consumed by the hit
+        # test and then read as empty)
+        raise RowTypeError(
+            f"rows must be an ordered sequence (list or tuple), got {type(rows).__name__}")
+    if padding and (type(padding) is not int or not 0 <= padding <= len(rows)):
+        raise RowCountError(
+            f"padding={padding!r} must be an int in [0, {len(rows)}] (the batch's last rows "
+            "that are graph padding)")
+    if versions is None and lengths is None:
+        return False
+    if versions is None or lengths is None:
+        raise RowTypeError("pass versions and lengths together (one of them is None)")
+    if reserved:
+        raise RowTypeError(
+            "a snapshot with a reserved page checks each row's pages as they arrive; prepare "
+            "it from rows, without versions and lengths")
+    return True
