@@ -15,7 +15,6 @@ MAX_LINES = 400
 OVERSIZED = {
     "packages/h2d-core/src/h2d_core/request_layout.py": 663,
     "packages/h2d-core/src/h2d_core/epoch.py": 545,
-    "packages/h2d-core/src/h2d_core/records.py": 509,
 }
 
 

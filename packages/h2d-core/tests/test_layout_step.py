@@ -35,7 +35,7 @@ from h2d_core import (
     RequestLayout,
     StepCounts,
 )
-from h2d_core.records import CountProgram
+from h2d_core.count_program import CountProgram
 from h2d_core.step import OMITTED, PLAN_ROWS, STEP_COUNTS
 from h2d_core.step import TOKENS as TOKENS_WHAT
 

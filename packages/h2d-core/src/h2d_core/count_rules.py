@@ -10,8 +10,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from .count_program import STEP_COUNTS
 from .errors import DeclarationError
-from .records import STEP_COUNTS
 
 
 class CountRule(NamedTuple):

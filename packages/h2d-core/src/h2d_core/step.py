@@ -22,9 +22,7 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
-from .count_rules import CountRule, count_addresses
-from .errors import CountError, DeclarationError, RequestLayoutError
-from .records import (
+from .count_program import (
     DRAFTS,
     OMITTED,
     PADDED_REQS,
@@ -35,6 +33,8 @@ from .records import (
     TOKENS,
     CountProgram,
 )
+from .count_rules import CountRule, count_addresses
+from .errors import CountError, DeclarationError, RequestLayoutError
 from .request_layout import EXACT_TOKENS
 
 try:
@@ -124,7 +124,7 @@ class LayoutStep:
     sources and prepared table; ``table`` is the :class:`~h2d_core.BlockTableState` those
     layouts read (None: a layout without a table, whose ``run`` ignores ``rows``);
     ``pad_rows`` the empty rows padded requests take; ``counts`` one
-    :class:`CountRule` per counted member (a :class:`~h2d_core.records.CountProgram` stores
+    :class:`CountRule` per counted member (a :class:`~h2d_core.count_program.CountProgram` stores
     them in one call when one group record holds them all, a fused producer's usual case);
     ``sum_column`` a layout column whose sum ``run`` returns (-1: none). A rejected batch
     raises ``error`` (a :class:`~h2d_core.CountError` subclass) naming the request and
