@@ -20,6 +20,7 @@ NATIVE = (
     "h2d_core._events_native",
     "h2d_core._records_native",  # records.py, compiled by Cython
     "h2d_core._count_program_native",
+    "h2d_core._layout_plans_native",
     "h2d_core._step_native",  # step.py, compiled by Cython
     "h2d_core._epoch_native",  # epoch.py
     "h2d_core._producer_native",  # producer.py
@@ -97,6 +98,7 @@ NEEDED_BY = {
     "h2d_core._producer_native": "h2d_core",
     "h2d_core._records_native": "h2d_core",
     "h2d_core._count_program_native": "h2d_core",
+    "h2d_core._layout_plans_native": "h2d_core",
     "h2d_core._step_native": "h2d_core",
     "h2d_core._table_stage_native": "h2d_core",
     KERNELS_NATIVE: "h2d_kernels",

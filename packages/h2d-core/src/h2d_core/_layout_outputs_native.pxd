@@ -42,6 +42,3 @@ cdef class RampRowsOutput(BoundOutput):
     cdef BoundSum start
     cdef BoundSum count
     cdef int fill
-
-cdef Py_ssize_t write_plan_rows(tuple spec, int[::1] own_q, int[::1] own_c, Py_ssize_t n,
-                                Py_ssize_t count) except? -1

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .errors import RequestLayoutError
+from .layout_arrays import checked_array
 from .layout_outputs import (
     RampRowsOutput,
     RequestBoundOutput,
@@ -24,7 +25,6 @@ from .layout_outputs import (
 from .layout_records import (
     QUERY_LENS,
     LayoutColumn,
-    LayoutPlan,
     RampRows,
     RequestBound,
     RequestSum,
@@ -43,19 +43,6 @@ KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 #: the widest value range a distinct column checks with a stamp table (64K entries of 8
 #: bytes); wider ones sort the batch's values
 STAMP_SPAN = 1 << 16
-
-
-def checked_array(name: str, what: str, value: Any, dtype: Any, ndim: int) -> Any:
-    """``value`` if it is a C-contiguous writeable array of ``dtype`` and ``ndim``."""
-    if value is None:
-        return None
-    if (not isinstance(value, np.ndarray) or value.dtype != dtype or value.ndim != ndim
-            or not value.flags.c_contiguous or not value.flags.writeable):
-        raise RequestLayoutError(
-            f"{name}: {what} must be a writeable C-contiguous {ndim}-D "
-            f"{np.dtype(dtype).name} array, got {describe(value)}"
-        )
-    return value
 
 
 def request_column(bound: list, col: object) -> int:
@@ -359,26 +346,3 @@ def bind_columns(name: str, columns: Sequence[LayoutColumn], arrays: dict,
                       None if col.minimum is None else float(col.minimum), col.name,
                       column_bounds(name, col, kind), reserved_value(name, col, kind)))
     return bound
-
-
-def bind_plans(name: str, plans: Sequence[LayoutPlan], arrays: dict) -> list:
-    """Each :class:`LayoutPlan` checked and bound: (flat out, ratio, window, tail, rows,
-    graph, name)."""
-    bound_plans = []
-    for plan in plans:
-        out = plan.out
-        if (not isinstance(out, np.ndarray) or out.dtype != np.int32 or out.ndim != 2
-                or out.shape[1] != 4 or not out.flags.c_contiguous
-                or not out.flags.writeable or plan.name in arrays):
-            raise RequestLayoutError(
-                f"{name}: plan {plan.name!r} needs a unique name and a writeable "
-                f"C-contiguous int32 [rows, 4] array, got {describe(out)}")
-        if (type(plan.ratio) is not int or type(plan.window) is not int
-                or plan.ratio < 1 or plan.window < 1):
-            raise RequestLayoutError(
-                f"{name}: plan {plan.name!r}: ratio and window must be ints >= 1, got "
-                f"{plan.ratio!r} and {plan.window!r}")
-        arrays[plan.name] = out
-        bound_plans.append((out.reshape(-1), plan.ratio, plan.window, bool(plan.tail),
-                            out.shape[0], bool(plan.graph), plan.name))
-    return bound_plans

@@ -309,42 +309,6 @@ class RampRowsOutput(BoundOutput):
         return 0
 
 
-@cython.cfunc
-@cython.exceptval(-1, check=True)
-@cython.boundscheck(False)
-@cython.wraparound(False)
-@cython.cdivision(True)
-def write_plan_rows(spec: tuple, own_q: cython.int[::1], own_c: cython.int[::1],
-               n: cython.Py_ssize_t, count: cython.Py_ssize_t) -> cython.Py_ssize_t:
-    """Write one plan's rows (a compressed-KV :class:`LayoutPlan`); returns the real row count."""
-    out: cython.pointer[cython.int] = int_data(spec[0])
-    ratio: cython.longlong = spec[1]
-    window: cython.longlong = spec[2]
-    tail: cython.bint = spec[3]
-    i: cython.Py_ssize_t
-    j: cython.longlong
-    q: cython.longlong
-    c: cython.longlong
-    x: cython.longlong
-    t: cython.longlong = 0
-    r: cython.Py_ssize_t = 0
-    for i in range(n):
-        q = cython.cast(cython.longlong, own_q[i])
-        c = cython.cast(cython.longlong, own_c[i])
-        for j in range(q):
-            x = c - q + j
-            if (x >= c - window) if tail else ((x + 1) % ratio == 0):
-                out[4 * r] = cython.cast(cython.int, t)
-                out[4 * r + 1] = cython.cast(cython.int, i)
-                out[4 * r + 2] = cython.cast(cython.int, x)
-                out[4 * r + 3] = cython.cast(cython.int, window - min(j + 1, window))
-                r += 1
-            t += 1
-    for i in range(4 * r, 4 * count):  # count -1: no -1 rows
-        out[i] = -1
-    return r
-
-
 # This source is compiled by Cython, as ``h2d_core._layout_outputs_native``, when the package
 # is built; run interpreted, it only hands over to that build (required).
 if not cython.compiled:

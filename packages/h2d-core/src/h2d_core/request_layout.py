@@ -29,16 +29,15 @@ from typing import Any
 import numpy as np
 
 from .errors import RequestLayoutError
+from .layout_arrays import layout_arrays
 from .layout_binding import (
     bind_columns,
     bind_outputs,
-    bind_plans,
-    checked_array,
     distinct_columns,
 )
+from .layout_plans import bind_plans
 from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan
 from .layout_refusals import (
-    describe,
     lengths_input_error,
 )
 
@@ -56,7 +55,12 @@ if cython.compiled:  # the column and output steps through C (their .pxd declara
         copy_ints,
         int_data,
     )
-    from cython.cimports.h2d_core._layout_outputs_native import BoundOutput, write_plan_rows
+    from cython.cimports.h2d_core._layout_outputs_native import BoundOutput
+    from cython.cimports.h2d_core._layout_plans_native import (
+        check_plans,
+        publish_plans,
+        write_plans,
+    )
 
 #: the fields of RequestLayout.meta_address's int64 counts
 META_NUM_REQS, META_PADDED_REQS, META_NUM_TOKENS, META_PADDED_TOKENS = 0, 1, 2, 3
@@ -89,79 +93,16 @@ class RequestLayout:
     ``outputs``: what a family registers (:mod:`h2d_core.layout_records`), checked and
     written in the same pass.
     ``name`` prefixes every error message.
+
+    The fields are declared in ``_request_layout_native.pxd``.
     """
 
-    name = cython.declare(str, visibility="readonly")
-    page_size = cython.declare(cython.longlong, visibility="readonly")
-    _shift = cython.declare(cython.int)
-    _table = cython.declare(cython.int[:, ::1])
-    _required = cython.declare(cython.int[::1])
-    _positions = cython.declare(cython.longlong[::1])
-    _slots = cython.declare(cython.longlong[::1])
-    _owners = cython.declare(cython.int[::1])
-    _cu_query = cython.declare(cython.int[::1])
-    _cu_copies = cython.declare(tuple)
-    _cu_array = cython.declare(object)
-    _required_view = cython.declare(object)
-    _kv_indptr = cython.declare(cython.int[::1])
-    _context = cython.declare(cython.int[::1])
-    _token_prefix = cython.declare(cython.int[::1])
-    _last_page = cython.declare(cython.int[::1])
-    _context_prefix = cython.declare(cython.int[::1])
-    _context_cap = cython.declare(cython.longlong)
-    # the registered outputs, bound (layout_outputs.py): checked in plan, written in write
-    _outputs = cython.declare(tuple)
-    # per distinct column: (column index, low, stamp table or None: a sort), the stamp of
-    # the last check (a table entry is stamp * 2**32 + request) and the sort's scratch
-    _distinct = cython.declare(tuple)
-    _stamp = cython.declare(cython.longlong)
-    _sort_keys = cython.declare(object)
-    # the planned batch: a private copy of its lengths (the table's preparation runs
-    # Python code between plan and write, which could change the caller's arrays)
-    _q = cython.declare(cython.int[::1])
-    _c = cython.declare(cython.int[::1])
-    _max_reqs = cython.declare(cython.Py_ssize_t)
-    _max_tokens = cython.declare(cython.Py_ssize_t)
-    _n = cython.declare(cython.Py_ssize_t)
-    _p = cython.declare(cython.Py_ssize_t)
-    _t = cython.declare(cython.Py_ssize_t)
-    _pt = cython.declare(cython.Py_ssize_t)
-    _planned = cython.declare(cython.bint)
-    _paged = cython.declare(cython.bint)
-    # per column: (kind, out, per_token, pad, minimum or None, name, bounds or None); the
-    # planned batch's values; the sums of the planned batch (and the next plan's scratch,
-    # swapped in only when the whole batch passed)
-    _columns = cython.declare(tuple)
-    _values = cython.declare(object)
-    # C integers, not a list: a sum above 256 stored in a list boxes an int per step
-    _sums = cython.declare(cython.longlong[::1])
-    _spare_sums = cython.declare(cython.longlong[::1])
-    # per plan: (flat out, ratio, window, tail, capacity, graph, name)
-    _plans = cython.declare(tuple)
-    #: per plan, the last written batch's published rows and its real rows: lists the
-    #: layout updates in place (read them, never change them), so a compiled caller
-    #: reads the counts without a tuple per plan (:meth:`plan_rows` gives one pair)
-    plan_published = cython.declare(list, visibility="readonly")
-    plan_real = cython.declare(list, visibility="readonly")
-    #: the planned batch's shortest and longest query (0 for an empty batch): a uniform
-    #: width, or the widest request, without another pass over the lengths
-    #: the planned batch's request and token counts, real and padded
-    num_reqs = cython.declare(cython.Py_ssize_t, visibility="readonly")
-    padded_reqs = cython.declare(cython.Py_ssize_t, visibility="readonly")
-    num_tokens = cython.declare(cython.Py_ssize_t, visibility="readonly")
-    padded_tokens = cython.declare(cython.Py_ssize_t, visibility="readonly")
-    min_query_len = cython.declare(cython.int, visibility="readonly")
-    max_query_len = cython.declare(cython.int, visibility="readonly")
-    #: bit k set: request column k holds one value (bit for bit) for every request of the
-    #: planned batch
-    uniform_mask = cython.declare(cython.longlong, visibility="readonly")
-    #: the planned batch's KV pages in all (what :meth:`write` writes the table's rows for)
-    kv_pages = cython.declare(cython.longlong, visibility="readonly")
-    #: the arrays, as bound (the memoryviews above are their compiled views)
-    arrays = cython.declare(dict, visibility="readonly")
-    # the planned batch's counts as int64 (see meta_address), and their compiled view
-    _meta = cython.declare(object)
-    _metav = cython.declare(cython.longlong[::1])
+    # (for type checkers; Cython takes the .pxd's C types)
+    _table: Any
+    _required_view: Any
+    _cu_array: Any
+    _cu_query: Any
+    _values: Any
 
     @cython.annotation_typing(False)  # the checks below give the specific errors
     def __init__(
@@ -185,67 +126,19 @@ class RequestLayout:
         plans: Sequence[LayoutPlan] = (),
         outputs: Sequence[LayoutOutput] = (),
     ) -> None:
-        copies: tuple = ()
-        if isinstance(cu_query, tuple):
-            if not cu_query:
-                cu_query = None
-            else:
-                copies = tuple(checked_array(name, f"cu_query[{k}]", a, np.int32, 1)
-                               for k, a in enumerate(cu_query))
-                cu_query = copies[0]
-                copies = copies[1:]
-        if type(page_size) is not int or not 1 <= page_size <= _INT32_MAX:
-            raise RequestLayoutError(
-                f"{name}: page_size must be an int in [1, 2**31), got {page_size!r}")
-        arrays = {key: checked_array(name, key, value, dtype, ndim)
-                  for key, value, dtype, ndim in (
-                      ("table", table, np.int32, 2),
-                      ("required_pages", required_pages, np.int32, 1),
-                      ("positions", positions, np.int64, 1),
-                      ("slot_mapping", slot_mapping, np.int64, 1),
-                      ("token_requests", token_requests, np.int32, 1),
-                      ("cu_query", cu_query, np.int32, 1),
-                      ("kv_page_indptr", kv_page_indptr, np.int32, 1),
-                      ("context_lens", context_lens, np.int32, 1),
-                      ("token_prefix", token_prefix, np.int32, 1),
-                      ("last_page_lens", last_page_lens, np.int32, 1),
-                      ("context_prefix", context_prefix, np.int32, 1))}
-        if context_cap is not None and (type(context_cap) is not int
-                                        or not 1 <= context_cap <= _INT32_MAX):
-            raise RequestLayoutError(
-                f"{name}: context_cap must be None or an int in [1, 2**31), got "
-                f"{context_cap!r}")
-        if token_prefix is not None and token_prefix.size < 1:
-            raise RequestLayoutError(
-                f"{name}: token_prefix needs at least 1 entry (tokens + 1), got "
-                f"{describe(token_prefix)}")
-        if (table is None) != (required_pages is None) or (
-                table is None and (slot_mapping is not None or kv_page_indptr is not None)):
-            raise RequestLayoutError(
-                f"{name}: table and required_pages go together, and slot_mapping and "
-                "kv_page_indptr need them; pass both (a paged layout) or neither")
+        checked = layout_arrays(name, page_size, context_cap, {
+            "table": table, "required_pages": required_pages, "positions": positions,
+            "slot_mapping": slot_mapping, "token_requests": token_requests,
+            "cu_query": cu_query, "kv_page_indptr": kv_page_indptr,
+            "context_lens": context_lens, "token_prefix": token_prefix,
+            "last_page_lens": last_page_lens, "context_prefix": context_prefix})
+        cu_query, copies = checked.cu_query, checked.copies
+        req_caps, tok_caps = checked.req_caps, checked.tok_caps
         self._paged = table is not None
         self.name = name
         self.page_size = page_size
         self._shift = page_size.bit_length() - 1 if page_size & (page_size - 1) == 0 else -1
-        self.arrays = {k: v for k, v in arrays.items() if v is not None}
-        req_caps = ([table.shape[0], required_pages.size]
-                    if table is not None and required_pages is not None else [])
-        tok_caps = []
-        for key in ("cu_query", "kv_page_indptr", "context_prefix"):
-            if key in self.arrays:
-                req_caps.append(self.arrays[key].size - 1)
-        for k, a in enumerate(copies, 1):
-            self.arrays[f"cu_query[{k}]"] = a
-            req_caps.append(a.size - 1)
-        for key in ("context_lens", "last_page_lens"):
-            if key in self.arrays:
-                req_caps.append(self.arrays[key].size)
-        for key in ("positions", "slot_mapping", "token_requests"):
-            if key in self.arrays:
-                tok_caps.append(self.arrays[key].size)
-        if token_prefix is not None:
-            tok_caps.append(token_prefix.size - 1)
+        self.arrays = checked.arrays
         bound = bind_columns(name, columns, self.arrays, req_caps, tok_caps)
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
@@ -434,33 +327,8 @@ class RequestLayout:
                 f"{name}: {padded_tokens} padded tokens for {t} tokens; the padded count "
                 f"must lie in [{t}, {self._max_tokens}] (the bound arrays' capacity)")
         width_q: cython.longlong = hi if hi > 0 else 1
-        k: cython.Py_ssize_t
-        rows: cython.longlong
-        for k in range(len(self._plans)):
-            spec = self._plans[k]
-            if not spec[5]:  # eager: the real rows (exactly), the whole array for a tail
-                rows = 0
-                for i in range(n):
-                    q = qv[i]
-                    c = cv[i]
-                    if spec[3]:
-                        rows += min(q, spec[2])
-                    else:
-                        rows += c // spec[1] - (c - q) // spec[1]
-                if rows > spec[4]:
-                    raise RequestLayoutError(
-                        f"{name}: plan {spec[6]!r} needs {rows} rows, more than its "
-                        f"{spec[4]}; declare a larger array")
-                continue
-            if spec[3]:
-                rows = padded_reqs * min(width_q, cython.cast(cython.longlong, spec[2]))
-            else:
-                rows = padded_reqs * ((width_q + spec[1] - 1) // spec[1])
-            if rows > spec[4]:
-                raise RequestLayoutError(
-                    f"{name}: plan {spec[6]!r} needs {rows} rows ({padded_reqs} requests of "
-                    f"up to {width_q} tokens), more than its {spec[4]}; declare a larger "
-                    "array")
+        if self._plans:
+            check_plans(name, self._plans, qv, cv, n, padded_reqs, width_q)
         sums: cython.longlong[::1] = self._spare_sums
         mask: cython.longlong = check_columns(name, self._columns, values, n, t, sums)
         if self._distinct:
@@ -471,14 +339,8 @@ class RequestLayout:
         # the whole batch passed: nothing below raises
         self._spare_sums = self._sums
         self._sums = sums
-        for k in range(len(self._plans)):
-            spec = self._plans[k]
-            if not spec[5]:  # eager: the whole array for a tail, the real rows otherwise
-                self.plan_published[k] = spec[4] if spec[3] else -1
-            else:
-                self.plan_published[k] = (
-                    padded_reqs * min(width_q, spec[2]) if spec[3]
-                    else padded_reqs * ((width_q + spec[1] - 1) // spec[1]))
+        if self._plans:
+            publish_plans(self._plans, self.plan_published, padded_reqs, width_q)
         own_q: cython.int[::1] = self._q
         own_c: cython.int[::1] = self._c
         required: cython.int[::1] = self._required
@@ -646,11 +508,8 @@ class RequestLayout:
             spec = self._columns[i]
             if spec[1] is not None:
                 copy_column(spec, values[i], t if spec[2] else n, pt if spec[2] else p)
-        for k in range(len(self._plans)):
-            self.plan_real[k] = write_plan_rows(self._plans[k], own_q, own_c, n,
-                                           self.plan_published[k])
-            if self.plan_published[k] < 0:
-                self.plan_published[k] = self.plan_real[k]
+        if self._plans:
+            write_plans(self._plans, own_q, own_c, n, self.plan_real, self.plan_published)
 
 
 # This source is compiled by Cython, as ``h2d_core._request_layout_native``, when the package
