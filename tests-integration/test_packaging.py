@@ -21,6 +21,9 @@ NATIVE = (
     "h2d_core._records_native",  # records.py, compiled by Cython
     "h2d_core._count_program_native",
     "h2d_core._layout_plans_native",
+    "h2d_core._layout_length_outputs_native",
+    "h2d_core._layout_writes_native",
+    "h2d_core._layout_lengths_native",
     "h2d_core._step_native",  # step.py, compiled by Cython
     "h2d_core._epoch_native",  # epoch.py
     "h2d_core._producer_native",  # producer.py
@@ -99,6 +102,9 @@ NEEDED_BY = {
     "h2d_core._records_native": "h2d_core",
     "h2d_core._count_program_native": "h2d_core",
     "h2d_core._layout_plans_native": "h2d_core",
+    "h2d_core._layout_length_outputs_native": "h2d_core",
+    "h2d_core._layout_writes_native": "h2d_core",
+    "h2d_core._layout_lengths_native": "h2d_core",
     "h2d_core._step_native": "h2d_core",
     "h2d_core._table_stage_native": "h2d_core",
     KERNELS_NATIVE: "h2d_kernels",

@@ -4,7 +4,7 @@
 from h2d_core._layout_sums_native cimport BoundSum
 
 cdef class BoundOutput:
-    cdef int check(self, str name, object values, int* qv, Py_ssize_t n) except? -1
+    cdef int check(self, str name, object values, int* qv, int* cv, Py_ssize_t n) except? -1
     cdef int write(self, object values, int* own_q, int* own_c, Py_ssize_t n, Py_ssize_t p,
                    Py_ssize_t t, Py_ssize_t pt) except? -1
 

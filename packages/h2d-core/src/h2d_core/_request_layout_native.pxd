@@ -16,10 +16,6 @@ cdef class RequestLayout:
     cdef object _required_view
     cdef int[::1] _kv_indptr
     cdef int[::1] _context
-    cdef int[::1] _token_prefix
-    cdef int[::1] _last_page
-    cdef int[::1] _context_prefix
-    cdef long long _context_cap
     # the registered outputs, bound (layout_outputs.py): checked in plan, written in write
     cdef tuple _outputs
     # per distinct column: (column index, low, stamp table or None: a sort), the stamp of

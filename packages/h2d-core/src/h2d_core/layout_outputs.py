@@ -35,7 +35,8 @@ else:
 
 @cython.cclass
 class BoundOutput:
-    """A registered output: ``check`` refuses a bad batch (nothing written yet), ``write``
+    """A registered output: ``check`` refuses a bad batch (nothing written yet; it reads
+    the query and context lengths ``qv`` and ``cv`` and the column values), ``write``
     fills the output for the planned batch, padding included; ``reserve`` sizes its
     per-request scratch once the layout knows its request capacity (at bind)."""
 
@@ -45,7 +46,7 @@ class BoundOutput:
     @cython.cfunc
     @cython.exceptval(-1, check=True)
     def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
-              n: cython.Py_ssize_t) -> cython.int:
+              cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
         return 0
 
     @cython.cfunc
@@ -159,7 +160,7 @@ class VerifyRowsOutput(BoundOutput):
     @cython.cfunc
     @cython.exceptval(-1, check=True)
     def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
-              n: cython.Py_ssize_t) -> cython.int:
+              cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
         """Refuse a request verifying ``d < 0`` or ``d >= q`` drafts, or more drafts in all
         than the targets hold."""
         dv: cython.pointer[cython.int] = int_data(values[self.drafts])
@@ -226,7 +227,7 @@ class RequestBoundOutput(BoundOutput):
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
-              n: cython.Py_ssize_t) -> cython.int:
+              cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
         acc: cython.pointer[cython.longlong] = self.value.evaluate(values, qv, n)
         i: cython.Py_ssize_t
         for i in range(n):
@@ -264,7 +265,7 @@ class RampRowsOutput(BoundOutput):
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
-              n: cython.Py_ssize_t) -> cython.int:
+              cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
         """Refuse a count outside ``[0, width]``, or entries past int32."""
         st: cython.pointer[cython.longlong] = self.start.evaluate(values, qv, n)
         ct: cython.pointer[cython.longlong] = self.count.evaluate(values, qv, n)

@@ -16,9 +16,7 @@ Padding (requests ``n..padded_reqs``, tokens ``t..padded_tokens``): positions 0,
 repeat their total (padded requests own no tokens and no pages; padded tokens are
 queries of no tokens).
 
-This source is written in Cython's pure-Python mode and compiled when the package is built
-(``h2d_core._request_layout_native``, required); importing it interpreted hands over to that
-build.
+Compiled (Cython's pure-Python mode) as ``h2d_core._request_layout_native``, required.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ from .layout_binding import (
     bind_outputs,
     distinct_columns,
 )
+from .layout_length_outputs import length_outputs
 from .layout_plans import bind_plans
 from .layout_records import LayoutColumn, LayoutOutput, LayoutPlan
 from .layout_refusals import (
@@ -55,11 +54,17 @@ if cython.compiled:  # the column and output steps through C (their .pxd declara
         copy_ints,
         int_data,
     )
+    from cython.cimports.h2d_core._layout_lengths_native import check_lengths, keep_lengths
     from cython.cimports.h2d_core._layout_outputs_native import BoundOutput
     from cython.cimports.h2d_core._layout_plans_native import (
         check_plans,
         publish_plans,
         write_plans,
+    )
+    from cython.cimports.h2d_core._layout_writes_native import (
+        write_padded,
+        write_prefix,
+        write_tokens,
     )
 
 #: the fields of RequestLayout.meta_address's int64 counts
@@ -83,13 +88,11 @@ class RequestLayout:
     ``positions`` / ``slot_mapping`` int64 ``[tokens]``, ``token_requests`` int32
     ``[tokens]``, ``cu_query`` / ``kv_page_indptr`` int32 ``[requests + 1]`` (``cu_query``
     may be a tuple of such arrays: the same prefix goes to each),
-    ``context_lens`` int32 ``[requests]``, ``token_prefix`` int32 ``[tokens + 1]``: the
-    query prefix of the batch's tokens as queries of one token each (``0, 1, ..., t``,
-    then ``t`` up to ``padded_tokens``: a per-token kernel's ``qo_indptr``),
-    ``last_page_lens`` int32 ``[requests]``: the tokens in each request's last page,
-    ``(context_len - 1) % page_size + 1`` (0 for padded requests), and ``context_prefix``
-    int32 ``[requests + 1]``: the prefix of ``min(context_len, context_cap)`` (no cap:
-    ``context_len``; the tail repeats the total), which :meth:`plan` refuses past int32.
+    ``context_lens`` int32 ``[requests]``; and the outputs of the lengths alone
+    (:mod:`h2d_core.layout_length_outputs`): ``token_prefix`` int32 ``[tokens + 1]`` (a
+    per-token kernel's ``qo_indptr``), ``last_page_lens`` int32 ``[requests]`` and
+    ``context_prefix`` int32 ``[requests + 1]`` (the prefix of ``min(context_len,
+    context_cap)``, refused past int32).
     ``outputs``: what a family registers (:mod:`h2d_core.layout_records`), checked and
     written in the same pass.
     ``name`` prefixes every error message.
@@ -97,11 +100,11 @@ class RequestLayout:
     The fields are declared in ``_request_layout_native.pxd``.
     """
 
-    # (for type checkers; Cython takes the .pxd's C types)
-    _table: Any
+    _table: Any  # (for type checkers: Cython takes the .pxd's C types)
     _required_view: Any
     _cu_array: Any
     _cu_query: Any
+    _required: Any
     _values: Any
 
     @cython.annotation_typing(False)  # the checks below give the specific errors
@@ -143,17 +146,18 @@ class RequestLayout:
         if len(bound) > 62:
             raise RequestLayoutError(f"{name}: at most 62 columns, got {len(bound)}")
         self._columns = tuple(bound)
-        self._outputs = bind_outputs(name, bound, outputs, self.arrays, req_caps, tok_caps)
+        # the family's registered outputs, then those of the lengths alone
+        self._outputs = bind_outputs(name, bound, outputs, self.arrays, req_caps,
+                                     tok_caps) + length_outputs(
+            page_size, self._shift, last_page_lens, context_prefix, context_cap, token_prefix)
         self._distinct = distinct_columns(name, columns, bound)
         self._stamp = 0
         self._sums = np.zeros(len(bound), np.int64)
         self._spare_sums = np.zeros(len(bound), np.int64)
-        bound_plans = bind_plans(name, plans, self.arrays)
-        self._plans = tuple(bound_plans)
-        self.plan_published = [0] * len(bound_plans)
-        self.plan_real = [0] * len(bound_plans)
+        self._plans = tuple(bind_plans(name, plans, self.arrays))
+        self.plan_published = [0] * len(self._plans)
+        self.plan_real = [0] * len(self._plans)
         self._values = ()
-        self.uniform_mask = 0
         self._max_reqs = max(min(req_caps), 0) if req_caps else 0
         for registered in self._outputs:  # their per-request scratch, sized now
             registered.reserve(self._max_reqs)
@@ -172,15 +176,10 @@ class RequestLayout:
         self._required_view = None
         self._kv_indptr = kv_page_indptr
         self._context = context_lens
-        self._token_prefix = token_prefix
-        self._last_page = last_page_lens
-        self._context_prefix = context_prefix
-        self._context_cap = _INT32_MAX if context_cap is None else context_cap
         self._q = np.zeros(self._max_reqs, dtype=np.int32)
         self._c = np.zeros(self._max_reqs, dtype=np.int32)
         self._sort_keys = np.zeros(self._max_reqs if any(
             d[2] is None for d in self._distinct) else 0, dtype=np.int64)
-        self._planned = False
         self._meta = np.zeros(META_SIZE, dtype=np.int64)
         self._metav = self._meta
 
@@ -225,7 +224,6 @@ class RequestLayout:
     @cython.ccall
     @cython.boundscheck(False)  # every index is checked against the bound sizes first
     @cython.wraparound(False)
-    @cython.cdivision(True)  # non-negative operands
     def plan(self, query_lens: object, context_lens: object, padded_reqs: cython.Py_ssize_t,
              padded_tokens: cython.Py_ssize_t, values: Sequence[Any] = ()) -> cython.Py_ssize_t:
         """Check a batch and compute its ``required_pages``; returns its token count.
@@ -237,10 +235,9 @@ class RequestLayout:
         the graph grid of a decode step; ``EXACT_TOKENS`` (-2): exactly the batch's tokens,
         an eager step). ``values`` holds one array per bound column, in order (n values, or
         t per-token, of the column's dtype and bounds; it and they unchanged until
-        :meth:`write`, which reads them again). Raises
-        :class:`RequestLayoutError` (naming the request or column and the rule) before
-        changing anything; sets :attr:`uniform_mask`, :attr:`min_query_len` and
-        :attr:`max_query_len`.
+        :meth:`write`, which reads them again). Raises :class:`RequestLayoutError`
+        (naming the request or column and the rule) before changing anything; sets
+        :attr:`uniform_mask`, :attr:`min_query_len` and :attr:`max_query_len`.
         """
         name = self.name
         n: cython.Py_ssize_t = array_size(query_lens, 0)
@@ -265,55 +262,13 @@ class RequestLayout:
             raise RequestLayoutError(
                 f"{name}: {padded_reqs} padded requests for {n} requests; the padded count "
                 f"must lie in [{n}, {self._max_reqs}] (the bound arrays' capacity)")
-        i: cython.Py_ssize_t
-        t: cython.longlong = 0
-        total: cython.longlong = 0
-        lo: cython.int = 0
-        hi: cython.int = 0
-        pages: cython.longlong
-        page: cython.longlong = self.page_size
-        width: cython.Py_ssize_t = self._table.shape[1]
-        shift: cython.int = self._shift
-        q: cython.int
-        c: cython.int
-        for i in range(n):
-            q = qv[i]
-            c = cv[i]
-            if q < 1:
-                raise RequestLayoutError(
-                    f"{name}: request {i} runs {q} query tokens; a scheduled request runs "
-                    ">= 1")
-            if c < q:
-                raise RequestLayoutError(
-                    f"{name}: request {i} has context_len {c}, shorter than its {q} query "
-                    "tokens; context_len counts the tokens after this step")
-            t += cython.cast(cython.longlong, q)
-            if i == 0 or q < lo:
-                lo = q
-            if q > hi:
-                hi = q
-            pages = cython.cast(cython.longlong, c) + page - 1
-            pages = pages >> shift if shift >= 0 else pages // page  # a shift: no divide
-            if pages > width and self._paged:
-                raise RequestLayoutError(
-                    f"{name}: request {i} has context_len {c}, which needs {pages} pages of "
-                    f"{page} tokens; the table holds {width} per row")
-            total += pages
-        if total > _INT32_MAX:  # needs a table of 8 GiB or more: a guard, not a limit
-            raise RequestLayoutError(
-                f"{name}: the batch needs {total} KV pages in all, more than an int32 "
-                "page prefix holds; split the batch")
-        if self._context_prefix is not None:
-            keys: cython.longlong = 0
-            cap: cython.longlong = self._context_cap
-            for i in range(n):
-                keys += min(cython.cast(cython.longlong, cv[i]), cap)
-            if keys > _INT32_MAX:
-                what = ("context_len" if cap == _INT32_MAX
-                        else f"min(context_len, {cap})")
-                raise RequestLayoutError(
-                    f"{name}: the batch's context prefix (the sum of {what} over its "
-                    f"requests) is {keys}, more than its int32 array holds; split the batch")
+        counts = cython.declare(cython.longlong[4])  # tokens, KV pages, the query bounds
+        check_lengths(name, qv, cv, n, self.page_size, self._shift, self._table.shape[1],
+                      self._paged, counts)
+        t: cython.longlong = counts[0]
+        total: cython.longlong = counts[1]
+        lo: cython.int = cython.cast(cython.int, counts[2])
+        hi: cython.int = cython.cast(cython.int, counts[3])
         if t > self._max_tokens:
             raise RequestLayoutError(
                 f"{name}: {t} tokens exceed the bound arrays' capacity of "
@@ -335,25 +290,15 @@ class RequestLayout:
             check_distinct(name, self._columns, self._distinct, values, n, self._sort_keys,
                            cython.address(self._stamp))
         for registered in self._outputs:
-            cython.cast(BoundOutput, registered).check(name, values, qv, n)
+            cython.cast(BoundOutput, registered).check(name, values, qv, cv, n)
         # the whole batch passed: nothing below raises
         self._spare_sums = self._sums
         self._sums = sums
         if self._plans:
             publish_plans(self._plans, self.plan_published, padded_reqs, width_q)
-        own_q: cython.int[::1] = self._q
-        own_c: cython.int[::1] = self._c
-        required: cython.int[::1] = self._required
-        for i in range(n):
-            q = qv[i]
-            c = cv[i]
-            own_q[i] = q
-            own_c[i] = c
-            pages = cython.cast(cython.longlong, c) + page - 1
-            pages = pages >> shift if shift >= 0 else pages // page
-            required[i] = cython.cast(cython.int, pages)  # <= c: fits int32
-        for i in range(n, padded_reqs):
-            required[i] = 0
+        keep_lengths(qv, cv, n, padded_reqs, self.page_size, self._shift,
+                     cython.address(self._q[0]), cython.address(self._c[0]),
+                     cython.address(self._required[0]))
         self._n = n
         self._p = padded_reqs
         self._t = t
@@ -389,7 +334,6 @@ class RequestLayout:
     @cython.ccall
     @cython.boundscheck(False)
     @cython.wraparound(False)
-    @cython.cdivision(True)
     def write(self) -> None:
         """Write every bound output for the planned batch from the prepared table (its
         KV pages in all are :attr:`kv_pages`). Call once per :meth:`plan`, after the rows
@@ -404,103 +348,35 @@ class RequestLayout:
         p: cython.Py_ssize_t = self._p
         t: cython.Py_ssize_t = self._t
         pt: cython.Py_ssize_t = self._pt
-        page: cython.longlong = self.page_size
-        shift: cython.int = self._shift
-        has_pos: cython.bint = self._positions is not None
-        has_slots: cython.bint = self._slots is not None
-        has_owners: cython.bint = self._owners is not None
-        i: cython.Py_ssize_t
-        j: cython.Py_ssize_t
-        k: cython.Py_ssize_t = 0
-        q: cython.longlong
-        c: cython.longlong
-        x: cython.longlong
-        col: cython.longlong
-        off: cython.longlong
         own_q: cython.int[::1] = self._q
         own_c: cython.int[::1] = self._c
-        required: cython.int[::1] = self._required
-        table: cython.int[:, ::1] = self._table
-        positions: cython.longlong[::1] = self._positions
-        slots: cython.longlong[::1] = self._slots
-        owners: cython.int[::1] = self._owners
-        if has_pos or has_slots or has_owners:
-            for i in range(n):
-                q = cython.cast(cython.longlong, own_q[i])
-                c = cython.cast(cython.longlong, own_c[i])
-                for j in range(q):
-                    x = c - q + j
-                    if has_pos:
-                        positions[k] = x
-                    if has_slots:
-                        if shift >= 0:
-                            col = x >> shift
-                            off = x & (page - 1)
-                        else:
-                            col = x // page
-                            off = x % page
-                        slots[k] = cython.cast(cython.longlong,
-                                                     table[i, col]) * page + off
-                    if has_owners:
-                        owners[k] = cython.cast(cython.int, i)
-                    k += 1
-            for k in range(t, pt):
-                if has_pos:
-                    positions[k] = 0
-                if has_slots:
-                    slots[k] = -1
-                if has_owners:
-                    owners[k] = -1
-        acc: cython.longlong = 0
-        if self._cu_query is not None:
-            self._cu_query[0] = 0
-            for i in range(n):
-                acc += cython.cast(cython.longlong, own_q[i])
-                self._cu_query[i + 1] = cython.cast(cython.int, acc)
-            for i in range(n, p):
-                self._cu_query[i + 1] = cython.cast(cython.int, acc)
-            for copy in self._cu_copies:  # raw pointers: a memoryview made per call costs
-                copy_ints(int_data(self._cu_array), int_data(copy), p + 1)  # more than the copy
-        if self._kv_indptr is not None:
-            acc = 0
-            self._kv_indptr[0] = 0
-            for i in range(p):
-                acc += cython.cast(cython.longlong, required[i])
-                self._kv_indptr[i + 1] = cython.cast(cython.int, acc)
-        if self._context is not None:
-            for i in range(n):
-                self._context[i] = own_c[i]
-            for i in range(n, p):
-                self._context[i] = 0
-        if self._last_page is not None:  # tokens in the last page; padded: no pages
-            last: cython.int[::1] = self._last_page
-            for i in range(n):
-                c = cython.cast(cython.longlong, own_c[i]) - 1
-                last[i] = cython.cast(cython.int, (c & (page - 1) if shift >= 0
-                                                   else c % page) + 1)
-            for i in range(n, p):
-                last[i] = 0
-        if self._context_prefix is not None:  # keys per request, capped; padded: none
-            cpre: cython.int[::1] = self._context_prefix
-            cap_c: cython.longlong = self._context_cap
-            acc = 0
-            cpre[0] = 0
-            for i in range(n):
-                acc += min(cython.cast(cython.longlong, own_c[i]), cap_c)
-                cpre[i + 1] = cython.cast(cython.int, acc)
-            for i in range(n, p):
-                cpre[i + 1] = cython.cast(cython.int, acc)
-        if self._token_prefix is not None:  # every token its own query; padding: none
-            prefix: cython.int[::1] = self._token_prefix
-            for i in range(t + 1):
-                prefix[i] = cython.cast(cython.int, i)
-            for i in range(t + 1, pt + 1):
-                prefix[i] = cython.cast(cython.int, t)
-        values = self._values
-        self._values = ()
         # the private lengths' data (a memoryview's first item: an empty one is not read)
         q_data: cython.pointer[cython.int] = cython.address(own_q[0])
         c_data: cython.pointer[cython.int] = cython.address(own_c[0])
+        positions: cython.pointer[cython.longlong] = cython.NULL
+        slots: cython.pointer[cython.longlong] = cython.NULL
+        owners: cython.pointer[cython.int] = cython.NULL
+        if self._positions is not None:
+            positions = cython.address(self._positions[0])
+        if self._slots is not None:
+            slots = cython.address(self._slots[0])
+        if self._owners is not None:
+            owners = cython.address(self._owners[0])
+        if positions or slots or owners:
+            write_tokens(q_data, c_data, n, t, pt, cython.address(self._table[0, 0]),
+                         self._table.shape[1], self.page_size, self._shift, positions,
+                         slots, owners)
+        if self._cu_query is not None:
+            write_prefix(cython.address(self._cu_query[0]), q_data, n, p)
+            for copy in self._cu_copies:  # raw pointers: a memoryview made per call costs
+                copy_ints(int_data(self._cu_array), int_data(copy), p + 1)  # more than the copy
+        if self._kv_indptr is not None:  # padded requests need no pages: sum them all
+            write_prefix(cython.address(self._kv_indptr[0]), cython.address(self._required[0]),
+                         p, p)
+        if self._context is not None:
+            write_padded(cython.address(self._context[0]), c_data, n, p)
+        values = self._values
+        self._values = ()
         for registered in self._outputs:
             cython.cast(BoundOutput, registered).write(values, q_data, c_data, n, p, t, pt)
         spec: tuple
@@ -516,6 +392,8 @@ class RequestLayout:
 # is built; run interpreted, it only hands over to that build (required).
 if not cython.compiled:
     from block_tables.native import require_extension
+
+    from . import layout_lengths, layout_writes  # noqa: F401 - built first: cimported here
 
     RequestLayout = require_extension(  # type: ignore[misc]
         "h2d_core._request_layout_native").RequestLayout
