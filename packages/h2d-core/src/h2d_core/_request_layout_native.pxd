@@ -50,13 +50,13 @@ cdef class RequestLayout:
     # reads the counts without a tuple per plan (:meth:`plan_rows` gives one pair)
     cdef readonly list plan_published
     cdef readonly list plan_real
-    # the planned batch's shortest and longest query (0 for an empty batch): a uniform
-    # width, or the widest request, without another pass over the lengths
     # the planned batch's request and token counts, real and padded
     cdef readonly Py_ssize_t num_reqs
     cdef readonly Py_ssize_t padded_reqs
     cdef readonly Py_ssize_t num_tokens
     cdef readonly Py_ssize_t padded_tokens
+    # the planned batch's shortest and longest query (0 for an empty batch): a uniform
+    # width, or the widest request, without another pass over the lengths
     cdef readonly int min_query_len
     cdef readonly int max_query_len
     # bit k set: request column k holds one value (bit for bit) for every request of the
