@@ -26,6 +26,8 @@ NATIVE = (
     "h2d_core._layout_lengths_native",
     "h2d_core._step_native",  # step.py, compiled by Cython
     "h2d_core._epoch_native",  # epoch.py
+    "h2d_core._completions_native",  # completions.py
+    "h2d_core._epoch_groups_native",  # epoch_groups.py
     "h2d_core._producer_native",  # producer.py
     "h2d_core._table_stage_native",  # table_stage.py
     "h2d_core._request_layout_native",  # request_layout.py, compiled by Cython
@@ -97,6 +99,8 @@ NEEDED_BY = {
     "h2d_core._layout_sums_native": "h2d_core",
     "block_tables._staging_native": "block_tables",
     "h2d_core._epoch_native": "h2d_core",
+    "h2d_core._completions_native": "h2d_core",
+    "h2d_core._epoch_groups_native": "h2d_core",
     "h2d_core._events_native": "h2d_core",
     "h2d_core._producer_native": "h2d_core",
     "h2d_core._records_native": "h2d_core",

@@ -277,7 +277,7 @@ def _observed(s: _Step) -> tuple[object, ...]:
     st = s.h2d_state
     return (s.a.np.tobytes(), s.b.np.tobytes(), s.a.gpu.numpy().tobytes(),
             s.b.gpu.numpy().tobytes(), st.count(s.a), st.count(s.b),
-            frozenset(st._published), frozenset(st._produced),
+            frozenset(st.groups.published), frozenset(st.groups.produced),
             [(c.publications, c.direct_copies, c.dmas)
              for c in (st.counters("a"), st.counters("b"), st.counters("step"))])
 

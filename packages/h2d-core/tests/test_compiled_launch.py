@@ -662,7 +662,8 @@ def test_cuda_state_without_the_driver_library_uses_torch_events(
     monkeypatch.setattr(h2d_core.launch, "device_driver", lambda: None)
     st, b = _state("cuda")
     ref, rb = _state("cpu")
-    assert st._slot_events is None and len(st._events) == st.num_slots
+    assert (st.completions.driver_events is None
+            and len(st.completions.torch_events) == st.num_slots)
     model = _model(b)
     rng, rng_r = np.random.default_rng(13), np.random.default_rng(13)
     for k in range(6):
@@ -670,7 +671,7 @@ def test_cuda_state_without_the_driver_library_uses_torch_events(
         _step(ref, rb, rng_r, k)
         torch.cuda.synchronize()
         assert _dest(b) == _as_bytes(model) == _dest(rb), f"step {k}"
-    assert st._event_recorded[0]
+    assert st.completions.was_recorded(0)
 
 
 def test_bind_publish_rejects_null_driver_addresses() -> None:
@@ -685,7 +686,7 @@ def test_cuda_states_use_the_compiled_launcher(device: str) -> None:
         pytest.skip("the CPU state has no graphs or events; the fakes above cover them")
     st, b = _state("cuda")
     ref, rb = _state("cpu")
-    assert isinstance(st._slot_events, SlotEvents)
+    assert isinstance(st.completions.driver_events, SlotEvents)
     assert all(rec.packed.launches_graphs for recs in st._slot_groups for rec in recs
                if rec.packed is not None)
     model = _model(b)

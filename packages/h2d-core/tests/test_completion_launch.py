@@ -60,7 +60,7 @@ class GraphLaunches:
         def launch(graph_exec: int | None, stream: int | None) -> int:
             gpu.log.append("graph.launch")
             queued(sizes[(graph_exec or 0) - EXEC_BASE], None)
-            events = gpu.state._slot_events
+            events = gpu.state.completions.driver_events
             # driver events only (a torch-events state: the graphs record nothing it reads)
             if self.records and events is not None and hasattr(events, "marks"):
                 events.marks[slot] = gpu.stream.enqueued
@@ -222,7 +222,7 @@ def _events_only(h: Any, monkeypatch: pytest.MonkeyPatch, num_slots: int = 1
     setup = h.build_state("cpu", num_slots=num_slots)
     gpu = SimulatedGpu(setup.state, monkeypatch)
     events = LoggedEvents()
-    monkeypatch.setattr(setup.state, "_slot_events", events)
+    setup.state.completions.attach(events, [])
     return setup.state, gpu, events
 
 

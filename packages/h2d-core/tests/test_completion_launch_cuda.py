@@ -75,10 +75,10 @@ def test_the_graph_records_the_slot_event_and_begin_waits_for_it(h: Any) -> None
         _produce(setup, base)
         torch.cuda._sleep(HOLD_CYCLES)  # the graph waits behind this
         st.publish("decode")
-        assert st._graph_recorded
+        assert st.completions.graph_recorded
         st.finish()  # records nothing: the graph's node does
-        assert st._slot_events is not None
-        assert _event_query(st._slot_events.handles[0]) == NOT_READY, (
+        assert st.completions.driver_events is not None
+        assert _event_query(st.completions.driver_events.handles[0]) == NOT_READY, (
             "the slot's event is complete while its graph still waits: the graph did not "
             "record it")
         st.begin()  # must block until the graph's record
@@ -114,7 +114,7 @@ def test_one_steady_step_is_one_graph_launch(h: Any) -> None:
     # list), the state's flag does
     assert all(rec.packed.records_completion for recs in st._slot_groups for rec in recs
                if rec.packed is not None)
-    assert st._graph_recorded
+    assert st.completions.graph_recorded
     events = list(prof.events())
     host = Counter(e.name for e in events if e.device_type.name == "CPU")
     calls = {n: c for n, c in host.items()

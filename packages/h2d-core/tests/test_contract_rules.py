@@ -160,10 +160,9 @@ class SimulatedGpu:
         mp.setattr(state, "_cuda", True)
         mp.setattr(state, "_acquire_event", Event(), raising=False)  # CUDA states bind one
         if events == "driver":
-            mp.setattr(state, "_slot_events", SlotEvents(state.num_slots))
+            state.completions.attach(SlotEvents(state.num_slots), [])
         else:
-            mp.setattr(state, "_slot_events", None)
-            mp.setattr(state, "_events", [Event() for _ in range(state.num_slots)])
+            state.completions.attach(None, [Event() for _ in range(state.num_slots)])
         # a CPU arena's compiled publication copies at once (the reference scatter without
         # first consumers); rebound without it, every packed publication goes through the
         # arena's own _publish, which the simulated stream queues
@@ -223,11 +222,9 @@ class RealGpu:
         self.state = state
         self.monkeypatch = monkeypatch
         self.log: list[str] = []
-        assert state._slot_events is not None, "CUDA states bind driver slot events"
+        assert state.completions.driver_events is not None, "CUDA states bind driver slot events"
         if events == "torch":  # what a state without the compiled helpers or libcuda uses
-            monkeypatch.setattr(state, "_slot_events", None)
-            monkeypatch.setattr(state, "_events",
-                                [torch.cuda.Event() for _ in range(state.num_slots)])
+            state.completions.attach(None, [torch.cuda.Event() for _ in range(state.num_slots)])
 
     def watch_events(self) -> None:
         """Log every event record, wait and synchronization made through Python."""
@@ -239,7 +236,7 @@ class RealGpu:
                 return fn(*args, **kwargs)
             return wrapper
 
-        slot_events = self.state._slot_events
+        slot_events = self.state.completions.driver_events
         if slot_events is not None:
             mp.setattr(slot_events, "record", logged("slot.record", slot_events.record))
             mp.setattr(slot_events, "wait", logged("slot.wait", slot_events.wait))
@@ -280,7 +277,7 @@ def gpu_for(device: str, state: H2DRunnerState, monkeypatch: pytest.MonkeyPatch,
 def _graph_recorded(st: H2DRunnerState) -> bool:
     """Whether the epoch's last enqueue was a publication graph that recorded the slot's
     driver event (finish() then records nothing; see test_completion_launch.py)."""
-    return bool(st._graph_recorded and st._slot_events is not None)
+    return bool(st.completions.graph_recorded and st.completions.driver_events is not None)
 
 
 def _values(base: int, n: int) -> list[int]:
@@ -565,7 +562,7 @@ def test_single_active_member_keeps_the_earlier_packed_read_guarded(
     st.set_count(temps, 16)
     st.publish("decode")  # the lone member: a direct copy
     assert st.counters("decode").direct_fallbacks == 1
-    assert st._event_recorded[0], "slot 0's packed read lost its completion guard"
+    assert st.completions.was_recorded(0), "slot 0's packed read lost its completion guard"
     if isinstance(gpu, SimulatedGpu):
         assert gpu.pending, "the direct copy waited for slot 0's packed DMA"
     st.finish()
@@ -616,7 +613,7 @@ def test_resumed_epoch_records_completion_again_and_begin_waits_for_it(
     finished = gpu.log[mark:]
     assert (finished == [] if by_graph else len(finished) == 1 and finished[0] in RECORDS), (
         f"finish() after resume() did {finished}, not a second completion record")
-    assert st._event_recorded[0]
+    assert st.completions.was_recorded(0)
     assert st.begin() == 0  # must wait for the resumed upload, not just the first one
     pos.np[:] = -1
     slots.np[:] = -1

@@ -226,10 +226,9 @@ def test_delayed_source_reuse(h: Any, backend: str, events: str) -> None:
     with the slots' driver events (h2d_core.launch) and with the torch-event fallback."""
     setup = h.build_state("cuda", backend=backend)
     st = setup.state
-    assert st._slot_events is not None  # the compiled helpers and libcuda are there
+    assert st.completions.driver_events is not None  # the compiled helpers and libcuda are there
     if events == "torch":  # what a state without them uses
-        st._slot_events = None
-        st._events = [torch.cuda.Event() for _ in range(st.num_slots)]
+        st.completions.attach(None, [torch.cuda.Event() for _ in range(st.num_slots)])
     ids, pos = setup.buffers["input_ids"], setup.buffers["positions"]
     for step in range(3):
         st.begin()

@@ -39,7 +39,7 @@ class Observed:
         counters = tuple(copy.copy(st.counters(g)) for g in self.groups)
         extra = copy.deepcopy(self.extra()) if self.extra is not None else None
         return (sources, dests, counts, st.epoch, st._epoch_open, st.current_slot,
-                frozenset(st._produced), frozenset(st._published), counters, extra)
+                frozenset(st.groups.produced), frozenset(st.groups.published), counters, extra)
 
 
 def refuse(seen: Observed, call: Callable[[], object], error: type[Exception],

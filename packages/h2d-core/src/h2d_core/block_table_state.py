@@ -82,8 +82,8 @@ class BlockTableState:
         state = buffer._state
         if not isinstance(state, H2DRunnerState):
             raise DeclarationError(f"buffer {buffer.name!r} is not owned by an H2DRunnerState")
-        state._check_thread()
-        state._check_bound()
+        state.require_owner()
+        state.require_bound()
         # the policy, checked before anything is made and resolved once, here
         name = buffer.name
         self._publication = check_publication(name, publication)
@@ -111,11 +111,11 @@ class BlockTableState:
         # the published record, key buffers and limits as compiled state, made once
         self._stager = TableStager(self, self._limit_table(), ranged)
         group = buffer.group
-        state._stagers[group] = (*state._stagers.get(group, ()), self._stager)
+        state.groups.add_stager(group, self._stager)
         # Capture rows: one private empty row (versioned, so a repeated capture
         # preparation is a hit; private, so nothing ever appends to it).
         self._empty_rows = [BlockTable()] * spec.shape[0]
-        state._reset_hooks.append(self.forget_gpu)
+        state.on_reset(self.forget_gpu)
 
     # -- CPU side ---------------------------------------------------------------------------
     @property
@@ -174,7 +174,7 @@ class BlockTableState:
             raise CountError(
                 f"buffer {name!r}: prepare_capture of {num_rows} rows, but the table holds "
                 f"[0, {capacity}] rows; capture a batch size the table was declared for")
-        if self.buffer.group in state._published:
+        if state.is_published(self.buffer.group):
             raise DuplicatePublicationError(
                 f"buffer {name!r}: group {self.buffer.group!r} was already published in "
                 "this epoch; prepare the capture table in a new epoch (begin()) before "

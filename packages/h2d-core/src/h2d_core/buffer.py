@@ -215,13 +215,13 @@ class GuardedH2DBuffer(H2DBuffer):
 
     def _check_epoch(self, what: str) -> None:
         st = self._state
-        if not st._epoch_open:  # type: ignore[attr-defined]
+        if not st.epoch_open:  # type: ignore[attr-defined]
             raise EpochError(
                 f"buffer {self.name!r}: .{what} outside an epoch (guard_sources): the slot's "
                 "source may still be read by its last DMA; write it between begin() and "
                 "publish()")
         group = self.spec.group
-        if group in st._published:  # type: ignore[attr-defined]
+        if st.is_published(group):  # type: ignore[attr-defined]
             raise EpochError(
                 f"buffer {self.name!r}: .{what} after group {group!r} was published in epoch "
                 f"{st.epoch} (guard_sources): its DMA may still be reading the "  # type: ignore[attr-defined]

@@ -30,11 +30,11 @@ class CountBatch:
     """
 
     def __init__(self, state: StateOwner, buffers: Sequence[H2DBuffer]) -> None:
-        state._check_thread()
-        state._check_bound()
+        state.require_owner()
+        state.require_bound()
         seen: set[str] = set()
         for b in buffers:
-            state._check_member(b)
+            state.require_member(b)
             if b.name in seen:
                 raise DeclarationError(f"CountBatch: buffer {b.name!r} is listed twice")
             if b.max_ranges:
@@ -44,6 +44,7 @@ class CountBatch:
                 )
             seen.add(b.name)
         self._state = state
+        self._published = state.groups.published  # the epoch's (one live set)
         self.buffers = tuple(buffers)
         self._groups = frozenset(b.group for b in buffers)
         # (buffer, homes, unit bytes, fast capacity): fixed after bind
@@ -67,14 +68,15 @@ class CountBatch:
                 f"CountBatch.set got {len(counts)} counts for {len(entries)} buffers "
                 f"{[b.name for b in self.buffers]}"
             )
-        if st._published and not self._groups.isdisjoint(st._published):
+        published = self._published
+        if published and not self._groups.isdisjoint(published):
             for b in self.buffers:
-                if b.group in st._published:
+                if b.group in published:
                     raise DuplicatePublicationError(
                         f"buffer {b.name!r}: group {b.group!r} was already published in this "
                         "epoch; a second publication needs a reason (reopen())"
                     )
-        recs = st._slot_groups[st.current_slot]
+        recs = st.slot_records[st.current_slot]
         if self._record >= 0 and recs[self._record].store_counts(self._fused, counts):
             return
         values: Sequence[int | None] = counts

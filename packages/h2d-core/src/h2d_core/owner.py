@@ -23,7 +23,10 @@ from .group import GroupPlan
 from .records import GroupCounters, GroupRecord
 
 if TYPE_CHECKING:
-    from .launch import SlotEvents
+    from .completions import SlotCompletions
+    from .epoch_groups import EpochGroups
+    from .errors import UnknownGroupError
+    from .source_guard import SourceGuard
 
 
 class StateOwner(EpochCore):
@@ -35,11 +38,14 @@ class StateOwner(EpochCore):
     current_slot: int
     epoch: int
     last_source_wait_ns: int
+    owner_thread: int
+    completions: SlotCompletions
+    groups: EpochGroups
     _cuda: bool
     _device_index: int
-    _owner: int
     _bound: bool
     _invalid: str | None
+    _guard: SourceGuard | None
     _buffers: dict[str, H2DBuffer]
     _producer_groups: dict[str, list[H2DBuffer]]
     _combined: dict[str, tuple[str, ...]]
@@ -48,31 +54,27 @@ class StateOwner(EpochCore):
     #: is a producer group covered by a combined one, counters)
     _routes: dict[str, tuple[int, frozenset[str], tuple[H2DBuffer, ...], GroupCounters,
                              tuple[str, ...]]]
-    _all_names: tuple[str, ...]
     #: per slot, one record per publication group (``GroupPlan.index``)
     _slot_groups: list[list[GroupRecord]]
     _counters: dict[str, GroupCounters]
-    _events: list[Any]
-    _slot_events: SlotEvents | None
-    _event_recorded: list[bool]
-    _graph_recorded: bool
     _acquire_event: Any
     _epoch_open: bool
     _resumable: bool
     _stream: Any
     _stream_id: int
-    _published: set[str]
-    _produced: set[str]
-    _known_group_lists: set[tuple[str, ...]]
-    _on_publish: dict[str, list[tuple[H2DBuffer, Callable[[], None], bool]]]
-    _stagers: dict[str, tuple[Any, ...]]
     _reset_hooks: list[Callable[[], None]]
 
-    if TYPE_CHECKING:  # provided by the parts, called across them
+    if TYPE_CHECKING:  # compiled in EpochCore (epoch.py)
         def require_ready(self, what: str) -> None: ...
-        def reopen(self, group: str, reason: str) -> None: ...
+        def require_owner(self) -> None: ...
+        def require_bound(self) -> None: ...
+        def require_valid(self) -> None: ...
+        def require_device(self) -> None: ...
+        def require_stream(self, stream: Any) -> None: ...
+        def unknown_group(self, group: str) -> UnknownGroupError: ...
 
-    def _check_member(self, buffer: H2DBuffer) -> None:
+    def require_member(self, buffer: H2DBuffer) -> None:
+        """Refuse a buffer that is not one of this state's, or any before ``bind()``."""
         if not isinstance(buffer, H2DBuffer) or self._buffers.get(buffer.name) is not buffer:
             raise MembershipError(f"{buffer!r} is not a buffer of this state")
-        self._check_bound()
+        self.require_bound()

@@ -23,14 +23,9 @@ from .count_batch import CountBatch
 from .errors import (
     CountError,
     DuplicatePublicationError,
-    MembershipError,
     PublicationEnqueueError,
-    UnknownGroupError,
 )
 from .owner import StateOwner
-from .records import GroupCounters, GroupRecord
-
-_profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
 class Publication(StateOwner):
@@ -38,13 +33,9 @@ class Publication(StateOwner):
 
     def count(self, buffer: H2DBuffer) -> int | None:
         """The count set for ``buffer`` in the current epoch (None: omitted)."""
-        self._check_member(buffer)
+        self.require_member(buffer)
         gi, i = buffer.homes[0]
         return self._slot_groups[self.current_slot][gi].counts[i]
-
-    def is_published(self, group: str) -> bool:
-        """Whether ``group`` was published in the current (or last) epoch."""
-        return group in self._published
 
     # ------------------------------------------------------------------ counts
     def set_count(self, buffer: H2DBuffer, count: int | None) -> None:
@@ -55,8 +46,8 @@ class Publication(StateOwner):
         """
         self.require_ready("set_count")
         if getattr(buffer, "_state", None) is not self:
-            self._check_member(buffer)
-        if buffer.group in self._published:
+            self.require_member(buffer)
+        if buffer.group in self.groups.published:
             raise DuplicatePublicationError(
                 f"buffer {buffer.name!r}: group {buffer.group!r} was already published in "
                 "this epoch; a second publication needs a reason (reopen())"
@@ -97,7 +88,7 @@ class Publication(StateOwner):
         """:meth:`try_trusted_ranges` with the ranges already as the record's
         ``(member index, offset, bytes)`` triples (copied into the record's range table)."""
         self.require_ready("set_ranges")
-        if buffer.group in self._published or len(triples) > buffer.max_ranges:
+        if buffer.group in self.groups.published or len(triples) > buffer.max_ranges:
             return False
         gi, i = buffer.homes[0]
         rec = self._slot_groups[self.current_slot][gi]
@@ -126,10 +117,10 @@ class Publication(StateOwner):
         block-table snapshot always is. Replaces any count or earlier ranges of this buffer
         for the epoch.
         """
-        self._check_ready("set_ranges")
+        self.require_ready("set_ranges")
         if self._buffers.get(buffer.name) is not buffer:
-            self._check_member(buffer)
-        if buffer.group in self._published:
+            self.require_member(buffer)
+        if buffer.group in self.groups.published:
             raise DuplicatePublicationError(
                 f"buffer {buffer.name!r}: group {buffer.group!r} was already published in "
                 "this epoch; a second publication needs a reason (reopen())"
@@ -190,10 +181,10 @@ class Publication(StateOwner):
     ) -> None:
         """Set several counts; all are validated before any is stored."""
         items = list(counts.items() if isinstance(counts, Mapping) else counts)
-        self._check_ready("set_counts")
+        self.require_ready("set_counts")
         recs = self._slot_groups[self.current_slot]
         for buf, c in items:
-            self._check_member(buf)
+            self.require_member(buf)
             if c is not None:
                 buf.check_count(c)
                 if buf.max_ranges and buf.member_index in recs[buf.homes[0][0]].ranged:
@@ -201,7 +192,7 @@ class Publication(StateOwner):
                         f"buffer {buf.name!r}: ranges were already set this epoch; publish "
                         "either a count or ranges, not both"
                     )
-            if buf.group in self._published:
+            if buf.group in self.groups.published:
                 raise DuplicatePublicationError(
                     f"buffer {buf.name!r}: group {buf.group!r} was already published in this "
                     "epoch; a second publication needs a reason (reopen())"
@@ -216,42 +207,9 @@ class Publication(StateOwner):
         """Run ``callback`` once, right after ``buffer``'s group is published successfully
         in this epoch, and (``only_if_sent``) only if that publication carried ``buffer``
         (a count or ranges). A failed, reopened or never-made publication never runs it."""
-        self._check_ready("on_publish")
-        self._check_member(buffer)
-        self._on_publish.setdefault(buffer.group, []).append((buffer, callback, only_if_sent))
-
-    def _sent(self, buffer: H2DBuffer) -> bool:
-        gi, i = buffer.homes[0]
-        return self._slot_groups[self.current_slot][gi].sent(i)
-
-    def _copy_direct(
-        self, rec: GroupRecord, indices: Iterable[int], counters: GroupCounters
-    ) -> int:
-        members = rec.plan.members
-        slot = self.current_slot
-        total = 0
-        for i in indices:
-            buf = members[i]
-            if i in rec.ranged:
-                # The spec's bulk rule: a changed table is one transfer, never one per range.
-                # The span from the first range to the last travels whole; the source holds
-                # the whole CPU table, so the bytes between ranges are current too.
-                own = [(off, nbytes) for j, off, nbytes in rec.ranges if j == i]
-                start = own[0][0]
-                stop = own[-1][0] + own[-1][1]
-                buf._dst_bytes[start:stop].copy_(buf._src_bytes[slot][start:stop],
-                                                 non_blocking=True)
-                counters.direct_copies += 1
-                total += stop - start
-                continue
-            n = rec.counts[i]
-            if n is None:
-                continue
-            if n:
-                buf._dst_units[:n].copy_(buf._src_units[slot][:n], non_blocking=True)
-            counters.direct_copies += 1
-            total += n * buf.spec.unit_bytes
-        return total
+        self.require_ready("on_publish")
+        self.require_member(buffer)
+        self.groups.on_publish(buffer.group, (buffer, callback, only_if_sent))
 
     def copy_member_direct(self, buffer: H2DBuffer, n: int | None) -> torch.Tensor:
         """Checked direct copy of one buffer's first ``n`` units; returns the destination view.
@@ -261,18 +219,18 @@ class Publication(StateOwner):
         been published yet, and rewriting the source afterwards needs ``reopen``), since the
         asynchronous copy reads the source until the slot's completion event.
         """
-        self._check_ready(f"copy_to_gpu of {buffer.name!r}")
-        self._check_member(buffer)
+        self.require_ready(f"copy_to_gpu of {buffer.name!r}")
+        self.require_member(buffer)
         count = buffer.spec.capacity if n is None else buffer.check_count(n)
-        if buffer.group in self._published:
+        if buffer.group in self.groups.published:
             raise DuplicatePublicationError(
                 f"copy_to_gpu of {buffer.name!r}: group {buffer.group!r} was already published "
                 "in this epoch; reopen(group, reason) before copying it again"
             )
-        self._check_device()
-        self._check_stream(None)
+        self.require_device()
+        self.require_stream(None)
         dst = buffer._dst_units[:count]
-        self._graph_recorded = False  # a direct copy after it: finish() records
+        self.completions.graph_recorded = False  # a direct copy after it: finish() records
         try:
             if count:
                 dst.copy_(buffer._src_units[self.current_slot][:count], non_blocking=True)
@@ -282,7 +240,7 @@ class Publication(StateOwner):
                 f"enqueueing the direct copy of {buffer.name!r} failed; the owner is "
                 "invalidated; call reset() to recover"
             ) from exc
-        self._published.add(buffer.group)
+        self.groups.published.add(buffer.group)
         c = self._counters[buffer.group]
         c.direct_copies += 1
         c.publications += 1
@@ -290,70 +248,3 @@ class Publication(StateOwner):
         if buffer.spec.unit is CountUnit.ROWS:
             return dst
         return buffer.gpu.reshape(-1)[: count * buffer.spec.unit_bytes // buffer.spec.itemsize]
-
-    def _check_covered(self, group: str) -> None:
-        """Refuse publishing producer group ``group``, covered by a combined group, alone
-        while another producer group of that combined group was produced in this epoch
-        and is not published: the step's producers wrote the combined group, so ``group``
-        alone would send part of the step and silently leave the rest behind. A covered
-        group produced on its own (a standalone caller) publishes alone, with checked
-        direct copies of its own members only."""
-        left = {name: sorted(g for g in gs if g != group and g in self._produced
-                             and g not in self._published)
-                for name, gs in self._combined.items() if group in gs}
-        left = {name: gs for name, gs in left.items() if gs}
-        if left:
-            name, others = next(iter(left.items()))
-            raise MembershipError(
-                f"group {group!r} is covered by the combined group {name!r}, whose producer "
-                f"groups {others} were produced in epoch {self.epoch} and are not published: "
-                f"publishing {group!r} alone sends only its own members and leaves them "
-                f"behind; publish {name!r} (one DMA of the whole step), or produce "
-                f"{group!r} on its own to publish it alone")
-
-    def reopen(self, group: str, reason: str) -> None:
-        """Allow a deliberate second publication of ``group`` in this epoch.
-
-        Acquires the sources first: waits until every DMA already enqueued on the consumer
-        stream (the earlier publication included) has completed, so rewriting them is safe.
-        The group's counts are cleared; producers set them again before publishing. When the
-        group went out inside a combined group, that whole publication is reopened: the
-        sibling producer groups lose their counts and pending callbacks too, and must be
-        produced again before the combined group is published again.
-        """
-        self._check_ready(f"reopen({group!r})")
-        if not isinstance(reason, str) or not reason.strip():
-            raise DuplicatePublicationError(
-                f"reopen({group!r}): a second publication needs a non-empty reason string"
-            )
-        if group not in self._plans and group not in self._producer_groups:
-            raise UnknownGroupError(self._unknown_group(group))
-        self._acquire_sources()
-        recs = self._slot_groups[self.current_slot]
-        if group in self._plans:
-            pubs = [self._plans[group]]
-        else:  # a producer group: reopen whichever publication carried it
-            pubs = [p for p in self._plans.values()
-                    if group in p.producer_groups and p.name in self._published]
-        groups = {g for p in pubs for g in p.producer_groups} or {group}
-        for p in pubs:
-            recs[p.index].clear_counts()
-            self._published.discard(p.name)
-        for g in groups:
-            for b in self._producer_groups[g]:
-                for gi, i in b.homes:
-                    recs[gi].omit(i)
-            self._published.discard(g)
-            self._produced.discard(g)
-            self._on_publish.pop(g, None)
-            for stager in self._stagers.get(g, ()):
-                stager.clear_pending()
-        if self._guard:  # guard_sources: the acquired sources are writable again
-            self._guard_published(groups, True)  # type: ignore[attr-defined]
-        self._counters[group].second_publications += 1
-
-    def _acquire_sources(self) -> None:
-        self._graph_recorded = False  # an enqueue (the acquire record): finish() records
-        if self._cuda:
-            self._acquire_event.record(self._stream)
-            self._acquire_event.synchronize()

@@ -28,7 +28,9 @@ import torch
 from h2d_kernels import GroupMember, PackedGroup, arena_order
 
 from .buffer import BufferSpec, CountUnit, GuardedH2DBuffer, H2DBuffer, make_spec
+from .completions import SlotCompletions
 from .config import Backend, resolve_backend
+from .epoch_groups import EpochGroups
 from .errors import BindingError, DeclarationError, DeviceUnavailableError, UnknownGroupError
 from .fused import ConsumerFn, FusedConsumer
 from .fused import declare as declare_consumer
@@ -38,6 +40,7 @@ from .launch import SlotEvents
 from .publish import Publication
 from .records import GroupCounters, GroupRecord
 from .slot import SlotLifecycle
+from .source_guard import SourceGuard
 
 
 class H2DRunnerState(SlotLifecycle, Publication):
@@ -91,22 +94,19 @@ class H2DRunnerState(SlotLifecycle, Publication):
             guard_sources = os.environ.get("H2D_GUARD_SOURCES", "") == "1"
         if not isinstance(guard_sources, bool):
             raise DeclarationError(f"guard_sources must be a bool or None, got {guard_sources!r}")
-        self._guard = guard_sources
-        self._owner = threading.get_ident()
+        self.owner_thread = threading.get_ident()
         self._buffers: dict[str, H2DBuffer] = {}
         self._producer_groups: dict[str, list[H2DBuffer]] = {}
+        self._guard = (SourceGuard(self._buffers, self._producer_groups) if guard_sources
+                       else None)
         self._combined: dict[str, tuple[str, ...]] = {}
         self._bound = False
         self._plans: dict[str, GroupPlan] = {}
         self._routes = {}
-        self._all_names = ()
         self._slot_groups = []
         self._counters: dict[str, GroupCounters] = {}
-        self._events: list[Any] = []
-        #: the slots' events through the driver (None: the torch events in _events, used
-        #: only when the driver library cannot be loaded; a CPU state has neither)
-        self._slot_events: SlotEvents | None = None
-        self._event_recorded: list[bool] = [False] * num_slots
+        self.completions = SlotCompletions(num_slots)
+        self.groups = EpochGroups(self._producer_groups, self._counters)
 
         self.current_slot = 0
         self.epoch = 0
@@ -114,18 +114,10 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self._resumable = False
         self._stream: Any = None
         self._stream_id = 0
-        self._published: set[str] = set()
-        self._produced: set[str] = set()
-        # producer group lists already checked by enter_producer (the multi-group fast path)
-        self._known_group_lists: set[tuple[str, ...]] = set()
         self._invalid: str | None = None
         #: host ns the last begin() blocked on its slot's previous DMA (source reuse); 0 when
         #: that DMA had completed (checking it is then ordinary host work)
         self.last_source_wait_ns = 0
-        #: callbacks run once after a producer group's successful publication this epoch
-        self._on_publish: dict[str, list[tuple[H2DBuffer, Callable[[], None], bool]]] = {}
-        #: each producer group's block-table stagers (see EpochCore._stagers)
-        self._stagers: dict[str, tuple[Any, ...]] = {}
         #: called by reset(): attached state that must forget what the GPU holds
         self._reset_hooks: list[Callable[[], None]] = []
         self._fused: list[FusedConsumer] = []
@@ -150,7 +142,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         ``max_ranges`` > 0 lets one publication send up to that many byte ranges of this
         buffer (:meth:`set_ranges`; block tables publish their changed rows this way).
         """
-        self._check_thread()
+        self.require_owner()
         if self._bound:
             raise DeclarationError(
                 f"buffer {name!r}: the state is already bound; declare every buffer before bind()"
@@ -174,7 +166,8 @@ class H2DRunnerState(SlotLifecycle, Publication):
                     f"buffer {name!r}: ranged publication (max_ranges={max_ranges}) needs a "
                     "contiguous destination"
                 )
-        buf = (GuardedH2DBuffer if self._guard else H2DBuffer)(spec, gpu, self, max_ranges)
+        kind = GuardedH2DBuffer if self._guard is not None else H2DBuffer
+        buf = kind(spec, gpu, self, max_ranges)
         self._buffers[name] = buf
         self._producer_groups.setdefault(group, []).append(buf)
         return buf
@@ -199,7 +192,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         ``prefill`` group): its sources live in the first such group's arena and the others
         copy its used bytes into their staging region when they publish.
         """
-        self._check_thread()
+        self.require_owner()
         if self._bound:
             raise DeclarationError(f"combined group {name!r}: declare it before bind()")
         if name in self._combined or name in self._producer_groups:
@@ -222,7 +215,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         device arena's header and the members' header rows (see :mod:`h2d_core.fused`).
         After ``bind()``, the returned handle's ``fused`` says whether it was fused (the
         members travel in one packed group); if not, the caller launches the consumer."""
-        self._check_thread()
+        self.require_owner()
         if self._bound:
             raise DeclarationError(f"fused consumer {name!r}: declare it before bind()")
         consumer = declare_consumer(name, members, fn, self._buffers)
@@ -232,7 +225,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
     # ------------------------------------------------------------------ binding
     def bind(self) -> None:
         """Fix all storage: plan groups, allocate per-slot sources/arenas, check overlaps."""
-        self._check_thread()
+        self.require_owner()
         if self._bound:
             raise DeclarationError("bind() was already called; bound storage stays fixed")
         # element addresses, not spans: disjoint interleaved views of one tensor are fine
@@ -292,10 +285,8 @@ class H2DRunnerState(SlotLifecycle, Publication):
         fused = place_consumers(self._fused, plans)
         # The slots' events exist before the arenas: each slot's publication graphs end
         # with a record of its event, so finish() after such a launch enqueues nothing.
-        if self._cuda and self._slot_events is None:
-            self._slot_events = SlotEvents.create(self.num_slots, self.device)
-        handles = (self._slot_events.handles if self._slot_events is not None
-                   else (0,) * self.num_slots)
+        slot_events = SlotEvents.create(self.num_slots, self.device) if self._cuda else None
+        handles = slot_events.handles if slot_events is not None else (0,) * self.num_slots
         try:
             for plan in plans.values():
                 for slot in range(self.num_slots):
@@ -334,17 +325,16 @@ class H2DRunnerState(SlotLifecycle, Publication):
                                    tuple(self._producer_groups[g]), self._counters[g], (g,))
         # every group name begin() takes out of the epoch's sets (discarded one by one: a
         # set cleared whole frees its table, and the next epoch's adds allocate it again)
-        self._all_names = tuple(sorted(set(plans) | set(self._producer_groups)))
+        self.groups.bound(tuple(sorted(set(plans) | set(self._producer_groups))))
         self._slot_groups = slot_groups
         for recs in slot_groups:
             for rec in recs:
                 rec.clear_counts()
-        if self._guard:  # no epoch open yet: every slot read-only
-            for slot in range(self.num_slots):
-                self._guard_slot(slot, False)
+        if self._guard is not None:  # no epoch open yet: every slot read-only
+            self._guard.close_all(self.num_slots)
         if self._cuda:
-            if self._slot_events is None:
-                self._events = [torch.cuda.Event() for _ in range(self.num_slots)]
+            self.completions.attach(slot_events, [] if slot_events is not None else [
+                torch.cuda.Event() for _ in range(self.num_slots)])
             self._acquire_event = torch.cuda.Event()
         self._bound = True
 
@@ -379,17 +369,17 @@ class H2DRunnerState(SlotLifecycle, Publication):
 
     def plan(self, group: str) -> GroupPlan:
         """The bound plan of a publication group (a combined or uncovered producer group)."""
-        self._check_bound()
+        self.require_bound()
         if group not in self._plans:
-            raise UnknownGroupError(self._unknown_group(group))
+            raise self.unknown_group(group)
         return self._plans[group]
 
     def counters(self, group: str) -> GroupCounters:
         """Counters of a publication or producer group: the live object, which keeps
         counting (``counters(g).snapshot()`` copies it, for a before/after difference)."""
-        self._check_bound()
+        self.require_bound()
         if group not in self._counters:
-            raise UnknownGroupError(self._unknown_group(group))
+            raise self.unknown_group(group)
         return self._counters[group]
 
 

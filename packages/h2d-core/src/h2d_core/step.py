@@ -322,7 +322,7 @@ class LayoutStep:
                                    if self._sum_column >= 0 else 0)
         # the written batch's published rows per plan: the layout's own list, read in place
         published: list | None = layout.plan_published if self._num_plans else None
-        records: list = st._slot_groups[slot]
+        records: list = st.slot_records[slot]
         args = self._args
         args[0] = n
         args[1] = p

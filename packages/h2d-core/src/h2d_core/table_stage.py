@@ -65,6 +65,9 @@ class TableStager:
     _buffer = cython.declare(object)
     _group = cython.declare(str)
     _state = cython.declare(object)
+    # the state's per-slot records and the epoch's published names (live; fixed at bind)
+    _records = cython.declare(list)
+    _published = cython.declare(set)
     _homes = cython.declare(list)
     _home_group = cython.declare(cython.Py_ssize_t)
     _member = cython.declare(cython.Py_ssize_t)
@@ -78,6 +81,8 @@ class TableStager:
         self._buffer = buffer
         self._group = buffer.group
         self._state = table.state
+        self._records = table.state.slot_records
+        self._published = table.state.groups.published
         self._homes = list(buffer.homes)
         self._home_group = buffer.homes[0][0]
         self._member = buffer.homes[0][1]
@@ -121,7 +126,7 @@ class TableStager:
         if staging.pending_unchanged:
             staging.commit()
             return
-        records: list = self._state._slot_groups[slot]
+        records: list = self._records[slot]
         if records[self._home_group].sent(self._member):
             staging.commit()
         else:
@@ -143,12 +148,11 @@ class TableStager:
         none changed) or ``"whole"`` (a row count). The published record moves only once
         the group's publication succeeded. The caller checked the epoch and
         ``num_rows``."""
-        st = self._state
-        if self._group in st._published:
+        if self._group in self._published:
             raise DuplicatePublicationError(
                 f"buffer {self._buffer.name!r}: group {self._group!r} was already published "
                 "in this epoch; a second publication needs a reason (reopen())")
-        records: list = st._slot_groups[slot]
+        records: list = self._records[slot]
         rec = records[self._home_group]
         staging = self._staging
         decision: cython.int = staging.decide(slot, num_rows, rec.range_table,
