@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from h2d_runner_adapters.consumers._launch import interpreted
-from h2d_runner_adapters.consumers.kv_indices import _kv_indices_kernel
+from h2d_runner_adapters.mha.kv_indices import _kv_indices_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 #: the READMEs and the docs whose python blocks an engine author would paste

@@ -25,7 +25,7 @@ from peers.atom_style import (
 )
 
 from h2d_runner_adapters import DecodePlan, SamplingPlan, ScheduledBatch, TokenPlan
-from h2d_runner_adapters.sampling import GREEDY_TEMPERATURE
+from h2d_runner_adapters.consumers import GREEDY_TEMPERATURE
 
 __all__ = ["AtomStyleDecode", "AtomStyleError", "destinations"]
 

@@ -47,7 +47,7 @@ from h2d_runner_adapters import (
     consumers_fusable,
     fill_gumbel_noise_,
 )
-from h2d_runner_adapters.sampling import GREEDY_TEMPERATURE
+from h2d_runner_adapters.consumers import GREEDY_TEMPERATURE
 
 from .atom_style import AtomStyleDecode
 from .model import DecoderInputs, TinyDecoder, TinyDecoderConfig

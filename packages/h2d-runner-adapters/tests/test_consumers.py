@@ -23,11 +23,9 @@ from h2d_runner_adapters.consumers import (
     fill_gumbel_noise_,
     gather_draft_ids,
     generate_kv_indices,
-    kv_indices,
     prefill_attention,
     prepare_prefill_attention,
     sample_tokens,
-    sampler,
     token_assembly,
 )
 from h2d_runner_adapters.consumers._launch import interpreted
@@ -38,7 +36,9 @@ from h2d_runner_adapters.consumers.reference import (
     prepare_prefill_attention_reference,
     sample_tokens_reference,
 )
-from h2d_runner_adapters.consumers.sampling_filters import (
+from h2d_runner_adapters.mha import kv_indices
+from h2d_runner_adapters.sampling import sampler
+from h2d_runner_adapters.sampling.filters import (
     logit_cutoffs,
     normalize_top_k,
     normalize_top_p,

@@ -149,7 +149,8 @@ def test_kv_index_generation_is_fused_by_default_where_it_can_run(
     """``fuse_kv_indices=None`` (the default) fuses wherever ``consumers_fusable`` says the
     kernel runs at publication; False launches it after ``publish``; a CPU state without
     the interpreter is not fused by default (an explicit True is refused there)."""
-    from h2d_runner_adapters import consumers_fusable, mha_decode
+    from h2d_runner_adapters import consumers_fusable
+    from h2d_runner_adapters.mha import inputs as mha_decode
 
     shape = StepShape(max_reqs=2, max_tokens=2, max_pages_per_req=2, page_size=PAGE)
     st = H2DRunnerState("cpu", backend="packed", scatter=ah.scatter_for("cpu"))
@@ -201,7 +202,7 @@ def test_declaration_errors() -> None:
 
 
 def test_cpu_without_interpreter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from h2d_runner_adapters import mha_decode
+    from h2d_runner_adapters.mha import inputs as mha_decode
 
     monkeypatch.setattr(mha_decode, "interpreted", lambda kernel: False)
     st = H2DRunnerState("cpu", backend="packed", scatter="reference")

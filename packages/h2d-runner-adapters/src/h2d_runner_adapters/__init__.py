@@ -70,12 +70,12 @@ from h2d_runner_adapters.decode_step import (
 from h2d_runner_adapters.draft import MhaDraftLoop
 from h2d_runner_adapters.engram import ENGRAM, EngramInputs, EngramPlan
 from h2d_runner_adapters.gdn import GDN_STATE, GdnPlan, GdnStateInputs
-from h2d_runner_adapters.mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
+from h2d_runner_adapters.mha.inputs import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from h2d_runner_adapters.mla_decode import MLA_DECODE, MlaDecodeInputs
 from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from h2d_runner_adapters.prefill_step import PREFILL_STEP, PrefillStepInputs, PrefillStepPlan
-from h2d_runner_adapters.sampling import SAMPLING, SamplingInputs, SamplingPlan
+from h2d_runner_adapters.sampling.inputs import SAMPLING, SamplingInputs, SamplingPlan
 from h2d_runner_adapters.shape import StepShape
 from h2d_runner_adapters.token_inputs import (
     QUERY_PREFIX,

@@ -17,7 +17,7 @@ import numpy as np
 from block_tables import BlockTable
 
 from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe
-from .sampling_rules import TEMPERATURE, TOP_K, TOP_P, SamplingRule
+from .sampling.rules import TEMPERATURE, TOP_K, TOP_P, SamplingRule
 
 #: what a request's page list may be
 PageRow = BlockTable | np.ndarray | Sequence[int]

@@ -41,10 +41,10 @@ from h2d_core import (
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError, padded_count, refuse_page_size
-from .mha_decode import MHA_DECODE, DecodePlan, MhaDecodeInputs
+from .mha.inputs import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from .mla_decode import MLA_DECODE, MlaDecodeInputs
 from .plan_records import CompositePlan, slot_plans
-from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .sampling.inputs import SAMPLING, SamplingInputs, SamplingPlan
 from .shape import StepShape, check_shape
 from .token_inputs import (
     QUERY_PREFIX,

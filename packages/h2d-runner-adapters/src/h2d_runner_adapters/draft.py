@@ -20,7 +20,7 @@ from h2d_core import DeclarationError
 from .checks import AdapterInputError, describe, int_value
 from .consumers import generate_kv_indices
 from .consumers.draft_step import DraftStepMetadata, advance_draft_step
-from .mha_decode import DecodePlan, MhaDecodeInputs
+from .mha.inputs import DecodePlan, MhaDecodeInputs
 from .token_inputs import TokenInputs
 
 

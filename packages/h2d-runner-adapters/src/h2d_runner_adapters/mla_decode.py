@@ -1,7 +1,7 @@
 """MLA decode metadata (DeepSeek-V3 / Kimi class): the ``mla_decode`` group.
 
 The MHA decode members (KV slots, context lengths, changed block-table rows through the
-shared ``block_table_state``, KV page prefix, positions; see :mod:`.mha_decode`) at MLA's
+shared ``block_table_state``, KV page prefix, positions; see :mod:`.mha.inputs`) at MLA's
 page size, plus:
 
 * ``mla_kv_last_page_lens`` (int32, per request): tokens in each request's last page,
@@ -28,7 +28,7 @@ from h2d_core import PADDED_REQS, CountRule, DeclarationError, H2DRunnerState, h
 
 from .batch import ScheduledBatch
 from .checks import INT32_MAX
-from .mha_decode import DecodePlan, MhaDecodeInputs
+from .mha.inputs import DecodePlan, MhaDecodeInputs
 from .shape import StepShape, check_shape
 
 MLA_DECODE = "mla_decode"

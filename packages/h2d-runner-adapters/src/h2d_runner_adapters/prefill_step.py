@@ -41,7 +41,7 @@ from .batch import ScheduledBatch
 from .checks import AdapterInputError
 from .plan_records import CompositePlan, slot_plans
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
-from .sampling import SAMPLING, SamplingInputs, SamplingPlan
+from .sampling.inputs import SAMPLING, SamplingInputs, SamplingPlan
 from .shape import StepShape, check_shape
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
 from .token_step import FusedStep, sampling_plan, step_columns, step_counts

@@ -43,7 +43,7 @@ from .consumers import assemble_token_ids, gather_draft_ids
 from .consumers._launch import check_tensor, interpreted
 from .consumers.token_assembly import _assemble_kernel, launch_assembly_from_header
 from .plan_records import CountsPlan
-from .sampling import SAMPLING
+from .sampling.inputs import SAMPLING
 
 TOKEN_IDS = "token_ids"
 QUERY_PREFIX = "query_prefix"

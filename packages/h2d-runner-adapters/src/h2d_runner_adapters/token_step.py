@@ -41,8 +41,8 @@ from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, padded_count
 from .consumers import GREEDY_TEMPERATURE
 from .plan_records import CompositePlan, slot_plans
-from .sampling import SAMPLING, TOP_K_UNIFORM, TOP_P_UNIFORM, SamplingInputs, SamplingPlan
-from .sampling_rules import TEMPERATURE, TOP_K, TOP_P, layout_column
+from .sampling.inputs import SAMPLING, TOP_K_UNIFORM, TOP_P_UNIFORM, SamplingInputs, SamplingPlan
+from .sampling.rules import TEMPERATURE, TOP_K, TOP_P, layout_column
 from .token_inputs import (
     QUERY_PREFIX,
     SPEC_INDICES,

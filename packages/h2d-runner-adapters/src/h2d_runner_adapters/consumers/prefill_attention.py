@@ -40,7 +40,7 @@ from h2d_runner_adapters.consumers._launch import (
     next_power_of_two,
 )
 from h2d_runner_adapters.consumers.errors import ConsumerArgumentError
-from h2d_runner_adapters.consumers.kv_indices import check_kv_index_arguments, launch_kv_indices
+from h2d_runner_adapters.mha.kv_indices import check_kv_index_arguments, launch_kv_indices
 
 BLOCK_TOKENS = 1024
 """Tokens one program assigns to their requests."""

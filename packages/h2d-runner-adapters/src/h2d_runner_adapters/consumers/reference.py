@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from h2d_runner_adapters.consumers.sampler import GREEDY_TEMPERATURE
+from h2d_runner_adapters.sampling.sampler import GREEDY_TEMPERATURE
 
 
 def assemble_token_ids_reference(
@@ -90,7 +90,8 @@ def sample_tokens_reference(
     top_p: float | torch.Tensor | None,
     noise: torch.Tensor,
 ) -> torch.Tensor:
-    """One row at a time, following :mod:`sampling_filters` and :mod:`sampler` literally."""
+    """One row at a time, following :mod:`~h2d_runner_adapters.sampling.filters` and
+    :mod:`~h2d_runner_adapters.sampling.sampler` literally."""
     logits = logits.cpu()
     noise = noise.cpu()
     bs, vocab = logits.shape

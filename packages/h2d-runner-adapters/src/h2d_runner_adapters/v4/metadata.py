@@ -67,18 +67,6 @@ from ..checks import (
     AdapterInputError,
     padded_count,
 )
-from ..consumers import (
-    DecodeWindowIndices,
-    PrefillIndices,
-    PrefillIndptrs,
-    StepIndptrs,
-    WindowGeometry,
-    expand_v4_token_tables,
-    generate_v4_prefill_indptrs,
-    generate_v4_step_indptrs,
-    write_v4_decode_window_indices,
-    write_v4_prefill_indices,
-)
 from ..consumers._launch import consumers_fusable, interpreted
 from ..paged import PagedInputs
 from ..plan_records import slot_plans
@@ -93,6 +81,18 @@ from .spans import (
     check_dummies,
     check_rows,
     span_columns,
+)
+from .step_indptrs import (  # the room's own kernels (consumers re-exports them)
+    DecodeWindowIndices,
+    PrefillIndices,
+    PrefillIndptrs,
+    StepIndptrs,
+    WindowGeometry,
+    expand_v4_token_tables,
+    generate_v4_prefill_indptrs,
+    generate_v4_step_indptrs,
+    write_v4_decode_window_indices,
+    write_v4_prefill_indices,
 )
 
 __all__ = [

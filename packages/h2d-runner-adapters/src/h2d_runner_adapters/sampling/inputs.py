@@ -21,11 +21,11 @@ import torch
 
 from h2d_core import H2DRunnerState, StepCounts, h2d_producer
 
-from .batch import BatchColumns, ScheduledBatch
-from .checks import AdapterInputError, sub_plan
-from .consumers import GREEDY_TEMPERATURE, sample_tokens
-from .plan_records import CountsPlan
-from .sampling_rules import check_columns
+from ..batch import BatchColumns, ScheduledBatch
+from ..checks import AdapterInputError, sub_plan
+from ..plan_records import CountsPlan
+from .rules import check_columns
+from .sampler import GREEDY_TEMPERATURE, sample_tokens
 
 SAMPLING = "sampling"
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from h2d_core import LayoutColumn
 
-from .checks import refuse_column
+from ..checks import refuse_column
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 

@@ -11,7 +11,7 @@ picks one token per row of ``logits`` (float32 ``[bs, V]``):
 * Other rows: ``out[r] = argmax over kept v of (logits[r, v] / T[r] + noise[r, v])``
   with ``noise`` standard Gumbel noise (see :func:`fill_gumbel_noise_`): the
   Gumbel-max form of sampling from ``softmax(logits / T)`` restricted to the tokens
-  top-k / top-p keep (:mod:`sampling_filters` defines them). The division is
+  top-k / top-p keep (:mod:`.filters` defines them). The division is
   IEEE-rounded, as torch's, so results match a torch reference bit for bit.
 
 ``top_k`` / ``top_p``: ``None`` (off), a Python scalar applied to every row (never
@@ -37,7 +37,7 @@ from h2d_runner_adapters.consumers._launch import (
     check_tensor,
 )
 from h2d_runner_adapters.consumers.errors import ConsumerArgumentError
-from h2d_runner_adapters.consumers.sampling_filters import (
+from h2d_runner_adapters.sampling.filters import (
     logit_cutoffs,
     normalize_top_k,
     normalize_top_p,

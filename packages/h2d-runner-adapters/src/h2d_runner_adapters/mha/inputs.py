@@ -60,18 +60,17 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .batch import ScheduledBatch
-from .checks import AdapterInputError, int_value, padded_count, refuse_page_size, sub_plan
-from .consumers import generate_kv_indices
-from .consumers._launch import consumers_fusable, interpreted
-from .consumers.kv_indices import _kv_indices_kernel, launch_kv_indices_from_header
-from .consumers.mrope import select_mrope_positions
-from .mrope import check_deltas, declare_mrope, mrope_planes
-from .mrope import layout_columns as mrope_layout_columns
-from .mrope import layout_outputs as mrope_layout_outputs
-from .paged import PagedInputs
-from .plan_records import CountsPlan, slot_plans
-from .shape import StepShape, check_shape
+from ..batch import ScheduledBatch
+from ..checks import AdapterInputError, int_value, padded_count, refuse_page_size, sub_plan
+from ..consumers._launch import consumers_fusable, interpreted
+from ..consumers.mrope import select_mrope_positions
+from ..mrope import check_deltas, declare_mrope, mrope_planes
+from ..mrope import layout_columns as mrope_layout_columns
+from ..mrope import layout_outputs as mrope_layout_outputs
+from ..paged import PagedInputs
+from ..plan_records import CountsPlan, slot_plans
+from ..shape import StepShape, check_shape
+from .kv_indices import _kv_indices_kernel, generate_kv_indices, launch_kv_indices_from_header
 
 MHA_DECODE = "mha_decode"
 
