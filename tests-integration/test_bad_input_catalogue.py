@@ -47,6 +47,7 @@ from h2d_kernels.errors import ArenaLayoutError
 from h2d_runner_adapters import (
     BatchColumns,
     ConsumerArgumentError,
+    DraftStepMetadata,
     EngramInputs,
     GdnStateInputs,
     MhaDecodeInputs,
@@ -56,7 +57,6 @@ from h2d_runner_adapters import (
     advance_draft_step,
     generate_kv_indices,
 )
-from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 PAGE = 4

@@ -42,12 +42,12 @@ from kernel_mode import needs_kernels
 from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
     GDN_STATE,
+    GdnPlan,
     GdnStateInputs,
     SamplingParams,
     ScheduledBatch,
     ScheduledRequest,
 )
-from h2d_runner_adapters.gdn import GdnPlan
 
 if os.environ.get("H2D_REQUIRE_TRANSFORMERS") == "1":  # nox -s tests installs it
     import transformers

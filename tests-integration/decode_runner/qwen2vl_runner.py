@@ -47,7 +47,7 @@ from h2d_runner_adapters import (
     TokenPlan,
     TokenStepInputs,
 )
-from h2d_runner_adapters.mrope import mrope_planes
+from h2d_runner_adapters.mrope.inputs import mrope_planes
 
 from .model import DecoderInputs
 from .multimodal import MultimodalPrompt

@@ -32,13 +32,13 @@ import torch
 
 from h2d_core import H2DRunnerState
 from h2d_runner_adapters import (
+    GDN_STATE,
     DecodePlan,
     GdnStateInputs,
     PrefillPlan,
     ScheduledBatch,
     TokenPlan,
 )
-from h2d_runner_adapters.gdn import GDN_STATE
 
 from .model import DecoderInputs
 from .qwen3next import GdnDecoderInputs

@@ -19,7 +19,6 @@ from h2d_runner_adapters.consumers import (
     GREEDY_TEMPERATURE,
     ConsumerArgumentError,
     assemble_token_ids,
-    draft_gather,
     fill_gumbel_noise_,
     gather_draft_ids,
     generate_kv_indices,
@@ -36,6 +35,7 @@ from h2d_runner_adapters.consumers.reference import (
     prepare_prefill_attention_reference,
     sample_tokens_reference,
 )
+from h2d_runner_adapters.draft import gather as draft_gather
 from h2d_runner_adapters.mha import kv_indices
 from h2d_runner_adapters.sampling import sampler
 from h2d_runner_adapters.sampling.filters import (

@@ -23,13 +23,13 @@ from h2d_runner_adapters import (
     StepShape,
 )
 from h2d_runner_adapters.consumers import ConsumerArgumentError
-from h2d_runner_adapters.consumers.mrope import (
-    select_mrope_positions,
-    select_mrope_positions_reference,
-)
 from h2d_runner_adapters.consumers.reference import (
     generate_kv_indices_reference,
     prepare_prefill_attention_reference,
+)
+from h2d_runner_adapters.mrope.positions import (
+    select_mrope_positions,
+    select_mrope_positions_reference,
 )
 
 

@@ -32,8 +32,8 @@ from h2d_runner_adapters import (
     ScheduledBatch,
     StepShape,
 )
-from h2d_runner_adapters.consumers.draft_step import advance_draft_step_reference
-from h2d_runner_adapters.consumers.gdn_states import gather_gdn_states_reference
+from h2d_runner_adapters.draft.step import advance_draft_step_reference
+from h2d_runner_adapters.gdn.states import gather_gdn_states_reference
 
 PAGE = 4
 MAX_REQS, MAX_TOKENS, MAX_PAGES, NUM_PAGES = 8, 40, 16, 300
@@ -356,8 +356,8 @@ def test_speculative_sampling_keeps_uniform_filters_on_the_host(device: str,
     the rejection counts: all on the device (CUDA: under sync-debug "error")."""
     ah.need_kernels(device)
     from h2d_runner_adapters import accept_draft_tokens
-    from h2d_runner_adapters.consumers.acceptance import accept_draft_tokens_reference
     from h2d_runner_adapters.consumers.reference import sample_tokens_reference
+    from h2d_runner_adapters.draft.acceptance import accept_draft_tokens_reference
 
     k, vocab = 3, 64
     st, step, _, loop = build(device, "packed", k, gdn=False)
@@ -503,7 +503,7 @@ def test_draft_step_never_reads_outside_the_verify_positions(dev: torch.device) 
     zeros, or stale and too long) makes that request a padded row (position 0, context 0,
     slot -1: nothing a draft model would write) instead of an out-of-bounds read; the
     oracle agrees."""
-    from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata, advance_draft_step
+    from h2d_runner_adapters.draft.step import DraftStepMetadata, advance_draft_step
 
     n, page = 3, 4
     positions = torch.arange(10, 16, dtype=torch.int64, device=dev)  # 6 verify tokens

@@ -56,10 +56,6 @@ from h2d_runner_adapters.consumers import (
     prepare_prefill_attention,
     sample_tokens,
 )
-from h2d_runner_adapters.consumers.acceptance import accept_draft_tokens
-from h2d_runner_adapters.consumers.draft_step import DraftStepMetadata, advance_draft_step
-from h2d_runner_adapters.consumers.gdn_states import gather_gdn_states
-from h2d_runner_adapters.consumers.mrope import select_mrope_positions
 from h2d_runner_adapters.decode_step import (
     DECODE_STEP,
     MLA_DECODE_STEP,
@@ -67,11 +63,15 @@ from h2d_runner_adapters.decode_step import (
     DecodeStepPlan,
     MlaDecodeStepInputs,
 )
-from h2d_runner_adapters.draft import MhaDraftLoop
-from h2d_runner_adapters.engram import ENGRAM, EngramInputs, EngramPlan
-from h2d_runner_adapters.gdn import GDN_STATE, GdnPlan, GdnStateInputs
+from h2d_runner_adapters.draft.acceptance import accept_draft_tokens
+from h2d_runner_adapters.draft.loop import MhaDraftLoop
+from h2d_runner_adapters.draft.step import DraftStepMetadata, advance_draft_step
+from h2d_runner_adapters.engram.inputs import ENGRAM, EngramInputs, EngramPlan
+from h2d_runner_adapters.gdn.inputs import GDN_STATE, GdnPlan, GdnStateInputs
+from h2d_runner_adapters.gdn.states import gather_gdn_states
 from h2d_runner_adapters.mha.inputs import MHA_DECODE, DecodePlan, MhaDecodeInputs
 from h2d_runner_adapters.mla_decode import MLA_DECODE, MlaDecodeInputs
+from h2d_runner_adapters.mrope.positions import select_mrope_positions
 from h2d_runner_adapters.paged import PagedInputs
 from h2d_runner_adapters.prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
 from h2d_runner_adapters.prefill_step import PREFILL_STEP, PrefillStepInputs, PrefillStepPlan

@@ -33,7 +33,7 @@ indices (:meth:`PrefillInputs.prepare_attention` refuses it: the GPU table is an
 chunk's).
 
 With ``mrope=True`` the group carries ``prefill_mrope_positions`` (three planes at the
-chunk's token width, see :mod:`h2d_runner_adapters.mrope`) in place of the positions.
+chunk's token width, see :mod:`h2d_runner_adapters.mrope.inputs`) in place of the positions.
 With ``last_page_lens=True`` it also carries ``prefill_kv_last_page_lens`` (int32 per
 request: tokens in each request's last page after the chunk, ``(ctx - 1) % page + 1``, the
 convention MLA kernels such as AITER's read with the page prefix and indices), from the
@@ -73,7 +73,7 @@ from .checks import (
     sub_plan,
 )
 from .consumers import generate_kv_indices
-from .mrope import (
+from .mrope.inputs import (
     check_deltas,
     check_prompt_positions,
     declare_mrope,

@@ -7,10 +7,10 @@ place (or into ``out=``) and never recompile for a new batch size.
 """
 
 from h2d_runner_adapters.consumers._launch import consumers_fusable
-from h2d_runner_adapters.consumers.draft_gather import gather_draft_ids
 from h2d_runner_adapters.consumers.errors import ConsumerArgumentError, ConsumerDeviceError
 from h2d_runner_adapters.consumers.prefill_attention import prepare_prefill_attention
 from h2d_runner_adapters.consumers.token_assembly import assemble_token_ids
+from h2d_runner_adapters.draft.gather import gather_draft_ids
 from h2d_runner_adapters.mha.kv_indices import generate_kv_indices
 from h2d_runner_adapters.sampling.sampler import (
     GREEDY_TEMPERATURE,

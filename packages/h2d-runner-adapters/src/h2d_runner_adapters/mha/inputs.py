@@ -28,7 +28,7 @@ of ``P * q`` tokens, real tokens first:
 A padded replay therefore reads nothing stale.
 
 With ``mrope=True`` the group carries ``mrope_positions`` (three planes at the running
-width, see :mod:`h2d_runner_adapters.mrope`) in place of ``positions``: the MRoPE
+width, see :mod:`h2d_runner_adapters.mrope.inputs`) in place of ``positions``: the MRoPE
 decode planes of a multimodal model.
 Its ``mrope_deltas`` (one integer per request, int32 range in their own dtype) are
 checked with the batch before any source is written.
@@ -63,10 +63,10 @@ from h2d_core import (
 from ..batch import ScheduledBatch
 from ..checks import AdapterInputError, int_value, padded_count, refuse_page_size, sub_plan
 from ..consumers._launch import consumers_fusable, interpreted
-from ..consumers.mrope import select_mrope_positions
-from ..mrope import check_deltas, declare_mrope, mrope_planes
-from ..mrope import layout_columns as mrope_layout_columns
-from ..mrope import layout_outputs as mrope_layout_outputs
+from ..mrope.inputs import check_deltas, declare_mrope, mrope_planes
+from ..mrope.inputs import layout_columns as mrope_layout_columns
+from ..mrope.inputs import layout_outputs as mrope_layout_outputs
+from ..mrope.positions import select_mrope_positions
 from ..paged import PagedInputs
 from ..plan_records import CountsPlan, slot_plans
 from ..shape import StepShape, check_shape
@@ -200,7 +200,7 @@ class MhaDecodeInputs(PagedInputs):
     def _layout_outputs(self, slot: int) -> dict[str, Any]:
         """Further :class:`h2d_core.RequestLayout` outputs over ``slot``'s sources
         (a subclass's own members, e.g. MLA's last-page lengths): here the outputs MRoPE
-        registers (:func:`~h2d_runner_adapters.mrope.layout_outputs`)."""
+        registers (:func:`~h2d_runner_adapters.mrope.inputs.layout_outputs`)."""
         if self.mrope_positions is None:
             return {}
         return {"outputs": mrope_layout_outputs(self.mrope_positions, slot)}
@@ -274,7 +274,7 @@ class MhaDecodeInputs(PagedInputs):
     def select_mrope_positions(self, plan: DecodePlan, sections: tuple[int, int, int],
                                out: torch.Tensor) -> torch.Tensor:
         """The MRoPE planes' first reader: each rotary frequency's position per token
-        (:func:`~h2d_runner_adapters.consumers.mrope.select_mrope_positions`)."""
+        (:func:`~h2d_runner_adapters.mrope.positions.select_mrope_positions`)."""
         if type(plan) is not DecodePlan:
             plan = sub_plan(self.group, "select_mrope_positions", plan, DecodePlan, "decode")
         return select_mrope_positions(self.mrope_planes(plan), sections, out,

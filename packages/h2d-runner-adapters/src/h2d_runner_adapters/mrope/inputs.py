@@ -33,7 +33,7 @@ import torch
 
 from h2d_core import H2DBuffer, H2DRunnerState, LayoutColumn, TokenPlanes
 
-from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe, int_array
+from ..checks import INT32_MAX, INT32_MIN, AdapterInputError, describe, int_array
 
 MROPE_AXES = 3
 _INT32 = np.dtype(np.int32)

@@ -50,9 +50,9 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .checks import INT32_MAX, AdapterInputError, describe, padded_count
-from .consumers.gdn_states import gather_gdn_states
-from .plan_records import CountsPlan, slot_plans
+from ..checks import INT32_MAX, AdapterInputError, describe, padded_count
+from ..plan_records import CountsPlan, slot_plans
+from .states import gather_gdn_states
 
 GDN_STATE = "gdn_state"
 

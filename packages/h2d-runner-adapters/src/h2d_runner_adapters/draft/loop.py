@@ -17,11 +17,11 @@ import torch
 
 from h2d_core import DeclarationError
 
-from .checks import AdapterInputError, describe, int_value
-from .consumers import generate_kv_indices
-from .consumers.draft_step import DraftStepMetadata, advance_draft_step
-from .mha.inputs import DecodePlan, MhaDecodeInputs
-from .token_inputs import TokenInputs
+from ..checks import AdapterInputError, describe, int_value
+from ..mha.inputs import DecodePlan, MhaDecodeInputs
+from ..mha.kv_indices import generate_kv_indices
+from ..token_inputs import TokenInputs
+from .step import DraftStepMetadata, advance_draft_step
 
 
 class MhaDraftLoop:

@@ -57,9 +57,9 @@ from h2d_core import (
     h2d_producer,
 )
 
-from .batch import ScheduledBatch
-from .checks import INT32_MAX, AdapterInputError, describe, int_array
-from .consumers.engram import commit_engram_cursors, write_engram_tentative
+from ..batch import ScheduledBatch
+from ..checks import INT32_MAX, AdapterInputError, describe, int_array
+from .cursors import commit_engram_cursors, write_engram_tentative
 
 ENGRAM = "engram"
 
