@@ -293,3 +293,24 @@ def _catch(fn: Any, errors: list[BaseException]) -> None:
         fn()
     except BaseException as exc:  # handed to the test's thread
         errors.append(exc)
+
+
+def test_replaced_driver_events_stay_alive() -> None:
+    """The publication graphs record the slot events bound first: replacing them (the
+    torch-event fallback, a test's simulated driver) must not destroy them under the
+    graphs (a destroyed event recorded by a graph aborts the process)."""
+    import weakref
+
+    from h2d_core.completions import SlotCompletions
+
+    class Events:  # stands in for launch.SlotEvents: its finalizer destroys the events
+        pass
+
+    completions = SlotCompletions(2)
+    first = Events()
+    alive = weakref.ref(first)
+    completions.attach(first, [])
+    completions.attach(None, [object(), object()])
+    del first
+    assert alive() is not None, "replaced driver events were released"
+    assert completions.driver_events is None and len(completions.torch_events) == 2

@@ -11,6 +11,8 @@ cdef class SlotCompletions:
     # the epoch's last enqueue was a publication graph that recorded the slot's event
     cdef public bint graph_recorded
     cdef list _recorded
+    # driver events attach() replaced: kept alive, the graphs bound with them record them
+    cdef list _replaced
     cdef long long _record_seq
     cdef long long _synced_seq
     cdef long long _done_seq

@@ -16,4 +16,4 @@ cdef class EpochGroups:
     cpdef open(self)
     cpdef list enter(self, tuple groups, object reason, long long epoch, Py_ssize_t slot)
     cpdef require_unpublished(self, str group, frozenset names, long long epoch)
-    cpdef published_now(self, frozenset names, tuple name_list, object rec)
+    cpdef published_now(self, frozenset names, tuple name_list, list records)

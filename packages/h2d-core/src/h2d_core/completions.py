@@ -49,6 +49,7 @@ class SlotCompletions:
     checks_skipped: int
     graph_recorded: bool
     _recorded: list[bool]
+    _replaced: list[Any]
     _record_seq: int
     _synced_seq: int
     _done_seq: int
@@ -63,10 +64,17 @@ class SlotCompletions:
         self._recorded = [False] * num_slots
         self.checks_skipped = 0
         self.graph_recorded = False
+        self._replaced = []
 
     def attach(self, driver_events: Any, torch_events: list) -> None:
         """Bind time: the slots' events, through the driver (a
-        :class:`~h2d_core.launch.SlotEvents`) or, when its library did not load, torch's."""
+        :class:`~h2d_core.launch.SlotEvents`) or, when its library did not load, torch's.
+
+        The publication graphs bound with driver events record their handles at their
+        end: events replaced here stay alive as long as this object (destroying them
+        under a graph that records them aborts the process)."""
+        if self.driver_events is not None and driver_events is not self.driver_events:
+            self._replaced.append(self.driver_events)
         self.driver_events = driver_events
         self.torch_events = torch_events
 

@@ -318,7 +318,7 @@ class EpochCore:
             ) from exc
         if self._guard is not None:  # debug mode: published sources read-only until finish()
             self._guard.seal(self.current_slot, names)
-        self.groups.published_now(names, name_list, rec)
+        self.groups.published_now(names, name_list, self._slot_groups[self.current_slot])
 
     def _enqueue(self, rec: Any, covered: tuple, counters: Any, stream: Any) -> None:
         """Enqueue one publication (validated) and count it (``counters``: its payload

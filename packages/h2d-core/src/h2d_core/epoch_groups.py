@@ -174,9 +174,9 @@ class EpochGroups:
                 "second publication")
 
     @cython.ccall
-    def published_now(self, names: frozenset, name_list: tuple, rec: Any) -> None:
-        """``names`` went out in ``rec``'s publication: mark them, let their block tables
-        commit what it carried, run their callbacks."""
+    def published_now(self, names: frozenset, name_list: tuple, records: list) -> None:
+        """``names`` went out (``records``: the slot's group records): mark them, let
+        their block tables commit what it carried, run their callbacks."""
         # one by one: a set merge resizes by its fill, which counts the slots open()
         # emptied; an add takes the slot its name left
         _add_all(self.published, name_list)
@@ -189,7 +189,9 @@ class EpochGroups:
         if self._on_publish:
             for g in names.intersection(self._on_publish):
                 for buf, fn, only_if_sent in self._on_publish.pop(g):
-                    if not only_if_sent or rec.sent(buf.homes[0][1]):
+                    # every home of a counted member holds the same count: ask the first
+                    gi, i = buf.homes[0]
+                    if not only_if_sent or records[gi].sent(i):
                         fn()
 
     def reopen(self, group: str, plans: dict, records: list) -> set:
