@@ -61,9 +61,9 @@ class EpochCore:
 
     Subclassed by :class:`~h2d_core.owner.StateOwner`; see
     :class:`~h2d_core.state.H2DRunnerState` for the life of a state. It holds its
-    collaborators rather than calling its subclasses: the slots' completion record
-    (:attr:`completions`), the debug-mode source guard, and the direct copies
-    (:mod:`~h2d_core.direct_copies`)."""
+    parts rather than calling its subclasses: the slots' completion record
+    (:attr:`completions`), the epoch's groups (:attr:`groups`) and the debug mode's
+    source guard."""
 
     device = cython.declare(object, visibility="public")
     num_slots = cython.declare(cython.Py_ssize_t, visibility="public")
@@ -195,8 +195,7 @@ class EpochCore:
         else:
             if (isinstance(slot, bool) or not isinstance(slot, (int, np.integer))
                     or not 0 <= int(slot) < self.num_slots):  # numpy integers are fine
-                raise refusals.bad_slot(slot if isinstance(slot, bool) or not isinstance(
-                    slot, (int, np.integer)) else int(slot), self.num_slots)
+                raise refusals.bad_slot(slot, self.num_slots)
             s = int(slot)
         consumer: Any = None
         if self._cuda:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from .errors import (
@@ -43,10 +44,10 @@ def outside_epoch(what: str) -> EpochError:
 
 
 def bad_slot(slot: object, num_slots: int) -> EpochError:
-    if isinstance(slot, bool) or not isinstance(slot, int):
+    if isinstance(slot, bool) or not isinstance(slot, int | np.integer):
         return EpochError(f"slot must be an int in [0, {num_slots}) or None, got "
                           f"{type(slot).__name__} {slot!r}")
-    return EpochError(f"slot {slot} is not in [0, {num_slots})")
+    return EpochError(f"slot {int(slot)} is not in [0, {num_slots})")
 
 
 def wrong_device(device: torch.device) -> DeviceMismatchError:

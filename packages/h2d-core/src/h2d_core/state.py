@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 
-from h2d_kernels import GroupMember, PackedGroup, arena_order
-
+from .binding import Declared, bind_groups
 from .buffer import BufferSpec, CountUnit, GuardedH2DBuffer, H2DBuffer, make_spec
 from .completions import SlotCompletions
 from .config import Backend, resolve_backend
@@ -34,11 +33,9 @@ from .epoch_groups import EpochGroups
 from .errors import BindingError, DeclarationError, DeviceUnavailableError, UnknownGroupError
 from .fused import ConsumerFn, FusedConsumer
 from .fused import declare as declare_consumer
-from .fused import place as place_consumers
-from .group import GroupPlan, find_shared_bytes, unit_view
-from .launch import SlotEvents
+from .group import GroupPlan
 from .publish import Publication
-from .records import GroupCounters, GroupRecord
+from .records import GroupCounters
 from .slot import SlotLifecycle
 from .source_guard import SourceGuard
 
@@ -224,145 +221,27 @@ class H2DRunnerState(SlotLifecycle, Publication):
 
     # ------------------------------------------------------------------ binding
     def bind(self) -> None:
-        """Fix all storage: plan groups, allocate per-slot sources/arenas, check overlaps."""
+        """Fix all storage: plan groups, allocate per-slot sources/arenas, check overlaps
+        (:func:`~h2d_core.binding.bind_groups`)."""
         self.require_owner()
         if self._bound:
             raise DeclarationError("bind() was already called; bound storage stays fixed")
-        # element addresses, not spans: disjoint interleaved views of one tensor are fine
-        # (their noncontiguous destinations make the group publish with direct copies)
-        overlap = find_shared_bytes([(b.gpu, b.name) for b in self._buffers.values()])
-        if overlap:
-            raise BindingError(
-                f"buffers {overlap[0]!r} and {overlap[1]!r} share GPU bytes; give each member "
-                "its own destination"
-            )
-        dst_units: dict[str, torch.Tensor] = {}
-        for buf in self._buffers.values():
-            try:
-                dst_units[buf.name] = unit_view(buf.gpu, buf.spec.unit)
-            except RuntimeError:
-                raise BindingError(
-                    f"buffer {buf.name!r}: its destination (strides {tuple(buf.gpu.stride())}) "
-                    f"cannot be counted in {buf.spec.unit.value} without a copy; use unit='rows' "
-                    "or a contiguous destination"
-                ) from None
-        covered = {g for gs in self._combined.values() for g in gs}
-        publication: list[tuple[str, tuple[str, ...]]] = list(self._combined.items())
-        publication += [(g, (g,)) for g in self._producer_groups if g not in covered]
-        primary: dict[str, str] = {}  # producer group -> publication group holding its sources
-        for name, groups in publication:
-            for g in groups:
-                primary.setdefault(g, name)
-        for b in self._buffers.values():
-            homes = sum(b.group in gs for _, gs in publication)
-            if b.max_ranges and homes > 1:
-                raise BindingError(
-                    f"buffer {b.name!r}: a ranged buffer (max_ranges) must be carried by one "
-                    f"publication group, but group {b.group!r} is covered by {homes}"
-                )
-
-        plans: dict[str, GroupPlan] = {}
-        for index, (name, groups) in enumerate(publication):
-            members = [b for g in groups for b in self._producer_groups[g]]
-            borrowed = frozenset(b.name for b in members if primary[b.group] != name)
-            why = ""
-            if self.backend is Backend.DIRECT:
-                why = "direct backend"
-            else:
-                bad = [b.name for b in members if not b.gpu.is_contiguous()]
-                if bad:
-                    why = f"noncontiguous destination(s) {bad}"
-            packed = not why
-            if packed:
-                by_name = {b.name: b for b in members}
-                members = [by_name[m.name] for m in arena_order(
-                    [_group_member(b, b.name in borrowed) for b in members])]
-            plans[name] = GroupPlan(name, index, tuple(members), groups, packed, why,
-                                    borrowed=borrowed)
-
-        slot_groups: list[list[GroupRecord]] = [[] for _ in range(self.num_slots)]
-        sources: dict[str, list[torch.Tensor]] = {b: [] for b in self._buffers}
-        fused = place_consumers(self._fused, plans)
-        # The slots' events exist before the arenas: each slot's publication graphs end
-        # with a record of its event, so finish() after such a launch enqueues nothing.
-        slot_events = SlotEvents.create(self.num_slots, self.device) if self._cuda else None
-        handles = slot_events.handles if slot_events is not None else (0,) * self.num_slots
-        try:
-            for plan in plans.values():
-                for slot in range(self.num_slots):
-                    slot_groups[slot].append(self._bind_group(
-                        plan, sources, slot, [c.bound(plan.name) for c in fused.get(plan.name, ())],
-                        handles[slot]))
-        except ValueError as exc:  # layout/destination rejections from h2d_kernels
-            raise BindingError(f"cannot bind packed storage: {exc}") from exc
-
-        for buf in self._buffers.values():
-            buf._attach_sources(sources[buf.name])
-            buf._dst_units = dst_units[buf.name]
-            buf._src_units = [unit_view(s, buf.spec.unit) for s in sources[buf.name]]
-            if buf.max_ranges:
-                buf._dst_bytes = unit_view(buf.gpu, CountUnit.BYTES)
-                buf._src_bytes = [unit_view(s, CountUnit.BYTES) for s in sources[buf.name]]
-        for name, plan in plans.items():
-            for i, buf in enumerate(plan.members):
-                buf.homes.append((plan.index, i))
-                if primary[buf.group] == name:
-                    buf.publication_group = name
-                    buf.member_index = i
-            self._counters[name] = GroupCounters()
-        for g in self._producer_groups:
-            self._counters.setdefault(g, GroupCounters())
-        self._plans = plans
-        # publish(name) -> (record index, names it publishes, members copied directly when
-        # it is a producer group covered by a combined one, counters, the names again as a
-        # sorted tuple: iterated per call without a set iterator): one lookup per call
-        self._routes = {name: (plan.index, plan.names, (), self._counters[name],
-                               tuple(sorted(plan.names)))
-                        for name, plan in plans.items()}
-        for g in self._producer_groups:
-            if g not in plans:
-                self._routes[g] = (plans[primary[g]].index, frozenset((g,)),
-                                   tuple(self._producer_groups[g]), self._counters[g], (g,))
-        # every group name begin() takes out of the epoch's sets (discarded one by one: a
-        # set cleared whole frees its table, and the next epoch's adds allocate it again)
-        self.groups.bound(tuple(sorted(set(plans) | set(self._producer_groups))))
-        self._slot_groups = slot_groups
-        for recs in slot_groups:
-            for rec in recs:
-                rec.clear_counts()
+        bound = bind_groups(Declared(
+            self._buffers, self._producer_groups, self._combined, self._fused, self.backend,
+            self.num_slots, self.device, self._scatter, self._cuda))
+        self._plans = bound.plans
+        self._routes = bound.routes
+        self._slot_groups = bound.slot_groups
+        self._counters.update(bound.counters)  # the epoch's groups hold this dict
+        self.groups.bound(bound.all_names)
         if self._guard is not None:  # no epoch open yet: every slot read-only
             self._guard.close_all(self.num_slots)
         if self._cuda:
-            self.completions.attach(slot_events, [] if slot_events is not None else [
+            events = bound.slot_events
+            self.completions.attach(events, [] if events is not None else [
                 torch.cuda.Event() for _ in range(self.num_slots)])
             self._acquire_event = torch.cuda.Event()
         self._bound = True
-
-    def _bind_group(
-        self, plan: GroupPlan, sources: dict[str, list[torch.Tensor]], slot: int,
-        consumers: Sequence[Callable[[torch.Tensor], None]] = (),
-        completion_event: int = 0,
-    ) -> GroupRecord:
-        own = [b for b in plan.members if b.name not in plan.borrowed]
-        if not plan.packed:
-            for buf in own:
-                sources[buf.name].append(
-                    torch.zeros(buf.spec.shape, dtype=buf.spec.dtype, device="cpu",
-                                pin_memory=self._cuda)
-                )
-            return GroupRecord(plan, None)
-        # Primary groups are bound first (publication order), so borrowed sources exist.
-        packed = PackedGroup.bind(
-            [_group_member(b, b.name in plan.borrowed) for b in plan.members], self.device,
-            self._scatter, self._cuda, {n: sources[n][slot] for n in plan.borrowed},
-            consumers, completion_event)
-        for buf, src in zip(plan.members, packed.sources, strict=True):
-            if buf.name not in plan.borrowed:
-                sources[buf.name].append(src)
-        record = GroupRecord(plan, packed)
-        # its consumers read the arena's header: every publication goes through the arena
-        record.fused = bool(consumers)
-        return record
 
     def buffers(self) -> Mapping[str, H2DBuffer]:
         return dict(self._buffers)
@@ -382,9 +261,3 @@ class H2DRunnerState(SlotLifecycle, Publication):
             raise self.unknown_group(group)
         return self._counters[group]
 
-
-def _group_member(buf: H2DBuffer, borrowed: bool) -> GroupMember:
-    spec = buf.spec
-    return GroupMember(spec.name, buf.gpu, spec.nbytes, spec.unit_bytes, spec.itemsize,
-                       spec.unit is CountUnit.ROWS, buf.max_ranges,
-                       borrowed)
