@@ -175,8 +175,7 @@ def _plans(d: Declared, publication: list[tuple[str, tuple[str, ...]]],
 
 def _bind_group(
     d: Declared, plan: GroupPlan, sources: dict[str, list[torch.Tensor]], slot: int,
-    consumers: Sequence[Callable[[torch.Tensor], None]] = (),
-    completion_event: int = 0,
+    consumers: Sequence[Callable[[torch.Tensor], None]], completion_event: int,
 ) -> GroupRecord:
     own = [b for b in plan.members if b.name not in plan.borrowed]
     if not plan.packed:

@@ -194,6 +194,11 @@ class EpochGroups:
                     if not only_if_sent or records[gi].sent(i):
                         fn()
 
+    def copied_alone(self, group: str) -> None:
+        """A standalone direct copy of one of ``group``'s buffers counts as its publication
+        (no stager or callback: it carried one buffer, not the group's stage)."""
+        self.published.add(group)
+
     def reopen(self, group: str, plans: dict, records: list) -> set:
         """Take ``group``'s publication back (the whole combined one that carried it):
         its records' counts cleared, its producer groups neither produced nor published,

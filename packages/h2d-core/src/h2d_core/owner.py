@@ -2,10 +2,11 @@
 
 :class:`~h2d_core.state.H2DRunnerState` is assembled from one class per concern, all on
 this base: :mod:`~h2d_core.slot` (resume and recovery) and :mod:`~h2d_core.publish`
-(counts, ranges, direct copies). The fields a step touches, the epoch's ``begin``,
-producer entry, ``publish`` and ``finish``, and the checks every entry point runs (owner thread,
-bound, valid, epoch, device, stream) are compiled, in :class:`~h2d_core.epoch.EpochCore`;
-this base adds the declaration-time fields and the membership check.
+(counts, ranges, a standalone direct copy). The fields a step touches, the epoch's
+``begin``, producer entry, ``publish`` and ``finish``, and the checks every entry point
+runs (owner thread, bound, valid, epoch, device, stream) are compiled, in
+:class:`~h2d_core.epoch.EpochCore`; this base adds the declaration-time fields and the
+membership check.
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Producers set counts (``set_count``, a :class:`~h2d_core.count_batch.CountBatch`
 ranges (``set_ranges``) on the current slot's group records; ``publish(group)`` (compiled,
 in :class:`~h2d_core.epoch.EpochCore`) validates the epoch, device, stream and duplicates,
 then enqueues one DMA + one scatter (packed group, two or more active members or several
-ranges) or the direct copies here (direct backend, ineligible group, a lone active member,
-a producer group covered by a combined one). A rejected call changes nothing; an enqueue
-failure invalidates the owner.
+ranges) or direct copies (:mod:`~h2d_core.direct_copies`: direct backend, ineligible group,
+a lone active member, a producer group covered by a combined one; a standalone caller's
+``copy_member_direct`` is here). A rejected call changes nothing; an enqueue failure
+invalidates the owner.
 """
 
 from __future__ import annotations
@@ -240,7 +241,7 @@ class Publication(StateOwner):
                 f"enqueueing the direct copy of {buffer.name!r} failed; the owner is "
                 "invalidated; call reset() to recover"
             ) from exc
-        self.groups.published.add(buffer.group)
+        self.groups.copied_alone(buffer.group)
         c = self._counters[buffer.group]
         c.direct_copies += 1
         c.publications += 1
