@@ -34,6 +34,7 @@ from h2d_core import (
     LayoutStep,
     RequestLayout,
     StepCounts,
+    StepSpec,
 )
 from h2d_core.count_program import CountProgram
 from h2d_core.step import OMITTED, PLAN_ROWS, STEP_COUNTS
@@ -48,7 +49,7 @@ GROUP = "g"
 class Setup:
     """A state with one producer group of a plan-carrying layout's members."""
 
-    def __init__(self, num_slots: int = 1, plan_group: int = 2) -> None:
+    def __init__(self, num_slots: int = 1, plan_group: int = 2, joined: bool = False) -> None:
         st = H2DRunnerState("cpu", backend="packed", scatter="reference",
                             num_slots=num_slots)
         buf = st.buffer
@@ -69,8 +70,13 @@ class Setup:
             for slot in range(num_slots):
                 b.source(slot).view(-1).fill_(SOURCE_POISON)
         self.layouts = [self._layout(slot) for slot in range(num_slots)]
-        self.step = LayoutStep(GROUP, st, self.layouts, None, (), self.rules(),
-                               plan_group=plan_group)
+        rules = self.rules()
+        if joined:  # two producers' parts, joined and bound: the same step
+            self.step = (StepSpec(rules[:3]) + StepSpec(rules[3:])).bind(
+                GROUP, st, self.layouts, plan_group=plan_group)
+        else:
+            self.step = LayoutStep(GROUP, st, self.layouts, None, (), rules,
+                                   plan_group=plan_group)
 
     def _layout(self, slot: int) -> RequestLayout:
         def src(b: Any) -> np.ndarray:
@@ -117,8 +123,9 @@ def _published_bytes(b: Any, want: list[Any], dtype: Any) -> None:
     assert dest[len(head):] == bytes([POISON]) * (len(dest) - len(head)), b.name
 
 
-def test_plan_rows_counts_omitted_and_token_prefix_publish_exact_bytes() -> None:
-    s = Setup()
+@pytest.mark.parametrize("joined", [False, True], ids=["direct", "joined-specs"])
+def test_plan_rows_counts_omitted_and_token_prefix_publish_exact_bytes(joined: bool) -> None:
+    s = Setup(joined=joined)
     st = s.state
     st.begin()
     st.set_count(s.extra, 5)  # set earlier in the epoch: OMITTED drops it

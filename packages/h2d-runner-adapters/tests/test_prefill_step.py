@@ -32,7 +32,7 @@ import torch
 from bad_inputs import Observed, refuse
 
 from block_tables import BlockTable, MissingPagesError, PageIdRangeError
-from h2d_core import CountError, DeclarationError, H2DRunnerState
+from h2d_core import CountError, DeclarationError, EpochError, H2DRunnerState
 from h2d_runner_adapters import (
     DECODE_STEP,
     GDN_STATE,
@@ -547,6 +547,33 @@ def test_kv_indices_after_an_omitted_table_are_refused(device: str, via: str) ->
     assert attention(again)[:1].tolist() == [9]
     st.finish()
     ah.sync(device)
+
+
+def test_run_chunk_outside_a_producer_entry_is_refused() -> None:
+    """``PrefillInputs.run_chunk`` (the body the fused step runs) writes prefill sources:
+    called with no entry of ``prefill_inputs`` open this epoch (none made yet, or the
+    group published already) it raises ``EpochError`` naming the group and changes
+    nothing; inside the fused step's entry it runs, and that chunk publishes."""
+    side = build("step", "cpu")
+    st, step = side.state, side.step
+    assert step is not None
+    (first, _), (second, _) = chunks()[:2]
+    st.begin()
+    pf = side.prefill
+    # a step over the adapter's own spec, as a fused step binds one
+    layout_step = pf.step_spec().bind(PREFILL_INPUTS, st, pf.request_layouts(PREFILL_INPUTS))
+    seen = Observed(st, groups=(PREFILL_STEP, PREFILL_INPUTS))
+    match = (r"prefill_inputs: a prefill chunk writes prefill_inputs's sources, but no "
+             r"producer entry of that group is open this epoch")
+    refuse(seen, lambda: pf.run_chunk(layout_step, second, (), True, None, None, None,
+                                      PREFILL_INPUTS), EpochError, match)
+    plan = step.prepare(first)  # the fused step's entry runs it
+    st.publish(PREFILL_STEP)
+    assert plan.prefill.num_tokens == 15
+    # published: the entry is closed again
+    refuse(seen, lambda: pf.run_chunk(layout_step, second, (), True, None, None, None,
+                                      PREFILL_INPUTS), EpochError, match)
+    st.finish()
 
 
 def test_prefill_plan_needs_its_page_count() -> None:

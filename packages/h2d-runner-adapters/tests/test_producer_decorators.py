@@ -35,6 +35,13 @@ NOT_PRODUCERS: dict[str, str] = {
     "DecodeStepInputs.from_adapters": "composes adapters the caller declared; before bind",
     "PrefillStepInputs.from_adapters": "composes adapters the caller declared; before bind",
     "PagedInputs.tables": "property: the block-table state, created on first use",
+    "MhaDecodeInputs.step_spec": "declaration: the adapter's part of a step, a record",
+    "MlaDecodeInputs.step_spec": "declaration: the adapter's part of a step, a record",
+    "PrefillInputs.step_spec": "declaration: the adapter's part of a step, a record",
+    "TokenInputs.verify_spec": "declaration: the verification indices' part of a step",
+    "TokenInputs.forget_spec_indices": "drops a cache of what the sources hold; writes none",
+    "PrefillInputs.run_chunk": "a producer entry's body: refused unless an entry of "
+                               "prefill_inputs is open this epoch (EpochError)",
     "TokenInputs.producer_groups": "property: the names of the token producer groups",
     "TokenInputs.fuse_assembly": "declares a fused consumer before bind; writes no source",
     "MhaDecodeInputs.request_layouts": "builds layout passes over the sources; the "

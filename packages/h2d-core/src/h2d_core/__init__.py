@@ -13,7 +13,8 @@ Public API::
     @h2d_producer("mha_decode")
     def prepare_decode(adapter, batch): ...     # adapter.h2d_state is the owner
 
-    step = LayoutStep(name, state, layouts, table, pad_rows, [CountRule(buf, PADDED_TOKENS)])
+    spec = StepSpec([CountRule(buf, PADDED_TOKENS)], table, pad_rows)   # a producer's part
+    step = spec.bind(name, state, layouts)     # fused: (spec_a + spec_b).bind(...)
     step.run(query_lens, context_lens, rows, padded, -1, columns)   # a fused producer's body
     kv = state.fuse_consumer("kv_indices", [indptr], fn)   # before bind: fn(header, rows)
     kv.fused                     # after bind: the publication (its graphs) runs fn itself
@@ -80,6 +81,7 @@ from .step import (
     LayoutStep,
     StepCounts,
 )
+from .step_spec import StepSpec
 from .table_policy import TablePublication
 
 __all__ = [
@@ -135,6 +137,7 @@ __all__ = [
     "StageResult",
     "StateSlots",
     "StepCounts",
+    "StepSpec",
     "StreamMismatchError",
     "TablePolicyError",
     "TablePublication",

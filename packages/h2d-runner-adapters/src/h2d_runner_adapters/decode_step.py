@@ -29,9 +29,6 @@ from collections.abc import Sequence
 import torch
 
 from h2d_core import (
-    DRAFTS,
-    REQS,
-    CountRule,
     DeclarationError,
     H2DRunnerState,
     LayoutStep,
@@ -53,7 +50,7 @@ from .token_inputs import (
     TokenInputs,
     TokenPlan,
 )
-from .token_step import FusedStep, sampling_plan, step_columns, step_counts
+from .token_step import FusedStep, sampling_plan, step_columns, token_step_spec
 
 DECODE_STEP = "decode_step"
 MLA_DECODE_STEP = "mla_decode_step"
@@ -186,8 +183,8 @@ class DecodeStepInputs(FusedStep):
                     "with max_drafts=k")
             step = self._verify = self._bind(verify=True)
         plan = self._run(step, batch, padded)
-        # prepare_spec_indices' cache of what the slot's sources hold is stale now
-        self.tokens._spec_written[self.h2d_state.current_slot] = None
+        # the step wrote the slot's verification sources, not prepare_spec_indices
+        self.tokens.forget_spec_indices()
         return plan
 
     def _run(self, step: LayoutStep, batch: ScheduledBatch, padded: int | None
@@ -214,15 +211,13 @@ class DecodeStepInputs(FusedStep):
         layouts = d.request_layouts(
             self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),
             columns=lambda slot: step_columns(s, t, slot), outputs=drafts if verify else None)
-        # the decode adapter's own rules: tokens' grid, padded requests, MLA's last-page
-        # lengths and sparse prefix
-        rules = [*step_counts(s, t), *d._count_rules()]
+        # the decode adapter's part: tokens' grid, padded requests, MLA's last-page lengths
+        # and sparse prefix, the table and its padding rows
+        spec = token_step_spec(s, t) + d.step_spec()
         if verify:  # the verification indices: real requests, the step's draft tokens
-            rules += [CountRule(t.target_logits_indices, DRAFTS),
-                      CountRule(t.cu_num_draft_tokens, REQS),
-                      CountRule(t.bonus_logits_indices, REQS)]
-        step = LayoutStep(self.group, self.h2d_state, layouts, d.tables, d._pad_rows,
-                          rules, sum_column=5, error=AdapterInputError)
+            spec += t.verify_spec()
+        step = spec.bind(self.group, self.h2d_state, layouts, sum_column=5,
+                         error=AdapterInputError)
         # per slot, the step's plans over its records (prepare's and prepare_verify's
         # steps each have their own)
         self._plans_of[step] = slot_plans(self.h2d_state, step, lambda c, slot: DecodeStepPlan(

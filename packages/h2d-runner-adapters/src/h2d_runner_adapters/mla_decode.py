@@ -19,12 +19,20 @@ members (its ``last_page_lens`` and capped ``context_prefix`` outputs), inside t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 
-from h2d_core import PADDED_REQS, CountRule, DeclarationError, H2DRunnerState, h2d_producer
+from h2d_core import (
+    PADDED_REQS,
+    CountRule,
+    DeclarationError,
+    H2DRunnerState,
+    StepSpec,
+    h2d_producer,
+)
 
 from .batch import ScheduledBatch
 from .checks import INT32_MAX
@@ -86,8 +94,11 @@ class MlaDecodeInputs(MhaDecodeInputs):
             out["context_cap"] = self.index_topk
         return out
 
-    def _count_rules(self) -> list[CountRule]:
-        rules = [*super()._count_rules(), CountRule(self.kv_last_page_lens, PADDED_REQS)]
+    def step_spec(self) -> StepSpec:
+        """:meth:`MhaDecodeInputs.step_spec` plus the last-page lengths and the sparse KV
+        prefix (padded requests)."""
+        spec = super().step_spec()
+        rules = [*spec.counts, CountRule(self.kv_last_page_lens, PADDED_REQS)]
         if self.sparse_kv_indptr is not None:
             rules.append(CountRule(self.sparse_kv_indptr, PADDED_REQS, 1))
-        return rules
+        return replace(spec, counts=rules)

@@ -60,7 +60,7 @@ from h2d_core import (
     LayoutStep,
     RequestLayout,
     StepCounts,
-    h2d_producer,
+    StepSpec,
 )
 
 from .batch import ScheduledBatch
@@ -69,7 +69,6 @@ from .checks import (
     describe,
     length_column,
     page_rows,
-    refuse_page_size,
     sub_plan,
 )
 from .consumers import generate_kv_indices
@@ -82,10 +81,9 @@ from .mrope.inputs import (
 )
 from .paged import PagedInputs
 from .plan_records import CountsPlan, slot_plans
+from .prefill_entry import PREFILL_INPUTS, OwnsSlot, check_chunk_call, chunk_producer
 from .prefill_owned import OwnedSlots
 from .shape import StepShape, check_shape
-
-PREFILL_INPUTS = "prefill_inputs"
 
 
 class PrefillPlan(CountsPlan):
@@ -110,7 +108,6 @@ class PrefillPlan(CountsPlan):
 
 
 #: isinstance's class tuples, built once (a ``A | B`` union is an object per call)
-_BOOLS = (bool, np.bool_)
 
 
 class PrefillInputs(PagedInputs):
@@ -164,7 +161,7 @@ class PrefillInputs(PagedInputs):
                                       device=state.device)
         self._step: LayoutStep | None = None  # the compiled step, bound on first use
         self._plans: tuple[PrefillPlan, ...] = ()  # per slot, over the step's records
-        # the call's inputs the planned-chunk checks read (set by _produce, per call):
+        # the call's inputs the planned-chunk checks read (set by run_chunk, per call):
         # group, token ids, rows, query and context lengths, owns_slot, MRoPE positions
         # and deltas, whether the ids are this adapter's to check (no fused layout column)
         self._call: list[Any] = [None] * 9
@@ -203,9 +200,12 @@ class PrefillInputs(PagedInputs):
                 columns=() if columns is None else columns(slot), **extra))
         return layouts
 
-    def _count_rules(self) -> list[CountRule]:
-        """What a chunk publishes of each member (eager: the padded counts are the real
-        ones); MRoPE planes replace the positions (their count is set after the pass)."""
+    def step_spec(self) -> StepSpec:
+        """This adapter's part of a chunk's step (:class:`h2d_core.StepSpec`), what a fused
+        step joins: each member's count (eager: the padded counts are the real ones; MRoPE
+        planes replace the positions, their count set after the pass), the table, and the
+        checks that need the planned chunk. A step bound over it runs through
+        :meth:`run_chunk`, which hands those checks the call's arguments."""
         positions = OMITTED if self.mrope_positions is not None else PADDED_TOKENS
         rules = [CountRule(self.positions, positions),
                  CountRule(self.slot_mapping, PADDED_TOKENS),
@@ -215,27 +215,18 @@ class PrefillInputs(PagedInputs):
                  CountRule(self.token_request, PADDED_TOKENS)]
         if self.kv_last_page_lens is not None:
             rules.append(CountRule(self.kv_last_page_lens, PADDED_REQS))
-        return rules
+        return StepSpec(rules, self.tables, check=self._check_planned)
 
     def _bind(self) -> LayoutStep:
-        step = LayoutStep(self.group, self.h2d_state, self.request_layouts(self.group),
-                          self.tables, (), self._count_rules(), error=AdapterInputError,
-                          check=self._check_planned)
+        step = self.step_spec().bind(self.group, self.h2d_state,
+                                     self.request_layouts(self.group), error=AdapterInputError)
         self._plans = slot_plans(self.h2d_state, step, lambda c, slot: PrefillPlan.over(c))
         self._step = step
         return step
 
-    @h2d_producer(PREFILL_INPUTS)
-    def prepare(
-        self,
-        batch: ScheduledBatch,
-        *,
-        publish_tables: bool = True,
-        owns_slot: Callable[[np.ndarray], np.ndarray] | None = None,
-        mrope_positions: Sequence[np.ndarray | None] | None = None,
-        mrope_deltas: np.ndarray | None = None,
-    ) -> PrefillPlan:
-        """Stage one prefill (chunk) batch.
+    prepare = chunk_producer(PREFILL_INPUTS, owner="PrefillInputs", doc="""Stage one prefill
+        (chunk) batch: ``prepare(batch, *, publish_tables=True, owns_slot=None,
+        mrope_positions=None, mrope_deltas=None)``, the adapter's plan returned.
 
         ``owns_slot`` (optional) maps the token positions' KV slots (an int64 array, one
         per token) to a 1-D bool mask of the ones this rank writes (context-parallel KV);
@@ -247,42 +238,31 @@ class PrefillInputs(PagedInputs):
         argument is checked, ``owns_slot``'s mask included, before any source is written: a
         refusal raises :class:`AdapterInputError` (or the block table's own error) and
         changes nothing.
-        """
-        step = self._step
-        if step is None:
-            step = self._bind()
-        self._produce(step, batch, (), publish_tables, owns_slot, mrope_positions,
-                      mrope_deltas, self.group)
-        return self._plans[self.h2d_state.current_slot]
+        """)
 
-    def _produce(
+    def _chunk_values(self, batch: object) -> tuple[()]:
+        return ()  # no fused columns: the adapter checks the token ids itself
+
+    def run_chunk(
         self,
         step: LayoutStep,
         batch: ScheduledBatch,
         values: Sequence[Any],
         publish_tables: bool,
-        owns_slot: Callable[[np.ndarray], np.ndarray] | None,
+        owns_slot: OwnsSlot | None,
         mrope_positions: Sequence[np.ndarray | None] | None,
         mrope_deltas: np.ndarray | None,
         g: str,
     ) -> None:
-        """Check the arguments, run ``step`` (this adapter's layout pass, or a fused
-        step's over the same sources with its ``values`` columns, ``token_ids`` among
-        them), then write what the pass does not (MRoPE planes, ``owns_slot``'s -1 slots,
-        an omitted table); the caller returns its slot's plan over the step's record. A
-        refusal raises naming group ``g`` (the step's publication group) and changes
-        nothing."""
-        if not isinstance(batch, ScheduledBatch):
-            raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
-        if batch.page_size != self.page_size:
-            refuse_page_size(g, batch.page_size, self.page_size)
-        if type(publish_tables) is not bool and not isinstance(publish_tables, _BOOLS):
-            raise AdapterInputError(
-                f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
-        if owns_slot is not None and not callable(owns_slot):
-            raise AdapterInputError(
-                f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
-                f"(or None), got {describe(owns_slot)}")
+        """Check the arguments, run ``step`` (bound over :meth:`step_spec`: this adapter's
+        layout pass, or a fused step's over the same sources with its ``values`` columns,
+        ``token_ids`` among them), then write what the pass does not (MRoPE planes,
+        ``owns_slot``'s -1 slots, an omitted table); the caller returns its slot's plan
+        over the step's record. A refusal raises naming group ``g`` (the step's
+        publication group) and changes nothing. Outside a producer entry of
+        ``prefill_inputs`` (the group not entered this epoch, or published already) it
+        raises :class:`h2d_core.EpochError` and writes nothing."""
+        check_chunk_call(self.h2d_state, g, batch, self.page_size, publish_tables, owns_slot)
         cols = batch.columns
         qlens = length_column(g, cols, "query_lens")
         ctx = length_column(g, cols, "context_lens")
@@ -333,6 +313,8 @@ class PrefillInputs(PagedInputs):
         if not publish_tables:
             st.set_count(self.block_tables, None)
 
+    _run_chunk = run_chunk  # chunk_producer's entry calls it (no frame more)
+
     def _check_planned(self, layout: RequestLayout) -> None:
         """The checks that need the planned chunk (its token count), before any write:
         one token id per token (the layout refused a key prefix past int32; a fused step's
@@ -370,7 +352,7 @@ class PrefillInputs(PagedInputs):
             plan = sub_plan(self.group, "mrope_planes", plan, PrefillPlan, "prefill")
         return mrope_planes(self.mrope_positions, plan.num_tokens)
 
-    def prepare_attention(self, plan: PrefillPlan) -> torch.Tensor:
+    def prepare_attention(self, plan: PrefillPlan, group: str | None = None) -> torch.Tensor:
         """First consumer: ``kv_indices`` (returned) from the published block tables and
         ``kv_indptr``, decode's KV-index generation; its first ``plan.num_pages`` entries
         are the chunk's pages, request after request.
@@ -378,11 +360,9 @@ class PrefillInputs(PagedInputs):
         A chunk prepared with ``publish_tables=False`` (``plan.table_stage == ""``) left
         the table out of its publication: the GPU table holds an earlier chunk's rows, so
         its indices would be that chunk's pages. It is refused with
-        :class:`AdapterInputError` before any launch (``kv_indices`` unchanged)."""
-        return self._kv_indices(plan, self.group)
-
-    def _kv_indices(self, plan: PrefillPlan, g: str) -> torch.Tensor:
-        """:meth:`prepare_attention`, a refusal naming group ``g`` (the publication's)."""
+        :class:`AdapterInputError` before any launch (``kv_indices`` unchanged). A refusal
+        names ``group`` (default: this adapter's; a fused step passes its own)."""
+        g = self.group if group is None else group
         if type(plan) is not PrefillPlan:
             plan = sub_plan(g, "prepare_attention", plan, PrefillPlan, "prefill")
         if plan.table_stage == "":

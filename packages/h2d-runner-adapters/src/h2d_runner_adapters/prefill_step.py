@@ -30,21 +30,22 @@ prev)``, :meth:`PrefillStepInputs.prepare_attention` (KV-index generation) and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-import numpy as np
 import torch
 
-from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep, h2d_producer
+from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep
 
 from .batch import ScheduledBatch
 from .checks import AdapterInputError
 from .plan_records import CompositePlan, slot_plans
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
+from .prefill_entry import chunk_producer
 from .sampling.inputs import SAMPLING, SamplingInputs, SamplingPlan
 from .shape import StepShape, check_shape
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
-from .token_step import FusedStep, sampling_plan, step_columns, step_counts
+from .token_step import FusedStep, sampling_plan, step_columns, token_step_spec
 
 PREFILL_STEP = "prefill_step"
 
@@ -125,36 +126,26 @@ class PrefillStepInputs(FusedStep):
         self._combine(sampling, tokens, prefill, "prefill", group,
                       [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS, *extra_groups])
         self.prefill = prefill
+        # the chunk's body (chunk_producer's entry calls it; bound once)
+        self._run_chunk = prefill.run_chunk
         self._plans: tuple[PrefillStepPlan, ...] = ()  # per slot, at bind
         #: the published KV page prefix and token owners (the prefill adapter's members)
         self.kv_indptr: H2DBuffer = prefill.kv_indptr
         self.token_request: H2DBuffer = prefill.token_request
 
-    @h2d_producer(SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS)
-    def prepare(
-        self,
-        batch: ScheduledBatch,
-        *,
-        publish_tables: bool = True,
-        owns_slot: Callable[[np.ndarray], np.ndarray] | None = None,
-        mrope_positions: Sequence[np.ndarray | None] | None = None,
-        mrope_deltas: np.ndarray | None = None,
-    ) -> PrefillStepPlan:
-        """Write and count every member of the chunk and stage the block table; publish
-        with ``state.publish(self.group)``. The keyword arguments are
-        :meth:`PrefillInputs.prepare`'s. The whole chunk (sampling and token columns,
-        lengths, table rows, the prefill adapter's own inputs) is checked before any
-        source is written: a rejected chunk raises a specific error and changes
-        nothing."""
-        step = self._step
-        if step is None:
-            step = self._step = self._bind()
-        cols = batch.columns if isinstance(batch, ScheduledBatch) else None
-        # not a batch: the prefill adapter refuses it
-        values = () if cols is None else self._values.of(cols)
-        self.prefill._produce(step, batch, values, publish_tables, owns_slot,
-                              mrope_positions, mrope_deltas, self.group)
-        return self._plans[self.h2d_state.current_slot]
+    prepare = chunk_producer(
+        SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS, owner="PrefillStepInputs",
+        doc="""Write and count every member of the chunk and stage the block table, the
+        step's plan returned; publish with ``state.publish(self.group)``. The arguments
+        are :meth:`PrefillInputs.prepare`'s (``batch``, then the keywords
+        ``publish_tables``, ``owns_slot``, ``mrope_positions``, ``mrope_deltas``). The
+        whole chunk (sampling and token columns, lengths, table rows, the prefill adapter's
+        own inputs) is checked before any source is written: a rejected chunk raises a
+        specific error and changes nothing.""")
+
+    def _chunk_values(self, batch: object) -> Sequence[Any]:
+        # not a batch: the prefill adapter's run_chunk refuses it
+        return self._values.of(batch.columns) if isinstance(batch, ScheduledBatch) else ()
 
     def _bind(self) -> LayoutStep:
         s, t, pf = self.sampling, self.tokens, self.prefill
@@ -162,12 +153,12 @@ class PrefillStepInputs(FusedStep):
                                      # a prefill chunk verifies no drafts: num_drafts 0
                                      columns=lambda slot: step_columns(s, t, slot,
                                                                        drafts=False))
-        step = LayoutStep(self.group, self.h2d_state, layouts, pf.tables, (),
-                          [*step_counts(s, t), *pf._count_rules()], sum_column=5,
-                          error=AdapterInputError, check=pf._check_planned)
+        step = (token_step_spec(s, t) + pf.step_spec()).bind(
+            self.group, self.h2d_state, layouts, sum_column=5, error=AdapterInputError)
         # per slot, the sampling and token plans over the step's records
         self._plans = slot_plans(self.h2d_state, step, lambda c, slot: PrefillStepPlan(
             sampling_plan(s, c, slot), TokenPlan.over(c), PrefillPlan.over(c)))
+        self._step = step
         return step
 
     def prepare_attention(self, plan: PrefillStepPlan) -> torch.Tensor:
@@ -176,6 +167,6 @@ class PrefillStepInputs(FusedStep):
         the chunk's pages, request after request. Reads only the step's own members. A
         chunk prepared with ``publish_tables=False`` is refused
         (:meth:`PrefillInputs.prepare_attention`: its GPU table is an earlier chunk's)."""
-        # _kv_indices reads a step plan's .prefill, takes a PrefillPlan itself too, and
-        # refuses anything else naming the group
-        return self.prefill._kv_indices(plan, self.group)  # type: ignore[arg-type]
+        # the prefill adapter reads a step plan's .prefill, takes a PrefillPlan itself too,
+        # and refuses anything else naming this group
+        return self.prefill.prepare_attention(plan, self.group)  # type: ignore[arg-type]

@@ -35,7 +35,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from h2d_core import DeclarationError, FusedConsumer, H2DRunnerState, StepCounts, h2d_producer
+from h2d_core import (
+    DRAFTS,
+    REQS,
+    CountRule,
+    DeclarationError,
+    FusedConsumer,
+    H2DRunnerState,
+    StepCounts,
+    StepSpec,
+    h2d_producer,
+)
 
 from .batch import BatchColumns, ScheduledBatch
 from .checks import AdapterInputError, padded_count, refuse_column, sub_plan
@@ -235,6 +245,25 @@ class TokenInputs:
         if n and q.min() < 0:
             refuse_column(group, "query_lens", q, q < 0, ">= 0")
         return p
+
+    def verify_spec(self) -> StepSpec:
+        """The verification indices' part of a fused verify step (:class:`h2d_core.StepSpec`):
+        target rows for the step's draft tokens, the draft prefix and bonus rows for real
+        requests. A step bound over it writes them itself: call :meth:`forget_spec_indices`
+        after each such step. Needs ``max_drafts > 0``."""
+        if not self.max_drafts:
+            raise DeclarationError(
+                f"{SPEC_INDICES}: a verify step needs speculative buffers; construct with "
+                "max_drafts=k")
+        return StepSpec((CountRule(self.target_logits_indices, DRAFTS),
+                         CountRule(self.cu_num_draft_tokens, REQS),
+                         CountRule(self.bonus_logits_indices, REQS)))
+
+    def forget_spec_indices(self) -> None:
+        """Another producer (a fused verify step) wrote the current slot's verification
+        sources: the next :meth:`prepare_spec_indices` in that slot writes them again
+        instead of trusting what it wrote there last."""
+        self._spec_written[self.h2d_state.current_slot] = None
 
     @h2d_producer(SPEC_INDICES)
     def prepare_spec_indices(self, batch: ScheduledBatch) -> None:

@@ -34,6 +34,7 @@ from h2d_core import (
     LayoutStep,
     RequestLayout,
     StepCounts,
+    StepSpec,
     h2d_producer,
 )
 
@@ -106,16 +107,17 @@ class StepValues:
         return v
 
 
-def step_counts(sampling: SamplingInputs, tokens: TokenInputs) -> tuple[CountRule, ...]:
-    """What the fused steps publish of the sampling and token members, per step: real
-    requests for the sampler's rows (top-k and top-p omitted when uniform: bits 2 and 4 of
-    the layout's mask, their columns' positions in :func:`step_columns`), the padded grid
-    for ids and the prefixes."""
+def token_step_spec(sampling: SamplingInputs, tokens: TokenInputs) -> StepSpec:
+    """The sampling and token adapters' part of a fused step (:class:`h2d_core.StepSpec`):
+    real requests for the sampler's rows (top-k and top-p omitted when uniform: bits 2 and
+    4 of the layout's mask, their columns' positions in :func:`step_columns`), the padded
+    grid for ids and the prefixes."""
     s, t = sampling, tokens
-    return (CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, TOP_K_UNIFORM),
-            CountRule(s.top_ps, REQS, 0, TOP_P_UNIFORM), CountRule(t.input_ids, PADDED_TOKENS),
-            CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
-            CountRule(t.cu_seqlens_q, PADDED_REQS, 1))
+    return StepSpec((
+        CountRule(s.temperatures, REQS), CountRule(s.top_ks, REQS, 0, TOP_K_UNIFORM),
+        CountRule(s.top_ps, REQS, 0, TOP_P_UNIFORM), CountRule(t.input_ids, PADDED_TOKENS),
+        CountRule(t.decode_cu, PADDED_REQS, 1), CountRule(t.decode_src, PADDED_REQS),
+        CountRule(t.cu_seqlens_q, PADDED_REQS, 1)))
 
 
 def sampling_plan(sampling: SamplingInputs, counts: StepCounts, slot: int) -> SamplingPlan:
@@ -202,8 +204,8 @@ class TokenStepInputs:
             self.group, 1, None, None,
             cu_query=(t.cu_seqlens_q.source(slot).numpy(), t.decode_cu.source(slot).numpy()),
             columns=step_columns(s, t, slot)) for slot in range(self.h2d_state.num_slots)]
-        self._step = LayoutStep(self.group, self.h2d_state, layouts, None, (), step_counts(s, t),
-                                sum_column=5, error=AdapterInputError)
+        self._step = token_step_spec(s, t).bind(self.group, self.h2d_state, layouts,
+                                                sum_column=5, error=AdapterInputError)
         self._plans = slot_plans(self.h2d_state, self._step, lambda c, slot: TokenStepPlan(
             sampling_plan(s, c, slot), TokenPlan.over(c)))
         return self._step

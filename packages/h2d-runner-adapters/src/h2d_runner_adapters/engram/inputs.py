@@ -54,6 +54,7 @@ from h2d_core import (
     RequestBound,
     RequestLayout,
     RequestSum,
+    StepSpec,
     h2d_producer,
 )
 
@@ -121,7 +122,7 @@ class EngramInputs:
             layouts.append(RequestLayout(g, 1, None, None, columns=columns,
                                          outputs=self._outputs(slot)))
         rules = [CountRule(b, REQS) for b in (self.rows, self.snapshot, self.candidates)]
-        self._step = LayoutStep(g, st, layouts, None, (), rules, error=AdapterInputError)
+        self._step = StepSpec(rules).bind(g, st, layouts, error=AdapterInputError)
         return self._step
 
     def _outputs(self, slot: int) -> list[LayoutOutput]:

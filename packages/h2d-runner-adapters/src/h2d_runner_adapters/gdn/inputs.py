@@ -47,6 +47,7 @@ from h2d_core import (
     RequestLayout,
     StateSlots,
     StepCounts,
+    StepSpec,
     h2d_producer,
 )
 
@@ -154,12 +155,10 @@ class GdnStateInputs:
         spec_step = None
         if self.spec is not None and self.num_accepted is not None:
             spec = [CountRule(self.spec, PADDED_REQS), CountRule(self.num_accepted, PADDED_REQS)]
-            spec_step = LayoutStep(g, st, layouts(True),
-                                   None, (), spec + [CountRule(b.buffer, OMITTED)
-                                                     for b in non_spec],
-                                   error=AdapterInputError)
+            spec_step = StepSpec(spec + [CountRule(r.buffer, OMITTED) for r in non_spec]).bind(
+                g, st, layouts(True), error=AdapterInputError)
             non_spec += [CountRule(r.buffer, OMITTED) for r in spec]
-        plain = LayoutStep(g, st, layouts(False), None, (), non_spec, error=AdapterInputError)
+        plain = StepSpec(non_spec).bind(g, st, layouts(False), error=AdapterInputError)
         self._plans = (slot_plans(st, plain, lambda c, _: GdnPlan.over_step(c, False)),
                        () if spec_step is None else
                        slot_plans(st, spec_step, lambda c, _: GdnPlan.over_step(c, True)))

@@ -57,6 +57,7 @@ from h2d_core import (
     LayoutStep,
     RequestLayout,
     StepCounts,
+    StepSpec,
     h2d_producer,
 )
 
@@ -210,25 +211,26 @@ class MhaDecodeInputs(PagedInputs):
         registers, its per-request position deltas."""
         return mrope_layout_columns() if self.mrope_positions is not None else []
 
-    def _count_rules(self) -> list[CountRule]:
-        """What the step publishes of each member: the graph grid of tokens, padded
-        requests (the KV prefix one more); MRoPE planes replace the 1-D positions."""
+    def step_spec(self) -> StepSpec:
+        """This adapter's part of a step (:class:`h2d_core.StepSpec`), what a fused step
+        joins: the graph grid of tokens, padded requests (the KV prefix one more), MRoPE
+        planes in place of the 1-D positions; the table and its empty padding rows."""
         rules = []
         positions = PADDED_TOKENS
         if self.mrope_positions is not None:  # three planes at the running width
             rules.append(CountRule(self.mrope_positions, PADDED_TOKENS, times=3))
             positions = OMITTED
-        return [*rules, CountRule(self.positions, positions),
-                CountRule(self.slot_mapping, PADDED_TOKENS),
-                CountRule(self.context_lens, PADDED_REQS),
-                CountRule(self.kv_indptr, PADDED_REQS, 1)]
+        rules += [CountRule(self.positions, positions),
+                  CountRule(self.slot_mapping, PADDED_TOKENS),
+                  CountRule(self.context_lens, PADDED_REQS),
+                  CountRule(self.kv_indptr, PADDED_REQS, 1)]
+        return StepSpec(rules, self.tables, self._pad_rows)
 
     def _bind(self) -> LayoutStep:
         own = self._layout_columns()
-        self._step = LayoutStep(self.group, self.h2d_state,
-                                self.request_layouts(self.group, columns=lambda slot: own),
-                                self.tables, self._pad_rows, self._count_rules(),
-                                error=CountError)
+        self._step = self.step_spec().bind(
+            self.group, self.h2d_state, self.request_layouts(self.group, columns=lambda slot: own),
+            error=CountError)
         return self._step
 
     def _prepare(self, batch: ScheduledBatch, padded: int | None,

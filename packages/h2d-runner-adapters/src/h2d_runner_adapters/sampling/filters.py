@@ -44,21 +44,27 @@ def _top_p_cutoff(
     return sorted_desc.gather(1, count - 1).squeeze(1)
 
 
+def _per_request(func: str, name: str, value: torch.Tensor, dtype: torch.dtype, bs: int,
+                 device: torch.device) -> torch.Tensor:
+    """A per-request filter tensor's ``[bs]`` view: 1-D ``dtype``, at least ``bs``
+    elements, on the logits' ``device``; else refused naming ``func`` and ``name``."""
+    if value.dtype != dtype or value.dim() != 1 or value.shape[0] < bs:
+        kind = str(dtype).removeprefix("torch.")
+        raise ConsumerArgumentError(
+            f"{func}: a per-request {name} must be a 1-D {kind} tensor with >= {bs} "
+            f"elements, got dtype {value.dtype} shape {tuple(value.shape)}")
+    if value.device != device:
+        raise ConsumerArgumentError(
+            f"{func}: {name} is on {value.device} but logits are on {device}")
+    return value[:bs]
+
+
 def normalize_top_k(func: str, top_k: object, vocab: int, bs: int, device: torch.device) -> TopK:
     """``None`` when the filter is off for every row, else the int or the ``[bs]`` tensor view."""
     if top_k is None:
         return None
     if isinstance(top_k, torch.Tensor):
-        if top_k.dtype != torch.int32 or top_k.dim() != 1 or top_k.shape[0] < bs:
-            raise ConsumerArgumentError(
-                f"{func}: a per-request top_k must be a 1-D int32 tensor with >= {bs} elements, "
-                f"got dtype {top_k.dtype} shape {tuple(top_k.shape)}"
-            )
-        if top_k.device != device:
-            raise ConsumerArgumentError(
-                f"{func}: top_k is on {top_k.device} but logits are on {device}"
-            )
-        return top_k[:bs]
+        return _per_request(func, "top_k", top_k, torch.int32, bs, device)
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise ConsumerArgumentError(
             f"{func}: top_k must be None, a Python int or an int32 tensor, got "
@@ -76,16 +82,7 @@ def normalize_top_p(func: str, top_p: object, bs: int, device: torch.device) -> 
     if top_p is None:
         return None
     if isinstance(top_p, torch.Tensor):
-        if top_p.dtype != torch.float32 or top_p.dim() != 1 or top_p.shape[0] < bs:
-            raise ConsumerArgumentError(
-                f"{func}: a per-request top_p must be a 1-D float32 tensor with >= {bs} "
-                f"elements, got dtype {top_p.dtype} shape {tuple(top_p.shape)}"
-            )
-        if top_p.device != device:
-            raise ConsumerArgumentError(
-                f"{func}: top_p is on {top_p.device} but logits are on {device}"
-            )
-        return top_p[:bs]
+        return _per_request(func, "top_p", top_p, torch.float32, bs, device)
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
         raise ConsumerArgumentError(
             f"{func}: top_p must be None, a Python float or a float32 tensor, got "

@@ -59,6 +59,7 @@ from h2d_core import (
     H2DRunnerState,
     LayoutStep,
     RequestLayout,
+    StepSpec,
     h2d_producer,
 )
 
@@ -245,12 +246,12 @@ class V41MetadataInputs(PagedInputs):
         self._prefill_layouts = [v41_layout(self, slot, graph=False) for slot in slots]
         decode, prefill = count_rules(self)
         # plan_rows: per ratio (real compress rows, published, real write rows, published)
-        self._step = LayoutStep(self.group, self.h2d_state, self._layouts, self.tables,
-                                self._pad_rows, decode, error=AdapterInputError, plan_group=2)
+        self._step = StepSpec(decode, self.tables, self._pad_rows).bind(
+            self.group, self.h2d_state, self._layouts, error=AdapterInputError, plan_group=2)
         # one plan_rows entry per plan: begin_prefill regroups the ratios' pairs
-        self._prefill_step = LayoutStep(self.group, self.h2d_state, self._prefill_layouts,
-                                        self.tables, (), prefill, error=AdapterInputError,
-                                        plan_group=1)
+        self._prefill_step = StepSpec(prefill, self.tables).bind(
+            self.group, self.h2d_state, self._prefill_layouts, error=AdapterInputError,
+            plan_group=1)
         step = self._step
         self._plans = slot_plans(self.h2d_state, step,
                                  lambda counts, slot: V41Plan.over_step(counts, step, slot))

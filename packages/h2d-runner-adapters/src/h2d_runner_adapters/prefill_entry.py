@@ -1,0 +1,99 @@
+"""A prefill chunk's public entry, written once for the adapter and the fused step.
+
+:class:`~h2d_runner_adapters.PrefillInputs` and the fused
+:class:`~h2d_runner_adapters.PrefillStepInputs` take the same chunk and run the same body:
+bind the step on first use, hand the chunk to the prefill adapter's
+:meth:`~h2d_runner_adapters.PrefillInputs.run_chunk` (with the fused step's sampling and
+token columns, if any), return the slot's plan. :func:`chunk_producer` makes that
+``prepare(batch, *, publish_tables=True, owns_slot=None, mrope_positions=None,
+mrope_deltas=None)`` for each, a producer of its own groups. Its arguments are passed on as
+they are: a call packs no tuple or dict (the prefill allocation test's rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from h2d_core import EpochError, H2DRunnerState, LayoutStep, h2d_producer
+
+from .batch import ScheduledBatch
+from .checks import AdapterInputError, describe, refuse_page_size
+
+#: the group whose sources a chunk's body writes (PrefillInputs' own)
+PREFILL_INPUTS = "prefill_inputs"
+_BOOLS = (bool, np.bool_)
+#: ``owns_slot``: the token positions' KV slots (int64) to a bool mask of those this rank
+#: writes
+OwnsSlot = Callable[[np.ndarray], np.ndarray]
+
+
+class ChunkOwner(Protocol):
+    """What :func:`chunk_producer`'s entry reads of its owner (the adapter or the step)."""
+
+    h2d_state: H2DRunnerState
+    group: str
+    _step: LayoutStep | None
+    _plans: tuple[Any, ...]
+
+    def _bind(self) -> LayoutStep: ...
+
+    def _chunk_values(self, batch: object) -> Sequence[Any]: ...
+
+    def _run_chunk(self, step: LayoutStep, batch: ScheduledBatch, values: Sequence[Any],
+                   publish_tables: bool, owns_slot: OwnsSlot | None,
+                   mrope_positions: Sequence[np.ndarray | None] | None,
+                   mrope_deltas: np.ndarray | None, g: str) -> None: ...
+
+
+def chunk_producer(*groups: str, owner: str, doc: str) -> Callable[..., Any]:
+    """The public ``prepare`` of the chunk owner class ``owner`` (a :class:`ChunkOwner`),
+    a producer of ``groups`` (``@h2d_producer``) documented by ``doc``."""
+
+    def prepare(
+        self: ChunkOwner,
+        batch: ScheduledBatch,
+        *,
+        publish_tables: bool = True,
+        owns_slot: OwnsSlot | None = None,
+        mrope_positions: Sequence[np.ndarray | None] | None = None,
+        mrope_deltas: np.ndarray | None = None,
+    ) -> Any:
+        step = self._step
+        if step is None:
+            step = self._bind()
+        self._run_chunk(step, batch, self._chunk_values(batch), publish_tables, owns_slot,
+                        mrope_positions, mrope_deltas, self.group)
+        return self._plans[self.h2d_state.current_slot]
+
+    prepare.__qualname__ = f"{owner}.prepare"
+    prepare.__doc__ = doc
+    return h2d_producer(*groups)(prepare)
+
+
+def check_chunk_call(state: H2DRunnerState, g: str, batch: object, page_size: int,
+                     publish_tables: object, owns_slot: object) -> None:
+    """A chunk body's first checks, before anything is read or written: a producer entry
+    of ``prefill_inputs`` is open (the group entered this epoch and not yet published,
+    else :class:`h2d_core.EpochError`), then the batch and the keyword arguments' types
+    (:class:`AdapterInputError`). Refusals name group ``g``, the publication's."""
+    groups = state.groups
+    if PREFILL_INPUTS not in groups.produced or PREFILL_INPUTS in groups.published:
+        raise EpochError(
+            f"{g}: a prefill chunk writes {PREFILL_INPUTS}'s sources, but no producer entry "
+            f"of that group is open this epoch; call run_chunk inside a @h2d_producer "
+            f"method that declares {PREFILL_INPUTS} (PrefillInputs.prepare, a fused step's "
+            "prepare)")
+    if not isinstance(batch, ScheduledBatch):
+        raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
+    if batch.page_size != page_size:
+        refuse_page_size(g, batch.page_size, page_size)
+    if type(publish_tables) is not bool and not isinstance(publish_tables, _BOOLS):
+        raise AdapterInputError(
+            f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
+    if owns_slot is not None and not callable(owns_slot):
+        raise AdapterInputError(
+            f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
+            f"(or None), got {describe(owns_slot)}")
