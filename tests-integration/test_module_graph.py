@@ -151,7 +151,7 @@ def test_library_modules_stay_small() -> None:
 
 
 #: the runner state's own modules: the classes H2DRunnerState is assembled from
-STATE_MODULES = {"epoch.py", "owner.py", "slot.py", "publish.py", "state.py"}
+STATE_MODULES = {"epoch.py", "state.py"}
 STATE_READ = re.compile(r"\b(?:state|st|_state)\.(_[a-z]\w*)\b")
 
 
@@ -159,7 +159,7 @@ def _state_private_fields() -> set[str]:
     core = ROOT / "packages/h2d-core/src/h2d_core"
     declared = re.findall(r"^    (_[a-z]\w*) = cython\.declare", (core / "epoch.py").read_text(),
                           re.M)
-    annotated = re.findall(r"^    (_[a-z]\w*): ", (core / "owner.py").read_text(), re.M)
+    annotated = re.findall(r"^    (_[a-z]\w*): ", (core / "state.py").read_text(), re.M)
     return set(declared) | set(annotated)
 
 

@@ -15,7 +15,7 @@ from .buffer import H2DBuffer
 from .errors import CountError, DeclarationError, DuplicatePublicationError
 
 if TYPE_CHECKING:
-    from .owner import StateOwner
+    from .state import H2DRunnerState
 
 
 class CountBatch:
@@ -29,7 +29,7 @@ class CountBatch:
     with the same state and errors.
     """
 
-    def __init__(self, state: StateOwner, buffers: Sequence[H2DBuffer]) -> None:
+    def __init__(self, state: H2DRunnerState, buffers: Sequence[H2DBuffer]) -> None:
         state.require_owner()
         state.require_bound()
         seen: set[str] = set()

@@ -59,7 +59,7 @@ _profiler_enabled: Any = torch._C._autograd._profiler_enabled
 class EpochCore:
     """The fields a step touches and the calls that open, enter and close its epoch.
 
-    Subclassed by :class:`~h2d_core.owner.StateOwner`; see
+    Subclassed by :class:`~h2d_core.state.H2DRunnerState` (its Python calls); see
     :class:`~h2d_core.state.H2DRunnerState` for the life of a state. It holds its
     parts rather than calling its subclasses: the slots' completion record
     (:attr:`completions`), the epoch's groups (:attr:`groups`) and the debug mode's

@@ -21,26 +21,34 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .binding import Declared, bind_groups
-from .buffer import BufferSpec, CountUnit, GuardedH2DBuffer, H2DBuffer, make_spec
+from .binding import bind_groups
+from .buffer import CountUnit, H2DBuffer, make_spec
 from .completions import SlotCompletions
 from .config import Backend, resolve_backend
+from .count_batch import CountBatch
+from .declaration import Declaration
+from .direct_copies import copy_alone
+from .epoch import EpochCore
 from .epoch_groups import EpochGroups
-from .errors import BindingError, DeclarationError, DeviceUnavailableError, UnknownGroupError
+from .errors import (
+    DeclarationError,
+    DeviceUnavailableError,
+    EpochError,
+    MembershipError,
+    UnknownGroupError,
+)
 from .fused import ConsumerFn, FusedConsumer
-from .fused import declare as declare_consumer
 from .group import GroupPlan
-from .publish import Publication
-from .records import GroupCounters
-from .slot import SlotLifecycle
+from .member_counts import MemberCounts
+from .records import GroupCounters, GroupRecord
 from .source_guard import SourceGuard
 
 
-class H2DRunnerState(SlotLifecycle, Publication):
+class H2DRunnerState(EpochCore):
     """Owner of a runner's metadata buffers, publication groups and slots.
 
     Args:
@@ -55,6 +63,57 @@ class H2DRunnerState(SlotLifecycle, Publication):
             open epoch's, so a write before ``begin()`` or through a reference kept across
             steps raises (:class:`~h2d_core.buffer.GuardedH2DBuffer`). Off, it costs nothing.
     """
+
+    device: torch.device
+    backend: Backend
+    num_slots: int
+    current_slot: int
+    epoch: int
+    last_source_wait_ns: int
+    owner_thread: int
+    completions: SlotCompletions
+    groups: EpochGroups
+    _cuda: bool
+    _device_index: int
+    _bound: bool
+    _invalid: str | None
+    _guard: SourceGuard | None
+    _buffers: dict[str, H2DBuffer]
+    _producer_groups: dict[str, list[H2DBuffer]]
+    _combined: dict[str, tuple[str, ...]]
+    _plans: dict[str, GroupPlan]
+    #: publish(name) -> (record index, names it publishes, members copied directly when it
+    #: is a producer group covered by a combined one, counters)
+    _routes: dict[str, tuple[int, frozenset[str], tuple[H2DBuffer, ...], GroupCounters,
+                             tuple[str, ...]]]
+    #: per slot, one record per publication group (``GroupPlan.index``)
+    _slot_groups: list[list[GroupRecord]]
+    _counters: dict[str, GroupCounters]
+    _acquire_event: Any
+    _epoch_open: bool
+    _resumable: bool
+    _stream: Any
+    _stream_id: int
+    _reset_hooks: list[Callable[[], None]]
+
+    if TYPE_CHECKING:  # compiled in EpochCore (epoch.py)
+        def require_ready(self, what: str) -> None: ...
+        def require_owner(self) -> None: ...
+        def require_bound(self) -> None: ...
+        def require_valid(self) -> None: ...
+        def require_device(self) -> None: ...
+        def require_stream(self, stream: Any) -> None: ...
+        def unknown_group(self, group: str) -> UnknownGroupError: ...
+
+    # the counting calls: bound methods of the state's MemberCounts (member_counts.py)
+    count: Callable[[H2DBuffer], int | None]
+    set_count: Callable[[H2DBuffer, int | None], None]
+    set_counts: Callable[..., None]
+    count_batch: Callable[[Sequence[H2DBuffer]], CountBatch]
+    set_ranges: Callable[[H2DBuffer, Sequence[tuple[int, int]]], None]
+    try_trusted_ranges: Callable[[H2DBuffer, list[tuple[int, int]], int], bool]
+    range_room: Callable[[H2DBuffer], int]
+    on_publish: Callable[..., None]
 
     def __init__(
         self,
@@ -92,11 +151,14 @@ class H2DRunnerState(SlotLifecycle, Publication):
         if not isinstance(guard_sources, bool):
             raise DeclarationError(f"guard_sources must be a bool or None, got {guard_sources!r}")
         self.owner_thread = threading.get_ident()
-        self._buffers: dict[str, H2DBuffer] = {}
-        self._producer_groups: dict[str, list[H2DBuffer]] = {}
+        #: what is declared before bind (buffers, combined groups, fused consumers)
+        self.declaration = declared = Declaration(self, dev, guard_sources)
+        # the same live dicts: the epoch's refusals, membership and the guard read them
+        self._buffers = declared.buffers
+        self._producer_groups = declared.producer_groups
+        self._combined = declared.combined
         self._guard = (SourceGuard(self._buffers, self._producer_groups) if guard_sources
                        else None)
-        self._combined: dict[str, tuple[str, ...]] = {}
         self._bound = False
         self._plans: dict[str, GroupPlan] = {}
         self._routes = {}
@@ -104,6 +166,17 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self._counters: dict[str, GroupCounters] = {}
         self.completions = SlotCompletions(num_slots)
         self.groups = EpochGroups(self._producer_groups, self._counters)
+        #: the epoch's counts and ranges; the state's counting calls are its bound methods
+        #: (taken once: a call adds no frame)
+        self.member_counts = counts = MemberCounts(self)
+        self.count = counts.count
+        self.set_count = counts.set_count
+        self.set_counts = counts.set_counts
+        self.count_batch = counts.count_batch
+        self.set_ranges = counts.set_ranges
+        self.try_trusted_ranges = counts.try_trusted_ranges
+        self.range_room = counts.range_room
+        self.on_publish = counts.on_publish
 
         self.current_slot = 0
         self.epoch = 0
@@ -117,7 +190,6 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self.last_source_wait_ns = 0
         #: called by reset(): attached state that must forget what the GPU holds
         self._reset_hooks: list[Callable[[], None]] = []
-        self._fused: list[FusedConsumer] = []
 
     # ------------------------------------------------------------------ declaration
     def buffer(
@@ -147,38 +219,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         spec = make_spec(name, shape, dtype, group, unit)
         if isinstance(max_ranges, bool) or not isinstance(max_ranges, int) or max_ranges < 0:
             raise DeclarationError(f"buffer {name!r}: max_ranges must be an int >= 0")
-        if name in self._buffers:
-            raise DeclarationError(f"buffer {name!r} is already declared")
-        if group in self._combined:
-            raise DeclarationError(
-                f"buffer {name!r}: {group!r} is a combined group; declare buffers with their "
-                "producer group"
-            )
-        if gpu is None:
-            gpu = torch.zeros(spec.shape, dtype=spec.dtype, device=self.device)
-        else:
-            self._check_destination(spec, gpu)
-            if max_ranges and not gpu.is_contiguous():
-                raise BindingError(
-                    f"buffer {name!r}: ranged publication (max_ranges={max_ranges}) needs a "
-                    "contiguous destination"
-                )
-        kind = GuardedH2DBuffer if self._guard is not None else H2DBuffer
-        buf = kind(spec, gpu, self, max_ranges)
-        self._buffers[name] = buf
-        self._producer_groups.setdefault(group, []).append(buf)
-        return buf
-
-    def _check_destination(self, spec: BufferSpec, gpu: torch.Tensor) -> None:
-        if tuple(gpu.shape) != spec.shape or gpu.dtype != spec.dtype:
-            raise BindingError(
-                f"buffer {spec.name!r}: destination has shape {tuple(gpu.shape)} dtype "
-                f"{gpu.dtype}, declared {spec.shape} {spec.dtype}"
-            )
-        if gpu.device != self.device:
-            raise BindingError(
-                f"buffer {spec.name!r}: destination is on {gpu.device}, the state on {self.device}"
-            )
+        return self.declaration.add_buffer(spec, gpu, max_ranges)
 
     def combine(self, name: str, groups: Sequence[str]) -> None:
         """Declare a combined group publishing several producer groups with one DMA.
@@ -192,18 +233,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self.require_owner()
         if self._bound:
             raise DeclarationError(f"combined group {name!r}: declare it before bind()")
-        if name in self._combined or name in self._producer_groups:
-            raise DeclarationError(f"group name {name!r} is already used")
-        if len(groups) < 2:
-            raise DeclarationError(f"combined group {name!r} needs at least two producer groups")
-        for g in groups:
-            if g not in self._producer_groups:
-                raise UnknownGroupError(
-                    f"combined group {name!r}: producer group {g!r} has no declared buffer"
-                )
-        if len(set(groups)) != len(groups):
-            raise DeclarationError(f"combined group {name!r} lists a producer group twice")
-        self._combined[name] = tuple(groups)
+        self.declaration.add_combined(name, groups)
 
     def fuse_consumer(self, name: str, members: Sequence[H2DBuffer],
                       fn: ConsumerFn) -> FusedConsumer:
@@ -215,9 +245,7 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self.require_owner()
         if self._bound:
             raise DeclarationError(f"fused consumer {name!r}: declare it before bind()")
-        consumer = declare_consumer(name, members, fn, self._buffers)
-        self._fused.append(consumer)
-        return consumer
+        return self.declaration.add_consumer(name, members, fn)
 
     # ------------------------------------------------------------------ binding
     def bind(self) -> None:
@@ -226,12 +254,12 @@ class H2DRunnerState(SlotLifecycle, Publication):
         self.require_owner()
         if self._bound:
             raise DeclarationError("bind() was already called; bound storage stays fixed")
-        bound = bind_groups(Declared(
-            self._buffers, self._producer_groups, self._combined, self._fused, self.backend,
-            self.num_slots, self.device, self._scatter, self._cuda))
+        bound = bind_groups(self.declaration.frozen(self.backend, self.num_slots,
+                                                    self._scatter))
         self._plans = bound.plans
         self._routes = bound.routes
         self._slot_groups = bound.slot_groups
+        self.member_counts.bound(bound.slot_groups)
         self._counters.update(bound.counters)  # the epoch's groups hold this dict
         self.groups.bound(bound.all_names)
         if self._guard is not None:  # no epoch open yet: every slot read-only
@@ -242,6 +270,10 @@ class H2DRunnerState(SlotLifecycle, Publication):
                 torch.cuda.Event() for _ in range(self.num_slots)])
             self._acquire_event = torch.cuda.Event()
         self._bound = True
+
+    def copy_member_direct(self, buffer: H2DBuffer, n: int | None) -> torch.Tensor:
+        """``buffer.copy_to_gpu(n)``: :func:`~h2d_core.direct_copies.copy_alone`."""
+        return copy_alone(self, buffer, n)
 
     def buffers(self) -> Mapping[str, H2DBuffer]:
         return dict(self._buffers)
@@ -261,3 +293,63 @@ class H2DRunnerState(SlotLifecycle, Publication):
             raise self.unknown_group(group)
         return self._counters[group]
 
+    def invalidate(self, why: str) -> None:
+        """Refuse all work until ``reset()``: an enqueue failed (``why`` says which), so
+        destinations may be half written."""
+        self._invalid = why
+
+    def require_member(self, buffer: H2DBuffer) -> None:
+        """Refuse a buffer that is not one of this state's, or any before ``bind()``."""
+        if not isinstance(buffer, H2DBuffer) or self._buffers.get(buffer.name) is not buffer:
+            raise MembershipError(f"{buffer!r} is not a buffer of this state")
+        self.require_bound()
+
+    # ------------------------------------------------------------------ epochs
+    def resume(self) -> int:
+        """Reopen the epoch just finished (late two-batch-overlap preparation).
+
+        Groups published earlier in the epoch stay published; ``finish()`` records the
+        completion again after the late uploads.
+        """
+        self.require_owner()
+        self.require_valid()
+        if self._epoch_open:
+            raise EpochError(f"epoch {self.epoch} is open; resume() follows finish()")
+        if not self._resumable:
+            raise EpochError("nothing to resume: resume() must follow finish() of this epoch")
+        self.require_device()
+        if self._guard is not None:  # writable again, but for the groups already published
+            self._guard.open_slot(self.current_slot)
+            self._guard.seal(self.current_slot, self.groups.published)
+        self._epoch_open = True
+        self._resumable = False
+        # finish() records again unless a graph launch does
+        self.completions.graph_recorded = False
+        return self.current_slot
+
+    # ------------------------------------------------------------------ recovery
+    def on_reset(self, hook: Callable[[], None]) -> None:
+        """Bind time: ``hook()`` runs on each :meth:`reset`, for attached state that must
+        forget what the GPU holds (a failed enqueue may have left destinations half
+        written)."""
+        self._reset_hooks.append(hook)
+
+    def reset(self) -> None:
+        """Recover an invalidated owner: wait for all enqueued work, then accept work again.
+
+        Storage is never freed or rebound; it is reused only after the device drained.
+        """
+        self.require_owner()
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._invalid = None
+        self._epoch_open = False
+        self._resumable = False
+        self.groups.clear()
+        self.completions.forget()
+        if self._guard is not None:
+            self._guard.close_all(self.num_slots)
+        # A failed enqueue may have left destinations half written: whatever tracked their
+        # contents must forget it, so the next publication sends them whole.
+        for hook in self._reset_hooks:
+            hook()

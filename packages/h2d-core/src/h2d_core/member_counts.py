@@ -1,42 +1,50 @@
-"""Counts, ranges and publication: what a group sends, and the packed or direct enqueue.
+"""Counts and ranges: what each member of a group sends this epoch.
 
 Producers set counts (``set_count``, a :class:`~h2d_core.count_batch.CountBatch`) or byte
 ranges (``set_ranges``) on the current slot's group records; ``publish(group)`` (compiled,
-in :class:`~h2d_core.epoch.EpochCore`) validates the epoch, device, stream and duplicates,
-then enqueues one DMA + one scatter (packed group, two or more active members or several
-ranges) or direct copies (:mod:`~h2d_core.direct_copies`: direct backend, ineligible group,
-a lone active member, a producer group covered by a combined one; a standalone caller's
-``copy_member_direct`` is here). A rejected call changes nothing; an enqueue failure
-invalidates the owner.
+in :class:`~h2d_core.epoch.EpochCore`) then sends them: one DMA + one scatter (packed
+group) or direct copies (:mod:`~h2d_core.direct_copies`). A :class:`MemberCounts` holds
+its state; the state's counting methods are its bound methods (no frame added). A
+rejected call changes nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
-import torch
 
 from h2d_kernels import RANGE_OVERHEAD
 
-from .buffer import CountUnit, H2DBuffer
+from .buffer import H2DBuffer
 from .count_batch import CountBatch
-from .errors import (
-    CountError,
-    DuplicatePublicationError,
-    PublicationEnqueueError,
-)
-from .owner import StateOwner
+from .errors import CountError, DuplicatePublicationError
+from .records import GroupRecord
 
 
-class Publication(StateOwner):
-    """The counts and publication half of :class:`~h2d_core.state.H2DRunnerState`."""
+class MemberCounts:
+    """The current epoch's counts and byte ranges of ``state``'s members (the state's
+    ``count``, ``set_count``, ``set_counts``, ``count_batch``, ``set_ranges``,
+    ``try_trusted_ranges``, ``range_room`` and ``on_publish``: its bound methods are
+    these)."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+        self._groups = state.groups
+        self._buffers = state.declaration.buffers
+        #: per slot, the group records (``bound``)
+        self._records: list[list[GroupRecord]] = []
+
+    def bound(self, records: list[list[GroupRecord]]) -> None:
+        """Bind time: the records the counts are stored in, one list per slot."""
+        self._records = records
 
     def count(self, buffer: H2DBuffer) -> int | None:
         """The count set for ``buffer`` in the current epoch (None: omitted)."""
-        self.require_member(buffer)
+        self._state.require_member(buffer)
         gi, i = buffer.homes[0]
-        return self._slot_groups[self.current_slot][gi].counts[i]
+        return self._records[self._state.current_slot][gi].counts[i]
 
     # ------------------------------------------------------------------ counts
     def set_count(self, buffer: H2DBuffer, count: int | None) -> None:
@@ -45,15 +53,15 @@ class Publication(StateOwner):
         ``None`` omits the member; ``0`` is an explicit empty publication. The count is
         checked now (type, range, capacity); a rejected count changes nothing.
         """
-        self.require_ready("set_count")
-        if getattr(buffer, "_state", None) is not self:
-            self.require_member(buffer)
-        if buffer.group in self.groups.published:
+        self._state.require_ready("set_count")
+        if getattr(buffer, "_state", None) is not self._state:
+            self._state.require_member(buffer)
+        if buffer.group in self._groups.published:
             raise DuplicatePublicationError(
                 f"buffer {buffer.name!r}: group {buffer.group!r} was already published in "
                 "this epoch; a second publication needs a reason (reopen())"
             )
-        recs = self._slot_groups[self.current_slot]
+        recs = self._records[self._state.current_slot]
         if count is None:
             for gi, i in buffer.homes:
                 recs[gi].omit(i)
@@ -88,11 +96,11 @@ class Publication(StateOwner):
     ) -> bool:
         """:meth:`try_trusted_ranges` with the ranges already as the record's
         ``(member index, offset, bytes)`` triples (copied into the record's range table)."""
-        self.require_ready("set_ranges")
-        if buffer.group in self.groups.published or len(triples) > buffer.max_ranges:
+        self._state.require_ready("set_ranges")
+        if buffer.group in self._groups.published or len(triples) > buffer.max_ranges:
             return False
         gi, i = buffer.homes[0]
-        rec = self._slot_groups[self.current_slot][gi]
+        rec = self._records[self._state.current_slot][gi]
         if rec.packed is None or total + RANGE_OVERHEAD * len(triples) > (
                 self.range_room(buffer) if rec.num_ranges else rec.packed.range_capacity):
             return False
@@ -103,7 +111,7 @@ class Publication(StateOwner):
         """Bytes of ranges :meth:`set_ranges` can still take for ``buffer`` this epoch
         (each range also costs 16 bytes of alignment); 0 when the group is not packed."""
         gi, i = buffer.homes[0]
-        return self._slot_groups[self.current_slot][gi].range_room(i)
+        return self._records[self._state.current_slot][gi].range_room(i)
 
     def set_ranges(self, buffer: H2DBuffer, ranges: Sequence[tuple[int, int]]) -> None:
         """Publish only these byte ranges ``[start, stop)`` of ``buffer`` this epoch.
@@ -118,10 +126,10 @@ class Publication(StateOwner):
         block-table snapshot always is. Replaces any count or earlier ranges of this buffer
         for the epoch.
         """
-        self.require_ready("set_ranges")
+        self._state.require_ready("set_ranges")
         if self._buffers.get(buffer.name) is not buffer:
-            self.require_member(buffer)
-        if buffer.group in self.groups.published:
+            self._state.require_member(buffer)
+        if buffer.group in self._groups.published:
             raise DuplicatePublicationError(
                 f"buffer {buffer.name!r}: group {buffer.group!r} was already published in "
                 "this epoch; a second publication needs a reason (reopen())"
@@ -137,7 +145,7 @@ class Publication(StateOwner):
                 f"{buffer.max_ranges}; publish a count (whole rows) instead"
             )
         gi, i = buffer.homes[0]
-        rec = self._slot_groups[self.current_slot][gi]
+        rec = self._records[self._state.current_slot][gi]
         used = 0
         prev = 0
         new: list[tuple[int, int, int]] = []
@@ -174,7 +182,7 @@ class Publication(StateOwner):
     def count_batch(self, buffers: Sequence[H2DBuffer]) -> CountBatch:
         """A :class:`CountBatch` for ``buffers``: a producer that sets the same members'
         counts every step validates them all and stores them in one call."""
-        return CountBatch(self, buffers)
+        return CountBatch(self._state, buffers)
 
     def set_counts(
         self,
@@ -182,10 +190,10 @@ class Publication(StateOwner):
     ) -> None:
         """Set several counts; all are validated before any is stored."""
         items = list(counts.items() if isinstance(counts, Mapping) else counts)
-        self.require_ready("set_counts")
-        recs = self._slot_groups[self.current_slot]
+        self._state.require_ready("set_counts")
+        recs = self._records[self._state.current_slot]
         for buf, c in items:
-            self.require_member(buf)
+            self._state.require_member(buf)
             if c is not None:
                 buf.check_count(c)
                 if buf.max_ranges and buf.member_index in recs[buf.homes[0][0]].ranged:
@@ -193,7 +201,7 @@ class Publication(StateOwner):
                         f"buffer {buf.name!r}: ranges were already set this epoch; publish "
                         "either a count or ranges, not both"
                     )
-            if buf.group in self.groups.published:
+            if buf.group in self._groups.published:
                 raise DuplicatePublicationError(
                     f"buffer {buf.name!r}: group {buf.group!r} was already published in this "
                     "epoch; a second publication needs a reason (reopen())"
@@ -208,44 +216,6 @@ class Publication(StateOwner):
         """Run ``callback`` once, right after ``buffer``'s group is published successfully
         in this epoch, and (``only_if_sent``) only if that publication carried ``buffer``
         (a count or ranges). A failed, reopened or never-made publication never runs it."""
-        self.require_ready("on_publish")
-        self.require_member(buffer)
-        self.groups.on_publish(buffer.group, (buffer, callback, only_if_sent))
-
-    def copy_member_direct(self, buffer: H2DBuffer, n: int | None) -> torch.Tensor:
-        """Checked direct copy of one buffer's first ``n`` units; returns the destination view.
-
-        For standalone callers not yet producing through a group: it counts as the
-        publication of ``buffer``'s producer group in this epoch (the group must not have
-        been published yet, and rewriting the source afterwards needs ``reopen``), since the
-        asynchronous copy reads the source until the slot's completion event.
-        """
-        self.require_ready(f"copy_to_gpu of {buffer.name!r}")
-        self.require_member(buffer)
-        count = buffer.spec.capacity if n is None else buffer.check_count(n)
-        if buffer.group in self.groups.published:
-            raise DuplicatePublicationError(
-                f"copy_to_gpu of {buffer.name!r}: group {buffer.group!r} was already published "
-                "in this epoch; reopen(group, reason) before copying it again"
-            )
-        self.require_device()
-        self.require_stream(None)
-        dst = buffer._dst_units[:count]
-        self.completions.graph_recorded = False  # a direct copy after it: finish() records
-        try:
-            if count:
-                dst.copy_(buffer._src_units[self.current_slot][:count], non_blocking=True)
-        except Exception as exc:
-            self._invalid = f"copy_to_gpu({buffer.name!r}) failed: {type(exc).__name__}: {exc}"
-            raise PublicationEnqueueError(
-                f"enqueueing the direct copy of {buffer.name!r} failed; the owner is "
-                "invalidated; call reset() to recover"
-            ) from exc
-        self.groups.copied_alone(buffer.group)
-        c = self._counters[buffer.group]
-        c.direct_copies += 1
-        c.publications += 1
-        c.bytes += count * buffer.spec.unit_bytes
-        if buffer.spec.unit is CountUnit.ROWS:
-            return dst
-        return buffer.gpu.reshape(-1)[: count * buffer.spec.unit_bytes // buffer.spec.itemsize]
+        self._state.require_ready("on_publish")
+        self._state.require_member(buffer)
+        self._groups.on_publish(buffer.group, (buffer, callback, only_if_sent))
