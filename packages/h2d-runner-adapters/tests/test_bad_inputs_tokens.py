@@ -206,7 +206,7 @@ def token_family() -> Family:
         t.prepare_spec_indices(b)
         st.publish(TOKEN_INPUTS)
 
-    seen = Observed(st, extra=lambda: list(t._spec_written), groups=(TOKEN_INPUTS,))
+    seen = Observed(st, extra=lambda: list(t.spec_written), groups=(TOKEN_INPUTS,))
     return open_second_epoch(Family(st, {"t": t}, seen, produce, RETRY_TOKENS | RETRY_SPEC))
 
 
@@ -229,7 +229,7 @@ def decode_family() -> Family:
         return (tables.snapshot.revision, tables.prepared_revision,
                 None if rec is None else (rec.slot, rec.revision, rec.rows,
                                           rec.keys.tobytes()),
-                list(d.tokens._spec_written))
+                list(d.tokens.spec_written))
 
     return open_second_epoch(Family(
         st, {"d": d}, Observed(st, extra=extra, groups=(DECODE_STEP,)), produce,

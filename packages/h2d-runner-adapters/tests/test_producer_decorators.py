@@ -39,7 +39,6 @@ NOT_PRODUCERS: dict[str, str] = {
     "MlaDecodeInputs.step_spec": "declaration: the adapter's part of a step, a record",
     "PrefillInputs.step_spec": "declaration: the adapter's part of a step, a record",
     "TokenInputs.verify_spec": "declaration: the verification indices' part of a step",
-    "TokenInputs.forget_spec_indices": "drops a cache of what the sources hold; writes none",
     "PrefillInputs.run_chunk": "a producer entry's body: refused unless an entry of "
                                "prefill_inputs is open this epoch (EpochError)",
     "TokenInputs.producer_groups": "property: the names of the token producer groups",

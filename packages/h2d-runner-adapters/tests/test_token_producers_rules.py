@@ -129,7 +129,7 @@ ENTRIES: dict[str, tuple[Callable[[Env, ScheduledBatch], object], str, str]] = {
 def observed(env: Env, group: str) -> Observed:
     tables = env.decode.tables
     return Observed(env.state, groups=(group,), extra=lambda: (
-        list(env.tokens._spec_written), tables.snapshot.revision, tables.prepared_revision))
+        list(env.tokens.spec_written), tables.snapshot.revision, tables.prepared_revision))
 
 
 def check_published(env: Env, want: dict[str, list[Any]]) -> None:

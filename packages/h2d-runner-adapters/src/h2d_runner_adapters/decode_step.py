@@ -183,8 +183,9 @@ class DecodeStepInputs(FusedStep):
                     "with max_drafts=k")
             step = self._verify = self._bind(verify=True)
         plan = self._run(step, batch, padded)
-        # the step wrote the slot's verification sources, not prepare_spec_indices
-        self.tokens.forget_spec_indices()
+        # the step wrote the slot's verification sources, not prepare_spec_indices (an
+        # attribute, not a call: no frame per step)
+        self.tokens.spec_written[self.h2d_state.current_slot] = None
         return plan
 
     def _run(self, step: LayoutStep, batch: ScheduledBatch, padded: int | None

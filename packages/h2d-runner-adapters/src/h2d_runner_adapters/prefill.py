@@ -54,6 +54,7 @@ from h2d_core import (
     PADDED_TOKENS,
     CountError,
     CountRule,
+    EpochError,
     H2DBuffer,
     H2DRunnerState,
     LayoutColumn,
@@ -69,6 +70,7 @@ from .checks import (
     describe,
     length_column,
     page_rows,
+    refuse_page_size,
     sub_plan,
 )
 from .consumers import generate_kv_indices
@@ -81,7 +83,7 @@ from .mrope.inputs import (
 )
 from .paged import PagedInputs
 from .plan_records import CountsPlan, slot_plans
-from .prefill_entry import PREFILL_INPUTS, OwnsSlot, check_chunk_call, chunk_producer
+from .prefill_entry import OwnsSlot, chunk_producer
 from .prefill_owned import OwnedSlots
 from .shape import StepShape, check_shape
 
@@ -107,7 +109,9 @@ class PrefillPlan(CountsPlan):
                                   table_stage)
 
 
-#: isinstance's class tuples, built once (a ``A | B`` union is an object per call)
+PREFILL_INPUTS = "prefill_inputs"
+#: isinstance's class tuple, built once (a ``A | B`` union is an object per call)
+_BOOLS = (bool, np.bool_)
 
 
 class PrefillInputs(PagedInputs):
@@ -240,8 +244,7 @@ class PrefillInputs(PagedInputs):
         changes nothing.
         """)
 
-    def _chunk_values(self, batch: object) -> tuple[()]:
-        return ()  # no fused columns: the adapter checks the token ids itself
+    _fused_values = None  # no fused columns: the adapter checks the token ids itself
 
     def run_chunk(
         self,
@@ -262,7 +265,23 @@ class PrefillInputs(PagedInputs):
         publication group) and changes nothing. Outside a producer entry of
         ``prefill_inputs`` (the group not entered this epoch, or published already) it
         raises :class:`h2d_core.EpochError` and writes nothing."""
-        check_chunk_call(self.h2d_state, g, batch, self.page_size, publish_tables, owns_slot)
+        groups = self.h2d_state.groups  # an entry of prefill_inputs open: produced, unsent
+        if PREFILL_INPUTS not in groups.produced or PREFILL_INPUTS in groups.published:
+            raise EpochError(
+                f"{g}: a prefill chunk writes {PREFILL_INPUTS}'s sources, but no producer "
+                "entry of that group is open this epoch; call run_chunk inside a "
+                f"@h2d_producer method that declares {PREFILL_INPUTS}")
+        if not isinstance(batch, ScheduledBatch):
+            raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
+        if batch.page_size != self.page_size:
+            refuse_page_size(g, batch.page_size, self.page_size)
+        if type(publish_tables) is not bool and not isinstance(publish_tables, _BOOLS):
+            raise AdapterInputError(
+                f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
+        if owns_slot is not None and not callable(owns_slot):
+            raise AdapterInputError(
+                f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
+                f"(or None), got {describe(owns_slot)}")
         cols = batch.columns
         qlens = length_column(g, cols, "query_lens")
         ctx = length_column(g, cols, "context_lens")

@@ -17,14 +17,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from h2d_core import EpochError, H2DRunnerState, LayoutStep, h2d_producer
+from h2d_core import H2DRunnerState, LayoutStep, h2d_producer
 
 from .batch import ScheduledBatch
-from .checks import AdapterInputError, describe, refuse_page_size
 
-#: the group whose sources a chunk's body writes (PrefillInputs' own)
-PREFILL_INPUTS = "prefill_inputs"
-_BOOLS = (bool, np.bool_)
 #: ``owns_slot``: the token positions' KV slots (int64) to a bool mask of those this rank
 #: writes
 OwnsSlot = Callable[[np.ndarray], np.ndarray]
@@ -40,7 +36,8 @@ class ChunkOwner(Protocol):
 
     def _bind(self) -> LayoutStep: ...
 
-    def _chunk_values(self, batch: object) -> Sequence[Any]: ...
+    #: a fused step's sampling and token column values (None: the adapter alone)
+    _fused_values: Any
 
     def _run_chunk(self, step: LayoutStep, batch: ScheduledBatch, values: Sequence[Any],
                    publish_tables: bool, owns_slot: OwnsSlot | None,
@@ -64,36 +61,11 @@ def chunk_producer(*groups: str, owner: str, doc: str) -> Callable[..., Any]:
         step = self._step
         if step is None:
             step = self._bind()
-        self._run_chunk(step, batch, self._chunk_values(batch), publish_tables, owns_slot,
-                        mrope_positions, mrope_deltas, self.group)
+        fused = self._fused_values
+        self._run_chunk(step, batch, () if fused is None else fused.of_batch(batch),
+                        publish_tables, owns_slot, mrope_positions, mrope_deltas, self.group)
         return self._plans[self.h2d_state.current_slot]
 
     prepare.__qualname__ = f"{owner}.prepare"
     prepare.__doc__ = doc
     return h2d_producer(*groups)(prepare)
-
-
-def check_chunk_call(state: H2DRunnerState, g: str, batch: object, page_size: int,
-                     publish_tables: object, owns_slot: object) -> None:
-    """A chunk body's first checks, before anything is read or written: a producer entry
-    of ``prefill_inputs`` is open (the group entered this epoch and not yet published,
-    else :class:`h2d_core.EpochError`), then the batch and the keyword arguments' types
-    (:class:`AdapterInputError`). Refusals name group ``g``, the publication's."""
-    groups = state.groups
-    if PREFILL_INPUTS not in groups.produced or PREFILL_INPUTS in groups.published:
-        raise EpochError(
-            f"{g}: a prefill chunk writes {PREFILL_INPUTS}'s sources, but no producer entry "
-            f"of that group is open this epoch; call run_chunk inside a @h2d_producer "
-            f"method that declares {PREFILL_INPUTS} (PrefillInputs.prepare, a fused step's "
-            "prepare)")
-    if not isinstance(batch, ScheduledBatch):
-        raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
-    if batch.page_size != page_size:
-        refuse_page_size(g, batch.page_size, page_size)
-    if type(publish_tables) is not bool and not isinstance(publish_tables, _BOOLS):
-        raise AdapterInputError(
-            f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
-    if owns_slot is not None and not callable(owns_slot):
-        raise AdapterInputError(
-            f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
-            f"(or None), got {describe(owns_slot)}")

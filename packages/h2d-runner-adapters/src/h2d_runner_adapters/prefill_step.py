@@ -31,13 +31,11 @@ prev)``, :meth:`PrefillStepInputs.prepare_attention` (KV-index generation) and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep
 
-from .batch import ScheduledBatch
 from .checks import AdapterInputError
 from .plan_records import CompositePlan, slot_plans
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
@@ -126,8 +124,9 @@ class PrefillStepInputs(FusedStep):
         self._combine(sampling, tokens, prefill, "prefill", group,
                       [SAMPLING, TOKEN_IDS, QUERY_PREFIX, PREFILL_INPUTS, *extra_groups])
         self.prefill = prefill
-        # the chunk's body (chunk_producer's entry calls it; bound once)
+        # the chunk's body and its fused column values (chunk_producer's entry reads them)
         self._run_chunk = prefill.run_chunk
+        self._fused_values = self._values
         self._plans: tuple[PrefillStepPlan, ...] = ()  # per slot, at bind
         #: the published KV page prefix and token owners (the prefill adapter's members)
         self.kv_indptr: H2DBuffer = prefill.kv_indptr
@@ -142,10 +141,6 @@ class PrefillStepInputs(FusedStep):
         whole chunk (sampling and token columns, lengths, table rows, the prefill adapter's
         own inputs) is checked before any source is written: a rejected chunk raises a
         specific error and changes nothing.""")
-
-    def _chunk_values(self, batch: object) -> Sequence[Any]:
-        # not a batch: the prefill adapter's run_chunk refuses it
-        return self._values.of(batch.columns) if isinstance(batch, ScheduledBatch) else ()
 
     def _bind(self) -> LayoutStep:
         s, t, pf = self.sampling, self.tokens, self.prefill

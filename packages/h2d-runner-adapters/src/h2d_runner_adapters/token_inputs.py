@@ -116,8 +116,11 @@ class TokenInputs:
         self.cu_seqlens_q = buf("cu_seqlens_q", (max_reqs + 1,), torch.int32,
                                 group=QUERY_PREFIX)
         self.max_drafts = max_drafts
-        #: per slot: (the batch key, (requests, drafts)) of the indices its sources hold
-        self._spec_written: list[tuple[tuple[str, bytes, str, bytes], tuple[int, int]] | None] = (
+        #: per slot: (the batch key, (requests, drafts)) of the verification indices its
+        #: sources hold, what lets prepare_spec_indices skip a repeated batch; None:
+        #: unknown. Another producer that writes those sources (a fused verify step)
+        #: sets its slot's entry to None.
+        self.spec_written: list[tuple[tuple[str, bytes, str, bytes], tuple[int, int]] | None] = (
             [None] * state.num_slots)
         if max_drafts:
             n = max_reqs * max_drafts
@@ -249,8 +252,8 @@ class TokenInputs:
     def verify_spec(self) -> StepSpec:
         """The verification indices' part of a fused verify step (:class:`h2d_core.StepSpec`):
         target rows for the step's draft tokens, the draft prefix and bonus rows for real
-        requests. A step bound over it writes them itself: call :meth:`forget_spec_indices`
-        after each such step. Needs ``max_drafts > 0``."""
+        requests. A step bound over it writes them itself: it sets its slot's
+        :attr:`spec_written` to None after each such step. Needs ``max_drafts > 0``."""
         if not self.max_drafts:
             raise DeclarationError(
                 f"{SPEC_INDICES}: a verify step needs speculative buffers; construct with "
@@ -258,12 +261,6 @@ class TokenInputs:
         return StepSpec((CountRule(self.target_logits_indices, DRAFTS),
                          CountRule(self.cu_num_draft_tokens, REQS),
                          CountRule(self.bonus_logits_indices, REQS)))
-
-    def forget_spec_indices(self) -> None:
-        """Another producer (a fused verify step) wrote the current slot's verification
-        sources: the next :meth:`prepare_spec_indices` in that slot writes them again
-        instead of trusting what it wrote there last."""
-        self._spec_written[self.h2d_state.current_slot] = None
 
     @h2d_producer(SPEC_INDICES)
     def prepare_spec_indices(self, batch: ScheduledBatch) -> None:
@@ -286,7 +283,7 @@ class TokenInputs:
         # Only this producer writes these sources: the same query and draft counts as the
         # slot's last batch (a steady MTP step: k drafts each) left the same bytes there.
         key = (q.dtype.str, q.tobytes(), cols.num_drafts.dtype.str, cols.num_drafts.tobytes())
-        last = self._spec_written[slot]
+        last = self.spec_written[slot]
         if last is not None and last[0] == key:
             n, total = last[1]
             st.set_count(self.target_logits_indices, total)
@@ -322,7 +319,7 @@ class TokenInputs:
         st.set_count(self.target_logits_indices, total)
         st.set_count(self.cu_num_draft_tokens, n)
         st.set_count(self.bonus_logits_indices, n)
-        self._spec_written[slot] = (key, (n, total))
+        self.spec_written[slot] = (key, (n, total))
 
     # -- first consumers --------------------------------------------------------------------
     def assemble(self, plan: TokenPlan, prev_sampled: torch.Tensor) -> torch.Tensor:
