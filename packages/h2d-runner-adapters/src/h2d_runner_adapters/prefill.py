@@ -164,6 +164,7 @@ class PrefillInputs(PagedInputs):
         self.kv_indices = torch.zeros(max_reqs * shape.max_pages_per_req, dtype=torch.int32,
                                       device=state.device)
         self._step: LayoutStep | None = None  # the compiled step, bound on first use
+        self._epoch_groups = state.groups  # what the open epoch produced and published
         self._plans: tuple[PrefillPlan, ...] = ()  # per slot, over the step's records
         # the call's inputs the planned-chunk checks read (set by run_chunk, per call):
         # group, token ids, rows, query and context lengths, owns_slot, MRoPE positions
@@ -265,7 +266,7 @@ class PrefillInputs(PagedInputs):
         publication group) and changes nothing. Outside a producer entry of
         ``prefill_inputs`` (the group not entered this epoch, or published already) it
         raises :class:`h2d_core.EpochError` and writes nothing."""
-        groups = self.h2d_state.groups  # an entry of prefill_inputs open: produced, unsent
+        groups = self._epoch_groups  # an entry of prefill_inputs open: produced, unsent
         if PREFILL_INPUTS not in groups.produced or PREFILL_INPUTS in groups.published:
             raise EpochError(
                 f"{g}: a prefill chunk writes {PREFILL_INPUTS}'s sources, but no producer "

@@ -61,9 +61,12 @@ def chunk_producer(*groups: str, owner: str, doc: str) -> Callable[..., Any]:
         step = self._step
         if step is None:
             step = self._bind()
+        # a fused step's column values (not a batch: run_chunk refuses it, naming it)
         fused = self._fused_values
-        self._run_chunk(step, batch, () if fused is None else fused.of_batch(batch),
-                        publish_tables, owns_slot, mrope_positions, mrope_deltas, self.group)
+        values = (fused.of(batch.columns) if fused is not None
+                  and isinstance(batch, ScheduledBatch) else ())
+        self._run_chunk(step, batch, values, publish_tables, owns_slot, mrope_positions,
+                        mrope_deltas, self.group)
         return self._plans[self.h2d_state.current_slot]
 
     prepare.__qualname__ = f"{owner}.prepare"

@@ -96,11 +96,6 @@ class StepValues:
     def __init__(self) -> None:
         self._values: list[Any] = [None] * 6
 
-    def of_batch(self, batch: object) -> Sequence[Any]:
-        """:meth:`of` the batch's columns; empty for anything but a
-        :class:`ScheduledBatch` (which the producer then refuses, naming it)."""
-        return self.of(batch.columns) if isinstance(batch, ScheduledBatch) else ()
-
     def of(self, cols: BatchColumns) -> list[Any]:
         v = self._values
         v[0] = cols.temperatures
