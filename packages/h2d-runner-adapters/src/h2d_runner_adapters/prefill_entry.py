@@ -13,7 +13,7 @@ they are: a call packs no tuple or dict (the prefill allocation test's rule).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import numpy as np
 
@@ -24,6 +24,14 @@ from .batch import ScheduledBatch
 #: ``owns_slot``: the token positions' KV slots (int64) to a bool mask of those this rank
 #: writes
 OwnsSlot = Callable[[np.ndarray], np.ndarray]
+
+
+class PrefillOptions(TypedDict, total=False):
+    """:class:`~h2d_runner_adapters.PrefillInputs`' declaration options, which
+    :class:`~h2d_runner_adapters.PrefillStepInputs` passes on (``**options``)."""
+
+    mrope: bool
+    last_page_lens: bool
 
 
 class ChunkOwner(Protocol):

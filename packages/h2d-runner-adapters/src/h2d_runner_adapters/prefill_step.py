@@ -31,6 +31,7 @@ prev)``, :meth:`PrefillStepInputs.prepare_attention` (KV-index generation) and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,11 +40,14 @@ from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep
 from .checks import AdapterInputError
 from .plan_records import CompositePlan, slot_plans
 from .prefill import PREFILL_INPUTS, PrefillInputs, PrefillPlan
-from .prefill_entry import chunk_producer
+from .prefill_entry import PrefillOptions, chunk_producer
 from .sampling.inputs import SAMPLING, SamplingInputs, SamplingPlan
 from .shape import StepShape, check_shape
 from .token_inputs import QUERY_PREFIX, TOKEN_IDS, TokenInputs, TokenPlan
 from .token_step import FusedStep, sampling_plan, step_columns, token_step_spec
+
+if TYPE_CHECKING:  # typing.Unpack is Python 3.11+: read by type checkers only
+    from typing import Unpack
 
 PREFILL_STEP = "prefill_step"
 
@@ -67,9 +71,9 @@ class PrefillStepInputs(FusedStep):
     ``state.bind()``. ``shape`` (a :class:`~h2d_runner_adapters.StepShape`) sizes all
     three: the sampling and token inputs take its ``max_reqs`` and ``max_tokens``, the
     prefill adapter the whole shape. :meth:`from_adapters` composes adapters the caller
-    declared (e.g. sampling and token inputs shared with the decode step). ``mrope`` and
-    ``last_page_lens`` are :class:`PrefillInputs`' options, taken by :meth:`prepare` as
-    it takes them.
+    declared (e.g. sampling and token inputs shared with the decode step). The further
+    keywords (``mrope``, ``last_page_lens``: :class:`PrefillInputs`' options) declare the
+    prefill adapter, and :meth:`prepare` takes its arguments as it takes them.
 
     The KV page prefix ``kv_indptr`` and each token's request ``token_request`` are
     the prefill adapter's published members (``.kv_indptr`` and ``.token_request``, H2D
@@ -88,18 +92,17 @@ class PrefillStepInputs(FusedStep):
         state: H2DRunnerState,
         shape: StepShape,
         *,
-        mrope: bool = False,
-        last_page_lens: bool = False,
         group: str = PREFILL_STEP,
         extra_groups: Sequence[str] = (),
         prev_rows: int | None = None,
+        **prefill_options: Unpack[PrefillOptions],
     ) -> None:
         shape = check_shape(group, shape)
         self._compose(
             SamplingInputs(state, shape.max_reqs),
             TokenInputs(state, max_reqs=shape.max_reqs, max_tokens=shape.max_tokens,
                         prev_rows=prev_rows),
-            PrefillInputs(state, shape, mrope=mrope, last_page_lens=last_page_lens),
+            PrefillInputs(state, shape, **prefill_options),
             group, tuple(extra_groups))
 
     @classmethod
