@@ -549,6 +549,19 @@ def test_kv_indices_after_an_omitted_table_are_refused(device: str, via: str) ->
     ah.sync(device)
 
 
+def test_an_unknown_option_is_refused_before_anything_is_declared() -> None:
+    """``PrefillStepInputs`` passes ``PrefillInputs``' options on; any other keyword is
+    refused naming it, before any of the three adapters declares a buffer (the state
+    stays as it was, and a corrected construction works)."""
+    st = H2DRunnerState("cpu", backend="packed", scatter="reference")
+    with pytest.raises(DeclarationError, match=r"prefill_step: unknown keyword\(s\) "
+                       r"\['mrop'\].*\['last_page_lens', 'mrope'\]"):
+        PrefillStepInputs(st, SHAPE, mrop=True)  # type: ignore[call-arg]
+    assert dict(st.buffers()) == {}
+    step = PrefillStepInputs(st, SHAPE, mrope=True)
+    assert step.prefill.mrope_positions is not None
+
+
 def test_run_chunk_outside_a_producer_entry_is_refused() -> None:
     """``PrefillInputs.run_chunk`` (the body the fused step runs) writes prefill sources:
     called with no entry of ``prefill_inputs`` open this epoch (none made yet, or the

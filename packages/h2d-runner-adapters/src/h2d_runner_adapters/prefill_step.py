@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from h2d_core import H2DBuffer, H2DRunnerState, LayoutStep
+from h2d_core import DeclarationError, H2DBuffer, H2DRunnerState, LayoutStep
 
 from .checks import AdapterInputError
 from .plan_records import CompositePlan, slot_plans
@@ -98,6 +98,12 @@ class PrefillStepInputs(FusedStep):
         **prefill_options: Unpack[PrefillOptions],
     ) -> None:
         shape = check_shape(group, shape)
+        unknown = sorted(set(prefill_options) - set(PrefillOptions.__annotations__))
+        if unknown:  # before any adapter declares a buffer
+            raise DeclarationError(
+                f"{group}: unknown keyword(s) {unknown}; PrefillStepInputs takes group, "
+                "extra_groups, prev_rows and PrefillInputs' options "
+                f"{sorted(PrefillOptions.__annotations__)}")
         self._compose(
             SamplingInputs(state, shape.max_reqs),
             TokenInputs(state, max_reqs=shape.max_reqs, max_tokens=shape.max_tokens,
