@@ -11,7 +11,7 @@ rejected call changes nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -21,6 +21,13 @@ from .buffer import H2DBuffer
 from .count_batch import CountBatch
 from .errors import CountError, DuplicatePublicationError
 from .records import GroupRecord
+
+
+class OnPublish(Protocol):
+    """:meth:`MemberCounts.on_publish`'s signature (the state's ``on_publish``)."""
+
+    def __call__(self, buffer: H2DBuffer, callback: Callable[[], None], *,
+                 only_if_sent: bool = True) -> None: ...
 
 
 class MemberCounts:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +43,7 @@ from .errors import (
 )
 from .fused import ConsumerFn, FusedConsumer
 from .group import GroupPlan
-from .member_counts import MemberCounts
+from .member_counts import MemberCounts, OnPublish
 from .records import GroupCounters, GroupRecord
 from .source_guard import SourceGuard
 
@@ -108,12 +108,13 @@ class H2DRunnerState(EpochCore):
     # the counting calls: bound methods of the state's MemberCounts (member_counts.py)
     count: Callable[[H2DBuffer], int | None]
     set_count: Callable[[H2DBuffer, int | None], None]
-    set_counts: Callable[..., None]
+    set_counts: Callable[
+        [Mapping[H2DBuffer, int | None] | Iterable[tuple[H2DBuffer, int | None]]], None]
     count_batch: Callable[[Sequence[H2DBuffer]], CountBatch]
     set_ranges: Callable[[H2DBuffer, Sequence[tuple[int, int]]], None]
     try_trusted_ranges: Callable[[H2DBuffer, list[tuple[int, int]], int], bool]
     range_room: Callable[[H2DBuffer], int]
-    on_publish: Callable[..., None]
+    on_publish: OnPublish
 
     def __init__(
         self,
