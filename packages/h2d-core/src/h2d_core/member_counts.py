@@ -36,10 +36,10 @@ class MemberCounts:
     ``try_trusted_ranges``, ``range_room`` and ``on_publish``: its bound methods are
     these)."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: Any, buffers: Mapping[str, H2DBuffer]) -> None:
         self._state = state
         self._groups = state.groups
-        self._buffers = state.declaration.buffers
+        self._buffers = buffers  # the state's declared buffers (the live dict)
         #: per slot, the group records (``bound``)
         self._records: list[list[GroupRecord]] = []
 

@@ -152,8 +152,9 @@ class H2DRunnerState(EpochCore):
         if not isinstance(guard_sources, bool):
             raise DeclarationError(f"guard_sources must be a bool or None, got {guard_sources!r}")
         self.owner_thread = threading.get_ident()
-        #: what is declared before bind (buffers, combined groups, fused consumers)
-        self.declaration = declared = Declaration(self, dev, guard_sources)
+        # what is declared before bind (buffers, combined groups, fused consumers); its
+        # calls go through the state's, which refuse them after bind or off the owner thread
+        self._declaration = declared = Declaration(self, dev, guard_sources)
         # the same live dicts: the epoch's refusals, membership and the guard read them
         self._buffers = declared.buffers
         self._producer_groups = declared.producer_groups
@@ -167,9 +168,9 @@ class H2DRunnerState(EpochCore):
         self._counters: dict[str, GroupCounters] = {}
         self.completions = SlotCompletions(num_slots)
         self.groups = EpochGroups(self._producer_groups, self._counters)
-        #: the epoch's counts and ranges; the state's counting calls are its bound methods
-        #: (taken once: a call adds no frame)
-        self.member_counts = counts = MemberCounts(self)
+        # the epoch's counts and ranges; the state's counting calls are its bound methods
+        # (taken once: a call adds no frame)
+        self._member_counts = counts = MemberCounts(self, declared.buffers)
         self.count = counts.count
         self.set_count = counts.set_count
         self.set_counts = counts.set_counts
@@ -220,7 +221,7 @@ class H2DRunnerState(EpochCore):
         spec = make_spec(name, shape, dtype, group, unit)
         if isinstance(max_ranges, bool) or not isinstance(max_ranges, int) or max_ranges < 0:
             raise DeclarationError(f"buffer {name!r}: max_ranges must be an int >= 0")
-        return self.declaration.add_buffer(spec, gpu, max_ranges)
+        return self._declaration.add_buffer(spec, gpu, max_ranges)
 
     def combine(self, name: str, groups: Sequence[str]) -> None:
         """Declare a combined group publishing several producer groups with one DMA.
@@ -234,7 +235,7 @@ class H2DRunnerState(EpochCore):
         self.require_owner()
         if self._bound:
             raise DeclarationError(f"combined group {name!r}: declare it before bind()")
-        self.declaration.add_combined(name, groups)
+        self._declaration.add_combined(name, groups)
 
     def fuse_consumer(self, name: str, members: Sequence[H2DBuffer],
                       fn: ConsumerFn) -> FusedConsumer:
@@ -246,7 +247,7 @@ class H2DRunnerState(EpochCore):
         self.require_owner()
         if self._bound:
             raise DeclarationError(f"fused consumer {name!r}: declare it before bind()")
-        return self.declaration.add_consumer(name, members, fn)
+        return self._declaration.add_consumer(name, members, fn)
 
     # ------------------------------------------------------------------ binding
     def bind(self) -> None:
@@ -255,12 +256,12 @@ class H2DRunnerState(EpochCore):
         self.require_owner()
         if self._bound:
             raise DeclarationError("bind() was already called; bound storage stays fixed")
-        bound = bind_groups(self.declaration.frozen(self.backend, self.num_slots,
+        bound = bind_groups(self._declaration.frozen(self.backend, self.num_slots,
                                                     self._scatter))
         self._plans = bound.plans
         self._routes = bound.routes
         self._slot_groups = bound.slot_groups
-        self.member_counts.bound(bound.slot_groups)
+        self._member_counts.bound(bound.slot_groups)
         self._counters.update(bound.counters)  # the epoch's groups hold this dict
         self.groups.bound(bound.all_names)
         if self._guard is not None:  # no epoch open yet: every slot read-only
