@@ -28,7 +28,7 @@ OwnsSlot = Callable[[np.ndarray], np.ndarray]
 
 class PrefillOptions(TypedDict, total=False):
     """:class:`~h2d_runner_adapters.PrefillInputs`' declaration options, which
-    :class:`~h2d_runner_adapters.PrefillStepInputs` passes on (``**options``)."""
+    :class:`~h2d_runner_adapters.PrefillStepInputs` passes on (``**prefill_options``)."""
 
     mrope: bool
     last_page_lens: bool
@@ -41,11 +41,10 @@ class ChunkOwner(Protocol):
     group: str
     _step: LayoutStep | None
     _plans: tuple[Any, ...]
-
-    def _bind(self) -> LayoutStep: ...
-
     #: a fused step's sampling and token column values (None: the adapter alone)
     _fused_values: Any
+
+    def _bind(self) -> LayoutStep: ...
 
     def _run_chunk(self, step: LayoutStep, batch: ScheduledBatch, values: Sequence[Any],
                    publish_tables: bool, owns_slot: OwnsSlot | None,
