@@ -200,7 +200,7 @@ def test_write_needs_a_plan(cls: Any) -> None:
     ({"page_size": 0}, r"lay: page_size must be an int in \[1, 2\*\*31\), got 0"),
     ({"page_size": 4.0}, r"page_size must be an int"),
     ({"table": np.zeros((2, 2), np.int64)}, r"lay: table must be a writeable C-contiguous "
-                                            r"2-D int32 array, got int64 array"),
+                                            r"2-D int32 array, got an int64 array"),
     ({"positions": np.zeros(4, np.int32)}, r"positions must be .* int64 array"),
     ({"required_pages": None}, r"table and required_pages go together"),
 ])
@@ -261,7 +261,7 @@ def test_columns_are_copied_clamped_and_padded(cls: Any) -> None:
                                     r"tokens; pass one per token"),
     (1, np.array([1.0, 2.0], np.float64), r"cols: column 'temps' must be a 1-D C-contiguous "
                                           r"aligned native "
-                                          r"float32 array, got float64 array"),
+                                          r"float32 array, got a float64 array"),
     (2, [4, 4], r"column 'rows' must be .* int32 array, got list"),
     (2, np.ones(3, np.int32), r"cols: column 'rows' has 3 values but the batch has 2 "
                               r"requests; pass one per request"),
@@ -288,7 +288,7 @@ def test_bad_column_values_change_nothing(cls: Any, k: int, bad: Any, match: str
 def test_bad_column_bindings(cls: Any) -> None:
     table, req = np.zeros((2, 2), np.int32), np.zeros(2, np.int32)
     with pytest.raises(RequestLayoutError, match=r"column 'x' needs a unique name and an "
-                                                 r"int32, float32 or int64 array, got uint8"):
+                                                 r"int32, float32 or int64 array, got a uint8"):
         cls("b", 4, table, req, columns=[LayoutColumn("x", np.zeros(2, np.uint8))])
     with pytest.raises(RequestLayoutError, match=r"column 'table' needs a unique name"):
         cls("b", 4, table, req, columns=[LayoutColumn("table", np.zeros(2, np.int32))])
@@ -352,7 +352,7 @@ def test_a_column_without_output_is_checked_and_summed(cls: Any) -> None:
     assert layout.uniform_mask == 0
     layout.write()
     with pytest.raises(RequestLayoutError, match=r"column 'drafts' must be .* int32 array, "
-                                                 r"got int64"):
+                                                 r"got an int64"):
         layout.plan(np.array([1], np.int32), np.array([3], np.int32), 1, 1,
                     (np.array([2], np.int64), np.array([7], np.int32)))
     with pytest.raises(RequestLayoutError, match=r"takes no minimum"):
@@ -602,13 +602,13 @@ def test_unsigned_values_are_refused_by_dtype_not_called_negative(cls: Any) -> N
     q, c = np.array([2, 1], np.int32), np.array([5, 3], np.int32)
     huge = np.array([2**32 - 1, 1], np.uint32)
     with pytest.raises(RequestLayoutError, match=r"cols: query_lens must be a 1-D .* int32 "
-                                                 r"array .*got uint32 array") as info:
+                                                 r"array .*got a uint32 array") as info:
         layout.plan(huge, c, 2, 3, ())
     assert "-1" not in str(info.value) and "negative" not in str(info.value)
     values: list[Any] = [np.array([1, 2, 3], np.int32), np.ones(2, np.float32), huge,
                          np.ones(2, np.int64), np.ones(2, np.int32)]
     with pytest.raises(RequestLayoutError, match=r"cols: column 'rows' must be a 1-D .* "
-                                                 r"int32 array, got uint32 array") as info:
+                                                 r"int32 array, got a uint32 array") as info:
         layout.plan(q, c, 2, 3, tuple(values))
     assert "-1" not in str(info.value) and "negative" not in str(info.value)
 

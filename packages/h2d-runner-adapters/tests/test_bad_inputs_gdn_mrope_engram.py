@@ -172,7 +172,7 @@ GDN_CASES: dict[str, tuple[str, Callable[[GdnStateInputs], object], str, str]] =
     "fork-float": ("gdn", lambda a: a.prepare(i32(0, 1), fork_sources=np.array([-1.0, 1.0])),
                    r"fork_sources must be a 1-D integer numpy array \(2 entries", "fork"),
     "fork-length": ("gdn", lambda a: a.prepare(i32(0, 1), fork_sources=i32(-1)),
-                    r"fork_sources must be .*\(2 entries, one per request\), got a int32 "
+                    r"fork_sources must be .*\(2 entries, one per request\), got an int32 "
                     r"array of shape \(1,\)", "fork"),
     "accepted-int64-2**32+1": (
         "gdn", lambda a: a.prepare(i32(0, 1), num_accepted=i64(1, 2**32 + 1)),
@@ -348,7 +348,7 @@ MROPE_CASES: dict[str, tuple[Callable[[MropeWorld], object], str]] = {
     "deltas-missing": (lambda w: w.dec.prepare(w.decode_batch()),
                        r"mrope_deltas must be .* got NoneType; pass zeros for text-only"),
     "deltas-length": (lambda w: w.dec.prepare(w.decode_batch(), mrope_deltas=i64(0, 0)),
-                      r"one delta per request \(3\), got a int64 array of shape \(2,\)"),
+                      r"one delta per request \(3\), got an int64 array of shape \(2,\)"),
     "deltas-2d": (lambda w: w.dec.prepare(w.decode_batch(), mrope_deltas=np.zeros((3, 1),
                                                                                   np.int64)),
                   r"mrope_deltas must be a 1-D integer numpy array"),
@@ -504,7 +504,7 @@ ENGRAM_CASES: dict[str, tuple[Callable[[EngramWorld], object], str]] = {
                      r"cursors must be a 1-D integer numpy array with one entry per request "
                      r"\(3\), got a float64 array"),
     "cursor-length": (lambda w: _eng(w, cursors=i32(0, 0)),
-                      r"cursors must be .*\(3\), got a int32 array of shape \(2,\)"),
+                      r"cursors must be .*\(3\), got an int32 array of shape \(2,\)"),
     "rows-int64-2**32": (lambda w: _eng(w, rows=i64(0, 2**32, 1)),
                          r"request 1 has a history row outside \[0, 6\) \(rows=4294967296\)"),
     "rows-uint64-2**63": (lambda w: _eng(w, rows=np.array([2**63, 0, 1], np.uint64)),
@@ -606,7 +606,7 @@ DRAFT_CASES: dict[str, tuple[Callable[[DraftWorld], object], str]] = {
         r"num_rejected must be .*\(>= plan.num_reqs=2 entries\), got a torch.int32 tensor "
         r"of shape \(1,\)"),
     "rejected-numpy": (lambda w: w.loop.advance(w.plan, np.zeros(4, np.int32), 1),  # type: ignore[arg-type]
-                       r"num_rejected must be a 1-D torch.int32 tensor .* got a int32 array"),
+                       r"num_rejected must be a 1-D torch.int32 tensor .* got an int32 array"),
     "rejected-2d": (lambda w: w.loop.advance(w.plan, w.rejected.view(2, 2), 1),
                     r"num_rejected must be a 1-D torch.int32 tensor"),
     "rejected-other-device": (

@@ -344,7 +344,7 @@ TOKEN_CASES: dict[str, Case] = {
         lambda a: lambda: a["t"].prepare_ids(batch(BatchColumns(**{
             **vars(columns()), "token_ids": np.array([1, 2, 2**32])}))),
         AdapterInputError, r"BatchColumns: token_ids must be a 1-D int32 numpy array with "
-                           r"one entry per query token, got a int64 array"),
+                           r"one entry per query token, got an int64 array"),
     "query prefix: more requests than max_reqs": (
         lambda a: lambda: a["t"].prepare_query_prefix(batch(wide(MAX_REQS + 1))),
         AdapterInputError, r"^query_prefix: 5 requests exceed max_reqs=4"),

@@ -153,7 +153,7 @@ V41_CASES: list[V41Case] = [
     ("columns_int64", lambda s, r: (_cols(s, context_lens=np.array(
         [x.context_len for x in s], np.int64)), r, 4),
      AdapterInputError, r"SpanColumns\.context_lens must be a 1-D C-contiguous int32 numpy "
-                        r"array .* got a int64 array"),
+                        r"array .* got an int64 array"),
     ("columns_a_list", lambda s, r: (_cols(s, query_lens=[x.num_tokens for x in s]), r, 4),
      AdapterInputError, r"SpanColumns\.query_lens must be a 1-D C-contiguous int32 numpy "
                         r"array .* got list"),
@@ -330,7 +330,7 @@ PREFILL_CASES: list[PrefillCase] = [
     ("mask_short", lambda: {"owns_slot": lambda s: np.ones(3, bool)},
      AdapterInputError, r"owns_slot\(slots\) has 3 entries but the batch has 15 tokens"),
     ("mask_of_int_zeros_and_ones", lambda: {"owns_slot": lambda s: (s % 2 == 0).astype(np.int64)},
-     AdapterInputError, r"owns_slot\(slots\) must be a 1-D bool numpy array .* got a int64 "
+     AdapterInputError, r"owns_slot\(slots\) must be a 1-D bool numpy array .* got an int64 "
                         r"array of shape \(15,\); pass values\.astype\(bool\)"),
     ("mask_uint8", lambda: {"owns_slot": lambda s: (s % 2 == 0).view(np.uint8)},
      AdapterInputError, r"owns_slot\(slots\) must be a 1-D bool numpy array .* uint8"),

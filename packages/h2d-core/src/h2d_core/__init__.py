@@ -50,6 +50,7 @@ from .errors import (
     StreamMismatchError,
     TablePolicyError,
     UnknownGroupError,
+    describe_value,
 )
 from .fused import ConsumerFn, FusedConsumer
 from .group import GroupPlan
@@ -145,6 +146,7 @@ __all__ = [
     "UnknownGroupError",
     "VerifyRows",
     "block_table_state",
+    "describe_value",
     "device_context_active",
     "h2d_producer",
     "resolve_backend",

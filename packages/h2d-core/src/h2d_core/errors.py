@@ -2,6 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
+
+def describe_value(value: Any) -> str:
+    """What a caller passed, as a refusal names it: ``"an int64 array of shape (2,)"`` for
+    a numpy array, else its type's name (``"list"``, ``"Tensor"``)."""
+    if not isinstance(value, np.ndarray):
+        return type(value).__name__
+    kind = value.dtype.name
+    article = "an" if kind.startswith(("int", "object")) else "a"  # "a uint8", "an int64"
+    return f"{article} {kind} array of shape {value.shape}"
+
 
 class H2DError(RuntimeError):
     """Base class of every h2d-core error."""

@@ -11,8 +11,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .errors import RequestLayoutError
-from .layout_refusals import describe
+from .errors import RequestLayoutError, describe_value
 
 INT32_MAX = 2**31 - 1
 
@@ -56,7 +55,7 @@ def checked_array(name: str, what: str, value: Any, dtype: Any, ndim: int) -> An
             or not value.flags.c_contiguous or not value.flags.writeable):
         raise RequestLayoutError(
             f"{name}: {what} must be a writeable C-contiguous {ndim}-D "
-            f"{np.dtype(dtype).name} array, got {describe(value)}"
+            f"{np.dtype(dtype).name} array, got {describe_value(value)}"
         )
     return value
 
@@ -87,7 +86,7 @@ def layout_arrays(name: str, page_size: object, context_cap: object,
     if token_prefix is not None and token_prefix.size < 1:
         raise RequestLayoutError(
             f"{name}: token_prefix needs at least 1 entry (tokens + 1), got "
-            f"{describe(token_prefix)}")
+            f"{describe_value(token_prefix)}")
     table, required = arrays["table"], arrays["required_pages"]
     if (table is None) != (required is None) or (table is None and (
             arrays["slot_mapping"] is not None or arrays["kv_page_indptr"] is not None)):

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import RequestLayoutError
+from .errors import RequestLayoutError, describe_value
 from .layout_arrays import checked_array
 from .layout_outputs import (
     RampRowsOutput,
@@ -32,7 +32,6 @@ from .layout_records import (
     TokenPlanes,
     VerifyRows,
 )
-from .layout_refusals import describe
 from .layout_sums import BoundSum
 
 INT32_MAX = 2**31 - 1
@@ -334,7 +333,7 @@ def bind_columns(name: str, columns: Sequence[LayoutColumn], arrays: dict,
         if kind < 0 or col.name in arrays:
             raise RequestLayoutError(
                 f"{name}: column {col.name!r} needs a unique name and an int32, float32 "
-                f"or int64 array, got {describe(out)}")
+                f"or int64 array, got {describe_value(out)}")
         checked_array(name, f"column {col.name!r}", out, out.dtype, 1)
         if col.minimum is not None and kind != 1:
             raise RequestLayoutError(

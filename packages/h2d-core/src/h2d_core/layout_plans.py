@@ -17,9 +17,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import RequestLayoutError
+from .errors import RequestLayoutError, describe_value
 from .layout_records import LayoutPlan
-from .layout_refusals import describe
 
 try:
     import cython
@@ -41,7 +40,7 @@ def bind_plans(name: str, plans: Sequence[LayoutPlan], arrays: dict) -> list:
                 or not out.flags.writeable or plan.name in arrays):
             raise RequestLayoutError(
                 f"{name}: plan {plan.name!r} needs a unique name and a writeable "
-                f"C-contiguous int32 [rows, 4] array, got {describe(out)}")
+                f"C-contiguous int32 [rows, 4] array, got {describe_value(out)}")
         if (type(plan.ratio) is not int or type(plan.window) is not int
                 or plan.ratio < 1 or plan.window < 1):
             raise RequestLayoutError(

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import RequestLayoutError
+from .errors import RequestLayoutError, describe_value
 
 
 def distinct_error(name: str, col: str, value: Any, n: int) -> None:
@@ -39,7 +39,7 @@ def column_input_error(name: str, spec: tuple, value: object, size: int) -> None
             or not value.dtype.isnative):
         raise RequestLayoutError(
             f"{name}: column {spec[5]!r} must be a 1-D C-contiguous aligned native {dtype} "
-            f"array, got {describe(value)}")
+            f"array, got {describe_value(value)}")
     what = "token" if spec[2] else "request"
     raise RequestLayoutError(
         f"{name}: column {spec[5]!r} has {value.size} values but the batch has {size} "
@@ -67,10 +67,4 @@ def lengths_input_error(name: str, what: str, value: object) -> None:
     """The specific error for a length array ``_size`` refused."""
     raise RequestLayoutError(
         f"{name}: {what} must be a 1-D C-contiguous aligned native int32 array (one entry "
-        f"per request), got {describe(value)}")
-
-
-def describe(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"{value.dtype} array of shape {value.shape}"
-    return type(value).__name__
+        f"per request), got {describe_value(value)}")

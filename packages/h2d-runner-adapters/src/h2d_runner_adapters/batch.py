@@ -15,8 +15,9 @@ from functools import cached_property
 import numpy as np
 
 from block_tables import BlockTable
+from h2d_core import describe_value
 
-from .checks import INT32_MAX, INT32_MIN, AdapterInputError, describe
+from .checks import INT32_MAX, INT32_MIN, AdapterInputError
 from .sampling.rules import TEMPERATURE, TOP_K, TOP_P, SamplingRule
 
 #: what a request's page list may be
@@ -126,7 +127,7 @@ class BatchColumns:
                 what = "query token" if name == "token_ids" else "request"
                 raise AdapterInputError(
                     f"BatchColumns: {name} must be a 1-D {dtype.name} numpy array with one "
-                    f"entry per {what}, got {describe(v)}; convert it with "
+                    f"entry per {what}, got {describe_value(v)}; convert it with "
                     f"np.asarray(values, np.{dtype.name}) once its values fit")
             if n < 0:
                 n = v.size
@@ -250,7 +251,7 @@ def _ids(i: int, field: str, ids: object) -> np.ndarray:
     if isinstance(ids, np.ndarray):
         if ids.ndim != 1 or ids.dtype.kind not in "iu":
             raise AdapterInputError(
-                f"{_FROM_REQUESTS}: request {i} has {field} as {describe(ids)}; pass a 1-D "
+                f"{_FROM_REQUESTS}: request {i} has {field} as {describe_value(ids)}; pass a 1-D "
                 "integer array or a sequence of ints")
         values: Sequence[int] | np.ndarray = ids
         bounds = (int(ids.min()), int(ids.max())) if ids.size else (0, 0)
@@ -265,7 +266,7 @@ def _ids(i: int, field: str, ids: object) -> np.ndarray:
         bounds = (int(min(values)), int(max(values))) if len(values) else (0, 0)
     else:
         raise AdapterInputError(
-            f"{_FROM_REQUESTS}: request {i} has {field} as {describe(ids)}; pass a sequence "
+            f"{_FROM_REQUESTS}: request {i} has {field} as {describe_value(ids)}; pass a sequence "
             "of ints")
     if bounds[0] < INT32_MIN or bounds[1] > INT32_MAX:
         j = next(j for j, x in enumerate(values) if not INT32_MIN <= int(x) <= INT32_MAX)
@@ -296,7 +297,7 @@ class ScheduledBatch:
         if self.given_columns is not None and not isinstance(self.given_columns, BatchColumns):
             raise AdapterInputError(
                 f"ScheduledBatch: given_columns must be a BatchColumns or None, got "
-                f"{describe(self.given_columns)}; build one with BatchColumns(...)")
+                f"{describe_value(self.given_columns)}; build one with BatchColumns(...)")
 
     @cached_property
     def columns(self) -> BatchColumns:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from h2d_core import CountError
+from h2d_core import CountError, describe_value
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -55,15 +55,8 @@ def sub_plan(group: str, method: str, plan: Any, cls: type, field: str) -> Any:
         return plan
     raise AdapterInputError(
         f"{group}: {method} takes the {cls.__name__} of a step (or the step plan holding "
-        f"it as .{field}), got {describe(plan)}; pass what prepare() returned, or its "
+        f"it as .{field}), got {describe_value(plan)}; pass what prepare() returned, or its "
         f".{field}")
-
-
-def describe(value: object) -> str:
-    """A short description of what the caller passed, for messages."""
-    if isinstance(value, np.ndarray):
-        return f"a {value.dtype} array of shape {value.shape}"
-    return type(value).__name__
 
 
 def int_value(group: str, name: str, value: object, lo: int = INT32_MIN,
@@ -72,7 +65,7 @@ def int_value(group: str, name: str, value: object, lo: int = INT32_MIN,
     a float (integral or not)."""
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
         raise AdapterInputError(
-            f"{group}: {name} must be an int, got {describe(value)} {value!r}")
+            f"{group}: {name} must be an int, got {describe_value(value)} {value!r}")
     v = int(value)
     if not lo <= v <= hi:
         raise AdapterInputError(f"{group}: {name}={v} must be in [{lo}, {hi}]")
@@ -88,7 +81,7 @@ def int_array(group: str, name: str, values: object, *, lo: int = INT32_MIN,
     if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype.kind not in "iu":
         kind = "integers" if isinstance(values, np.ndarray) and values.ndim == 1 else "a 1-D array"
         raise AdapterInputError(
-            f"{group}: {name} must be a 1-D integer numpy array, got {describe(values)} "
+            f"{group}: {name} must be a 1-D integer numpy array, got {describe_value(values)} "
             f"(it must hold {kind} of one entry per {what})")
     check_size(group, name, values, size, what)
     if values.size:
@@ -110,7 +103,7 @@ def bool_mask(group: str, name: str, values: object, *, size: int | None = None,
     if not isinstance(values, np.ndarray) or values.ndim != 1 or values.dtype != np.bool_:
         raise AdapterInputError(
             f"{group}: {name} must be a 1-D bool numpy array with one entry per {what}, got "
-            f"{describe(values)}; pass values.astype(bool) for a 0/1 array")
+            f"{describe_value(values)}; pass values.astype(bool) for a 0/1 array")
     check_size(group, name, values, size, what)
     return values
 
@@ -158,7 +151,7 @@ def length_column(group: str, cols: Any, name: str) -> np.ndarray:
     if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != _INT32_DTYPE:
         raise AdapterInputError(
             f"{group}: batch.columns.{name} must be a 1-D C-contiguous int32 numpy array "
-            f"with one entry per request, got {describe(a)}; build it with "
+            f"with one entry per request, got {describe_value(a)}; build it with "
             "np.ascontiguousarray(values, dtype=np.int32)")
     return a
 
@@ -169,7 +162,7 @@ def page_rows(group: str, rows: object, n: int) -> Sequence[Any] | np.ndarray:
     if type(rows) is not list and type(rows) is not tuple and (
             isinstance(rows, (str, bytes)) or not isinstance(rows, (Sequence, np.ndarray))):
         raise AdapterInputError(f"{group}: batch.block_tables must hold one row per request "
-                                f"({n}), got {describe(rows)}")
+                                f"({n}), got {describe_value(rows)}")
     if len(rows) != n:
         raise AdapterInputError(f"{group}: batch.block_tables must hold one row per request "
                                 f"({n}), got {len(rows)}")

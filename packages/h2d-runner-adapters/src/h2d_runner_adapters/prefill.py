@@ -62,12 +62,12 @@ from h2d_core import (
     RequestLayout,
     StepCounts,
     StepSpec,
+    describe_value,
 )
 
 from .batch import ScheduledBatch
 from .checks import (
     AdapterInputError,
-    describe,
     length_column,
     page_rows,
     refuse_page_size,
@@ -273,16 +273,17 @@ class PrefillInputs(PagedInputs):
                 "entry of that group is open this epoch; call run_chunk inside a "
                 f"@h2d_producer method that declares {PREFILL_INPUTS}")
         if not isinstance(batch, ScheduledBatch):
-            raise AdapterInputError(f"{g}: batch must be a ScheduledBatch, got {describe(batch)}")
+            raise AdapterInputError(
+                f"{g}: batch must be a ScheduledBatch, got {describe_value(batch)}")
         if batch.page_size != self.page_size:
             refuse_page_size(g, batch.page_size, self.page_size)
         if type(publish_tables) is not bool and not isinstance(publish_tables, _BOOLS):
             raise AdapterInputError(
-                f"{g}: publish_tables must be a bool, got {describe(publish_tables)}")
+                f"{g}: publish_tables must be a bool, got {describe_value(publish_tables)}")
         if owns_slot is not None and not callable(owns_slot):
             raise AdapterInputError(
                 f"{g}: owns_slot must be a function of the KV slots returning a bool mask "
-                f"(or None), got {describe(owns_slot)}")
+                f"(or None), got {describe_value(owns_slot)}")
         cols = batch.columns
         qlens = length_column(g, cols, "query_lens")
         ctx = length_column(g, cols, "context_lens")
@@ -349,7 +350,7 @@ class PrefillInputs(PagedInputs):
             if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.size != t:
                 raise AdapterInputError(
                     f"{g}: batch.columns.token_ids must be a 1-D array of the chunk's {t} "
-                    f"query tokens (one id per token), got {describe(ids)}")
+                    f"query tokens (one id per token), got {describe_value(ids)}")
         if self.mrope_positions is not None:
             n = layout.num_reqs
             self._sources = check_prompt_positions(

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from h2d_core import DeclarationError
+from h2d_core import DeclarationError, describe_value
 
-from ..checks import AdapterInputError, describe, int_value
+from ..checks import AdapterInputError, int_value
 from ..mha.inputs import DecodePlan, MhaDecodeInputs
 from ..mha.kv_indices import generate_kv_indices
 from ..token_inputs import TokenInputs
@@ -79,7 +79,7 @@ class MhaDraftLoop:
         if not isinstance(plan, DecodePlan):
             raise AdapterInputError(
                 f"{g}: plan must be the DecodePlan of the verify step (what "
-                f"MhaDecodeInputs.prepare returned), got {describe(plan)}")
+                f"MhaDecodeInputs.prepare returned), got {describe_value(plan)}")
         cap = d.context_lens.spec.capacity
         p = int_value(g, "plan.padded_reqs", plan.padded_reqs, 0, cap)
         n = int_value(g, "plan.num_reqs", plan.num_reqs, 0, p)
@@ -93,7 +93,7 @@ class MhaDraftLoop:
         if not isinstance(num_rejected, torch.Tensor) or num_rejected.dtype != torch.int32 \
                 or num_rejected.dim() != 1 or num_rejected.numel() < n:
             got = (f"a {num_rejected.dtype} tensor of shape {tuple(num_rejected.shape)}"
-                   if isinstance(num_rejected, torch.Tensor) else describe(num_rejected))
+                   if isinstance(num_rejected, torch.Tensor) else describe_value(num_rejected))
             raise AdapterInputError(
                 f"{g}: num_rejected must be a 1-D torch.int32 tensor with one rejection "
                 f"count per request (>= plan.num_reqs={n} entries), got {got}")

@@ -55,11 +55,12 @@ from h2d_core import (
     RequestLayout,
     RequestSum,
     StepSpec,
+    describe_value,
     h2d_producer,
 )
 
 from ..batch import ScheduledBatch
-from ..checks import INT32_MAX, AdapterInputError, describe, int_array
+from ..checks import INT32_MAX, AdapterInputError, int_array
 from .cursors import commit_engram_cursors, write_engram_tentative
 
 ENGRAM = "engram"
@@ -193,7 +194,7 @@ class EngramInputs:
                     or v.dtype.kind not in "iu":
                 raise AdapterInputError(
                     f"{g}: {name} must be a 1-D integer numpy array with one entry per "
-                    f"request ({n}), got {describe(v)}")
+                    f"request ({n}), got {describe_value(v)}")
         assert isinstance(rows, np.ndarray) and isinstance(cursors, np.ndarray)
         q, d = q.astype(np.int64), d.astype(np.int64)  # exact: both ranges fit
         if not n:

@@ -48,10 +48,11 @@ from h2d_core import (
     StateSlots,
     StepCounts,
     StepSpec,
+    describe_value,
     h2d_producer,
 )
 
-from ..checks import INT32_MAX, AdapterInputError, describe, padded_count
+from ..checks import INT32_MAX, AdapterInputError, padded_count
 from ..plan_records import CountsPlan, slot_plans
 from .states import gather_gdn_states
 
@@ -234,7 +235,7 @@ class GdnStateInputs:
                 or state_groups.dtype.kind not in "iu":
             raise AdapterInputError(
                 f"{self.group}: state_groups must be a 1-D integer numpy array (one state "
-                f"group per request), got {describe(state_groups)}")
+                f"group per request), got {describe_value(state_groups)}")
         cap = self.non_spec.spec.capacity
         if state_groups.size > cap:
             raise AdapterInputError(
@@ -310,7 +311,7 @@ class GdnStateInputs:
                 or values.dtype.kind not in "iu" or values.size != n:
             raise AdapterInputError(
                 f"{self.group}: {name} must be a 1-D integer numpy array ({n} entries, one "
-                f"per request), got {describe(values)}")
+                f"per request), got {describe_value(values)}")
         return values
 
     def gather_states(self, plan: GdnPlan, pool: torch.Tensor, out: torch.Tensor

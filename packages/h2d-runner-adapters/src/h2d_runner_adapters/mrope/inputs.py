@@ -31,9 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from h2d_core import H2DBuffer, H2DRunnerState, LayoutColumn, TokenPlanes
+from h2d_core import H2DBuffer, H2DRunnerState, LayoutColumn, TokenPlanes, describe_value
 
-from ..checks import INT32_MAX, INT32_MIN, AdapterInputError, describe, int_array
+from ..checks import INT32_MAX, INT32_MIN, AdapterInputError, int_array
 
 MROPE_AXES = 3
 _INT32 = np.dtype(np.int32)
@@ -76,7 +76,7 @@ def check_deltas(group: str, deltas: object, n: int) -> np.ndarray:
             or deltas.dtype.kind not in "iu":
         raise AdapterInputError(
             f"{group}: mrope_deltas must be a 1-D integer numpy array with one delta per "
-            f"request ({n}), got {describe(deltas)}; pass zeros for text-only requests")
+            f"request ({n}), got {describe_value(deltas)}; pass zeros for text-only requests")
     if deltas.dtype == _INT32:  # in range by its dtype: nothing to compare (no temporaries)
         return np.ascontiguousarray(deltas)
     int_array(group, "mrope_deltas", deltas, lo=INT32_MIN, hi=INT32_MAX,
@@ -100,7 +100,7 @@ def check_prompt_positions(group: str, sources: object, context_lens: np.ndarray
             or context_lens.dtype.kind not in "iu":
         raise AdapterInputError(
             f"{group}: the batch's context_lens must be a 1-D integer numpy array, got "
-            f"{describe(context_lens)}")
+            f"{describe_value(context_lens)}")
     n = context_lens.size
     if query_lens is not None:
         int_array(group, "query_lens", query_lens, lo=0, size=n)

@@ -11,9 +11,9 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from h2d_core import DeclarationError
+from h2d_core import DeclarationError, describe_value
 
-from ..checks import INT32_MAX, INT32_MIN, AdapterInputError, check_size, describe
+from ..checks import INT32_MAX, INT32_MIN, AdapterInputError, check_size
 
 V41_METADATA = "v41_metadata"
 
@@ -76,12 +76,12 @@ class SpanColumns:
         if isinstance(spans, str | bytes) or not isinstance(spans, Sequence):
             raise AdapterInputError(
                 f"{group}: spans must be a sequence of RequestSpan (or one SpanColumns), "
-                f"got {describe(spans)}")
+                f"got {describe_value(spans)}")
         kinds = set(map(type, spans))
         if kinds != {RequestSpan} and not all(issubclass(k, RequestSpan) for k in kinds):
             i = next(i for i, sp in enumerate(spans) if not isinstance(sp, RequestSpan))
             raise AdapterInputError(
-                f"{group}: spans[{i}] is {describe(spans[i])}, not a RequestSpan; pass "
+                f"{group}: spans[{i}] is {describe_value(spans[i])}, not a RequestSpan; pass "
                 "RequestSpan objects (or one SpanColumns)")
         fields = ([s.num_tokens for s in spans], [s.context_len for s in spans],
                   [s.state_slot for s in spans], [s.fork_source for s in spans])
@@ -150,7 +150,7 @@ def _check_column(group: str, name: str, a: object, n: int) -> None:
 def _refuse_column(group: str, name: str, a: object) -> NoReturn:
     raise AdapterInputError(
         f"{group}: SpanColumns.{name} must be a 1-D C-contiguous int32 numpy array with one "
-        f"entry per request, got {describe(a)}; build it with "
+        f"entry per request, got {describe_value(a)}; build it with "
         "np.ascontiguousarray(values, dtype=np.int32) or SpanColumns.from_spans")
 
 
@@ -173,7 +173,7 @@ def check_rows(group: str, rows: object, n: int) -> None:
             isinstance(rows, (str, bytes)) or not isinstance(rows, (Sequence, np.ndarray))):
         raise AdapterInputError(
             f"{group}: block_tables must be a list of rows (BlockTable, 1-D integer array or "
-            f"list of ints), one per span, got {describe(rows)}")
+            f"list of ints), one per span, got {describe_value(rows)}")
     if len(rows) != n:
         raise AdapterInputError(
             f"{group}: {len(rows)} block_tables rows for {n} spans; pass one row per span")
