@@ -16,6 +16,7 @@ from h2d_core import (
     H2DRunnerState,
     MembershipError,
     ProducerOwnerError,
+    describe_value,
     h2d_producer,
 )
 
@@ -358,3 +359,14 @@ def test_guard_sources_is_off_by_default() -> None:
     bt.np[0] = 1  # outside an epoch: allowed (and documented as unsafe) without the guard
     with pytest.raises(DeclarationError, match="guard_sources must be a bool"):
         H2DRunnerState("cpu", guard_sources="yes")  # type: ignore[arg-type]
+
+
+def test_a_refusal_names_what_was_passed() -> None:
+    """describe_value: an array by its dtype (with the right article) and shape, anything
+    else by its type's name."""
+    assert describe_value(np.zeros(2, np.int64)) == "an int64 array of shape (2,)"
+    assert describe_value(np.zeros((1, 3), np.uint8)) == "a uint8 array of shape (1, 3)"
+    assert describe_value(np.zeros(0, object)) == "an object array of shape (0,)"
+    assert describe_value(np.zeros(1, np.float32)) == "a float32 array of shape (1,)"
+    assert describe_value([1, 2]) == "list"
+    assert describe_value(torch.zeros(2)) == "Tensor"
