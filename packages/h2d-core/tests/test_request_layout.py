@@ -18,7 +18,6 @@ from h2d_core import (
     LayoutPlan,
     RequestLayout,
     RequestLayoutError,
-    StateSlots,
     TokenPlanes,
     VerifyRows,
     request_layout,
@@ -665,31 +664,9 @@ def test_a_context_prefix_past_int32_is_refused_and_changes_nothing() -> None:
         RequestLayout("mla", 16, None, None, context_prefix=prefix, context_cap=0)
 
 
-def test_state_slot_outputs_and_mrope_planes_from_their_definitions() -> None:
-    """GDN's state slots (``g * k1``, a fork's ``f * k1``, rows ``g * k1 + j``, -1 for padded
-    requests) and MRoPE's three planes at stride ``padded_tokens`` (position + delta, 0 for
-    padding), hand-computed; entries past the padded counts keep what they held."""
-    base, read = np.full(4, 99, np.int32), np.full(4, 99, np.int32)
-    rows = np.full(8, 99, np.int32)
-    layout = RequestLayout(
-        "gdn", 1, None, None,
-        columns=[LayoutColumn("groups", low=0, high=9), LayoutColumn("forks", low=-1, high=9)],
-        outputs=[StateSlots("groups", 2, base=base, read=read, forks="forks", rows=rows)])
-    ones = np.ones(2, np.int32)
-    layout.plan(ones, ones, 3, -1, (np.array([3, 0], np.int32), np.array([-1, 5], np.int32)))
-    layout.write()
-    assert base.tolist() == [6, 0, -1, 99] and read.tolist() == [6, 10, -1, 99]
-    assert rows.tolist() == [6, 7, 0, 1, -1, -1, 99, 99]
-    for bad in [StateSlots("nope", 2, base=base), StateSlots("groups", 0, base=base),
-                StateSlots("groups", 2), StateSlots("groups", 2, read=read),
-                StateSlots("groups", 2, base=base, forks="forks")]:
-        with pytest.raises(RequestLayoutError, match=r"gdn: StateSlots needs groups naming"):
-            RequestLayout("gdn", 1, None, None, columns=[LayoutColumn("groups", low=0, high=9),
-                                                         LayoutColumn("forks", low=-1, high=9)],
-                          outputs=[bad])
-    with pytest.raises(RequestLayoutError, match=r"gdn: request 1 has forks=-2; forks must"):
-        layout.plan(ones, ones, 3, -1, (np.array([3, 0], np.int32),
-                                        np.array([-1, -2], np.int32)))
+def test_mrope_planes_from_their_definition() -> None:
+    """MRoPE's three planes at stride ``padded_tokens`` (position + delta, 0 for padding),
+    hand-computed; entries past the padded counts keep what they held."""
     planes = np.full(3 * 6, 99, np.int64)
     mrope = RequestLayout("vl", 16, np.zeros((2, 4), np.int32), np.zeros(2, np.int32),
                           columns=[LayoutColumn("deltas")],

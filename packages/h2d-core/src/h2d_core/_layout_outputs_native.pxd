@@ -8,18 +8,13 @@ cdef class BoundOutput:
     cdef int write(self, object values, int* own_q, int* own_c, Py_ssize_t n, Py_ssize_t p,
                    Py_ssize_t t, Py_ssize_t pt) except? -1
 
+cdef class RequestSums(BoundOutput):
+    cdef tuple sums
+
 cdef class TokenPlanesOutput(BoundOutput):
     cdef object out
     cdef Py_ssize_t column
     cdef Py_ssize_t planes
-
-cdef class StateSlotsOutput(BoundOutput):
-    cdef Py_ssize_t groups
-    cdef Py_ssize_t forks
-    cdef int slots_per_group
-    cdef object base
-    cdef object read
-    cdef object rows
 
 cdef class VerifyRowsOutput(BoundOutput):
     cdef Py_ssize_t drafts
@@ -42,3 +37,12 @@ cdef class RampRowsOutput(BoundOutput):
     cdef BoundSum start
     cdef BoundSum count
     cdef int fill
+    cdef bint checked
+
+cdef class RequestValuesOutput(BoundOutput):
+    cdef str output
+    cdef object out
+    cdef BoundSum value
+    cdef int fill
+    cdef bint keep_padding
+    cdef bint checked

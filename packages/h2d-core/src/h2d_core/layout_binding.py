@@ -18,7 +18,8 @@ from .layout_arrays import checked_array
 from .layout_outputs import (
     RampRowsOutput,
     RequestBoundOutput,
-    StateSlotsOutput,
+    RequestSums,
+    RequestValuesOutput,
     TokenPlanesOutput,
     VerifyRowsOutput,
 )
@@ -27,12 +28,11 @@ from .layout_records import (
     LayoutColumn,
     RampRows,
     RequestBound,
-    RequestSum,
-    StateSlots,
+    RequestValues,
     TokenPlanes,
     VerifyRows,
 )
-from .layout_sums import BoundSum
+from .layout_sum_binding import SumBinder, request_column
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -44,27 +44,18 @@ KINDS = {np.dtype(np.int32): 0, np.dtype(np.float32): 1, np.dtype(np.int64): 2}
 STAMP_SPAN = 1 << 16
 
 
-def request_column(bound: list, col: object) -> int:
-    """The index of ``col`` when it names a bound int32 per-request column, else -1 (what
-    every registered output reads its request values from)."""
-    for k, spec in enumerate(bound):
-        if spec[5] == col:
-            return k if spec[0] == 0 and not spec[2] else -1
-    return -1
-
-
 def bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
                        tok_caps: list) -> tuple:
     """Each registered :class:`TokenPlanes` checked and bound."""
     names = [spec[5] for spec in bound]  # no output may take a column's name
     specs = []
     for out in outputs:
-        if isinstance(out, StateSlots | RequestBound | RampRows | VerifyRows):
+        if isinstance(out, RequestBound | RampRows | RequestValues | VerifyRows):
             continue
         if not isinstance(out, TokenPlanes):
             raise RequestLayoutError(
-                f"{name}: outputs takes TokenPlanes, StateSlots, RequestBound, RampRows and "
-                f"VerifyRows records, got {type(out).__name__}")
+                f"{name}: outputs takes TokenPlanes, RequestBound, RampRows, RequestValues "
+                f"and VerifyRows records, got {type(out).__name__}")
         if isinstance(out.planes, bool) or not isinstance(out.planes, int) or out.planes < 1:
             raise RequestLayoutError(
                 f"{name}: output {out.name!r}: planes must be an int >= 1, got "
@@ -80,34 +71,6 @@ def bind_token_planes(name: str, bound: list, outputs: Sequence[Any], arrays: di
         arrays[out.name] = out.out
         tok_caps.append(out.out.size // out.planes)
         specs.append(TokenPlanesOutput(out.out, k, out.planes))
-    return tuple(specs)
-
-
-def bind_state_slots(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
-                      req_caps: list) -> tuple:
-    """Each registered :class:`StateSlots` checked and bound."""
-    specs: list[Any] = []
-    for out in outputs:
-        if not isinstance(out, StateSlots):
-            continue
-        k1 = out.slots_per_group
-        groups = request_column(bound, out.groups)
-        forks = -1 if out.forks is None else request_column(bound, out.forks)
-        given = [a is not None for a in (out.base, out.read, out.rows)]
-        if (groups < 0 or (out.forks is not None and forks < 0) or not any(given)
-                or (out.read is not None) != (out.forks is not None)
-                or type(k1) is not int or k1 < 1):
-            raise RequestLayoutError(
-                f"{name}: StateSlots needs groups naming a bound int32 per-request column, "
-                "forks another (with read, and only with it), slots_per_group an int >= 1, "
-                "and at least one of base, read, rows")
-        for key, arr in (("base", out.base), ("read", out.read), ("rows", out.rows)):
-            if arr is not None:
-                checked_array(name, f"StateSlots {key}", arr, np.int32, 1)
-                arrays[f"state_{key}" if f"state_{key}" not in arrays
-                       else f"state_{key}[{len(specs)}]"] = arr
-                req_caps.append(arr.size // (k1 if key == "rows" else 1))
-        specs.append(StateSlotsOutput(groups, forks, k1, out.base, out.read, out.rows))
     return tuple(specs)
 
 
@@ -132,44 +95,9 @@ def bind_verify_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dic
     return (VerifyRowsOutput(k, out.targets, out.prefix, out.bonus),)
 
 
-#: what a RequestSum may hold: at most MAX_TERMS terms, each coefficient within
-#: +-MAX_COEF, the offset within +-MAX_OFFSET, so that no sum of int32 values leaves int64
-MAX_TERMS, MAX_COEF, MAX_OFFSET = 8, 1 << 16, 1 << 62
-
-
-def bind_sum(name: str, bound: list, value: Any, what: str) -> BoundSum:
-    """A :class:`RequestSum` checked and bound (its columns by index, -1: the query
-    lengths)."""
-    terms: Any = getattr(value, "terms", None)
-    ok = (isinstance(value, RequestSum) and isinstance(terms, tuple)
-          and len(terms) <= MAX_TERMS and type(value.offset) is int
-          and abs(value.offset) <= MAX_OFFSET)
-    columns, coefs, names = [], [], []
-    for term in terms if ok else ():
-        col, coef = term if isinstance(term, tuple) and len(term) == 2 else (None, None)
-        if not isinstance(col, str):
-            ok = False
-            break
-        k = -1 if col == QUERY_LENS else request_column(bound, col)
-        if (k < 0 and col != QUERY_LENS) or type(coef) is not int \
-                or not 0 < abs(coef) <= MAX_COEF:
-            ok = False
-            break
-        columns.append(k)
-        coefs.append(coef)
-        names.append(col)
-    if not ok:
-        raise RequestLayoutError(
-            f"{name}: {what} must be a RequestSum of at most {MAX_TERMS} (column, "
-            f"coefficient) terms, each column a bound int32 per-request column or "
-            f"{QUERY_LENS!r} and each coefficient a nonzero int within +-{MAX_COEF}, and an "
-            f"int offset within +-2**62; got {value!r}")
-    return BoundSum(np.array(columns, np.int32), np.array(coefs, np.int64), value.offset,
-                    value.describe(), tuple(names))
-
-
-def bind_request_bounds(name: str, bound: list, outputs: Sequence[Any]) -> tuple:
-    """Each registered :class:`RequestBound` checked and bound."""
+def bind_request_bounds(name: str, sums: SumBinder, outputs: Sequence[Any]) -> tuple:
+    """Each registered :class:`RequestBound` checked and bound (one its columns' bounds
+    already keep is checked at bind only)."""
     specs = []
     for out in outputs:
         if not isinstance(out, RequestBound):
@@ -184,17 +112,20 @@ def bind_request_bounds(name: str, bound: list, outputs: Sequence[Any]) -> tuple
                 f"high, and a str note; got low={low!r}, high={high!r}")
         rule = (f"in [{low}, {high}]" if low is not None and high is not None
                 else f">= {low}" if low is not None else f"<= {high}")
-        specs.append(RequestBoundOutput(
-            bind_sum(name, bound, out.value, "RequestBound value"),
-            INT64_MIN if low is None else low, INT64_MAX if high is None else high, rule,
-            out.note))
+        sums.check(out.value, "RequestBound value")
+        low, high = INT64_MIN if low is None else low, INT64_MAX if high is None else high
+        least, most = sums.value_range(out.value)
+        if not low <= least <= most <= high:
+            specs.append(RequestBoundOutput(sums.bind(out.value, "RequestBound value"), low,
+                                            high, rule, out.note))
     return tuple(specs)
 
 
-def bind_ramp_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
+def bind_ramp_rows(name: str, sums: SumBinder, outputs: Sequence[Any], arrays: dict,
                    req_caps: list) -> tuple:
-    """Each registered :class:`RampRows` checked and bound."""
-    names = [spec[5] for spec in bound]
+    """Each registered :class:`RampRows` checked and bound (rows whose counts and entries
+    the columns' bounds keep in range are checked at bind only)."""
+    names = [spec[5] for spec in sums.bound]
     specs = []
     for out in outputs:
         if not isinstance(out, RampRows):
@@ -208,11 +139,43 @@ def bind_ramp_rows(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
                 f"int in [1, 2**31) and fill an int32; got width={width!r}, fill={fill!r}")
         checked_array(name, f"RampRows {out.name!r}", out.out, np.int32, 1)
         what = f"RampRows {out.name!r}"
-        start = bind_sum(name, bound, out.start, f"{what} start")
-        count = bind_sum(name, bound, out.count, f"{what} count")
+        start = sums.bind(out.start, f"{what} start")
+        count = sums.bind(out.count, f"{what} count")
+        (s_lo, s_hi), (c_lo, c_hi) = sums.value_range(out.start), sums.value_range(out.count)
+        in_range = (c_lo >= 0 and c_hi <= width and s_lo >= -INT32_MAX - 1
+                    and s_hi + c_hi - 1 <= INT32_MAX)
         arrays[out.name] = out.out
         req_caps.append(out.out.size // width)
-        specs.append(RampRowsOutput(out.name, out.out, width, start, count, fill))
+        specs.append(RampRowsOutput(out.name, out.out, width, start, count, fill,
+                                    not in_range))
+    return tuple(specs)
+
+
+def bind_request_values(name: str, sums: SumBinder, outputs: Sequence[Any], arrays: dict,
+                        req_caps: list) -> tuple:
+    """Each registered :class:`RequestValues` checked and bound (values the columns' bounds
+    keep within int32 are checked at bind only)."""
+    names = [spec[5] for spec in sums.bound]
+    specs = []
+    for out in outputs:
+        if not isinstance(out, RequestValues):
+            continue
+        fill = out.fill
+        if (not isinstance(out.name, str) or out.name in arrays or out.name in names
+                or out.out is None or (fill is not None and (
+                    type(fill) is not int or not -INT32_MAX - 1 <= fill <= INT32_MAX))):
+            raise RequestLayoutError(
+                f"{name}: RequestValues {out.name!r} needs a unique name, an out array and "
+                f"fill None or an int32; got fill={fill!r}")
+        what = f"RequestValues {out.name!r}"
+        checked_array(name, what, out.out, np.int32, 1)
+        value = sums.bind(out.value, f"{what} value")
+        least, most = sums.value_range(out.value)
+        arrays[out.name] = out.out
+        req_caps.append(out.out.size)
+        specs.append(RequestValuesOutput(
+            out.name, out.out, value, 0 if fill is None else fill, fill is None,
+            not -INT32_MAX - 1 <= least <= most <= INT32_MAX))
     return tuple(specs)
 
 
@@ -221,11 +184,14 @@ def bind_outputs(name: str, bound: list, outputs: Sequence[Any], arrays: dict,
     """Every registered output checked and bound (:mod:`h2d_core.layout_outputs`), in the
     order the layout checks and writes them; their arrays join ``arrays`` and their sizes
     the capacities."""
-    return (bind_verify_rows(name, bound, outputs, arrays, req_caps)
-            + bind_token_planes(name, bound, outputs, arrays, tok_caps)
-            + bind_state_slots(name, bound, outputs, arrays, req_caps)
-            + bind_request_bounds(name, bound, outputs)
-            + bind_ramp_rows(name, bound, outputs, arrays, req_caps))
+    sums = SumBinder(name, bound)
+    bound_outputs = (bind_verify_rows(name, bound, outputs, arrays, req_caps)
+                     + bind_token_planes(name, bound, outputs, arrays, tok_caps)
+                     + bind_request_bounds(name, sums, outputs)
+                     + bind_ramp_rows(name, sums, outputs, arrays, req_caps)
+                     + bind_request_values(name, sums, outputs, arrays, req_caps))
+    # the sums first: each evaluated once per batch, before the outputs that read them
+    return ((RequestSums(tuple(sums.sums.values())),) if sums.sums else ()) + bound_outputs
 
 
 def distinct_columns(name: str, columns: Sequence[LayoutColumn], bound: list) -> tuple:

@@ -1,14 +1,15 @@
 """The outputs a family registers on a :class:`~h2d_core.RequestLayout`, bound.
 
-A family declares its outputs as records (:mod:`h2d_core.layout_records`): the generic
-:class:`RequestBound` and :class:`RampRows` over :class:`RequestSum` (Engram's cursor rules
-and candidates are stated in them, from its own module), and the named MRoPE
-:class:`TokenPlanes`, GDN :class:`StateSlots` and speculative verification's
-:class:`VerifyRows`. At bind, :mod:`h2d_core.layout_binding` checks each
-record and makes one of the objects below; per step the layout calls, through C, each
-object's ``check`` in :meth:`~h2d_core.RequestLayout.plan` (before anything is written)
-and its ``write`` in :meth:`~h2d_core.RequestLayout.write`. Each reads the request
-columns it names from the batch's column values, by their bound index.
+A family declares its outputs as records (:mod:`h2d_core.layout_records`) from its own
+module: :class:`RequestBound`, :class:`RampRows` and :class:`RequestValues` over
+:class:`RequestSum` (GDN's state slots, Engram's cursors), :class:`TokenPlanes` (MRoPE's
+planes), and speculative verification's :class:`VerifyRows`. At bind,
+:mod:`h2d_core.layout_binding` checks each record and makes one of the objects below
+(:class:`RequestSums` first: each distinct sum evaluated once per batch); per step the
+layout calls, through C, each object's ``check`` in :meth:`~h2d_core.RequestLayout.plan`
+(before anything is written) and its ``write`` in :meth:`~h2d_core.RequestLayout.write`.
+Each reads the request columns it names from the batch's column values, by their bound
+index.
 
 Written in Cython's pure-Python mode and compiled as ``h2d_core._layout_outputs_native``
 (the fields and methods are declared in ``_layout_outputs_native.pxd``).
@@ -58,6 +59,29 @@ class BoundOutput:
 
 
 @cython.cclass
+class RequestSums(BoundOutput):
+    """The distinct :class:`~h2d_core.RequestSum` values the other outputs read, each
+    evaluated once per batch in ``check`` (bound first, so before those outputs'
+    checks); the outputs read them in their ``check`` and ``write`` (the planned batch's
+    values, which the caller leaves unchanged until ``write``)."""
+
+    def __init__(self, sums: tuple) -> None:
+        self.sums = sums
+
+    def reserve(self, max_reqs: int) -> None:
+        for value in self.sums:
+            value.reserve(max_reqs)
+
+    @cython.cfunc
+    @cython.exceptval(-1, check=True)
+    def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
+              cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
+        for value in self.sums:
+            cython.cast(BoundSum, value).evaluate(values, qv, n)
+        return 0
+
+
+@cython.cclass
 class TokenPlanesOutput(BoundOutput):
     """:class:`TokenPlanes`: position + the request's column value per token, 0 for
     padding tokens, on every plane at stride ``padded_tokens``."""
@@ -93,55 +117,6 @@ class TokenPlanesOutput(BoundOutput):
         for a in range(1, self.planes):
             for k in range(pt):
                 out[a * pt + k] = out[k]
-        return 0
-
-
-@cython.cclass
-class StateSlotsOutput(BoundOutput):
-    """:class:`StateSlots`: each request's state slots from its group (and fork) column;
-    -1 for padded requests."""
-
-    def __init__(self, groups: int, forks: int, slots_per_group: int, base: Any, read: Any,
-                 rows: Any) -> None:
-        self.groups = groups
-        self.forks = forks
-        self.slots_per_group = slots_per_group
-        self.base = base
-        self.read = read
-        self.rows = rows
-
-    @cython.cfunc
-    @cython.exceptval(-1, check=True)
-    @cython.boundscheck(False)
-    @cython.wraparound(False)
-    def write(self, values: Sequence[Any], own_q: cython.pointer[cython.int],
-              own_c: cython.pointer[cython.int], n: cython.Py_ssize_t, p: cython.Py_ssize_t,
-              t: cython.Py_ssize_t, pt: cython.Py_ssize_t) -> cython.int:
-        groups: cython.pointer[cython.int] = int_data(values[self.groups])
-        k1: cython.int = self.slots_per_group
-        i: cython.Py_ssize_t
-        j: cython.Py_ssize_t
-        out: cython.pointer[cython.int]
-        if self.base is not None:
-            out = int_data(self.base)
-            for i in range(n):
-                out[i] = groups[i] * k1
-            for i in range(n, p):
-                out[i] = -1
-        if self.read is not None:
-            forks: cython.pointer[cython.int] = int_data(values[self.forks])
-            out = int_data(self.read)
-            for i in range(n):
-                out[i] = (forks[i] if forks[i] >= 0 else groups[i]) * k1
-            for i in range(n, p):
-                out[i] = -1
-        if self.rows is not None:
-            out = int_data(self.rows)
-            for i in range(n):
-                for j in range(k1):
-                    out[i * k1 + j] = groups[i] * k1 + cython.cast(cython.int, j)
-            for i in range(n * k1, p * k1):
-                out[i] = -1
         return 0
 
 
@@ -219,16 +194,13 @@ class RequestBoundOutput(BoundOutput):
         self.rule = rule
         self.note = note
 
-    def reserve(self, max_reqs: int) -> None:
-        self.value.reserve(max_reqs)
-
     @cython.cfunc
     @cython.exceptval(-1, check=True)
     @cython.boundscheck(False)
     @cython.wraparound(False)
     def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
               cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
-        acc: cython.pointer[cython.longlong] = self.value.evaluate(values, qv, n)
+        acc: cython.pointer[cython.longlong] = self.value.result()
         i: cython.Py_ssize_t
         for i in range(n):
             if acc[i] < self.low or acc[i] > self.high:
@@ -245,20 +217,18 @@ class RequestBoundOutput(BoundOutput):
 @cython.cclass
 class RampRowsOutput(BoundOutput):
     """:class:`RampRows`: ``width`` entries per request, ``start + a`` for ``a < count``,
-    then ``fill``; padded requests all ``fill``."""
+    then ``fill``; padded requests all ``fill``. ``checked``: whether the columns' bounds
+    leave a batch's counts or entries to be checked."""
 
     def __init__(self, output: str, out: Any, width: int, start: BoundSum, count: BoundSum,
-                 fill: int) -> None:
+                 fill: int, checked: bool) -> None:
         self.output = output
         self.out = out
         self.width = width
         self.start = start
         self.count = count
         self.fill = fill
-
-    def reserve(self, max_reqs: int) -> None:
-        self.start.reserve(max_reqs)
-        self.count.reserve(max_reqs)
+        self.checked = checked
 
     @cython.cfunc
     @cython.exceptval(-1, check=True)
@@ -267,8 +237,10 @@ class RampRowsOutput(BoundOutput):
     def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
               cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
         """Refuse a count outside ``[0, width]``, or entries past int32."""
-        st: cython.pointer[cython.longlong] = self.start.evaluate(values, qv, n)
-        ct: cython.pointer[cython.longlong] = self.count.evaluate(values, qv, n)
+        if not self.checked:
+            return 0
+        st: cython.pointer[cython.longlong] = self.start.result()
+        ct: cython.pointer[cython.longlong] = self.count.result()
         i: cython.Py_ssize_t
         for i in range(n):
             if ct[i] < 0 or ct[i] > self.width or (ct[i] > 0 and (
@@ -295,18 +267,71 @@ class RampRowsOutput(BoundOutput):
     def write(self, values: Sequence[Any], own_q: cython.pointer[cython.int],
               own_c: cython.pointer[cython.int], n: cython.Py_ssize_t, p: cython.Py_ssize_t,
               t: cython.Py_ssize_t, pt: cython.Py_ssize_t) -> cython.int:
-        st: cython.pointer[cython.longlong] = self.start.evaluate(values, own_q, n)
-        ct: cython.pointer[cython.longlong] = self.count.evaluate(values, own_q, n)
+        st: cython.pointer[cython.longlong] = self.start.result()
+        ct: cython.pointer[cython.longlong] = self.count.result()
         out: cython.pointer[cython.int] = int_data(self.out)
         w: cython.Py_ssize_t = self.width
         fill: cython.int = self.fill
         i: cython.Py_ssize_t
         a: cython.Py_ssize_t
-        for i in range(n):  # the checks keep every entry within int32
+        for i in range(n):  # the checks (or the columns' bounds) keep entries within int32
             for a in range(w):
                 out[i * w + a] = cython.cast(cython.int, st[i] + a) if a < ct[i] else fill
         for i in range(n * w, p * w):
             out[i] = fill
+        return 0
+
+
+@cython.cclass
+class RequestValuesOutput(BoundOutput):
+    """:class:`RequestValues`: each real request's sum, padded requests ``fill`` unless
+    ``keep_padding``. ``checked``: whether the columns' bounds leave a batch's sums to be
+    checked against int32."""
+
+    def __init__(self, output: str, out: Any, value: BoundSum, fill: int,
+                 keep_padding: bool, checked: bool) -> None:
+        self.output = output
+        self.out = out
+        self.value = value
+        self.fill = fill
+        self.keep_padding = keep_padding
+        self.checked = checked
+
+    @cython.cfunc
+    @cython.exceptval(-1, check=True)
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def check(self, name: str, values: Sequence[Any], qv: cython.pointer[cython.int],
+              cv: cython.pointer[cython.int], n: cython.Py_ssize_t) -> cython.int:
+        """Refuse a sum past int32."""
+        if not self.checked:
+            return 0
+        acc: cython.pointer[cython.longlong] = self.value.result()
+        i: cython.Py_ssize_t
+        for i in range(n):
+            if acc[i] < -2147483648 or acc[i] > 2147483647:  # int32's range
+                label = self.value.label
+                raise RequestLayoutError(
+                    f"{name}: output {self.output!r}: request {i} has {label} = {acc[i]} "
+                    f"({self.value.terms_at(values, [qv[k] for k in range(n)], i)}), past "
+                    "int32")
+        return 0
+
+    @cython.cfunc
+    @cython.exceptval(-1, check=True)
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
+    def write(self, values: Sequence[Any], own_q: cython.pointer[cython.int],
+              own_c: cython.pointer[cython.int], n: cython.Py_ssize_t, p: cython.Py_ssize_t,
+              t: cython.Py_ssize_t, pt: cython.Py_ssize_t) -> cython.int:
+        acc: cython.pointer[cython.longlong] = self.value.result()
+        out: cython.pointer[cython.int] = int_data(self.out)
+        i: cython.Py_ssize_t
+        for i in range(n):  # the checks (or the columns' bounds) keep each within int32
+            out[i] = cython.cast(cython.int, acc[i])
+        if not self.keep_padding:
+            for i in range(n, p):
+                out[i] = self.fill
         return 0
 
 
@@ -319,8 +344,9 @@ if not cython.compiled:
 
     _built = require_extension("h2d_core._layout_outputs_native")
     BoundOutput = _built.BoundOutput  # type: ignore[misc]
+    RequestSums = _built.RequestSums  # type: ignore[misc]
     TokenPlanesOutput = _built.TokenPlanesOutput  # type: ignore[misc]
-    StateSlotsOutput = _built.StateSlotsOutput  # type: ignore[misc]
     VerifyRowsOutput = _built.VerifyRowsOutput  # type: ignore[misc]
     RequestBoundOutput = _built.RequestBoundOutput  # type: ignore[misc]
     RampRowsOutput = _built.RampRowsOutput  # type: ignore[misc]
+    RequestValuesOutput = _built.RequestValuesOutput  # type: ignore[misc]

@@ -1,8 +1,10 @@
 """What a :class:`~h2d_core.RequestLayout` is told to write: the request and token columns
-it checks and copies, the compressed-KV plans, and the outputs a family registers: the
-generic ones (:class:`RequestBound`, :class:`RampRows` over :class:`RequestSum`), which a
-family states its rules in from its own module, and the named ones the layout still
-knows (MRoPE's planes, GDN's state slots, verification's rows).
+it checks and copies, the compressed-KV plans, and the outputs a family registers:
+:class:`RequestBound`, :class:`RampRows` and :class:`RequestValues` over
+:class:`RequestSum`, and :class:`TokenPlanes`, which a family states its rules and outputs
+in from its own module (GDN's state slots, Engram's cursors, MRoPE's planes); and
+speculative verification's :class:`VerifyRows`, one compiled pass (stated in the generic
+records it costs a verify step about a tenth more instructions).
 
 Plain records, made once at bind: the layout (``request_layout.py``, compiled) turns them
 into C state, so nothing here runs per step.
@@ -95,38 +97,30 @@ class TokenPlanes:
     planes: int = 1
 
 
-@dataclass(frozen=True)
-class StateSlots:
-    """A recurrent family's per-request state slots, registered as a layout output: request
-    ``i``'s state group ``g`` (its value of the int32 request column ``groups``, whose
-    bounds keep every slot in the pool) owns slots ``g * k .. g * k + k - 1``
-    (``k = slots_per_group``). :meth:`RequestLayout.write` fills, each -1 for padded
-    requests and each optional (None: not written): ``base`` (``g * k``), ``read`` (``f *
-    k`` where the int32 request column ``forks`` names a fork source ``f >= 0``, else ``g *
-    k``; needs ``forks``) and ``rows`` (``[requests, k]`` flat: ``g * k + j``). Each is a
-    writeable C-contiguous int32 array.
-
-    GDN's spec and non-spec state indices are two (declared in
-    :mod:`h2d_runner_adapters.gdn`).
-    """
-
-    groups: str
-    slots_per_group: int = 1
-    base: np.ndarray | None = None
-    read: np.ndarray | None = None
-    forks: str | None = None
-    rows: np.ndarray | None = None
-
-
 #: a :class:`RequestSum` term naming the request's query tokens (not a column)
 QUERY_LENS = "query_lens"
 
 
 @dataclass(frozen=True)
+class OrElse:
+    """A :class:`RequestSum` term's value read from ``column`` where the request's value
+    is ``>= 0``, else from ``otherwise`` (both bound int32 per-request columns): "-1 =
+    none" columns such as a fork source falling back to the request's own state group.
+    """
+
+    column: str
+    otherwise: str
+
+    def describe(self) -> str:
+        return f"({self.column} if >= 0 else {self.otherwise})"
+
+
+@dataclass(frozen=True)
 class RequestSum:
     """A per-request integer: ``offset`` plus each term's coefficient times the request's
-    value of the term's column (a bound int32 per-request :class:`LayoutColumn`, or
-    :data:`QUERY_LENS`: its query tokens). Computed in int64, so a sum never wraps.
+    value of the term's column (a bound int32 per-request :class:`LayoutColumn`, an
+    :class:`OrElse` of two, or :data:`QUERY_LENS`: its query tokens). Computed in int64,
+    so a sum never wraps.
 
     ``RequestSum((("cursors", 1), (QUERY_LENS, 1)))`` is ``cursors + query_lens``; a refusal
     names it that way (:meth:`describe`). The generic vocabulary a family states its rules
@@ -134,13 +128,14 @@ class RequestSum:
     h2d-core.
     """
 
-    terms: tuple[tuple[str, int], ...]
+    terms: tuple[tuple[str | OrElse, int], ...]
     offset: int = 0
 
     def describe(self) -> str:
         """The sum as a refusal writes it: ``"cursors + query_lens - num_drafts + 1"``."""
         parts: list[str] = []
-        for col, coef in self.terms:
+        for term, coef in self.terms:
+            col = term.describe() if isinstance(term, OrElse) else term
             mag = "" if abs(coef) == 1 else f"{abs(coef)} * "
             parts.append(f"{'-' if coef < 0 else ''}{mag}{col}" if not parts
                          else f"{'-' if coef < 0 else '+'} {mag}{col}")
@@ -188,6 +183,25 @@ class RampRows:
 
 
 @dataclass(frozen=True)
+class RequestValues:
+    """An int32 output a family registers, one entry per request: request ``i``'s
+    ``value`` (a :class:`RequestSum`); padded requests hold ``fill`` (``None``: left as
+    they are). ``out`` is a writeable C-contiguous int32 ``[requests]`` array.
+    :meth:`RequestLayout.plan` refuses a request whose value leaves int32 (checked per
+    batch only where the columns' bounds do not already keep it within).
+
+    GDN's state indices are values: ``state_groups * (1 + k)``, and for the slot a
+    request reads, ``OrElse("fork_sources", "state_groups") * (1 + k)``
+    (:mod:`h2d_runner_adapters.gdn`).
+    """
+
+    name: str
+    out: np.ndarray
+    value: RequestSum
+    fill: int | None = None
+
+
+@dataclass(frozen=True)
 class VerifyRows:
     """Speculative verification's rows, registered as a layout output: ``drafts`` names a
     bound int32 request column of draft counts ``d``. :meth:`RequestLayout.plan` refuses
@@ -207,4 +221,4 @@ class VerifyRows:
 
 
 #: the outputs a family registers with a layout (``RequestLayout(..., outputs=[...])``)
-LayoutOutput = TokenPlanes | StateSlots | RequestBound | RampRows | VerifyRows
+LayoutOutput = TokenPlanes | RequestBound | RampRows | RequestValues | VerifyRows

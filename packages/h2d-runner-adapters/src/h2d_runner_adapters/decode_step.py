@@ -32,7 +32,6 @@ from h2d_core import (
     DeclarationError,
     H2DRunnerState,
     LayoutStep,
-    VerifyRows,
     h2d_producer,
 )
 
@@ -50,7 +49,13 @@ from .token_inputs import (
     TokenInputs,
     TokenPlan,
 )
-from .token_step import FusedStep, sampling_plan, step_columns, token_step_spec
+from .token_step import (
+    FusedStep,
+    sampling_plan,
+    step_columns,
+    token_step_spec,
+    verify_outputs,
+)
 
 DECODE_STEP = "decode_step"
 MLA_DECODE_STEP = "mla_decode_step"
@@ -204,10 +209,7 @@ class DecodeStepInputs(FusedStep):
         s, t, d = self.sampling, self.tokens, self.decode
 
         def drafts(slot: int) -> dict[str, object]:
-            return {"outputs": [VerifyRows(
-                "num_drafts", t.target_logits_indices.source(slot).numpy(),
-                t.cu_num_draft_tokens.source(slot).numpy(),
-                t.bonus_logits_indices.source(slot).numpy())]}
+            return {"outputs": verify_outputs(t, slot)}
 
         layouts = d.request_layouts(
             self.group, cu_query=(t.cu_seqlens_q, t.decode_cu),

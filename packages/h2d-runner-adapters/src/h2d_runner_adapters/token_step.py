@@ -31,10 +31,12 @@ from h2d_core import (
     H2DBuffer,
     H2DRunnerState,
     LayoutColumn,
+    LayoutOutput,
     LayoutStep,
     RequestLayout,
     StepCounts,
     StepSpec,
+    VerifyRows,
     h2d_producer,
 )
 
@@ -76,6 +78,17 @@ def step_columns(sampling: SamplingInputs, tokens: TokenInputs, slot: int, *,
                      pad=0),
         LayoutColumn("num_drafts", low=0, high=None if drafts else 0),  # checked, summed
     ]
+
+
+def verify_outputs(tokens: TokenInputs, slot: int) -> list[LayoutOutput]:
+    """Speculative verification's rows over ``slot``'s sources, registered with a fused
+    verify step's layout (its ``num_drafts`` column, from :func:`step_columns`): the
+    target rows of each request's drafts back to back, the inclusive draft prefix and the
+    bonus rows (:class:`h2d_core.VerifyRows`; the rows
+    :meth:`TokenInputs.prepare_spec_indices` computes for a step of its own)."""
+    return [VerifyRows("num_drafts", tokens.target_logits_indices.source(slot).numpy(),
+                       tokens.cu_num_draft_tokens.source(slot).numpy(),
+                       tokens.bonus_logits_indices.source(slot).numpy())]
 
 
 def step_values(cols: BatchColumns) -> tuple[Any, ...]:

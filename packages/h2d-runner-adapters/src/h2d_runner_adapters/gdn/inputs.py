@@ -16,8 +16,10 @@ for padded rows):
   array, not one scalar store per request; the spec token count is the host's.
 
 Only the members of the step's kind are published (the others are omitted). A step is one
-compiled :class:`h2d_core.LayoutStep` call over the state-slot outputs of
-:class:`h2d_core.RequestLayout` (the columns' bounds keep every slot in the pool).
+compiled :class:`h2d_core.LayoutStep` call over the outputs this module registers with
+:class:`h2d_core.RequestLayout` (:class:`h2d_core.RequestValues` and
+:class:`h2d_core.RampRows` over the state-group columns; their bounds keep every slot in
+the pool).
 First consumer: the state readers (:func:`gather_gdn_states` stands in for them).
 
 Inputs are checked whole before any write, each in its own dtype (an int64 of ``2**32``
@@ -44,8 +46,11 @@ from h2d_core import (
     H2DRunnerState,
     LayoutColumn,
     LayoutStep,
+    OrElse,
+    RampRows,
     RequestLayout,
-    StateSlots,
+    RequestSum,
+    RequestValues,
     StepCounts,
     StepSpec,
     describe_value,
@@ -131,6 +136,11 @@ class GdnStateInputs:
         top = self._limit // k1 - 1  # the largest group whose slots all lie in the pool
         groups = LayoutColumn("state_groups", low=0, high=top)
 
+        # a request's slots start at its state group's first: g * k1 (a fork reads its
+        # source group's); the column bounds keep every slot in the pool
+        first = RequestSum((("state_groups", k1),))
+        read = RequestSum(((OrElse("fork_sources", "state_groups"), k1),))
+
         def layouts(spec: bool) -> list[RequestLayout]:
             out = []
             for slot in range(st.num_slots):
@@ -139,16 +149,18 @@ class GdnStateInputs:
                     acc = LayoutColumn("num_accepted", self.num_accepted.source(slot).numpy(),
                                        pad=1, low=1, high=k1)
                     out.append(RequestLayout(
-                        g, 1, None, None, columns=[groups, acc], outputs=[StateSlots(
-                            "state_groups", k1,
-                            rows=self.spec.source(slot).numpy().reshape(-1))]))
+                        g, 1, None, None, columns=[groups, acc], outputs=[RampRows(
+                            self.spec.name, self.spec.source(slot).numpy().reshape(-1), k1,
+                            start=first, count=RequestSum((), k1))]))
                 else:
                     forks = LayoutColumn("fork_sources", low=-1, high=top)
                     out.append(RequestLayout(
-                        g, 1, None, None, columns=[groups, forks], outputs=[StateSlots(
-                            "state_groups", k1, base=self.non_spec.source(slot).numpy(),
-                            read=self.non_spec_in.source(slot).numpy(),
-                            forks="fork_sources")]))
+                        g, 1, None, None, columns=[groups, forks], outputs=[
+                            RequestValues(self.non_spec.name,
+                                          self.non_spec.source(slot).numpy(), first, fill=-1),
+                            RequestValues(self.non_spec_in.name,
+                                          self.non_spec_in.source(slot).numpy(), read,
+                                          fill=-1)]))
             return out
 
         non_spec = [CountRule(self.non_spec, PADDED_REQS),
